@@ -1,0 +1,5 @@
+import sys
+
+from ds_ppo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,42 @@
+"""Pure PPO math for LLM RLHF: masks and masked statistics, KL estimators and
+controllers, reward shaping, GAE, policy/value losses, log-probs from logits.
+
+Free functions over (B, T) response-token tensors (B = sequences, T = response
+tokens) with ``mask`` True on tokens that count. Imports only torch: no deepspeed,
+no transformers, no trainer state.
+
+Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
+masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
+"""
+
+from .advantages import gae, gae_loop, gae_matmul
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, KLEstimator, kl_estimate
+from .logits import entropy_from_logits, logprobs_from_logits
+from .losses import policy_loss, value_loss
+from .masks import last_valid_index, mask_from_lengths, response_mask
+from .rewards import shape_rewards
+from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLEstimator",
+    "KL_ESTIMATORS",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "gae_loop",
+    "gae_matmul",
+    "kl_estimate",
+    "last_valid_index",
+    "logprobs_from_logits",
+    "mask_from_lengths",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "response_mask",
+    "shape_rewards",
+    "value_loss",
+]

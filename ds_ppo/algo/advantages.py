@@ -1,0 +1,111 @@
+"""Generalised Advantage Estimation over response tokens.
+
+Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
+Advantage Estimation", Eq. 16:
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = sum_{l >= 0} (gamma * lam)^l * delta_{t+l}
+    R_t     = A_t + V_t            (the value target, "returns")
+
+Each response is one episode of T token-actions; the state after the last valid
+token (EOS, or truncation at T) is terminal: V = 0 there (the sequence score has
+already been paid as the last token's reward).
+
+Imports only torch.
+"""
+
+import torch
+
+
+def _masked_inputs(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    # Zero everything outside the mask so garbage there (pad positions) cannot leak,
+    # and so that V after the last valid token is 0: the terminal value.
+    return torch.where(mask, rewards, zero), torch.where(mask, values.to(rewards.dtype), zero), mask
+
+
+def _td_errors(rewards: torch.Tensor, values: torch.Tensor, gamma: float) -> torch.Tensor:
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    return rewards + gamma * next_values - values
+
+
+def gae_loop(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference GAE: the textbook reverse loop over T. Same contract as ``gae``."""
+    rewards, values, mask = _masked_inputs(rewards, values, mask)
+    deltas = _td_errors(rewards, values, gamma)
+    advantages = torch.zeros_like(deltas)
+    running = torch.zeros_like(deltas[:, 0])
+    for t in reversed(range(deltas.shape[1])):
+        running = deltas[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    return advantages, torch.where(mask, advantages + values, torch.zeros_like(advantages))
+
+
+def gae_matmul(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised GAE as one (B, T) x (T, T) matmul. Same contract as ``gae``.
+
+    A[b, t] = sum_{j >= t} c^(j - t) * delta[b, j], c = gamma * lam. Each power c^k is
+    computed directly, so a small c only underflows terms that are truly negligible
+    (unlike the cumsum trick A_t = c^-t * sum_j c^j delta_j, whose c^-t overflows).
+    Done in float64: exact to float32 precision, and immune to TF32 matmuls enabled
+    globally on GPUs. Memory O(T^2) (T = 4096 -> 128 MiB), cost O(B T^2).
+    """
+    rewards, values, mask = _masked_inputs(rewards, values, mask)
+    deltas = _td_errors(rewards, values, gamma)
+    T = deltas.shape[1]
+    device = deltas.device
+    # Hankel matrix H[a, t] = c^(T-1-a-t) if a + t <= T-1 else 0, as sliding windows
+    # over [c^(T-1), ..., c^1, c^0, 0, ..., 0]. With j = T-1-a it is the discount
+    # c^(j - t) for j >= t, so A = flip(delta) @ H.
+    exponents = torch.arange(T - 1, -1, -1, dtype=torch.float64, device=device)
+    powers = torch.full((T,), gamma * lam, dtype=torch.float64, device=device).pow(exponents)
+    padded = torch.cat([powers, torch.zeros(T - 1, dtype=torch.float64, device=device)])
+    hankel = padded.unfold(0, T, 1)
+    advantages = (deltas.double().flip(-1) @ hankel).to(deltas.dtype)
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    return advantages, torch.where(mask, advantages + values, torch.zeros_like(advantages))
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns by GAE (Schulman et al. 2016), per row, no reduction.
+
+    Args:
+        rewards: (B, T) float, per-token rewards (e.g. from ``shape_rewards``).
+        values: (B, T) float, critic values V(s_t) at rollout time.
+        mask: (B, T) bool/0-1, True on response tokens that count (a prefix of each row).
+        gamma: discount per token.
+        lam: GAE lambda.
+
+    Returns:
+        (advantages, returns), each (B, T) in rewards' dtype; returns = advantages +
+        values on valid tokens; both 0 outside the mask. Rewards and values at masked
+        positions are ignored; the value after the last valid token is taken as 0
+        (terminal). Not whitened: see ``masked_whiten``.
+    """
+    return _GAE_IMPL(rewards, values, mask, gamma, lam)
+
+
+# Chosen by timing both on B=64, T=512 float32, one CPU thread: loop ~5.5 ms,
+# matmul ~1.3 ms. On a GPU the loop's 3T small kernel launches cost far more.
+_GAE_IMPL = gae_matmul

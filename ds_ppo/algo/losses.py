@@ -1,0 +1,141 @@
+"""PPO clipped policy loss and clipped value loss.
+
+Shapes: every tensor argument is (B, T) over response tokens (B = sequences,
+T = response tokens); ``mask`` True on tokens that count. Inputs at masked positions
+are replaced by 0 before any arithmetic, so they change neither the loss nor the
+gradients, and the gradient at masked positions is exactly 0.
+
+Normalisation (both losses):
+  * num_tokens=None: token mean over this micro-batch's valid tokens (per-rank).
+  * num_tokens=N: masked SUM / N. Pass the number of valid tokens in the whole
+    mini-batch (all micro-batches on all data-parallel ranks) so that accumulating
+    the micro-batch gradients gives the gradient of one token mean over the
+    mini-batch, however unevenly tokens fall across micro-batches. This function
+    divides by N only: if the engine also scales (DeepSpeed's ``engine.backward``
+    divides by gradient_accumulation_steps, and the gradient all-reduce averages over
+    the world size), pass N = global_tokens / (gradient_accumulation_steps * world_size)
+    to cancel it.
+
+Stats are detached 0-dim tensors (no host sync; call ``.item()`` when logging), each
+a masked mean over this rank's micro-batch only (per-rank, per-micro-batch).
+
+Imports only torch.
+"""
+
+import torch
+
+from .stats import masked_mean, masked_sum
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None) -> torch.Tensor:
+    if num_tokens is None:
+        return masked_mean(per_token, mask)
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0 (valid tokens in the mini-batch), got {num_tokens}")
+    return masked_sum(per_token, mask) / num_tokens
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
+    Algorithms", Eq. 7), negated to be minimised, per token:
+
+        r = exp(logprobs - old_logprobs)
+        loss_t = max(-A_t * r, -A_t * clip(r, 1 - clip_eps, 1 + clip_eps))
+
+    Args:
+        logprobs: (B, T) float, current policy log-probs of the sampled tokens (nats), with grad.
+        old_logprobs: (B, T) float, log-probs at rollout time (nats).
+        advantages: (B, T) float, e.g. whitened GAE advantages.
+        mask: (B, T) bool/0-1.
+        clip_eps: ratio clip range, > 0.
+        num_tokens: None for the token mean of this micro-batch, else the divisor of
+            the masked sum (see module docstring).
+
+    Returns:
+        (loss, stats): loss a 0-dim tensor; stats (detached, per-rank micro-batch masked means):
+          "clip_frac": fraction of tokens where the clipped term is the larger one
+              (their gradient is cut), as in TRL's ``pg_clipfrac``;
+          "approx_kl": (r - 1) - log r, the k3 estimate of KL(old || new) (Schulman 2020);
+          "ratio_mean": mean of r.
+    """
+    if clip_eps <= 0:
+        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    mask = mask.bool()
+    # 0 log-ratio (r = 1) and 0 advantage outside the mask: no loss, no gradient there.
+    log_ratio = _zero_outside(logprobs - old_logprobs, mask)
+    advantages = _zero_outside(advantages, mask)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    loss = _reduce(torch.maximum(unclipped, clipped), mask, num_tokens)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None = 0.2,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2 of OpenAI baselines, ``ppo2/model.py``), per token:
+
+        v_clip = old_values + clip(values - old_values, -clip_eps, clip_eps)
+        loss_t = 0.5 * max((values - returns)^2, (v_clip - returns)^2)
+
+    clip_eps=None gives the unclipped 0.5 * (values - returns)^2. clip_eps is in the
+    units of the values (reward units), not a ratio.
+
+    Args:
+        values: (B, T) float, current critic values, with grad.
+        old_values: (B, T) float, critic values at rollout time.
+        returns: (B, T) float, value targets (GAE returns).
+        mask: (B, T) bool/0-1.
+        clip_eps: value clip range (> 0) or None.
+        num_tokens: None for the token mean of this micro-batch, else the divisor of
+            the masked sum (see module docstring).
+
+    Returns:
+        (loss, stats): loss a 0-dim tensor; stats (detached, per-rank micro-batch masked means):
+          "vf_clip_frac": fraction of tokens where the clipped term is the larger one;
+          "values_mean": mean of values.
+    """
+    if clip_eps is not None and clip_eps <= 0:
+        raise ValueError(f"clip_eps must be > 0 or None, got {clip_eps}")
+    mask = mask.bool()
+    # Zero inputs before squaring so garbage outside the mask cannot produce NaN grads.
+    values = _zero_outside(values, mask)
+    old_values = _zero_outside(old_values, mask)
+    returns = _zero_outside(returns, mask)
+    unclipped = (values - returns).square()
+    if clip_eps is None:
+        per_token = unclipped
+        clip_frac = torch.zeros((), device=values.device)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        clipped = (values_clipped - returns).square()
+        per_token = torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            clip_frac = masked_mean((clipped > unclipped).float(), mask)
+    loss = 0.5 * _reduce(per_token, mask, num_tokens)
+    with torch.no_grad():
+        stats = {"vf_clip_frac": clip_frac, "values_mean": masked_mean(values, mask)}
+    return loss, stats

@@ -1,0 +1,54 @@
+"""The one place a response mask is derived.
+
+Convention used across ``ds_ppo``: ``mask`` is a (B, T) bool tensor over the
+response tokens (B = sequences, T = response tokens) that is True on tokens that
+count, i.e. a prefix of each row: every generated token up to and including the
+first EOS. Everything after it (padding, tokens generated after EOS) is False.
+
+Imports only torch.
+"""
+
+from typing import Sequence
+
+import torch
+
+
+def response_mask(tokens: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
+    """Mask of the response tokens that count: up to and including the first EOS.
+
+    Args:
+        tokens: (B, T) long, generated response token ids (no prompt).
+        eos_token_ids: one id or several; the first occurrence of any of them ends
+            the response.
+
+    Returns:
+        (B, T) bool. Row b is True on positions ``0..e`` where ``e`` is the first EOS
+        position, False after it. A row with no EOS (truncated at T) is all True.
+    """
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
+    if len(eos_token_ids) == 0:
+        raise ValueError("eos_token_ids is empty: give at least one EOS token id")
+    eos = torch.as_tensor(list(eos_token_ids), dtype=tokens.dtype, device=tokens.device)
+    is_eos = torch.isin(tokens, eos).long()
+    # Number of EOS tokens strictly before each position; zero means "not yet ended",
+    # so the first EOS itself is kept.
+    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos
+    return eos_before == 0
+
+
+def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """(B,) long response lengths (tokens that count, EOS included) -> (B, T) bool prefix mask."""
+    positions = torch.arange(T, device=lengths.device)
+    return positions.unsqueeze(0) < lengths.unsqueeze(-1)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) mask -> (B,) long index of the last True position of each row; -1 for empty rows.
+
+    Uses the position of the last True element, not ``mask.sum() - 1``, so it stays
+    right even if a mask is not a prefix.
+    """
+    mask = mask.bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, -1).amax(dim=-1)

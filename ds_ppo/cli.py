@@ -1,0 +1,133 @@
+"""The `ds-ppo` command line: train, plan, export, tokenizer train, bench, config.
+
+Each sub-command imports its heavy modules lazily, so `ds-ppo config` or a config error never
+waits for DeepSpeed to import. User errors (config, data, paths) print one message and exit 2
+with no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ds_ppo.errors import UserError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ds_ppo.config import load_config, validate, world_size_from_env
+
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, world_size_from_env())
+    if args.dry_run:
+        print(f"config OK for world size {world_size_from_env()}")
+        return 0
+    from ds_ppo.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from ds_ppo.config import describe, load_config
+
+    if args.describe:
+        print("\n".join(describe()))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ds_ppo.plan import main as plan_main
+
+    return plan_main(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ds_ppo.export import main as export_main
+
+    return export_main(args)
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from ds_ppo.data.tokenizer import train_tokenizer
+
+    out = train_tokenizer(args.input, args.vocab_size, args.out, model_type=args.model_type)
+    print(f"tokenizer saved to {out}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ds_ppo.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-ppo", description=__doc__.splitlines()[0])
+    # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run PPO training (no arguments: the tiny CPU default)")
+    p.add_argument("--config", default=None,
+                   help="YAML config file or preset name (default: the tiny preset)")
+    p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.kl_coef=0.05")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("config", help="print the resolved config, or describe every key")
+    p.add_argument("--config", default=None)
+    p.add_argument("--describe", action="store_true", help="list every key with its doc")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_config)
+
+    p = sub.add_parser("plan", help="memory plan per role and rank for a config and cluster")
+    p.add_argument("--config", default=None)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    p.add_argument("--cpu-mem-gib", type=float, default=None,
+                   help="CPU memory per node (default: unchecked)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint dir (or an output_dir)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--value", action="store_true", help="also export the value model")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
+    t = tsub.add_parser("train", help="train a SentencePiece tokenizer, save it as HF directory")
+    t.add_argument("--input", required=True, help="text corpus, one sentence per line")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--model-type", choices=["unigram", "bpe"], default="bpe")
+    t.set_defaults(func=_tokenizer_train)
+
+    p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"ds-ppo: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The one typed configuration tree of ds_ppo.
+
+Every knob lives here, documented once (the descriptions become ``ds-ppo config --help``
+output). A run's config is loaded from YAML (or a packaged preset name), then dotted
+``key=value`` overrides are applied, then it is validated once, before any model loads.
+The tree is frozen: nothing changes it mid-run.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ds_ppo.errors import ConfigError
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# ----------------------------------------------------------------------------- models
+class ModelSource(Section):
+    path: str | None = Field(
+        None, description="Hugging Face model directory or hub name to load the weights from.")
+    arch: dict[str, Any] | None = Field(
+        None,
+        description="Instead of `path`: fields of a Hugging Face config (with `model_type`) for "
+        "a randomly initialised model, e.g. {model_type: llama, hidden_size: 64, ...}. "
+        "Built once on rank 0 and saved under output_dir/init_models, so every role that "
+        "starts from it starts from the same weights.")
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer directory or hub name; defaults to `path`. `builtin:tiny` trains "
+        "(once, cached in output_dir) a SentencePiece tokenizer on the corpus shipped with ds_ppo.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Compute dtype: auto = bf16 on a GPU that has it, else fp32.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to transformers.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (trainable roles only).")
+
+
+class Optim(Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps.")
+    max_grad_norm: float | None = Field(
+        1.0, description="Gradient clipping by global norm; null disables it.")
+
+
+class PolicyConfig(ModelSource, Optim):
+    """The trained policy (actor)."""
+
+
+class ValueConfig(ModelSource, Optim):
+    """The trained value model (critic): a backbone with a scalar head per token."""
+
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (AdamW).")
+    init_from: Literal["auto", "reward", "policy", "path"] = Field(
+        "auto",
+        description="Where the value model's weights come from: `reward` = the reward model "
+        "(backbone and score head, as DeepSpeed-Chat does), `policy` = the policy's backbone with "
+        "a new head, `path` = this section's own path/arch; auto = reward when reward.model is "
+        "set, else policy.")
+
+
+class ReferenceConfig(Section):
+    """The frozen reference policy for the KL penalty."""
+
+    path: str | None = Field(
+        None, description="Weights of the reference; default: the initial policy's.")
+
+
+class RewardConfig(Section):
+    function: str | None = Field(
+        None,
+        description="A Python reward function `module:function` called as "
+        "f(prompts: list[str], responses: list[str]) -> list[float] (batched). "
+        "`ds_ppo.rewards:positive_words` is the tiny default's task.")
+    model: str | None = Field(
+        None, description="A Hugging Face sequence-classification reward model (num_labels=1).")
+    tokenizer: str | None = Field(
+        None, description="The reward model's tokenizer; default: its `model` path. When it "
+        "differs from the policy's, responses are decoded and re-encoded for it.")
+    max_len: int = Field(1024, gt=0, description="Longest reward-model input in tokens; longer "
+                         "inputs keep their end (the response) and lose the prompt's start.")
+    score_clip: float | None = Field(
+        5.0, description="Clip sequence scores to +-score_clip before adding them (null: no clip).")
+    missing_eos_penalty: float | None = Field(
+        None, description="Subtracted from the score of a response that hit max_new_tokens "
+        "without an EOS (null: none).")
+
+
+# ------------------------------------------------------------------------- generation
+class GenerationConfig(Section):
+    mode: Literal["auto", "gathered", "zero3"] = Field(
+        "auto",
+        description="gathered: copy the policy's 16-bit weights once per rollout into a hook-free "
+        "replica with a KV cache (fast); zero3: generate through the ZeRO-3 hooks, gathering layer "
+        "by layer (for models whose 16-bit copy does not fit one device); auto: gathered when the "
+        "replica fits in generation.replica_memory_fraction of free device memory.")
+    replica_memory_fraction: float = Field(
+        0.5, gt=0, le=1, description="auto mode: share of free device memory the replica may use.")
+    max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
+    min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
+    batch_size: int | None = Field(
+        None, gt=0, description="Prompts per generate call on each rank; default: the rank's "
+        "whole share of the rollout batch.")
+    cache_implementation: Literal["dynamic", "static"] = Field(
+        "dynamic", description="KV cache of the gathered replica; static enables compiled decoding.")
+    compile: bool = Field(False, description="torch.compile the replica's decoding step.")
+
+
+# -------------------------------------------------------------------------------- ppo
+class PPOConfig(Section):
+    rollout_batch_size: int = Field(
+        64, gt=0, description="Prompts per iteration, over all data-parallel ranks together.")
+    mini_batch_size: int = Field(
+        16, gt=0, description="Sequences per optimizer step, over all ranks together.")
+    micro_batch_size: int = Field(
+        4, gt=0, description="Sequences per forward/backward on one rank; gradient accumulation "
+        "= mini_batch_size / (micro_batch_size * world size).")
+    score_micro_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per scoring forward on one rank; default micro_batch_size.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
+    clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    value_clip_eps: float | None = Field(
+        0.2, description="Value clip range around the old values (null: unclipped).")
+    vf_coef: float = Field(0.5, gt=0, description="Value loss coefficient.")
+    kl_coef: float = Field(0.1, ge=0, description="KL penalty coefficient in the reward "
+                           "(the initial value when kl_controller=adaptive).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator.")
+    kl_controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: Ziegler et al. 2019 controller towards kl_target.")
+    kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target KL per sequence.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive controller: horizon in sequences.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens.")
+    whiten_across_ranks: bool = Field(
+        True, description="Whitening statistics over all ranks' tokens (else per rank).")
+
+
+# ------------------------------------------------------------------------------- data
+class DataConfig(Section):
+    path: str | None = Field(
+        None, description="Prompt dataset: a JSON/JSONL/CSV/Parquet file, a save_to_disk "
+        "directory or a hub name; null = the prompts shipped with the tiny default.")
+    format: Literal["auto", "json", "jsonl", "csv", "parquet", "disk", "hub"] = Field(
+        "auto", description="How to read `path`; auto decides by file ending.")
+    prompt_key: str = Field("prompt", description="Column holding plain-text prompts.")
+    messages_key: str = Field(
+        "messages", description="Column holding chat messages (list of {role, content}), rendered "
+        "with the tokenizer's chat template; used when prompt_key is absent.")
+    split: str = Field("train", description="Dataset split for training prompts.")
+    eval_split: str | None = Field(None, description="Optional split for evaluation prompts.")
+    max_prompt_len: int = Field(256, gt=0, description="Longest prompt in tokens.")
+    truncation: Literal["left", "drop"] = Field(
+        "left", description="Prompts over max_prompt_len: keep their end (left) or drop them.")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="A malformed row stops before training (error) or is counted and "
+        "skipped (skip).")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch with the run's seed.")
+
+
+# --------------------------------------------------------------------------- tracking
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log to MLflow (false: mlflow is never imported).")
+    uri: str | None = Field(
+        None, description="Tracking URI; default $MLFLOW_TRACKING_URI, else a local store in "
+        "output_dir/mlruns.")
+    experiment: str = Field("ds_ppo", description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="MLflow run name; default output_dir's name.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra run tags.")
+    required: bool = Field(
+        True, description="Fail at start when the tracking server cannot be reached "
+        "(false: warn and train without it).")
+    log_samples_every: int = Field(
+        10, ge=0, description="Log a table of sample prompts/responses/scores every N iterations "
+        "(0: never).")
+    num_samples: int = Field(8, gt=0, description="Rows in each sample table.")
+    log_system_metrics: bool = Field(False, description="MLflow system metrics (CPU/GPU).")
+
+
+# ------------------------------------------------------------------------- checkpoint
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=0, description="Save every N iterations (0: only at the end).")
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept on disk.")
+    save_at_end: bool = Field(True, description="Save a checkpoint after the last iteration.")
+    export_at_end: bool = Field(
+        True, description="Export the policy as a Hugging Face directory at output_dir/final.")
+    export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Weight dtype of exported models (safetensors).")
+
+
+# -------------------------------------------------------------------------- deepspeed
+class RoleDeepSpeed(Section):
+    config: str | None = Field(
+        None, description="Path to the role's DeepSpeed JSON template (default: the one in "
+        "ds_configs/ for its zero_stage/offload); batch-size keys are filled in by ds_ppo.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(3, description="ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="Optimizer states on CPU (trained roles).")
+    offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
+
+
+class DeepSpeedConfig(Section):
+    policy: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+    value: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+    reference: RoleDeepSpeed = Field(
+        default_factory=lambda: RoleDeepSpeed(offload_param=True),
+        description="Reference: inference only, parameters offloaded to CPU by default.")
+    reward: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+
+
+# ------------------------------------------------------------------------------- root
+class Config(Section):
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    value: ValueConfig = Field(default_factory=ValueConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    output_dir: str = Field("outputs/ds_ppo", description="Where checkpoints, exports, the local "
+                            "MLflow store and logs go.")
+    seed: int = Field(42, description="Seed of data order, initialisation and sampling.")
+    iterations: int = Field(100, gt=0, description="PPO iterations (rollout + update) in total.")
+    resume: str = Field(
+        "auto", description="auto: continue from output_dir's latest complete checkpoint if any; "
+        "never: start fresh (refuses a non-empty checkpoint dir); or a checkpoint directory.")
+    log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------ loading
+def preset_path(name: str) -> Path:
+    return PRESETS_DIR / f"{name}.yaml"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
+    if source is None:
+        source = preset_path("tiny")
+    path = Path(source)
+    if not path.exists() and preset_path(str(source)).exists():
+        path = preset_path(str(source))
+    if not path.exists():
+        raise ConfigError(f"config file {str(source)!r} does not exist (presets: "
+                          f"{', '.join(preset_names())})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    return sorted(model.model_fields)
+
+
+def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    field = model.model_fields.get(key)
+    if field is None:
+        return None
+    ann = field.annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``key=value`` overrides (values parsed as YAML) to a raw config dict."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value "
+                              "(e.g. ppo.kl_coef=0.05)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node, model = data, Config
+        for i, part in enumerate(parts):
+            if model is not None and part not in model.model_fields:
+                where = ".".join(parts[:i]) or "the top level"
+                raise ConfigError(f"unknown config key {key!r}: {where} has no {part!r} "
+                                  f"(valid: {', '.join(_known_keys(model))})")
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                child = node.get(part)
+                child = dict(child) if isinstance(child, dict) else {}
+                node[part] = child
+                node = child
+                model = _section_type(model, part) if model is not None else None
+    return data
+
+
+def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = Config
+            for p in e["loc"][:-1]:
+                parent = _section_type(parent, str(p)) if parent else None
+            valid = ", ".join(_known_keys(parent)) if parent else "?"
+            lines.append(f"unknown config key {loc!r} (valid here: {valid})")
+        else:
+            lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(source: str | os.PathLike | None = None,
+                overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or a preset name; None = the tiny default), apply overrides, parse."""
+    data = apply_overrides(_read_yaml(source), overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, data)) from None
+
+
+# --------------------------------------------------------------------- validation
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def grad_accum_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches accumulated per optimizer step on each rank."""
+    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Cross-field checks that need the world size; raises ConfigError listing every problem."""
+    p, problems = cfg.ppo, []
+    if p.rollout_batch_size % world_size:
+        problems.append(
+            f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
+            f"data-parallel world size {world_size} (e.g. {world_size * max(1, p.rollout_batch_size // world_size)})")
+    if p.rollout_batch_size % p.mini_batch_size:
+        problems.append(
+            f"ppo.mini_batch_size = {p.mini_batch_size} must divide ppo.rollout_batch_size = "
+            f"{p.rollout_batch_size}")
+    if p.mini_batch_size % (p.micro_batch_size * world_size):
+        problems.append(
+            f"ppo.mini_batch_size = {p.mini_batch_size} must be a multiple of "
+            f"ppo.micro_batch_size * world size = {p.micro_batch_size} * {world_size} = "
+            f"{p.micro_batch_size * world_size}")
+    if p.value_clip_eps is not None and p.value_clip_eps <= 0:
+        problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    r = cfg.reward
+    if (r.function is None) == (r.model is None):
+        problems.append("reward: set exactly one of reward.function (module:function) and "
+                        f"reward.model (got function={r.function!r}, model={r.model!r})")
+    if r.function is not None and ":" not in r.function:
+        problems.append(f"reward.function = {r.function!r} must look like module:function")
+    if r.score_clip is not None and r.score_clip <= 0:
+        problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
+    for name in ("policy", "value"):
+        m = getattr(cfg, name)
+        if m.path is not None and m.arch is not None:
+            problems.append(f"{name}: set {name}.path or {name}.arch, not both")
+        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
+            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
+        if m.arch is not None and "model_type" not in m.arch:
+            problems.append(f"{name}.arch needs a model_type (e.g. llama)")
+    if cfg.policy.path is None and cfg.policy.arch is None:
+        problems.append("policy: set policy.path (a model) or policy.arch (a random-init shape)")
+    if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
+        problems.append("value.init_from = 'path' needs value.path or value.arch")
+    if cfg.value.init_from == "reward" and cfg.reward.model is None:
+        problems.append("value.init_from = 'reward' needs reward.model")
+    g = cfg.generation
+    if g.min_new_tokens > g.max_new_tokens:
+        problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
+                        f"generation.max_new_tokens = {g.max_new_tokens}")
+    for role in ("policy", "value", "reference", "reward"):
+        d = getattr(cfg.deepspeed, role)
+        if d.offload_param and d.zero_stage != 3:
+            problems.append(f"deepspeed.{role}.offload_param needs zero_stage 3 "
+                            f"(got {d.zero_stage})")
+        if d.config is not None and not Path(d.config).exists():
+            problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
+                        "directory")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Lines `key (default): description` for every field, for `ds-ppo config`."""
+    lines = []
+    for name, field in model.model_fields.items():
+        sub = _section_type(model, name)
+        key = f"{prefix}{name}"
+        if sub is not None:
+            lines.extend(describe(sub, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            lines.append(f"{key} (default {default!r}): {field.description or ''}")
+    return lines

@@ -1,0 +1,81 @@
+"""Typed containers at the stage boundaries. B = sequences on this rank, P = prompt tokens
+(left-padded), T = response tokens (right-padded). Every tensor lives on the rank's device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+def _slice_fields(obj, idx):
+    out = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            out[f.name] = v[idx]
+        elif isinstance(v, list):
+            out[f.name] = [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor)
+                                          else range(len(v))[idx])]
+        else:
+            out[f.name] = v
+    return replace(obj, **out)
+
+
+@dataclass
+class Rollout:
+    """What leaves generation."""
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded with pad
+    prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) long, pad after the first EOS
+    mask: torch.Tensor  # (B, T) bool, True on response tokens that count (to first EOS incl.)
+    ended: torch.Tensor  # (B,) bool, the response ended with EOS/stop (not truncated)
+    prompts: list[str]  # B prompt texts
+    responses: list[str]  # B decoded responses (special tokens removed)
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P+T)
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P+T) long
+        return torch.cat([self.prompt_mask, self.mask], dim=1).long()
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def slice(self, idx) -> "Rollout":
+        return _slice_fields(self, idx)
+
+
+@dataclass
+class Experience:
+    """What leaves scoring and advantage estimation: everything a PPO update needs."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor  # (B, T) float32, policy log-probs at sampling time
+    ref_logprobs: torch.Tensor  # (B, T) float32, reference log-probs
+    old_values: torch.Tensor  # (B, T) float32, value estimates at sampling time
+    scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
+    entropy: torch.Tensor  # (B, T) float32, policy entropy per position (metric only)
+    rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
+    kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
+    advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured
+    returns: torch.Tensor | None = None  # (B, T) float32, advantages + old_values (pre-whitening)
+
+    @property
+    def mask(self) -> torch.Tensor:  # (B, T) bool
+        return self.rollout.mask
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def slice(self, idx) -> "Experience":
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[idx]
+            elif isinstance(v, Rollout):
+                out[f.name] = v.slice(idx)
+        return replace(self, **out)

@@ -1,0 +1,144 @@
+"""Text between tokenizers: the reward model may use a tokenizer other than the policy's.
+
+When ``same_tokenizer(policy_tok, reward_tok)`` is False, the policy's prompt and response
+token ids are decoded to text (special tokens skipped) and the text is encoded again for the
+reward model by :func:`encode_for_reward`. When it is True the ids can be used as they are.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ds_ppo.data.prompts import truncate_left
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Encoded by both tokenizers as a last check: catches differences in normalisation or
+# pre-tokenisation that the vocabulary alone does not show.
+_PROBE = "Hello, world!  It's 2024: naïve café, 12345 tokens\nand\ttabs."
+
+
+def _special_ids(t: PreTrainedTokenizerBase) -> tuple[int | None, ...]:
+    return (t.bos_token_id, t.eos_token_id, t.pad_token_id, t.unk_token_id)
+
+
+def _pipeline(t: PreTrainedTokenizerBase) -> dict | None:
+    """The fast tokenizer's serialized pipeline, without per-call padding/truncation state."""
+    backend = getattr(t, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    return spec
+
+
+def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when ``a`` and ``b`` turn every text into the same ids, with the same special ids.
+
+    Compares the class, the vocabulary, the BOS/EOS/PAD/UNK ids, the whole tokenisation
+    pipeline of fast tokenizers, and the encoding of a probe text. A False is safe either way
+    (re-encoding is then only slower); a True means token ids can be passed across as they are.
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b) or _special_ids(a) != _special_ids(b):
+        return False
+    if a.get_vocab() != b.get_vocab():
+        return False
+    if _pipeline(a) != _pipeline(b):
+        return False
+    return a(_PROBE)["input_ids"] == b(_PROBE)["input_ids"]
+
+
+def decode_responses(tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Sequence[int]],
+                     response_ids: Sequence[Sequence[int]]) -> tuple[list[str], list[str]]:
+    """Decode prompts and responses to text, special tokens (BOS, EOS, PAD) skipped.
+
+    A response is decoded together with its prompt and the prompt's text cut off the front:
+    decoded alone, a SentencePiece response would lose the space of its first word ("▁good"
+    decodes as "good" at the start of a text), so prompt + response would glue two words.
+
+    Args:
+        prompt_ids: B unpadded prompt id lists.
+        response_ids: B response id lists (trailing EOS/padding may stay: they are skipped).
+
+    Returns:
+        (prompts, responses): B strings each; ``prompts[i] + responses[i]`` is the decoded
+        whole sequence.
+    """
+    prompts, responses = [], []
+    for p, r in zip(prompt_ids, response_ids):
+        p, r = list(p), list(r)
+        prompt = tokenizer.decode(p, skip_special_tokens=True)
+        full = tokenizer.decode(p + r, skip_special_tokens=True)
+        if full.startswith(prompt):
+            response = full[len(prompt):]
+        else:  # a token merged across the boundary in decoding: fall back to the response alone
+            response = tokenizer.decode(r, skip_special_tokens=True)
+        prompts.append(prompt)
+        responses.append(response)
+    return prompts, responses
+
+
+def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
+                      responses: Sequence[str], max_len: int, append_eos: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``prompt + response`` texts for a reward model, right-padded.
+
+    Args:
+        tokenizer: the reward model's tokenizer; its specials (e.g. BOS) are added.
+        prompts, responses: B strings each, concatenated as they are (see decode_responses).
+        max_len: longest sequence; a longer one keeps its end (the response) and loses the
+            start of the prompt, keeping a leading BOS.
+        append_eos: end each sequence with the tokenizer's EOS (as reward models trained in
+            DeepSpeed-Chat's style expect).
+
+    Returns:
+        ``input_ids`` (B, L) long and ``attention_mask`` (B, L) long, 1 on real tokens which
+        come first in each row (right padding with the pad id, else EOS, else 0);
+        L = the longest row <= max_len. See :func:`last_token_index`.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("encode_for_reward needs at least one sequence")
+    texts = [p + r for p, r in zip(prompts, responses)]
+    rows = [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if append_eos and eos is not None:
+        rows = [r + [eos] for r in rows]
+    rows = [truncate_left(r, max_len, keep_first=bos is not None and bool(r) and r[0] == bos)
+            for r in rows]
+    pad = next((i for i in (tokenizer.pad_token_id, eos) if i is not None), 0)
+    width = max(1, max(len(r) for r in rows))
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        input_ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[b, :len(r)] = 1
+    return input_ids, attention_mask
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) long: position of each row's last real token in a right-padded (B, L) mask.
+
+    Use this rather than searching for the pad id: when pad == EOS, the EOS a sequence ends
+    with would look like padding.
+    """
+    return (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)
+
+
+def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrainedTokenizerBase,
+                 prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                 max_len: int, append_eos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy ids -> text -> reward-model ids: decode_responses then encode_for_reward.
+
+    Returns ``input_ids`` (B, L) and ``attention_mask`` (B, L), right-padded, for the
+    reward model's tokenizer ``tokenizer_to``.
+    """
+    prompts, responses = decode_responses(tokenizer_from, prompt_ids, response_ids)
+    return encode_for_reward(tokenizer_to, prompts, responses, max_len, append_eos=append_eos)

@@ -1,0 +1,162 @@
+"""Checkpoints that lose nothing.
+
+Layout (output_dir/checkpoints/):
+    iter_000010/policy/ds/...    DeepSpeed checkpoint of the policy (weights, optimizer, LR schedule)
+    iter_000010/value/ds/...     the same for the value model
+    iter_000010/hf/              the policy's HF config + tokenizer (for `ds-ppo export`)
+    iter_000010/hf_value/        the value model's HF config
+    iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
+    iter_000010/rng/rank_00000.pt    RNG states of every rank (tensors only)
+    latest                       the name of the newest COMPLETE checkpoint
+
+Writing protocol: every rank writes into `iter_NNNNNN.tmp/`; after a barrier (every rank done),
+rank 0 renames it to `iter_NNNNNN/` and then replaces `latest` through a temporary file and an
+atomic rename. A process killed at any point leaves `latest` naming the previous complete
+checkpoint; stale `.tmp` directories are removed at the next start. The checkpoint directory
+must be on a filesystem all nodes share.
+
+Loading never unpickles arbitrary objects: trainer state is JSON, RNG states load with
+`torch.load(weights_only=True)`, and DeepSpeed's own files are ours (written by this code).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds_ppo.engine import dist
+
+log = logging.getLogger("ds_ppo")
+TAG = "ds"  # DeepSpeed tag inside each role's folder
+
+
+@dataclass
+class TrainerState:
+    iteration: int = 0  # iterations completed
+    kl_controller: dict = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    world_size: int = 1
+    seed: int = 0
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _name(iteration: int) -> str:
+    return f"iter_{iteration:06d}"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    root = checkpoints_dir(output_dir)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "trainer_state.json").exists() else None
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A checkpoint directory itself, or a run's output_dir or checkpoints/ dir (-> its latest)."""
+    from ds_ppo.errors import UserError
+
+    p = Path(spec)
+    if (p / "trainer_state.json").exists():
+        return p
+    found = latest_checkpoint(p) or latest_checkpoint(p.parent)
+    if found is None:
+        raise UserError(f"{p} holds no complete ds_ppo checkpoint (neither trainer_state.json "
+                        "nor checkpoints/latest)")
+    return found
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state(),
+             "python": torch.tensor(list(random.getstate()[1]), dtype=torch.int64)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
+                    keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    root = checkpoints_dir(output_dir)
+    final = root / _name(state.iteration)
+    tmp = root / (_name(state.iteration) + ".tmp")
+    if dist.is_main():
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    engines.policy.save_checkpoint(str(tmp / "policy"), tag=TAG, save_latest=False)
+    engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
+    if dist.is_main():
+        engines.policy.module.config.save_pretrained(tmp / "hf")
+        tokenizer.save_pretrained(tmp / "hf")
+        engines.value.module.config.save_pretrained(tmp / "hf_value")
+        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+    dist.barrier()  # every rank finished writing
+    if dist.is_main():
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = root / "latest.tmp"
+        pointer_tmp.write_text(final.name)
+        os.replace(pointer_tmp, root / "latest")
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_partial(output_dir: str | Path) -> None:
+    """Remove directories of saves that were killed before completing (rank 0)."""
+    if dist.is_main():
+        for tmp in checkpoints_dir(output_dir).glob("iter_*.tmp"):
+            log.warning("removing incomplete checkpoint %s (a save was interrupted)", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, engines) -> TrainerState:
+    """Restore engines (weights, optimizer, LR schedule), RNG of this rank, trainer state."""
+    data = json.loads((path / "trainer_state.json").read_text())
+    state = TrainerState(**data)
+    for role in ("policy", "value"):
+        engine = getattr(engines, role)
+        loaded, _ = engine.load_checkpoint(str(path / role), tag=TAG, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the {role} checkpoint in {path / role}")
+    rng_file = path / "rng" / f"rank_{dist.rank():05d}.pt"
+    if rng_file.exists() and state.world_size == dist.world_size():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        # a different world size: there is no saved stream for this rank; reseed deterministically
+        torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.rank())
+        log.warning("world size changed (%d -> %d): RNG streams reseeded", state.world_size,
+                    dist.world_size())
+    return state

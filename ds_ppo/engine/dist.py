@@ -1,0 +1,93 @@
+"""Process-group set-up and the few collectives the trainer needs (all across the DP group)."""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import closing
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Join (or, run without a launcher, create) the process group; return this rank's device.
+
+    Without the `deepspeed` launcher (plain `ds-ppo train`) the run is a world of one; the
+    launcher's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* variables are used when present.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    acc = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if acc.device_name() != "cpu":
+        acc.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    name = acc.device_name(local_rank) if acc.device_name() != "cpu" else "cpu"
+    return torch.device(name)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the data-parallel group (returns a new tensor; identity on one process)."""
+    t = t.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s Python object on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's object, in rank order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def num_nodes() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0)
+    return max(1, world_size() // local) if local else 1

@@ -1,0 +1,164 @@
+"""Our hybrid engine: switching the ZeRO-3 policy into a fast inference form to generate rollouts.
+
+DeepSpeed's built-in hybrid engine fails on transformers-5 Llama models and has no CPU kernels, and
+HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new token (206 tok/s vs
+1297 tok/s hook-free for a 0.85B model on an H200). So:
+
+- mode `gathered`: once per rollout, gather the policy's weights module by module (so at most one
+  module's full weights are in flight besides the replica) into a hook-free replica in the compute
+  dtype, generate there with a KV cache, then drop the replica before training resumes.
+  No collective runs during decoding, so ranks whose responses end at different lengths never wait
+  on each other.
+- mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
+  stepping until all are done, so the per-layer all-gathers stay matched). For models whose 16-bit
+  copy does not fit on one device.
+- mode `auto`: `gathered` when the replica (16-bit weights) fits in
+  `generation.replica_memory_fraction` of free device memory, else `zero3`; the choice is logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ds_ppo.algo import response_mask
+from ds_ppo.config import GenerationConfig
+from ds_ppo.engine import dist
+
+log = logging.getLogger("ds_ppo")
+
+
+@dataclass
+class Generated:
+    """Raw generation output of one rank (B = this rank's prompts, T = response tokens)."""
+
+    response_ids: torch.Tensor  # (B, T) long, pad after the first EOS
+    mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
+    ended: torch.Tensor  # (B,) bool, the response contains an EOS/stop token
+    seconds: float
+
+
+def _param_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    return n * torch.finfo(dtype).bits // 8
+
+
+def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dtype,
+                device: torch.device) -> str:
+    """Resolve `auto` by a memory estimate (replica weights vs free device memory)."""
+    if cfg.mode != "auto":
+        return cfg.mode
+    need = _param_bytes(module, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    mode = "gathered" if need <= cfg.replica_memory_fraction * free else "zero3"
+    if dist.is_main():
+        log.info("generation.mode=auto -> %s (replica %.2f GiB, free %.2f GiB, fraction %.2f)",
+                 mode, need / 2**30, free / 2**30, cfg.replica_memory_fraction)
+    return mode
+
+
+def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                  materialize: bool = True) -> torch.nn.Module | None:
+    """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
+
+    Parameters are gathered module by module (`GatheredParameters` on each module's own
+    parameters), so the transient memory is one module's full weights. Buffers (e.g. rotary
+    frequencies) are not partitioned by ZeRO and are copied as they are. The gathers are
+    collective: every rank must call this; with `materialize=False` a rank only takes part in
+    them (e.g. all ranks but 0 when exporting) and gets None.
+    """
+    import deepspeed
+
+    replica = None
+    if materialize:
+        with torch.device("meta"):
+            replica = type(module)(module.config)
+        replica.to_empty(device=device)
+        replica.to(dtype)
+        replica.generation_config = module.generation_config
+    target = dict(replica.named_parameters()) if replica is not None else {}
+    for prefix, sub in module.named_modules():
+        own = list(sub.named_parameters(recurse=False))
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+            for name, p in own:
+                key = f"{prefix}.{name}" if prefix else name
+                if key in target:
+                    target[key].data.copy_(p.data)
+    if replica is None:
+        return None
+    target_buffers = dict(replica.named_buffers())
+    for name, b in module.named_buffers():
+        if name in target_buffers:
+            target_buffers[name].data.copy_(b.data)
+    replica.config.use_cache = True
+    replica.eval()
+    return replica
+
+
+def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> dict:
+    kw = dict(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+              eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
+    if cfg.temperature == 0:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
+                  top_k=cfg.top_k if cfg.top_k > 0 else None)
+    return kw
+
+
+@torch.no_grad()
+def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             cfg: GenerationConfig, mode: str, eos_ids: list[int], pad_id: int,
+             dtype: torch.dtype) -> Generated:
+    """Sample responses for this rank's prompts (B, P) (left-padded) from the current policy."""
+    module = policy_engine.module
+    device = prompt_ids.device
+    kw = _generate_kwargs(cfg, eos_ids, pad_id)
+    chunk = cfg.batch_size or prompt_ids.shape[0]
+    t0 = time.perf_counter()
+    was_training = module.training
+    if mode == "gathered":
+        model = build_replica(module, dtype, device)
+        if cfg.cache_implementation == "static":
+            kw["cache_implementation"] = "static"
+            if cfg.compile:
+                kw["compile_config"] = None  # transformers compiles the static-cache decode step
+        elif cfg.compile:
+            model.forward = torch.compile(model.forward, dynamic=True)
+    else:
+        model = module
+        module.eval()
+        module.config.use_cache = True
+        kw["synced_gpus"] = dist.world_size() > 1
+    outs = []
+    for start in range(0, prompt_ids.shape[0], chunk):
+        ids = prompt_ids[start:start + chunk]
+        am = prompt_mask[start:start + chunk].long()
+        out = model.generate(input_ids=ids, attention_mask=am, **kw)
+        outs.append(out[:, ids.shape[1]:])
+    if mode != "gathered":
+        module.config.use_cache = False
+        module.train(was_training)
+    del model  # the replica's memory goes back before training resumes
+    width = max(o.shape[1] for o in outs)
+    response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)
+    row = 0
+    for o in outs:
+        response[row:row + o.shape[0], :o.shape[1]] = o
+        row += o.shape[0]
+    mask = response_mask(response, eos_ids)
+    response = response.masked_fill(~mask, pad_id)
+    ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Generated(response_ids=response, mask=mask, ended=ended,
+                     seconds=time.perf_counter() - t0)

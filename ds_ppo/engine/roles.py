@@ -1,0 +1,250 @@
+"""The four model roles, each its own DeepSpeed engine (pattern: DeepSpeed-Chat's rlhf_engine.py,
+one `_init_<role>` per role).
+
+- policy:    causal LM, trained (ZeRO-3 by default), AdamW + warm-up schedule, grad clipping.
+- value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
+             trained; initialised from the reward model or the policy.
+- reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
+- reward:    an HF sequence-classification model (inference engine) or a Python function.
+
+Models load with `from_pretrained` while a `HfDeepSpeedConfig` for their role is alive, so under
+ZeRO-3 transformers builds them inside `deepspeed.zero.Init`: a large model is never whole on one
+rank. A random-init `arch` is built once on rank 0, saved, and loaded the same way (building from a
+config under zero.Init fails in transformers 5 when the config has a pad_token_id).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ds_ppo.config import Config
+from ds_ppo.engine import dist
+from ds_ppo.engine.ds_config import Role, build_ds_config, resolve_dtype
+
+log = logging.getLogger("ds_ppo")
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+@dataclass
+class Engines:
+    """Everything the PPO loop calls into. `reward_fn` is set when the reward is a function,
+    `reward` (an engine) when it is a model."""
+
+    policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
+    value: Any  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1)
+    reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM
+    reward: Any | None
+    reward_fn: RewardFn | None
+    ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
+    policy_path: str  # where the initial policy weights came from (HF dir)
+    device: torch.device
+    dtype: torch.dtype
+
+
+# ----------------------------------------------------------------------------- helpers
+@contextmanager
+def _zero_init_for(ds_config: dict):
+    """Keep a HfDeepSpeedConfig alive while loading, so transformers partitions at load time
+    (ZeRO-3) — and drop it afterwards so later plain models (the generation replica) are not."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841  (kept alive through a weakref)
+    try:
+        yield
+    finally:
+        del hf_ds
+        gc.collect()
+
+
+def _hidden_size(path: str) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    return int(getattr(c.get_text_config(), "hidden_size", 1024))
+
+
+def _load_kwargs(cfg_dtype: torch.dtype, attn: str) -> dict:
+    return {"dtype": cfg_dtype, "attn_implementation": attn}
+
+
+def _warmup_schedule(optimizer, warmup_steps: int):
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps)
+                    if warmup_steps > 0 else 1.0)
+
+
+def _optimizer(params, section, device: torch.device, offload: bool):
+    kw = dict(lr=section.lr, betas=tuple(section.betas), eps=section.eps,
+              weight_decay=section.weight_decay)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    if device.type == "cuda":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    return torch.optim.AdamW(params, foreach=True, **kw)
+
+
+def _initialize(model, ds_config: dict, optimizer=None, scheduler=None):
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config)
+    return engine
+
+
+# ------------------------------------------------------------------ initial weights
+def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int) -> str:
+    """Build a random-init causal LM from `arch` on rank 0 and save it (with the tokenizer) so every
+    role loads identical starting weights with from_pretrained. Returns the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    if dist.is_main() and not (out_dir / "config.json").exists():
+        fields = dict(arch)
+        model_type = fields.pop("model_type")
+        fields.setdefault("vocab_size", len(tokenizer))
+        fields.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+        config = AutoConfig.for_model(model_type, **fields)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out_dir)
+        log.info("built random-init %s model (%.2fM params) at %s", model_type,
+                 sum(p.numel() for p in model.parameters()) / 1e6, out_dir)
+        del model
+    dist.barrier()
+    return str(out_dir)
+
+
+# ------------------------------------------------------------------------ the roles
+def _init_policy(cfg: Config, path: str, world: int, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path))
+    with _zero_init_for(ds):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, **_load_kwargs(dtype, cfg.policy.attn_implementation))
+    if cfg.policy.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = _optimizer(model.parameters(), cfg.policy, device,
+                     cfg.deepspeed.policy.offload_optimizer)
+    return _initialize(model, ds, opt, _warmup_schedule(opt, cfg.policy.warmup_steps)), ds
+
+
+def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None) -> str:
+    mode = cfg.value.init_from
+    if mode == "auto":
+        mode = "reward" if cfg.reward.model is not None else "policy"
+    if mode == "reward":
+        return cfg.reward.model
+    if mode == "path":
+        return value_arch_path or cfg.value.path
+    return policy_path
+
+
+def _init_value(cfg: Config, source: str, world: int, device, dtype):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(source, num_labels=1)
+    # A value model must be deterministic (no dropout) and match the reward model's head (no bias)
+    # so that initialising from a reward model copies its score head exactly.
+    config.classifier_dropout = 0.0
+    config.token_classification_bias = False
+    ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source))
+    with _zero_init_for(ds):
+        model = AutoModelForTokenClassification.from_pretrained(
+            source, config=config, **_load_kwargs(dtype, cfg.value.attn_implementation))
+    if cfg.value.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = _optimizer(model.parameters(), cfg.value, device, cfg.deepspeed.value.offload_optimizer)
+    return _initialize(model, ds, opt, _warmup_schedule(opt, cfg.value.warmup_steps)), ds
+
+
+def _init_reference(cfg: Config, path: str, world: int, dtype):
+    from transformers import AutoModelForCausalLM
+
+    ds = build_ds_config(cfg, "reference", world, dtype, _hidden_size(path))
+    with _zero_init_for(ds):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, **_load_kwargs(dtype, cfg.policy.attn_implementation))
+    model.requires_grad_(False)
+    model.eval()
+    return _initialize(model, ds), ds
+
+
+def _init_reward(cfg: Config, world: int, dtype):
+    from transformers import AutoModelForSequenceClassification
+
+    path = cfg.reward.model
+    ds = build_ds_config(cfg, "reward", world, dtype, _hidden_size(path))
+    with _zero_init_for(ds):
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    model.requires_grad_(False)
+    model.eval()
+    return _initialize(model, ds), ds
+
+
+def init_engines(cfg: Config, tokenizer, device: torch.device) -> Engines:
+    """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir."""
+    from ds_ppo.rewards import load_reward_function
+
+    world = dist.world_size()
+    dtype = resolve_dtype(cfg.policy.dtype)
+    init_dir = Path(cfg.output_dir) / "init_models"
+    if cfg.policy.arch is not None:
+        policy_path = materialize_arch(cfg.policy.arch, tokenizer, init_dir / "policy", cfg.seed)
+    else:
+        policy_path = cfg.policy.path
+    value_arch = None
+    if cfg.value.arch is not None:
+        value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1)
+
+    ds_configs = {}
+    policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype)
+    value_src = _value_source(cfg, policy_path, value_arch)
+    value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
+                                             resolve_dtype(cfg.value.dtype))
+    reference, ds_configs["reference"] = _init_reference(
+        cfg, cfg.reference.path or policy_path, world, dtype)
+    reward, reward_fn = None, None
+    if cfg.reward.model is not None:
+        reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
+    else:
+        reward_fn = load_reward_function(cfg.reward.function)
+    return Engines(policy=policy, value=value, reference=reference, reward=reward,
+                   reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,
+                   device=device, dtype=dtype)
+
+
+def current_lr(engine) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"]) if engine.optimizer else math.nan
+
+
+def backward_step(engine, loss: torch.Tensor) -> None:
+    """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
+    engine.backward(loss)
+    engine.step()
+
+
+def grad_accum_boundary(engine) -> bool:
+    return engine.is_gradient_accumulation_boundary()
+
+
+def global_grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else math.nan

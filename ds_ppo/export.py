@@ -1,0 +1,82 @@
+"""Export the policy (and optionally the value model) as a Hugging Face model directory:
+safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
+
+Two paths: `export_engine` inside a running job (weights gathered module by module from ZeRO-3,
+written by rank 0), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
+(DeepSpeed's ZeRO checkpoint consolidation, one process, CPU only).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from ds_ppo.engine import dist
+
+log = logging.getLogger("ds_ppo")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Collective: gather the engine's (ZeRO-3) weights into a CPU model on rank 0 and save it."""
+    from ds_ppo.engine.generation import build_replica
+
+    out_dir = Path(out_dir)
+    model = build_replica(engine.module, dtype, torch.device("cpu"),
+                          materialize=dist.is_main())
+    if dist.is_main():
+        model.config.use_cache = True
+        model.save_pretrained(out_dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+    return out_dir
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
+                      with_value: bool = False) -> list[Path]:
+    """Offline export of a ds_ppo checkpoint (no process group, CPU)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
+                              AutoTokenizer)
+
+    from ds_ppo.engine.checkpoint import TAG, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    out_dir = Path(out_dir)
+    written = []
+    roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
+    for role, target in roles:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
+        config = AutoConfig.from_pretrained(ckpt / ("hf" if role == "policy" else "hf_value"))
+        if role == "policy":
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        else:
+            config.num_labels = 1
+            config.classifier_dropout = 0.0
+            config.token_classification_bias = False
+            with torch.device("meta"):
+                model = AutoModelForTokenClassification.from_config(config)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        missing = [k for k in missing if k not in tied]
+        if unexpected or missing:
+            raise RuntimeError(f"{role} checkpoint does not match its config: missing {missing}, "
+                               f"unexpected {unexpected}")
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+        model.to(dtype)
+        model.save_pretrained(target, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+        written.append(target)
+    return written
+
+
+def main(args: argparse.Namespace) -> int:
+    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value):
+        print(f"exported {path}")
+    return 0

@@ -1,0 +1,37 @@
+"""Rollout: this rank's prompts -> responses from the current policy (a `Rollout`)."""
+from __future__ import annotations
+
+from ds_ppo.config import Config
+from ds_ppo.containers import Rollout
+from ds_ppo.data.prompts import PromptSet, left_pad
+from ds_ppo.engine.generation import Generated, generate
+
+
+def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
+    """EOS plus every configured stop token (each must be one vocabulary entry)."""
+    from ds_ppo.errors import ConfigError
+
+    ids = [tokenizer.eos_token_id]
+    vocab = tokenizer.get_vocab()
+    for tok in cfg.generation.stop_tokens:
+        if tok not in vocab:
+            raise ConfigError(f"generation.stop_tokens: {tok!r} is not a single token of the "
+                              "policy tokenizer's vocabulary")
+        ids.append(vocab[tok])
+    return sorted(set(ids))
+
+
+def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
+                 mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
+    """Generate responses for the prompts at `indices` (this rank's shard of the batch)."""
+    ids, am = left_pad([prompts.input_ids[i] for i in indices], tokenizer.pad_token_id)
+    ids, am = ids.to(engines.device), am.to(engines.device).bool()
+    gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
+                   tokenizer.pad_token_id, engines.dtype)
+    responses = tokenizer.batch_decode(
+        [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)], skip_special_tokens=True)
+    rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
+                      mask=gen.mask, ended=gen.ended,
+                      prompts=[prompts.texts[i] for i in indices], responses=responses)
+    return rollout, gen
+

@@ -1,0 +1,82 @@
+"""Scoring: policy/reference log-probs, values and reward scores for a rollout (this rank's shard,
+in micro-batches), then KL-shaped rewards and advantages."""
+from __future__ import annotations
+
+import torch
+
+from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
+from ds_ppo.config import Config
+from ds_ppo.containers import Experience, Rollout
+from ds_ppo.forward import response_logprobs, response_values, sequence_scores
+
+
+def _micro_slices(n: int, size: int):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torch.Tensor:
+    """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
+    penalty applied (clipping happens in shape_rewards)."""
+    device = rollout.prompt_ids.device
+    if engines.reward_fn is not None:
+        raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses))
+        scores = torch.as_tensor([float(s) for s in raw], dtype=torch.float32, device=device)
+        if scores.shape != (len(rollout),):
+            raise ValueError(f"reward function {cfg.reward.function} returned {scores.shape[0]} "
+                             f"scores for {len(rollout)} responses")
+        if not torch.isfinite(scores).all():
+            raise ValueError(f"reward function {cfg.reward.function} returned non-finite scores")
+    else:
+        size = cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size
+        parts = []
+        for sl in _micro_slices(len(rollout), size):
+            ids, am = reward_encode(rollout.slice(sl))
+            parts.append(sequence_scores(engines.reward, ids.to(device), am.to(device)))
+        scores = torch.cat(parts)
+    if cfg.reward.missing_eos_penalty is not None:
+        scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
+    return scores
+
+
+@torch.no_grad()
+def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
+    """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
+    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes)."""
+    size = cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size
+    temp = cfg.generation.temperature
+    T = rollout.response_ids.shape[1]
+    engines.policy.eval()
+    engines.value.eval()
+    logp, ref_logp, values, entropy = [], [], [], []
+    for sl in _micro_slices(len(rollout), size):
+        mb = rollout.slice(sl)
+        ids, am = mb.input_ids, mb.attention_mask
+        lp, ent = response_logprobs(engines.policy, ids, am, mb.response_ids, temp,
+                                    with_entropy=True)
+        logp.append(lp)
+        entropy.append(ent)
+        ref_logp.append(response_logprobs(engines.reference, ids, am, mb.response_ids, temp)[0])
+        values.append(response_values(engines.value, ids, am, T))
+    engines.policy.train()
+    engines.value.train()
+    mask = rollout.mask
+    zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
+    return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
+                      old_values=zero(values), entropy=zero(entropy),
+                      scores=reward_scores(rollout, engines, cfg, reward_encode))
+
+
+def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
+    """KL-shaped per-token rewards (score at the last valid token), GAE, and whitening of the
+    advantages (over all ranks' valid tokens when ppo.whiten_across_ranks)."""
+    p = cfg.ppo
+    mask = exp.mask
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
+    rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef,
+                            estimator=p.kl_estimator, score_clip=cfg.reward.score_clip)
+    advantages, returns = gae(rewards, exp.old_values, mask, p.gamma, p.lam)
+    if p.whiten_advantages:
+        advantages = masked_whiten(advantages, mask, shift_mean=True,
+                                   distributed=p.whiten_across_ranks)
+    exp.rewards, exp.kl, exp.advantages, exp.returns = rewards, kl, advantages, returns
+    return exp

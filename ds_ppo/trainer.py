@@ -1,0 +1,334 @@
+"""The PPO training loop. `train()` reads as a table of contents; each stage is a function of its
+own module (rollout, scoring, update, metrics, checkpoint)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.config import Config
+from ds_ppo.engine import dist
+from ds_ppo.engine.checkpoint import (TrainerState, clean_partial, latest_checkpoint,
+                                      load_checkpoint, resolve_checkpoint, save_checkpoint)
+from ds_ppo.engine.dist import init_distributed
+from ds_ppo.engine.generation import choose_mode
+from ds_ppo.engine.roles import Engines, current_lr, init_engines
+from ds_ppo.errors import ConfigError
+from ds_ppo.metrics import Accumulator, std_from_moments
+from ds_ppo.rollout import make_rollout, stop_token_ids
+from ds_ppo.scoring import add_advantages, score
+from ds_ppo.update import ppo_update
+
+log = logging.getLogger("ds_ppo")
+
+
+@dataclass
+class TrainResult:
+    """What a finished `train()` returns (identical on every rank)."""
+
+    history: list[dict[str, float]] = field(default_factory=list)  # metrics of this process's iterations
+    output_dir: str = ""
+    last_checkpoint: str | None = None
+    export_dir: str | None = None
+    mlflow_run_id: str | None = None
+
+
+def train(cfg: Config) -> TrainResult:
+    """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    device = init_distributed()
+    _setup_logging()
+    _seed_everything(cfg.seed)
+    out = Path(cfg.output_dir)
+
+    # step 0. data and models (data first: a bad dataset fails before any model loads)
+    tokenizer, prompts, reward_encode = _load_data(cfg, out)
+    engines = init_engines(cfg, tokenizer, device)
+    state, kl_ctl = _start_or_resume(cfg, engines)
+    tracker = _open_tracker(cfg, engines, state)
+    eos_ids = stop_token_ids(tokenizer, cfg)
+    gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
+    sampler = _sampler(cfg, len(prompts.input_ids))
+    result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id)
+    status = "FAILED"
+    try:
+        for iteration in range(state.iteration + 1, cfg.iterations + 1):
+            acc, t_iter = Accumulator(), time.perf_counter()
+            # step 1. generate the trajectory (this rank's shard of the global batch)
+            with _timed(acc, "time/generation_s"):
+                rollout, gen = make_rollout(prompts, sampler.indices(iteration - 1), engines,
+                                            cfg, tokenizer, gen_mode, eos_ids)
+            # step 2. score it: log-probs, reference log-probs, values, reward scores
+            with _timed(acc, "time/scoring_s"):
+                exp = score(rollout, engines, cfg, reward_encode)
+            # step 3. KL-shaped rewards, GAE, whitened advantages
+            exp = add_advantages(exp, cfg, kl_ctl.value)
+            # step 4. PPO epochs over mini-batches: policy and value updates
+            with _timed(acc, "time/update_s"):
+                ppo_update(exp, engines, cfg, iteration, acc)
+            # step 5. metrics, reduced across ranks; KL controller; logging
+            metrics = _iteration_metrics(acc, exp, gen, engines, kl_ctl, t_iter)
+            kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
+            _report(cfg, tracker, metrics, iteration, exp, out)
+            result.history.append(metrics)
+            state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
+            # step 6. checkpoint
+            if cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0:
+                result.last_checkpoint = str(save_checkpoint(
+                    out, engines, state, tokenizer, cfg.checkpoint.keep_last))
+        result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
+                                                            result.last_checkpoint)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.close(status)
+    return result
+
+
+# ------------------------------------------------------------------------- start-up
+def _setup_logging() -> None:
+    level = logging.INFO if dist.is_main() else logging.WARNING
+    logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
+                        force=True)
+    old_factory = logging.getLogRecordFactory()
+    rank = dist.rank()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per call
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
+
+
+def _seed_everything(seed: int) -> None:
+    # Same seed on every rank for initialisation; sampling streams are made per rank below.
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _load_data(cfg: Config, out: Path):
+    from ds_ppo.data.prompts import load_prompts
+    from ds_ppo.data.tokenizer import load_tokenizer
+
+    spec = cfg.policy.tokenizer or cfg.policy.path
+    if spec is None:
+        raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
+                          "(a path, a hub name or builtin:tiny)")
+    out.mkdir(parents=True, exist_ok=True)
+    if dist.is_main():  # build any cached tokenizer once
+        tokenizer = load_tokenizer(spec, out)
+    dist.barrier()
+    tokenizer = load_tokenizer(spec, out)
+    prompts = load_prompts(cfg.data, tokenizer)
+    return tokenizer, prompts, _reward_encoder(cfg, tokenizer, out)
+
+
+def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
+    """rollout -> (input_ids, attention_mask) for the reward model: the rollout's own tokens when
+    both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
+    if cfg.reward.model is None:
+        return None
+    from ds_ppo.data.reencode import encode_for_reward, same_tokenizer
+    from ds_ppo.data.tokenizer import load_tokenizer
+
+    reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
+    if same_tokenizer(policy_tokenizer, reward_tok):
+        def encode(rollout):
+            ids, am = rollout.input_ids, rollout.attention_mask
+            return ids[:, -cfg.reward.max_len:], am[:, -cfg.reward.max_len:]
+    else:
+        def encode(rollout):
+            return encode_for_reward(reward_tok, rollout.prompts, rollout.responses,
+                                     cfg.reward.max_len)
+    return encode
+
+
+def _start_or_resume(cfg: Config, engines: Engines):
+    p = cfg.ppo
+    kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
+              if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
+    clean_partial(cfg.output_dir)
+    path = None
+    if cfg.resume == "auto":
+        path = latest_checkpoint(cfg.output_dir)
+    elif cfg.resume != "never":
+        path = resolve_checkpoint(cfg.resume)
+    elif latest_checkpoint(cfg.output_dir) is not None:
+        raise ConfigError(f"resume = never but {cfg.output_dir} already holds checkpoints; use "
+                          "resume=auto to continue or a new output_dir")
+    if path is None:
+        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
+        _seed_sampling(cfg.seed)
+        return state, kl_ctl
+    state = load_checkpoint(path, engines)
+    kl_ctl.load_state_dict(state.kl_controller)
+    state.world_size = dist.world_size()
+    log.info("resumed from %s (iteration %d)", path, state.iteration)
+    if state.iteration >= cfg.iterations:
+        log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
+                 "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
+    return state, kl_ctl
+
+
+def _seed_sampling(seed: int) -> None:
+    # Each rank samples its own responses: give each its own stream.
+    torch.manual_seed(seed * 1000 + dist.rank())
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed * 1000 + dist.rank())
+
+
+def _sampler(cfg: Config, num_prompts: int):
+    from ds_ppo.data.prompts import PromptSampler
+
+    return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.rank(), dist.world_size(),
+                         cfg.seed, shuffle=cfg.data.shuffle)
+
+
+def _open_tracker(cfg: Config, engines: Engines, state: TrainerState):
+    import importlib.metadata as md
+
+    from ds_ppo.tracking import open_tracker
+
+    tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
+            "policy": cfg.policy.path or f"arch:{(cfg.policy.arch or {}).get('model_type')}",
+            "reward": cfg.reward.model or cfg.reward.function or "",
+            "generation_mode": cfg.generation.mode}
+    try:
+        tags["ds_ppo_version"] = md.version("ds-ppo")
+    except md.PackageNotFoundError:
+        pass
+    tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=state.mlflow_run_id, tags=tags,
+                           ds_configs=engines.ds_configs)
+    state.mlflow_run_id = dist.broadcast_object(tracker.run_id)
+    if dist.is_main() and tracker.run_id:
+        log.info("%s", tracker.where())
+    return tracker
+
+
+# ------------------------------------------------------------------------- per iteration
+@contextmanager
+def _timed(acc: Accumulator, name: str):
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    acc.add_max(name, time.perf_counter() - t0)
+
+
+def _iteration_metrics(acc: Accumulator, exp, gen, engines: Engines, kl_ctl,
+                       t_iter: float) -> dict[str, float]:
+    """Add this iteration's rollout statistics to `acc` and reduce everything across ranks."""
+    mask = exp.mask.float()
+    n = float(len(exp))
+    scores = exp.scores.float()
+    acc.add_mean("score/mean", float(scores.sum()), n)
+    acc.add_mean("score/sq_mean", float((scores ** 2).sum()), n)
+    seq_reward = (exp.rewards * mask).sum(1)
+    acc.add_mean("reward/mean", float(seq_reward.sum()), n)
+    acc.add_mean("reward/sq_mean", float((seq_reward ** 2).sum()), n)
+    seq_kl = (exp.kl * mask).sum(1)
+    acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
+    acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
+    acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
+    lengths = mask.sum(1)
+    acc.add_mean("response/length_mean", float(lengths.sum()), n)
+    acc.add_max("response/length_max", float(lengths.max()))
+    acc.add_mean("response/eos_rate", float(exp.rollout.ended.float().sum()), n)
+    # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
+    ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
+    acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))
+    acc.add_mean("_ev/r2", float((ret ** 2).sum()), float(mask.sum()))
+    acc.add_mean("_ev/e", float(err.sum()), float(mask.sum()))
+    acc.add_mean("_ev/e2", float((err ** 2).sum()), float(mask.sum()))
+    acc.add_sum("response/tokens_total", float(mask.sum()))
+    acc.add_max("time/iteration_s", time.perf_counter() - t_iter)
+    if torch.cuda.is_available():
+        acc.add_max("memory/peak_gib", torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        import resource
+
+        acc.add_max("memory/peak_rss_gib",
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    m = acc.reduce()
+    total_tokens = m["response/tokens_total"]
+    m["score/std"] = std_from_moments(m["score/mean"], m.pop("score/sq_mean"))
+    m["reward/std"] = std_from_moments(m["reward/mean"], m.pop("reward/sq_mean"))
+    var_r = m.pop("_ev/r2") - m.pop("_ev/r") ** 2
+    var_e = m.pop("_ev/e2") - m.pop("_ev/e") ** 2
+    m["value/explained_variance"] = 1.0 - var_e / var_r if var_r > 0 else math.nan
+    m["tokens_per_s/generation"] = total_tokens / max(m["time/generation_s"], 1e-9)
+    m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
+    m["kl_coef"] = float(kl_ctl.value)
+    m["lr/policy"] = current_lr(engines.policy)
+    m["lr/value"] = current_lr(engines.value)
+    return m
+
+
+def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp,
+            out: Path) -> None:
+    """Rank 0: progress line, metrics.jsonl (always, independent of MLflow), MLflow."""
+    rows = None
+    every = cfg.tracking.log_samples_every
+    if every and iteration % every == 0:
+        k = cfg.tracking.num_samples
+        rows = [{"prompt": p, "response": r, "score": float(s)} for p, r, s in
+                zip(exp.rollout.prompts[:k], exp.rollout.responses[:k], exp.scores[:k].tolist())]
+        rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
+    if not dist.is_main():
+        return
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+    tracker.log_metrics(metrics, step=iteration)
+    if rows:
+        tracker.log_samples(rows, step=iteration)
+    if iteration % cfg.log_every == 0 or iteration == cfg.iterations:
+        print(f"iter {iteration:>4}/{cfg.iterations} | score {metrics['score/mean']:+.4f} "
+              f"| kl {metrics['kl/sequence_mean']:+.4f} | entropy {metrics['policy/entropy']:.3f} "
+              f"| pg {metrics['loss/policy']:+.4f} | vf {metrics['loss/value']:.4f} "
+              f"| len {metrics['response/length_mean']:.1f} "
+              f"| gen {metrics['time/generation_s']:.1f}s "
+              f"| iter {metrics['time/iteration_s']:.1f}s", flush=True)
+
+
+# ------------------------------------------------------------------------------ end
+def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
+            last_checkpoint: str | None):
+    out = Path(cfg.output_dir)
+    if cfg.checkpoint.save_at_end and (last_checkpoint is None or
+                                       not last_checkpoint.endswith(f"{state.iteration:06d}")):
+        if latest_checkpoint(out) is None or \
+                latest_checkpoint(out).name != f"iter_{state.iteration:06d}":
+            last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
+                                                  cfg.checkpoint.keep_last))
+    export_dir = None
+    if cfg.checkpoint.export_at_end:
+        from ds_ppo.export import export_engine
+
+        export_dir = str(out / "final")
+        from ds_ppo.export import DTYPES
+
+        export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
+        if dist.is_main():
+            log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
+                     export_dir)
+    return last_checkpoint, export_dir

@@ -1,0 +1,74 @@
+"""The PPO update: `ppo_epochs` passes over mini-batches, each an optimizer step of the policy and
+the value model with gradient accumulation over micro-batches.
+
+Loss normalisation: every micro-batch loss is a masked SUM divided by the number of valid tokens in
+the whole global mini-batch (all micro-batches, all ranks), then multiplied by
+(world size x accumulation steps) to undo DeepSpeed's averaging over both. The gradient of an
+optimizer step is therefore exactly the gradient of the token-mean loss over the global
+mini-batch, whatever the micro-batch size or the number of ranks (tested).
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_ppo.algo import policy_loss, value_loss
+from ds_ppo.config import Config, grad_accum_steps
+from ds_ppo.containers import Experience
+from ds_ppo.engine import dist
+from ds_ppo.engine.roles import backward_step
+from ds_ppo.forward import response_logprobs, response_values
+from ds_ppo.metrics import Accumulator
+
+
+def _minibatch_order(n: int, epoch: int, seed: int, iteration: int) -> torch.Tensor:
+    """Rank-local order of samples: as sampled in epoch 0, reshuffled in later epochs."""
+    if epoch == 0:
+        return torch.arange(n)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
+    """Train policy and value on one rollout's experience; adds loss statistics to `acc`."""
+    p = cfg.ppo
+    world = dist.world_size()
+    accum = grad_accum_steps(cfg, world)
+    per_rank_mini = p.mini_batch_size // world
+    scale = float(world * accum)
+    T = exp.rollout.response_ids.shape[1]
+    engines.policy.train()
+    engines.value.train()
+    for epoch in range(p.ppo_epochs):
+        order = _minibatch_order(len(exp), epoch, cfg.seed, iteration).to(exp.mask.device)
+        for start in range(0, len(exp), per_rank_mini):
+            mini = exp.slice(order[start:start + per_rank_mini])
+            # valid tokens of the global mini-batch (sum over ranks)
+            n_tok = float(dist.all_reduce_sum(mini.mask.sum().float()).item())
+            n_tok = max(n_tok, 1.0)
+            mini_losses = torch.zeros(2, dtype=torch.float64)  # this rank's share of the losses
+            for m0 in range(0, per_rank_mini, p.micro_batch_size):
+                mb = mini.slice(slice(m0, m0 + p.micro_batch_size))
+                ids, am = mb.rollout.input_ids, mb.rollout.attention_mask
+                logprobs, _ = response_logprobs(engines.policy, ids, am, mb.rollout.response_ids,
+                                                cfg.generation.temperature)
+                pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages,
+                                                mb.mask, clip_eps=p.clip_eps, num_tokens=n_tok)
+                backward_step(engines.policy, pg_loss * scale)
+
+                values = response_values(engines.value, ids, am, T)
+                vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
+                                               clip_eps=p.value_clip_eps, num_tokens=n_tok)
+                backward_step(engines.value, p.vf_coef * vf_loss * scale)
+
+                mini_losses += torch.tensor([float(pg_loss.detach()), float(vf_loss.detach())],
+                                            dtype=torch.float64)
+                # stats are per-micro-batch token means: weight them by tokens for a global mean
+                n_valid = float(mb.mask.sum().item())
+                for k, v in pg_stats.items():
+                    acc.add_mean(f"policy/{k}", float(v) * n_valid, n_valid)
+                for k, v in vf_stats.items():
+                    acc.add_mean(f"value/{k}", float(v) * n_valid, n_valid)
+            # summed over ranks, this step's losses are token means over the global mini-batch
+            pg, vf = dist.all_reduce_sum(mini_losses).tolist()
+            acc.add_replicated("loss/policy", pg)
+            acc.add_replicated("loss/value", vf)

@@ -1,0 +1,58 @@
+"""Shared helpers: run ds_ppo as users do (a subprocess, or the real `deepspeed` launcher)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh user shell: no launcher variables, no MLflow URI."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "MLFLOW_TRACKING_URI", "CROSS_RANK", "CROSS_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m ds_ppo ARGS` in a fresh process."""
+    proc = subprocess.run([sys.executable, "-m", "ds_ppo", *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ds-ppo {' '.join(args)} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def deepspeed_cmd(num_ranks: int, port: int) -> list[str]:
+    exe = shutil.which("deepspeed")
+    assert exe, "the deepspeed launcher is not on PATH"
+    return [exe, "--num_gpus", str(num_ranks), "--master_port", str(port)]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO

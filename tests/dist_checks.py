@@ -1,0 +1,160 @@
+"""Engine checks that need real DeepSpeed processes, run once per world size and shared by many
+test cases (DeepSpeed start-up costs tens of seconds per process).
+
+Run by tests/test_engine.py as
+    python tests/dist_checks.py --out R.json                       (one rank)
+    deepspeed --num_gpus 2 tests/dist_checks.py --out R.json       (two CPU ranks, gloo)
+Each scenario builds the engines of a small config, runs what it checks, and rank 0 writes one
+JSON object of results that the pytest cases compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ds_ppo.config import load_config, validate  # noqa: E402
+from ds_ppo.engine import dist  # noqa: E402
+from ds_ppo.engine.dist import init_distributed  # noqa: E402
+from ds_ppo.trainer import train  # noqa: E402
+
+BASE = [
+    "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
+    "checkpoint.export_at_end=false", "generation.max_new_tokens=8", "ppo.rollout_batch_size=8",
+    "ppo.mini_batch_size=8", "ppo.ppo_epochs=1", "resume=never", "log_every=1",
+]
+
+
+def cfg_for(work: Path, name: str, extra: list[str]):
+    cfg = load_config(None, BASE + [f"output_dir={work / name}"] + extra)
+    validate(cfg, dist.world_size())
+    return cfg
+
+
+def gathered(module) -> dict[str, torch.Tensor]:
+    """Full copy of a (ZeRO-3) module's parameters (collective)."""
+    import deepspeed
+
+    out = {}
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().clone().float().cpu()
+    return out
+
+
+def first_update(work: Path, name: str, extra: list[str]) -> dict:
+    """Losses of the first PPO update on greedy rollouts (identical inputs in every variant)."""
+    cfg = cfg_for(work, name, ["iterations=1", "generation.temperature=0"] + extra)
+    h = train(cfg).history[0]
+    return {k: h[k] for k in ("loss/policy", "loss/value", "score/mean", "kl/sequence_mean",
+                              "policy/entropy", "response/length_mean")}
+
+
+def varied_lengths(work: Path, mode: str) -> dict:
+    """Many stop tokens make response lengths differ between ranks: no rank may hang."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny", work / f"varied_{mode}")
+    pieces = sorted(v for v in tok.get_vocab() if v.startswith("▁"))[:150]
+    stops = "[" + ",".join(json.dumps(p) for p in pieces) + "]"
+    widths = []
+    cfg = cfg_for(work, f"varied_{mode}", [f"generation.mode={mode}", "iterations=2",
+                                            f"generation.stop_tokens={stops}",
+                                            "generation.max_new_tokens=12"])
+    t0 = time.time()
+    res = train(cfg)
+    for h in res.history:
+        widths.append(h["response/length_max"])
+    lengths = dist.gather_objects([h["response/length_mean"] for h in res.history])
+    return {"seconds": time.time() - t0, "iterations": len(res.history), "widths": widths,
+            "per_rank_length_means": lengths}
+
+
+def replica_and_roles(work: Path) -> dict:
+    """One iteration through the public stages; then: reference unchanged, policy changed, and
+    the generation replica built after the update equals the trained policy."""
+    from ds_ppo.data.prompts import left_pad, load_prompts
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.metrics import Accumulator
+    from ds_ppo.rollout import make_rollout, stop_token_ids
+    from ds_ppo.scoring import add_advantages, score
+    from ds_ppo.update import ppo_update
+
+    cfg = cfg_for(work, "replica", ["iterations=1"])
+    tok = load_tokenizer("builtin:tiny", work / "replica")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    ref0, pol0 = gathered(engines.reference.module), gathered(engines.policy.module)
+    prompts = load_prompts(cfg.data, tok)
+    per_rank = cfg.ppo.rollout_batch_size // dist.world_size()
+    shard = list(range(dist.rank() * per_rank, (dist.rank() + 1) * per_rank))
+    rollout, _ = make_rollout(prompts, shard, engines, cfg, tok, "gathered",
+                              stop_token_ids(tok, cfg))
+    exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
+    ppo_update(exp, engines, cfg, 1, Accumulator())
+    ref1, pol1 = gathered(engines.reference.module), gathered(engines.policy.module)
+
+    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id)
+    replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
+    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
+    module = engines.policy.module
+    module.eval()
+    module.config.use_cache = True
+    zero3_out = module.generate(input_ids=ids, attention_mask=am,
+                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    return {
+        "reference_unchanged": all(torch.equal(ref0[k], ref1[k]) for k in ref0),
+        "policy_changed": any(not torch.equal(pol0[k], pol1[k]) for k in pol0),
+        "policy_max_change": max(float((pol0[k] - pol1[k]).abs().max()) for k in pol0),
+        "replica_equal_params": all(torch.equal(p.detach().float(), pol1[n])
+                                    for n, p in replica.named_parameters()),
+        "replica_out": replica_out,
+        "zero3_out": zero3_out,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)
+    args = parser.parse_args()
+    work = Path(args.work)
+    init_distributed()
+    results: dict = {"world_size": dist.world_size()}
+    scenarios = {
+        "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
+        "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),
+        "zero2_micro4": lambda: first_update(work, "z2m4", [
+            "ppo.micro_batch_size=4", "deepspeed.policy.zero_stage=2",
+            "deepspeed.value.zero_stage=2"]),
+        "varied_zero3": lambda: varied_lengths(work, "zero3"),
+        "varied_gathered": lambda: varied_lengths(work, "gathered"),
+        "replica": lambda: replica_and_roles(work),
+    }
+    for name, fn in scenarios.items():
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as e:  # recorded, so one failing scenario does not hide the others
+            import traceback
+
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if dist.is_main():
+            print(f"[dist_checks] {name} done in {time.time() - t0:.1f}s", flush=True)
+    if dist.is_main():
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
