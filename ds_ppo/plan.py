@@ -347,6 +347,7 @@ class LeverEffect:
     lever: Lever
     saves_bytes: int  # peak GPU bytes per rank before minus after
     peak_after_bytes: int
+    cpu_after_bytes: int  # CPU bytes per node after it (offloading moves memory there)
     fits_after: bool
 
 
@@ -562,7 +563,7 @@ def find_levers(cfg: Config, shapes: RoleShapes, cluster: Cluster, plan: Plan,
             break
         _, lever, current, after = best
         steps.append(LeverEffect(lever, current_plan.peak_gpu_bytes - after.peak_gpu_bytes,
-                                 after.peak_gpu_bytes, after.fits))
+                                 after.peak_gpu_bytes, after.cpu_bytes_per_node, after.fits))
         current_plan = after
     return steps
 
@@ -592,7 +593,7 @@ def to_json(p: Plan) -> dict[str, Any]:
     def lever(e: LeverEffect) -> dict[str, Any]:
         return {"description": e.lever.description, "overrides": list(e.lever.overrides),
                 "saves_bytes": e.saves_bytes, "peak_after_bytes": e.peak_after_bytes,
-                "fits_after": e.fits_after}
+                "cpu_after_bytes": e.cpu_after_bytes, "fits_after": e.fits_after}
 
     roles = {}
     for name, rp in p.roles.items():
@@ -692,19 +693,22 @@ def format_plan(p: Plan, title: str) -> str:
     out.append(f"Per node: GPU {c.gpus_per_node} x {_gib(p.peak_gpu_bytes)} = "
                f"{_gib(p.peak_gpu_bytes * c.gpus_per_node)} GiB; {cpu}.")
     if not p.fits:
+        fits_word = "fits" if c.cpu_mem_bytes is not None else "fits the GPUs (CPU unchecked)"
         if p.biggest_lever:
             e = p.biggest_lever
             out.append(f"Biggest lever: {e.lever.description} ({' '.join(e.lever.overrides)}): "
-                       f"saves {_gib(e.saves_bytes)} GiB per GPU, peak {_gib(e.peak_after_bytes)}"
-                       f" GiB{'; then it fits' if e.fits_after else ''}.")
+                       f"saves {_gib(e.saves_bytes)} GiB per GPU -> peak "
+                       f"{_gib(e.peak_after_bytes)} GiB per GPU, CPU {_gib(e.cpu_after_bytes)} GiB "
+                       f"per node{'; then it ' + fits_word if e.fits_after else ''}.")
         else:
             out.append("No config lever lowers the peak.")
         if len(p.lever_path) > 1:
             last = p.lever_path[-1]
             out.append("Levers in order (greedy): "
                        + " ".join(o for e in p.lever_path for o in e.lever.overrides)
-                       + f" -> peak {_gib(last.peak_after_bytes)} GiB per GPU, "
-                       + ("then it fits." if last.fits_after else "still does not fit."))
+                       + f" -> peak {_gib(last.peak_after_bytes)} GiB per GPU, CPU "
+                       + f"{_gib(last.cpu_after_bytes)} GiB per node; "
+                       + (f"then it {fits_word}." if last.fits_after else "still does not fit."))
         if p.min_nodes:
             out.append(f"Or scale out: as configured it fits on {p.min_nodes} nodes of "
                        f"{c.gpus_per_node} GPUs.")

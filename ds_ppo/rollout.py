@@ -4,6 +4,7 @@ from __future__ import annotations
 from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
+from ds_ppo.data.reencode import decode_responses
 from ds_ppo.engine.generation import Generated, generate
 
 
@@ -28,10 +29,11 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
                    tokenizer.pad_token_id, engines.dtype)
-    responses = tokenizer.batch_decode(
-        [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)], skip_special_tokens=True)
+    # decoded together with their prompts, so a response keeps the space of its first word
+    texts, responses = decode_responses(
+        tokenizer, [prompts.input_ids[i] for i in indices],
+        [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)])
     rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
-                      mask=gen.mask, ended=gen.ended,
-                      prompts=[prompts.texts[i] for i in indices], responses=responses)
+                      mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses)
     return rollout, gen
 

@@ -14,8 +14,8 @@ What a run holds
     metrics: each iteration's, with step = iteration;
     artifacts: `config.yaml` (the resolved config), `deepspeed/<role>.json` (each role's
     final DeepSpeed config), `samples/iter_<step>.json` (a table of prompts, responses and
-    scores every `tracking.log_samples_every` iterations; the UI's Evaluation/Artifacts
-    views show it as a table);
+    scores every `tracking.log_samples_every` iterations, logged with `log_table` so the
+    UI shows it as a table);
     with `tracking.log_system_metrics` and psutil installed: MLflow's `system/...` CPU,
     memory, disk, network (and GPU, with pynvml) metrics, whose step counts samples
     (one every 10 s, or $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL), not iterations.
@@ -28,15 +28,17 @@ Where it goes
     refuses the file store unless MLFLOW_ALLOW_FILE_STORE=true.
 
 Multi-node
-    The `deepspeed` launcher copies to every node the environment variables whose names
-    start with MLFLOW, PYTHON, MV2 or UCX (NCCL too on CUDA; `EXPORT_ENVS` in
-    deepspeed/launcher/runner.py), plus every KEY=VALUE line of a `.deepspeed_env` file in
-    $HOME or the launch directory (file name overridable with $DS_ENV_FILE). So
-    MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN, MLFLOW_HTTP_REQUEST_* set
-    where `deepspeed --hostfile ...` runs reach rank 0 wherever it lands. The pdsh backend
-    writes them as `export KEY=VALUE;` without quoting: keep such values free of spaces and
-    shell characters. (A single-node launch simply inherits the environment.) Only rank 0
-    talks to MLflow, but rank 0 may be on any node of the hostfile's first host.
+    A multi-node `deepspeed` launch (a hostfile with more than one host, or --force_multi;
+    backends pdsh, openmpi, mpich, impi, mvapich, slurm) copies to every node the
+    environment variables whose names start with MLFLOW, PYTHON, MV2 or UCX (and NCCL with
+    the CUDA accelerator): `EXPORT_ENVS` in deepspeed/launcher/runner.py, plus every
+    KEY=VALUE line of a `.deepspeed_env` file in $HOME or the launch directory (file name
+    overridable with $DS_ENV_FILE). So MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/
+    PASSWORD/TOKEN and MLFLOW_HTTP_REQUEST_* set where `deepspeed --hostfile ...` runs reach
+    rank 0 on whichever node it lands. The pdsh backend writes them as `export KEY=VALUE;`
+    without quoting: keep such values free of spaces and shell characters. A single-node
+    launch simply inherits the environment; with --no_ssh (one launcher per node, started
+    by hand) nothing is copied: set the variables on every node.
 
 Faults
     Start: the first contact (find/create the experiment, create/reopen the run) failing

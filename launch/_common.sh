@@ -19,9 +19,15 @@ DS_PPO_MODULE="${DS_PPO_MODULE:-ds_ppo}"
 export PYTHONPATH="${DS_PPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 ds_ppo_run() {
-  printf '+'
-  printf ' %q' "$@"
-  printf '\n'
+  local arg line="+"
+  for arg in "$@"; do
+    if [[ -n "$arg" && "$arg" != *[!A-Za-z0-9_./:=@%+,-]* ]]; then
+      line+=" $arg"
+    else  # single-quoted, as shlex.join would print it
+      line+=" '${arg//\'/\'\\\'\'}'"
+    fi
+  done
+  printf '%s\n' "$line"
   if [[ "${DS_PPO_DRY_RUN:-0}" == "1" ]]; then
     return 0
   fi

@@ -26,9 +26,14 @@ from ds_ppo.trainer import train  # noqa: E402
 
 BASE = [
     "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
-    "checkpoint.export_at_end=false", "generation.max_new_tokens=8", "ppo.rollout_batch_size=8",
-    "ppo.mini_batch_size=8", "ppo.ppo_epochs=1", "resume=never", "log_every=1",
+    "checkpoint.export_at_end=false", "generation.max_new_tokens=8", "ppo.rollout_batch_size=16",
+    "ppo.mini_batch_size=8", "ppo.micro_batch_size=4", "ppo.ppo_epochs=1", "resume=never", "log_every=1",
 ]
+
+
+# two optimizer steps per iteration: the second step's losses depend on the first update
+LOSS_KEYS = ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac",
+             "score/mean", "kl/sequence_mean", "policy/entropy", "response/length_mean")
 
 
 def cfg_for(work: Path, name: str, extra: list[str]):
@@ -52,53 +57,60 @@ def first_update(work: Path, name: str, extra: list[str]) -> dict:
     """Losses of the first PPO update on greedy rollouts (identical inputs in every variant)."""
     cfg = cfg_for(work, name, ["iterations=1", "generation.temperature=0"] + extra)
     h = train(cfg).history[0]
-    return {k: h[k] for k in ("loss/policy", "loss/value", "score/mean", "kl/sequence_mean",
-                              "policy/entropy", "response/length_mean")}
+    return {k: h[k] for k in LOSS_KEYS}
 
 
-def varied_lengths(work: Path, mode: str) -> dict:
-    """Many stop tokens make response lengths differ between ranks: no rank may hang."""
-    from ds_ppo.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer("builtin:tiny", work / f"varied_{mode}")
-    pieces = sorted(v for v in tok.get_vocab() if v.startswith("▁"))[:150]
-    stops = "[" + ",".join(json.dumps(p) for p in pieces) + "]"
-    widths = []
-    cfg = cfg_for(work, f"varied_{mode}", [f"generation.mode={mode}", "iterations=2",
-                                            f"generation.stop_tokens={stops}",
-                                            "generation.max_new_tokens=12"])
-    t0 = time.time()
-    res = train(cfg)
-    for h in res.history:
-        widths.append(h["response/length_max"])
-    lengths = dist.gather_objects([h["response/length_mean"] for h in res.history])
-    return {"seconds": time.time() - t0, "iterations": len(res.history), "widths": widths,
-            "per_rank_length_means": lengths}
-
-
-def replica_and_roles(work: Path) -> dict:
-    """One iteration through the public stages; then: reference unchanged, policy changed, and
-    the generation replica built after the update equals the trained policy."""
-    from ds_ppo.data.prompts import left_pad, load_prompts
-    from ds_ppo.data.tokenizer import load_tokenizer
-    from ds_ppo.engine.generation import build_replica
-    from ds_ppo.engine.roles import init_engines
+def _stages(cfg, engines, tok, iteration: int, mode: str):
+    """One iteration through the public stage functions, on this rank's shard."""
+    from ds_ppo.data.prompts import load_prompts
     from ds_ppo.metrics import Accumulator
     from ds_ppo.rollout import make_rollout, stop_token_ids
     from ds_ppo.scoring import add_advantages, score
     from ds_ppo.update import ppo_update
 
+    prompts = load_prompts(cfg.data, tok)
+    per_rank = cfg.ppo.rollout_batch_size // dist.world_size()
+    start = (iteration * dist.world_size() + dist.rank()) * per_rank
+    rollout, _ = make_rollout(prompts, list(range(start, start + per_rank)), engines, cfg, tok,
+                              mode, stop_token_ids(tok, cfg))
+    exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
+    ppo_update(exp, engines, cfg, iteration, Accumulator())
+    return rollout
+
+
+def varied_lengths(work: Path, mode: str) -> dict:
+    """Many stop tokens make response lengths differ between ranks: no rank may hang, in the
+    whole loop (train) and stage by stage (each rank's own response widths recorded)."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.roles import init_engines
+
+    tok = load_tokenizer("builtin:tiny", work / f"varied_{mode}")
+    pieces = sorted(v for v in tok.get_vocab() if v.startswith("▁"))[:150]
+    stops = "[" + ",".join(json.dumps(p) for p in pieces) + "]"
+    cfg = cfg_for(work, f"varied_{mode}", [f"generation.mode={mode}", "iterations=2",
+                                            f"generation.stop_tokens={stops}",
+                                            "generation.max_new_tokens=12"])
+    t0 = time.time()
+    res = train(cfg)
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    widths = [_stages(cfg, engines, tok, it, mode).response_ids.shape[1] for it in range(3)]
+    return {"seconds": time.time() - t0, "iterations": len(res.history),
+            "widths_per_rank": dist.gather_objects(widths)}
+
+
+def replica_and_roles(work: Path) -> dict:
+    """One iteration through the public stages; then: reference unchanged, policy changed, and
+    the generation replica built after the update equals the trained policy."""
+    from ds_ppo.data.prompts import left_pad
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.roles import init_engines
+
     cfg = cfg_for(work, "replica", ["iterations=1"])
     tok = load_tokenizer("builtin:tiny", work / "replica")
     engines = init_engines(cfg, tok, torch.device("cpu"))
     ref0, pol0 = gathered(engines.reference.module), gathered(engines.policy.module)
-    prompts = load_prompts(cfg.data, tok)
-    per_rank = cfg.ppo.rollout_batch_size // dist.world_size()
-    shard = list(range(dist.rank() * per_rank, (dist.rank() + 1) * per_rank))
-    rollout, _ = make_rollout(prompts, shard, engines, cfg, tok, "gathered",
-                              stop_token_ids(tok, cfg))
-    exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
-    ppo_update(exp, engines, cfg, 1, Accumulator())
+    _stages(cfg, engines, tok, 0, "gathered")
     ref1, pol1 = gathered(engines.reference.module), gathered(engines.policy.module)
 
     ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)

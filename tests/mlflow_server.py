@@ -2,10 +2,13 @@
 
 Reuse from any test module:
 
-    from mlflow_server import mlflow_server  # noqa: F401  (session fixture -> its URI)
+    from mlflow_server import mlflow_server, mlflow_uri  # noqa: F401  (fixtures)
 
-or call `start_mlflow_server(dir)` / `stop_mlflow_server(proc)` for a server of your own
-(e.g. one to kill mid-run).
+    def test_x(mlflow_uri): ...   # "http://127.0.0.1:<port>", running
+
+`mlflow_server` is the session's `MlflowServer` (uri, db_uri, stop(kill=True),
+ensure_running()); `start_mlflow_server(dir)` / `stop_mlflow_server(proc)` give a server of
+your own.
 """
 from __future__ import annotations
 
@@ -38,23 +41,25 @@ def _healthy(uri: str) -> bool:
         return False
 
 
-def start_mlflow_server(root: str | os.PathLike,
+def start_mlflow_server(root: str | os.PathLike, port: int | None = None,
                         timeout_s: float = START_TIMEOUT_S) -> tuple[str, subprocess.Popen]:
-    """Start `mlflow server` storing in `root`; wait (bounded) for /health. -> (uri, process)."""
+    """Start `mlflow server` storing in `root`; wait (bounded) for /health. -> (uri, process).
+
+    Restarting on the same root and port continues the same database and artifacts.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1", "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
            "--serve-artifacts", "--artifacts-destination", str(root.resolve() / "artifacts")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job-runner process: starts 2x faster
-    log = open(root / "server.log", "wb")
-    # own process group: stopping it also stops uvicorn's worker
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    log.close()
+    with open(root / "server.log", "ab") as log:
+        # own process group: stopping it also stops uvicorn's worker
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _healthy(uri):
@@ -90,11 +95,48 @@ def stop_mlflow_server(proc: subprocess.Popen, kill: bool = False, wait_s: float
     proc.wait()
 
 
+class MlflowServer:
+    """A restartable server: the same URI, database and artifacts across kill/restart."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def db_uri(self) -> str:
+        """The backend database, readable with MlflowClient even while the server is down."""
+        return f"sqlite:///{self.root.resolve() / 'mlflow.db'}"
+
+    def ensure_running(self) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            _, self.proc = start_mlflow_server(self.root, self.port)
+        return self.uri
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None:
+            stop_mlflow_server(self.proc, kill=kill)
+            self.proc = None
+
+
+_shared: MlflowServer | None = None  # one server even when several modules import the fixture
+
+
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory) -> str:
-    """URI of a real MLflow tracking server shared by the session's tests."""
-    uri, proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow_server"))
+def mlflow_server(tmp_path_factory) -> MlflowServer:
+    """The session's MLflow tracking server, started on first `ensure_running()` (a test may
+    kill it: `mlflow_uri` restarts it on the same port and database)."""
+    global _shared
+    if _shared is None:
+        _shared = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
     try:
-        yield uri
+        yield _shared
     finally:
-        stop_mlflow_server(proc)
+        _shared.stop()
+
+
+@pytest.fixture
+def mlflow_uri(mlflow_server) -> str:
+    """URI of the session's MLflow server, (re)started if needed."""
+    return mlflow_server.ensure_running()

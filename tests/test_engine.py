@@ -13,8 +13,8 @@ import pytest
 from conftest import REPO, clean_env, deepspeed_cmd, free_port
 
 pytestmark = pytest.mark.launcher
-LOSS_KEYS = ("loss/policy", "loss/value", "score/mean", "kl/sequence_mean", "policy/entropy",
-             "response/length_mean")
+LOSS_KEYS = ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac", "score/mean",
+             "kl/sequence_mean", "policy/entropy", "response/length_mean")
 
 
 def _run_checks(tmp_path_factory, ranks: int) -> dict:
@@ -48,9 +48,13 @@ def two_ranks(tmp_path_factory):
     return _run_checks(tmp_path_factory, 2)
 
 
-def _close(a: dict, b: dict, tol: float = 2e-5) -> list[str]:
+def _close(a: dict, b: dict, rel: float = 1e-3, abs_: float = 1e-6) -> list[str]:
+    """Differences beyond float noise. The tolerance is relative 1e-3: batching changes the order
+    of float32 reductions (~1e-7 relative), and the second optimizer step's losses carry that
+    through one AdamW step; a real bug (a wrong loss scale, a lost micro-batch) moves them by
+    tens of percent."""
     return [f"{k}: {a[k]} vs {b[k]}" for k in LOSS_KEYS
-            if abs(a[k] - b[k]) > tol * max(1.0, abs(a[k]))]
+            if abs(a[k] - b[k]) > abs_ + rel * abs(a[k])]
 
 
 def test_two_ranks_complete_with_zero3(two_ranks):
@@ -62,8 +66,10 @@ def test_two_ranks_complete_with_zero3(two_ranks):
 def test_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
     assert one_rank["world_size"] == 1
     assert not _close(one_rank["zero3_micro4"], two_ranks["zero3_micro4"])
-    # the losses are not trivially equal: a real update happened
+    # not trivially equal: the second optimizer step saw the first one's update
     assert one_rank["zero3_micro4"]["loss/value"] > 0
+    assert one_rank["zero3_micro4"]["policy/approx_kl"] > 0
+    assert one_rank["zero3_micro4"]["loss/policy"] != 0
 
 
 def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):
@@ -81,8 +87,8 @@ def test_first_update_invariant_to_micro_batch_times_accumulation(one_rank, two_
 def test_ranks_with_different_response_lengths_do_not_hang(two_ranks, mode):
     res = two_ranks[f"varied_{mode}"]
     assert res["iterations"] == 2
-    per_rank = res["per_rank_length_means"]  # [rank][iteration]
-    assert any(per_rank[0][i] != per_rank[1][i] for i in range(2)), per_rank
+    widths = res["widths_per_rank"]  # [rank][iteration]: each rank's longest response
+    assert len(widths) == 2 and widths[0] != widths[1], widths
 
 
 def test_reference_frozen_policy_trained(one_rank, two_ranks):

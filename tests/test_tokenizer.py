@@ -21,7 +21,8 @@ from ds_ppo.errors import ConfigError, DataError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
 TEXTS = ["the cat sat in the park", "we had a wonderful time at the beach",
-         "Hello World, 12345!  two  spaces", "naïve café ünïcödé 😀", "a\ttab and\na newline"]
+         "Hello World, 12345!  two  spaces", "naïve café ünïcödé 😀",
+         "a\ttab and\na newline"]
 
 
 def _env() -> dict[str, str]:

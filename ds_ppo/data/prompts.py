@@ -17,6 +17,7 @@ source                      read by                                    rows are 
 ``.parquet``                ``datasets.load_dataset("parquet")``       ``row N``
 ``save_to_disk`` directory  ``datasets.load_from_disk``                ``row N``
 hub name / data directory   ``datasets.load_dataset(name)``            ``row N``
+``DIR/<split>.jsonl`` etc.  as that file's format                      as that format
 null                        the shipped tiny corpus (no ``datasets``)  ``row N``
 ==========================  =========================================  ====================
 
@@ -27,9 +28,10 @@ then goes through the same ``datasets.Dataset.map(batched=True)`` tokenisation (
 prompts excepted: they must work where ``datasets`` is not installed).
 
 Splits: a single file (and the builtin prompts) is the one split ``train``; a save_to_disk
-``DatasetDict`` or a hub dataset has its own. Any split may be sliced as in ``datasets``:
-``train[:90%]`` / ``train[90%:]``, ``train[100:200]``. ``data.eval_split`` may also be the
-path of a second file.
+``DatasetDict`` or a hub dataset has its own; a directory holding ``train.jsonl`` and
+``test.jsonl`` (or .json, .csv, .parquet) has one per file. Any split may be sliced as in
+``datasets``: ``train[:90%]`` / ``train[90%:]``, ``train[100:200]``. ``data.eval_split`` may
+also be the path of a second file.
 """
 from __future__ import annotations
 
@@ -156,7 +158,8 @@ def _read_jsonl(path: Path, text: str | None = None) -> _Table:
     records: list[dict | None] = []
     where: list[str] = []
     broken: dict[int, str] = {}
-    for n, line in enumerate(text.splitlines(), start=1):
+    # split("\n"), not splitlines(): U+2028 and friends may stand unescaped inside JSON strings
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue  # blank lines are not rows (many writers end with one)
         where.append(f"line {n}")
@@ -181,7 +184,7 @@ def _read_json(path: Path) -> _Table:
     except json.JSONDecodeError as e:
         # Many ".json" files are JSON lines (datasets reads them so too): a first line that is
         # an object on its own says so, and the line-by-line reader then names the bad line.
-        first = text.lstrip().splitlines()[0]
+        first = text.lstrip().split("\n")[0]
         try:
             is_lines = isinstance(json.loads(first), dict)
         except json.JSONDecodeError:
@@ -249,9 +252,12 @@ def _dataset_table(ds: Any, source: str) -> _Table:
 
 @contextmanager
 def _quiet_datasets() -> Iterator[Any]:
-    """datasets without its progress bars (one summary line is logged instead)."""
-    import datasets
-
+    """The datasets module, its progress bars off (one summary line is logged instead)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("reading data.path needs the `datasets` package (pip install datasets); "
+                        "only the builtin prompts (data.path = null) work without it") from None
     was_disabled = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -263,25 +269,24 @@ def _quiet_datasets() -> Iterator[Any]:
 
 def _read_parquet(path: Path) -> _Table:
     _check_readable(path)
-    try:
-        with _quiet_datasets() as datasets:
+    with _quiet_datasets() as datasets:
+        try:
             ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
-    except Exception as e:  # pyarrow raises many types; all mean "not a readable Parquet file"
-        raise DataError(f"file {path}: cannot read it as Parquet ({type(e).__name__}: {e})") from None
+        except Exception as e:  # pyarrow raises many types; all mean "not readable Parquet"
+            raise DataError(f"file {path}: cannot read it as Parquet "
+                            f"({type(e).__name__}: {e})") from None
     if len(ds) == 0:
         raise DataError(f"file {path}: the file is empty (no rows)")
     return _dataset_table(ds, f"file {path}")
 
 
 def _read_disk(path: Path, split: str) -> _Table:
-    import datasets
-
-    try:
-        with _quiet_datasets():
+    with _quiet_datasets() as datasets:
+        try:
             ds = datasets.load_from_disk(str(path))
-    except Exception as e:  # a damaged directory fails in arrow or json; all mean unreadable
-        raise DataError(f"directory {path}: cannot read it as a save_to_disk dataset "
-                        f"({type(e).__name__}: {e})") from None
+        except Exception as e:  # a damaged directory fails in arrow or json: unreadable
+            raise DataError(f"directory {path}: cannot read it as a save_to_disk dataset "
+                            f"({type(e).__name__}: {e})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"directory {path}: no split {split!r} (splits: {', '.join(ds)})")
@@ -295,12 +300,12 @@ def _read_disk(path: Path, split: str) -> _Table:
 
 
 def _read_hub(name: str, split: str) -> _Table:
-    try:
-        with _quiet_datasets() as datasets:
+    with _quiet_datasets() as datasets:
+        try:
             ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # network, auth, missing split, bad files: report them all alike
-        raise DataError(f"dataset {name!r} split {split!r}: cannot load it with "
-                        f"datasets.load_dataset ({type(e).__name__}: {e})") from None
+        except Exception as e:  # network, auth, missing split, bad files: all alike
+            raise DataError(f"dataset {name!r} split {split!r}: cannot load it with "
+                            f"datasets.load_dataset ({type(e).__name__}: {e})") from None
     if len(ds) == 0:
         raise DataError(f"dataset {name!r} split {split!r}: the dataset is empty (no rows)")
     return _dataset_table(ds, f"dataset {name!r} split {split!r}")
@@ -333,10 +338,20 @@ def _resolve_format(path_str: str, fmt: str) -> str:
     return "hub"  # e.g. "Dahoas/rm-static"
 
 
+def _split_file(directory: Path, split_name: str) -> Path | None:
+    """``DIR/<split>.<jsonl|json|csv|parquet>`` when exactly one such file exists."""
+    found = [directory / f"{split_name}{suffix}" for suffix in _SUFFIX_FORMAT]
+    found = [f for f in found if f.is_file()]
+    return found[0] if len(found) == 1 else None
+
+
 def _read_table(path_str: str, fmt: str, split_name: str) -> _Table:
     fmt = _resolve_format(path_str, fmt)
     path = Path(path_str).expanduser()
-    if fmt == "hub":
+    if fmt == "hub" and path.is_dir() and (one := _split_file(path, split_name)) is not None:
+        # DIR/train.jsonl + DIR/test.jsonl: read each split as a file, with line numbers
+        fmt, path, split_name = _SUFFIX_FORMAT[one.suffix.lower()], one, SINGLE_SPLIT
+    elif fmt == "hub":
         return _read_hub(path_str, split_name)
     if not path.exists():
         raise DataError(f"{'directory' if fmt == 'disk' else 'file'} {path_str}: not found")
@@ -526,8 +541,11 @@ def _tokenize_with_datasets(texts: list[str], chat: list[bool],
                             tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     with _quiet_datasets() as datasets:
         ds = datasets.Dataset.from_dict({"text": texts, "chat": chat})
+        # new_fingerprint: an in-memory dataset is never cached, so hashing the tokenizer
+        # (slow for large vocabularies, and a warning when it cannot be pickled) buys nothing
         ds = ds.map(lambda b: {"input_ids": _tokenize(b["text"], b["chat"], tokenizer)},
-                    batched=True, remove_columns=["text", "chat"])
+                    batched=True, remove_columns=["text", "chat"],
+                    new_fingerprint="ds_ppo_tokenize_prompts")
         return [list(r) for r in ds["input_ids"]]
 
 
@@ -554,8 +572,8 @@ def load_prompts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     Args:
         cfg: the ``data`` section of the config.
         tokenizer: the policy's tokenizer (its chat template renders chat rows).
-        split: a split spec (``train``, ``test``, ``train[:90%]``) or, for a source that is a
-            single file, the path of another file of prompts; default ``cfg.split``. The
+        split: a split spec (``train``, ``test``, ``train[:90%]``) or the path of another
+            file of prompts (.jsonl, .json, .csv, .parquet); default ``cfg.split``. The
             trainer passes ``cfg.eval_split`` for the evaluation prompts.
 
     Returns:
@@ -593,7 +611,8 @@ def load_prompts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     prompts = _apply_max_len(valid, ids, cfg, tokenizer, source)
     prompts.stats.update(rows=len(rows), skipped_bad=prompts.stats["skipped_bad"] + valid.skipped)
     if not prompts.input_ids:
-        raise DataError(f"{source} split {split!r}: no prompts left ({format_stats(prompts.stats)})")
+        raise DataError(f"{source} split {split!r}: no prompts left "
+                        f"({format_stats(prompts.stats)})")
     log.info("prompts, split %s, from %s: %s", split, source, format_stats(prompts.stats))
     return prompts
 

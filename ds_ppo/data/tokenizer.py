@@ -14,6 +14,7 @@ and a pad that equals EOS would be indistinguishable from a real end of response
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -71,8 +72,13 @@ def train_tokenizer(input_path: str | os.PathLike, vocab_size: int, out_dir: str
     Raises:
         DataError: the corpus is missing, unreadable or empty, or SentencePiece rejects the
             settings (e.g. a vocab_size too large for the corpus).
+        ConfigError: a model_type or vocab_size that cannot work, or no sentencepiece package.
     """
-    import sentencepiece as spm
+    try:
+        import sentencepiece as spm
+    except ImportError:
+        raise ConfigError("training a tokenizer (also builtin:tiny) needs the sentencepiece "
+                          "package: pip install sentencepiece") from None
 
     src, out = Path(input_path), Path(out_dir)
     if model_type not in ("bpe", "unigram"):
@@ -88,14 +94,12 @@ def train_tokenizer(input_path: str | os.PathLike, vocab_size: int, out_dir: str
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"tokenizer corpus {src}: cannot read it as UTF-8 text: {e}") from None
 
-    import io
-
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             input=str(src), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             # Text is kept as written: identity normalisation and no whitespace folding make
-            # the HF pipeline below a plain Metaspace + model, identical to SentencePiece.
+            # the HF pipeline below a plain Metaspace + model (see _hf_tokenizer_from_spm).
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=True, byte_fallback=True, character_coverage=1.0,
             split_digits=True,
@@ -122,7 +126,8 @@ def _hf_tokenizer_from_spm(proto: bytes, model_type: str) -> PreTrainedTokenizer
 
     Only for models trained by :func:`train_tokenizer` (identity normalisation, dummy prefix,
     byte fallback). Written here rather than through transformers' converters, whose internals
-    change between transformers versions.
+    change between transformers versions. One known difference, shared with transformers' own
+    Llama conversion: a text that starts with a space gets no extra "▁" piece for it.
     """
     import sentencepiece as spm
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors

@@ -107,6 +107,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
 def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> dict:
     kw = dict(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
               eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
+    if pad_id not in eos_ids:
+        kw["suppress_tokens"] = [pad_id]  # a sampled pad would read as padding downstream
     if cfg.temperature == 0:
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
