@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from ds_ppo.config import Config, apply_overrides, load_config, validate
 from ds_ppo.errors import ConfigError, UserError
 
@@ -149,7 +151,7 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
             return policy_hf, "policy's shape (assumed)"
         return hf, "arch" if arch is not None else f"path {path}"
 
-    reward_hf = None
+    reward_hf, reward_src = None, None
     if cfg.reward.model is not None:
         reward_hf, reward_src = other("reward.model", cfg.reward.model)
     ref_hf, ref_src = (policy_hf, policy_src) if cfg.reference.path is None else \
@@ -360,7 +362,7 @@ class Plan:
     micro_batch: int
     score_micro_batch: int
     gen_batch: int
-    generation_mode: str  # resolved: gathered | zero3 | direct (policy not ZeRO-3)
+    generation_mode: str  # resolved: gathered | zero3
     resident_bytes: int
     phases: list[Phase]
     peak_gpu_bytes: int
@@ -421,18 +423,16 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
             ps, prompt, gen_batch, cfg.policy.attn_implementation == "eager"),
         "fp32 logits of one step": gen_batch * ps.vocab * 4,
     }
+    # The same rule as the engine's generation.choose_mode, on the free memory of this plan.
     mode = cfg.generation.mode
-    if pol.zero_stage < 3:
-        mode = "direct"  # the engine's module already holds whole 16-bit weights
-    elif mode == "auto":
+    if mode == "auto":
         free = cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES
         mode = "gathered" if replica <= cfg.generation.replica_memory_fraction * free else "zero3"
+    gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
     if mode == "gathered":
-        gen = {"16-bit policy replica": replica, "layer gather while copying": 2 * ps.largest_layer_params}
-    elif mode == "zero3":
-        gen = {"layer gather (ZeRO-3 hooks)": 2 * ps.largest_layer_params}
+        gen = {"16-bit policy replica": replica, "layer gather while copying": gather}
     else:
-        gen = {}
+        gen = {"layer gather (ZeRO-3 hooks)": gather}
     phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))
 
     # scoring: one forward per model role over the rollout, score_micro sequences at a time
@@ -445,7 +445,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
                  else cfg.value.attn_implementation if role == "value"
                  else "sdpa") == "eager"
         t = {"layer gather": _forward_gather(rp),
-             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, score_micro, eager)}
+             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, score_micro,
+                                                               eager)}
         if role in ("policy", "reference"):
             t["logits"] = logits_bytes(rp.shape, tokens, score_micro)
         phases.append(Phase(f"scoring: {role}", t))
@@ -528,7 +529,7 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
 def _with_overrides(cfg: Config, overrides: tuple[str, ...]) -> Config | None:
     try:
         return Config.model_validate(apply_overrides(cfg.to_dict(), list(overrides)))
-    except Exception:  # a lever that makes the config invalid is not a lever
+    except (ConfigError, ValidationError):  # a lever that makes the config invalid is none
         return None
 
 
@@ -711,7 +712,7 @@ def format_plan(p: Plan, title: str) -> str:
                        + (f"then it {fits_word}." if last.fits_after else "still does not fit."))
         if p.min_nodes:
             out.append(f"Or scale out: as configured it fits on {p.min_nodes} nodes of "
-                       f"{c.gpus_per_node} GPUs.")
+                       f"{c.gpus_per_node} GPUs (the ppo batch sizes must divide that world size).")
     if p.notes:
         out += ["", "Notes:"] + [f"- {n}" for n in p.notes]
     return "\n".join(out)

@@ -178,8 +178,10 @@ def _start_or_resume(cfg: Config, engines: Engines):
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
         _seed_sampling(cfg.seed)
+        _truncate_metrics_log(cfg, 0)
         return state, kl_ctl
     state = load_checkpoint(path, engines)
+    _truncate_metrics_log(cfg, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
     state.world_size = dist.world_size()
     log.info("resumed from %s (iteration %d)", path, state.iteration)
@@ -187,6 +189,18 @@ def _start_or_resume(cfg: Config, engines: Engines):
         log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
                  "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
     return state, kl_ctl
+
+
+def _truncate_metrics_log(cfg: Config, iteration: int) -> None:
+    """metrics.jsonl keeps each iteration once: rows after the resumed iteration (run before a
+    crash, about to be run again) are dropped."""
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    if dist.is_main() and path.exists():
+        rows = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["iteration"] <= iteration]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        tmp.replace(path)
 
 
 def _seed_sampling(seed: int) -> None:

@@ -108,6 +108,7 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
     engines.policy.save_checkpoint(str(tmp / "policy"), tag=TAG, save_latest=False)
     engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
+    _fault_point("save", state.iteration)
     if dist.is_main():
         engines.policy.module.config.save_pretrained(tmp / "hf")
         tokenizer.save_pretrained(tmp / "hf")
@@ -124,6 +125,17 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
         _prune(root, keep_last)
     dist.barrier()
     return final
+
+
+def _fault_point(where: str, iteration: int) -> None:
+    """Fault injection for the crash tests: DS_PPO_FAULT=kill_during_save:N makes the process
+    SIGKILL itself in the middle of saving iteration N (after the engines wrote their files,
+    before the checkpoint is complete)."""
+    spec = os.environ.get("DS_PPO_FAULT", "")
+    if spec == f"kill_during_{where}:{iteration}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _prune(root: Path, keep_last: int) -> None:
