@@ -18,7 +18,7 @@ Sources of the formulas:
   redone for a Llama-style layer (see `layer_activation_bytes`).
 - KV cache: 2 (K and V) * layers * kv_heads * head_dim * tokens * batch * 2 bytes.
 
-Imports torch, transformers and yaml only (never deepspeed).
+Besides ds_ppo.config it imports only torch and transformers (lazily), never deepspeed.
 """
 from __future__ import annotations
 
@@ -142,6 +142,9 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
             "(no config.json there or in the Hugging Face cache); set policy.arch to its "
             "config fields or point policy.path to a local model directory")
     policy_src = "arch" if cfg.policy.arch is not None else f"path {cfg.policy.path}"
+    if cfg.policy.arch is not None and "vocab_size" not in cfg.policy.arch:
+        notes.append(f"policy.arch has no vocab_size: planned with transformers' default "
+                     f"{policy_hf.get_text_config().vocab_size} (training takes the tokenizer's)")
 
     def other(what: str, path: str | None, arch: dict | None = None):
         hf = _hf_config(path, arch)

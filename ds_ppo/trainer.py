@@ -18,8 +18,9 @@ import torch
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
-from ds_ppo.engine.checkpoint import (TrainerState, clean_partial, latest_checkpoint,
-                                      load_checkpoint, resolve_checkpoint, save_checkpoint)
+from ds_ppo.engine.checkpoint import (TrainerState, clean_partial, ensure_universal,
+                                      latest_checkpoint, load_checkpoint, read_state,
+                                      resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_mode
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
@@ -52,8 +53,9 @@ def train(cfg: Config) -> TrainResult:
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, reward_encode = _load_data(cfg, out)
-    engines = init_engines(cfg, tokenizer, device)
-    state, kl_ctl = _start_or_resume(cfg, engines)
+    resume_from, universal = _find_resume(cfg)
+    engines = init_engines(cfg, tokenizer, device, load_universal=universal)
+    state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
     tracker = _open_tracker(cfg, engines, state)
     eos_ids = stop_token_ids(tokenizer, cfg)
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
@@ -162,29 +164,43 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     return encode
 
 
-def _start_or_resume(cfg: Config, engines: Engines):
-    p = cfg.ppo
-    kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
-              if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
+def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
+    """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
+    DeepSpeed's universal format because the data-parallel world size changed."""
     clean_partial(cfg.output_dir)
-    path = None
     if cfg.resume == "auto":
         path = latest_checkpoint(cfg.output_dir)
     elif cfg.resume != "never":
         path = resolve_checkpoint(cfg.resume)
-    elif latest_checkpoint(cfg.output_dir) is not None:
-        raise ConfigError(f"resume = never but {cfg.output_dir} already holds checkpoints; use "
-                          "resume=auto to continue or a new output_dir")
+    else:
+        if latest_checkpoint(cfg.output_dir) is not None:
+            raise ConfigError(f"resume = never but {cfg.output_dir} already holds checkpoints; "
+                              "use resume=auto to continue, or a new output_dir")
+        path = None
+    if path is None:
+        return None, False
+    universal = read_state(path).world_size != dist.world_size()
+    if universal:
+        ensure_universal(path)
+    return path, universal
+
+
+def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal: bool):
+    p = cfg.ppo
+    kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
+              if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
         _seed_sampling(cfg.seed)
         _truncate_metrics_log(cfg, 0)
         return state, kl_ctl
-    state = load_checkpoint(path, engines)
+    state = load_checkpoint(path, engines, universal)
     _truncate_metrics_log(cfg, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
+    log.info("resumed from %s (iteration %d%s)", path, state.iteration,
+             f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
+             if universal else "")
     state.world_size = dist.world_size()
-    log.info("resumed from %s (iteration %d)", path, state.iteration)
     if state.iteration >= cfg.iterations:
         log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
                  "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
@@ -213,8 +229,9 @@ def _seed_sampling(seed: int) -> None:
 def _sampler(cfg: Config, num_prompts: int):
     from ds_ppo.data.prompts import PromptSampler
 
+    # grouped by PPO mini-batch, so each optimizer step sees the same prompts at any world size
     return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.rank(), dist.world_size(),
-                         cfg.seed, shuffle=cfg.data.shuffle)
+                         cfg.seed, shuffle=cfg.data.shuffle, group_size=cfg.ppo.mini_batch_size)
 
 
 def _open_tracker(cfg: Config, engines: Engines, state: TrainerState):

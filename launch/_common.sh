@@ -66,7 +66,11 @@ ds_ppo_write_env_file() {
     printf '%s=%s\n' "$name" "${!name}" >>"$tmp"
   done
   mv -f "$tmp" "$file"
-  echo "ds_ppo: ${file} forwards ${names[*]:-(no MLFLOW_/NCCL_ variables set)} to every node" >&2
+  if [[ ${#names[@]} -gt 0 ]]; then
+    echo "ds_ppo: ${file} forwards ${names[*]} to every node" >&2
+  else
+    echo "ds_ppo: ${file}: no variable starting with ${prefixes// / or } is set" >&2
+  fi
 }
 
 ds_ppo_hosts() {

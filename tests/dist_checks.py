@@ -68,11 +68,11 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     from ds_ppo.scoring import add_advantages, score
     from ds_ppo.update import ppo_update
 
+    from ds_ppo.trainer import _sampler
+
     prompts = load_prompts(cfg.data, tok)
-    per_rank = cfg.ppo.rollout_batch_size // dist.world_size()
-    start = (iteration * dist.world_size() + dist.rank()) * per_rank
-    rollout, _ = make_rollout(prompts, list(range(start, start + per_rank)), engines, cfg, tok,
-                              mode, stop_token_ids(tok, cfg))
+    rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
+                              engines, cfg, tok, mode, stop_token_ids(tok, cfg))
     exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
     ppo_update(exp, engines, cfg, iteration, Accumulator())
     return rollout

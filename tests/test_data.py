@@ -435,3 +435,22 @@ def test_left_pad():
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     assert ids.dtype == mask.dtype == torch.long
+
+
+def test_sampler_groups_by_minibatch_invariant_to_world_size():
+    """Mini-batch j (the j-th G/W samples of each rank) is the same set of prompts for W=1,2,4."""
+    G, B = 8, 32
+
+    def minibatches(world):
+        ranks = [PromptSampler(100, B, r, world, seed=3, group_size=G) for r in range(world)]
+        share = G // world
+        out = []
+        for j in range(B // G):
+            out.append(sorted(sum((s.indices(5)[j * share:(j + 1) * share] for s in ranks), [])))
+        return out
+
+    assert minibatches(1) == minibatches(2) == minibatches(4)
+    two = [PromptSampler(100, B, r, 2, seed=3, group_size=G) for r in range(2)]
+    assert sorted(two[0].indices(5) + two[1].indices(5)) == sorted(two[0].global_indices(5))
+    with pytest.raises(ValueError):
+        PromptSampler(100, B, 0, 3, seed=3, group_size=G)

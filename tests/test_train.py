@@ -89,19 +89,19 @@ def test_export_loads_without_ds_ppo_and_matches_training_export(default_run, tm
 import json, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 outs = []
-for d in ({a!r}, {b!r}):
+for d in ({a!r}, {b!r}, {c!r}):
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d)
-    assert next(model.parameters()).dtype == torch.bfloat16
+    assert d == {c!r} or next(model.parameters()).dtype == torch.bfloat16
     model = model.float()
     ids = tok(["the cat", "my aunt is"], return_tensors="pt", padding=True)
     o = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
     outs.append(o.tolist())
 print(json.dumps(outs))
-""".format(a=str(tmp_path / "hf"), b=str(out / "final"))
-    offline, in_training = _export_and_generate(gen, tmp_path)
+""".format(a=str(tmp_path / "hf"), b=str(out / "final"), c=str(out / "init_models" / "policy"))
+    offline, in_training, initial = _export_and_generate(gen, tmp_path)
     assert offline == in_training
-    assert offline[0][-10:] != [offline[0][-1]] * 10  # it generates, not one token repeated
+    assert offline != initial  # the trained weights were exported, not the initial ones
 
 
 def test_resume_continues_exactly(tmp_path):

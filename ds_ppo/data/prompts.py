@@ -664,17 +664,18 @@ class PromptSampler:
 
     The stream of prompt indices is the concatenation of one permutation per epoch
     (epoch e shuffled by a ``torch.Generator`` seeded with ``seed + e``; the identity when
-    ``shuffle`` is False). Iteration i's global batch is ``stream[i*B:(i+1)*B]`` and rank r
-    takes the contiguous slice ``[r*B/W, (r+1)*B/W)`` of it, so the ranks' slices concatenated
-    in rank order are the same global batch for any world size W (a 1-rank run and a 2-rank
-    run see the same prompts at the same iteration). Every epoch covers each prompt exactly
+    ``shuffle`` is False). Iteration i's global batch is ``stream[i*B:(i+1)*B]``, cut into
+    groups of ``group_size`` G (the PPO mini-batch; default B); rank r takes the slice
+    ``[r*G/W, (r+1)*G/W)`` of every group, in group order. So mini-batch j (the j-th G/W
+    samples of every rank) holds the same prompts for any world size W, and a 1-rank run and a
+    2-rank run train on the same mini-batches. Every epoch covers each prompt exactly
     once over all ranks; a batch may straddle an epoch boundary (its tail comes from the next
     epoch's permutation), so no prompt is ever dropped or repeated within an epoch. Resuming
     at iteration i needs nothing but i.
     """
 
     def __init__(self, num_prompts: int, global_batch_size: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool = True) -> None:
+                 seed: int, shuffle: bool = True, group_size: int | None = None) -> None:
         if num_prompts <= 0:
             raise ValueError(f"num_prompts must be > 0, got {num_prompts}")
         if global_batch_size <= 0 or world_size <= 0:
@@ -687,6 +688,11 @@ class PromptSampler:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         self.num_prompts, self.global_batch_size = num_prompts, global_batch_size
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.group_size = group_size or global_batch_size
+        if global_batch_size % self.group_size or self.group_size % world_size:
+            raise ValueError(f"group size {self.group_size} must divide the global batch size "
+                             f"{global_batch_size} and be divisible by the world size "
+                             f"{world_size}")
         self.per_rank = global_batch_size // world_size
         self._perms: dict[int, list[int]] = {}
 
@@ -716,8 +722,14 @@ class PromptSampler:
 
     def indices(self, iteration: int) -> list[int]:
         """This rank's B/W prompt indices of iteration ``iteration`` (0-based)."""
-        first = iteration * self.global_batch_size + self.rank * self.per_rank
-        return self._at(range(first, first + self.per_rank))
+        g, w = self.group_size, self.world_size
+        share = g // w
+        out: list[int] = []
+        for start in range(iteration * self.global_batch_size,
+                           (iteration + 1) * self.global_batch_size, g):
+            first = start + self.rank * share
+            out.extend(self._at(range(first, first + share)))
+        return out
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

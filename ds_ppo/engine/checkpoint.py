@@ -3,6 +3,8 @@
 Layout (output_dir/checkpoints/):
     iter_000010/policy/ds/...    DeepSpeed checkpoint of the policy (weights, optimizer, LR schedule)
     iter_000010/value/ds/...     the same for the value model
+    iter_000010/*/ds_universal/  made on demand: DeepSpeed's universal format, for resuming on
+                                 another data-parallel world size (e.g. 2 ranks -> 1)
     iter_000010/hf/              the policy's HF config + tokenizer (for `ds-ppo export`)
     iter_000010/hf_value/        the value model's HF config
     iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
@@ -25,6 +27,8 @@ import logging
 import os
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from ds_ppo.engine import dist
 
 log = logging.getLogger("ds_ppo")
 TAG = "ds"  # DeepSpeed tag inside each role's folder
+UNIVERSAL_TAG = "ds_universal"  # the same, converted for another world size
 
 
 @dataclass
@@ -153,13 +158,41 @@ def clean_partial(output_dir: str | Path) -> None:
     dist.barrier()
 
 
-def load_checkpoint(path: Path, engines) -> TrainerState:
-    """Restore engines (weights, optimizer, LR schedule), RNG of this rank, trainer state."""
-    data = json.loads((path / "trainer_state.json").read_text())
-    state = TrainerState(**data)
+def read_state(path: Path) -> TrainerState:
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+def ensure_universal(path: Path) -> None:
+    """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once),
+    so it loads on a different data-parallel world size. Collective."""
+    if dist.is_main():
+        for role in ("policy", "value"):
+            target = path / role / UNIVERSAL_TAG
+            if target.exists():
+                continue
+            log.info("converting %s to a universal checkpoint (world size changed)", path / role)
+            tmp = path / role / (UNIVERSAL_TAG + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                 "--input_folder", str(path / role / TAG), "--output_folder", str(tmp)],
+                capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"ds_to_universal failed for {path / role}:\n"
+                                   f"{proc.stderr[-3000:]}")
+            os.replace(tmp, target)
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerState:
+    """Restore engines (weights, optimizer, LR schedule), RNG of this rank, trainer state.
+    `universal`: load the universal-format copy (engines built with load_universal)."""
+    state = read_state(path)
     for role in ("policy", "value"):
         engine = getattr(engines, role)
-        loaded, _ = engine.load_checkpoint(str(path / role), tag=TAG, load_optimizer_states=True,
+        loaded, _ = engine.load_checkpoint(str(path / role),
+                                           tag=UNIVERSAL_TAG if universal else TAG,
+                                           load_optimizer_states=True,
                                            load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the {role} checkpoint in {path / role}")

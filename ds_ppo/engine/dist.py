@@ -15,6 +15,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# (rank, world size, local rank) as launchers that start every rank directly name them
+_RANK_SOURCES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def _rank_vars_from_mpi_or_slurm() -> None:
+    """`deepspeed --launcher openmpi|slurm` starts ranks without RANK/WORLD_SIZE: take them from
+    the MPI or SLURM variables (MASTER_ADDR/PORT come from the launcher's command line)."""
+    if "RANK" in os.environ:
+        return
+    for rank, size, local in _RANK_SOURCES:
+        if rank in os.environ and size in os.environ:
+            os.environ.update(RANK=os.environ[rank], WORLD_SIZE=os.environ[size],
+                              LOCAL_RANK=os.environ.get(local, "0"))
+            return
+
+
 def init_distributed() -> torch.device:
     """Join (or, run without a launcher, create) the process group; return this rank's device.
 
@@ -24,6 +44,7 @@ def init_distributed() -> torch.device:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    _rank_vars_from_mpi_or_slurm()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -49,7 +49,7 @@ def template_path(cfg: Config, role: Role) -> Path:
 
 
 def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype,
-                    hidden_size: int) -> dict[str, Any]:
+                    hidden_size: int, load_universal: bool = False) -> dict[str, Any]:
     """The filled DeepSpeed config dict for `role` (train roles get optimizer-step batch sizes,
     inference roles the scoring micro-batch)."""
     path = template_path(cfg, role)
@@ -83,6 +83,8 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     elif "offload_param" in zero and d.config is None:
         zero.pop("offload_param")
     _resolve_auto(zero, hidden_size)
+    if load_universal and role in TRAINED:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)

@@ -130,10 +130,10 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int) -> str:
 
 
 # ------------------------------------------------------------------------ the roles
-def _init_policy(cfg: Config, path: str, world: int, device, dtype):
+def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: bool):
     from transformers import AutoModelForCausalLM
 
-    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path))
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal)
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
             path, **_load_kwargs(dtype, cfg.policy.attn_implementation))
@@ -156,7 +156,7 @@ def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None) ->
     return policy_path
 
 
-def _init_value(cfg: Config, source: str, world: int, device, dtype):
+def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(source, num_labels=1)
@@ -164,7 +164,7 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype):
     # so that initialising from a reward model copies its score head exactly.
     config.classifier_dropout = 0.0
     config.token_classification_bias = False
-    ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source))
+    ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source), universal)
     with _zero_init_for(ds):
         model = AutoModelForTokenClassification.from_pretrained(
             source, config=config, **_load_kwargs(dtype, cfg.value.attn_implementation))
@@ -199,8 +199,10 @@ def _init_reward(cfg: Config, world: int, dtype):
     return _initialize(model, ds), ds
 
 
-def init_engines(cfg: Config, tokenizer, device: torch.device) -> Engines:
-    """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir."""
+def init_engines(cfg: Config, tokenizer, device: torch.device,
+                 load_universal: bool = False) -> Engines:
+    """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
+    `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
     from ds_ppo.rewards import load_reward_function
 
     world = dist.world_size()
@@ -215,10 +217,11 @@ def init_engines(cfg: Config, tokenizer, device: torch.device) -> Engines:
         value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1)
 
     ds_configs = {}
-    policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype)
+    policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
+                                                load_universal)
     value_src = _value_source(cfg, policy_path, value_arch)
     value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
-                                             resolve_dtype(cfg.value.dtype))
+                                             resolve_dtype(cfg.value.dtype), load_universal)
     reference, ds_configs["reference"] = _init_reference(
         cfg, cfg.reference.path or policy_path, world, dtype)
     reward, reward_fn = None, None
