@@ -8,6 +8,7 @@ The tree is frozen: nothing changes it mid-run.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +23,9 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # coerce_numbers_to_str: `tracking.run_name=2024` or `tags: {version: 2}` are strings
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              coerce_numbers_to_str=True)
 
 
 # ----------------------------------------------------------------------------- models
@@ -261,17 +264,33 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-5` as a string; read it as a float, as YAML 1.2 does (this matters
+    in untyped maps such as policy.arch, which go to transformers as they are)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
     if source is None:
         source = preset_path("tiny")
     path = Path(source)
-    if not path.exists() and preset_path(str(source)).exists():
+    if not path.is_file() and preset_path(str(source)).is_file():
         path = preset_path(str(source))
-    if not path.exists():
-        raise ConfigError(f"config file {str(source)!r} does not exist (presets: "
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(source)!r} {what} (presets: "
                           f"{', '.join(preset_names())})")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -301,7 +320,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                               "(e.g. ppo.kl_coef=0.05)")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = _load_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         parts = key.strip().split(".")
@@ -386,13 +405,16 @@ def validate(cfg: Config, world_size: int) -> None:
     for name in ("policy", "value"):
         m = getattr(cfg, name)
         if m.path is not None and m.arch is not None:
-            problems.append(f"{name}: set {name}.path or {name}.arch, not both")
+            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
+                            "(path loads weights, arch builds a randomly initialised model)")
         if m.max_grad_norm is not None and m.max_grad_norm <= 0:
             problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
         if m.arch is not None and "model_type" not in m.arch:
-            problems.append(f"{name}.arch needs a model_type (e.g. llama)")
+            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
+                            f"{name}.arch.model_type=llama)")
     if cfg.policy.path is None and cfg.policy.arch is None:
-        problems.append("policy: set policy.path (a model) or policy.arch (a random-init shape)")
+        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
+                        "or policy.arch (a random-init shape)")
     if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
@@ -404,8 +426,9 @@ def validate(cfg: Config, world_size: int) -> None:
     for role in ("policy", "value", "reference", "reward"):
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage != 3:
-            problems.append(f"deepspeed.{role}.offload_param needs zero_stage 3 "
-                            f"(got {d.zero_stage})")
+            problems.append(f"deepspeed.{role}.offload_param = True needs "
+                            f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
+                            f"deepspeed.{role}.offload_param=false")
         if d.config is not None and not Path(d.config).exists():
             problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
@@ -415,15 +438,19 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
-def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+def describe(model: type[BaseModel] = Config, prefix: str = "",
+             defaults: BaseModel | None = None) -> list[str]:
     """Lines `key (default): description` for every field, for `ds-ppo config`."""
+    # Defaults come from the default instance, not the section class: a section's own default
+    # may differ (deepspeed.reference defaults to offload_param=True).
+    defaults = model() if defaults is None else defaults
     lines = []
     for name, field in model.model_fields.items():
         sub = _section_type(model, name)
         key = f"{prefix}{name}"
+        default = getattr(defaults, name)
         if sub is not None:
-            lines.extend(describe(sub, key + "."))
+            lines.extend(describe(sub, key + ".", default))
         else:
-            default = field.get_default(call_default_factory=True)
             lines.append(f"{key} (default {default!r}): {field.description or ''}")
     return lines

@@ -54,9 +54,11 @@ def train(cfg: Config) -> TrainResult:
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, reward_encode = _load_data(cfg, out)
     resume_from, universal = _find_resume(cfg)
+    tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal)
+    _log_ds_configs(tracker, engines, resumed=resume_from is not None)
     state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
-    tracker = _open_tracker(cfg, engines, state)
+    state.mlflow_run_id = tracker.run_id
     eos_ids = stop_token_ids(tokenizer, cfg)
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
     sampler = _sampler(cfg, len(prompts.input_ids))
@@ -234,10 +236,11 @@ def _sampler(cfg: Config, num_prompts: int):
                          cfg.seed, shuffle=cfg.data.shuffle, group_size=cfg.ppo.mini_batch_size)
 
 
-def _open_tracker(cfg: Config, engines: Engines, state: TrainerState):
+def _open_tracker(cfg: Config, resume_from: Path | None):
+    """MLflow on rank 0 (continuing the checkpoint's run on resume); no-ops elsewhere."""
     import importlib.metadata as md
 
-    from ds_ppo.tracking import open_tracker
+    from ds_ppo.tracking import TrackingError, open_tracker
 
     tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
             "policy": cfg.policy.path or f"arch:{(cfg.policy.arch or {}).get('model_type')}",
@@ -247,12 +250,27 @@ def _open_tracker(cfg: Config, engines: Engines, state: TrainerState):
         tags["ds_ppo_version"] = md.version("ds-ppo")
     except md.PackageNotFoundError:
         pass
-    tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=state.mlflow_run_id, tags=tags,
-                           ds_configs=engines.ds_configs)
-    state.mlflow_run_id = dist.broadcast_object(tracker.run_id)
+    run_id = read_state(resume_from).mlflow_run_id if resume_from is not None else None
+    tracker, error = None, None
+    try:
+        tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=run_id, tags=tags,
+                               ds_configs={})
+    except TrackingError as e:
+        error = e
+    # rank 0's verdict reaches every rank, so a failed start stops the whole job, not one rank
+    message = dist.broadcast_object(str(error) if error is not None else None)
+    if message is not None:
+        raise error or TrackingError(f"rank 0 could not start MLflow tracking: {message}")
     if dist.is_main() and tracker.run_id:
         log.info("%s", tracker.where())
     return tracker
+
+
+def _log_ds_configs(tracker, engines: Engines, resumed: bool) -> None:
+    """Each role's final DeepSpeed config as a run artifact (once per run)."""
+    if not resumed:
+        for role, ds_config in engines.ds_configs.items():
+            tracker.log_dict(ds_config, f"deepspeed/{role}.json")
 
 
 # ------------------------------------------------------------------------- per iteration
