@@ -221,12 +221,18 @@ class RoleDeepSpeed(Section):
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
 
 
+class ReferenceDeepSpeed(RoleDeepSpeed):
+    """The reference: inference only, parameters offloaded to CPU by default. A class of its
+    own, so the default holds when a YAML file sets only some of the section's other keys."""
+
+    offload_param: bool = Field(True, description="Parameters on CPU (ZeRO-3 only); the "
+                                "reference streams its frozen weights in for scoring.")
+
+
 class DeepSpeedConfig(Section):
     policy: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
     value: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
-    reference: RoleDeepSpeed = Field(
-        default_factory=lambda: RoleDeepSpeed(offload_param=True),
-        description="Reference: inference only, parameters offloaded to CPU by default.")
+    reference: ReferenceDeepSpeed = Field(default_factory=ReferenceDeepSpeed)
     reward: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
 
 
@@ -438,19 +444,15 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
-def describe(model: type[BaseModel] = Config, prefix: str = "",
-             defaults: BaseModel | None = None) -> list[str]:
+def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     """Lines `key (default): description` for every field, for `ds-ppo config`."""
-    # Defaults come from the default instance, not the section class: a section's own default
-    # may differ (deepspeed.reference defaults to offload_param=True).
-    defaults = model() if defaults is None else defaults
     lines = []
     for name, field in model.model_fields.items():
         sub = _section_type(model, name)
         key = f"{prefix}{name}"
-        default = getattr(defaults, name)
         if sub is not None:
-            lines.extend(describe(sub, key + ".", default))
+            lines.extend(describe(sub, key + "."))
         else:
+            default = field.get_default(call_default_factory=True)
             lines.append(f"{key} (default {default!r}): {field.description or ''}")
     return lines

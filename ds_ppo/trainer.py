@@ -55,7 +55,8 @@ def train(cfg: Config) -> TrainResult:
     tokenizer, prompts, reward_encode = _load_data(cfg, out)
     resume_from, universal = _find_resume(cfg)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
-    engines = init_engines(cfg, tokenizer, device, load_universal=universal)
+    engines = init_engines(cfg, tokenizer, device, load_universal=universal,
+                           reward_shares_tokenizer=reward_encode is None or reward_encode.same)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
     state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
     state.mlflow_run_id = tracker.run_id
@@ -155,14 +156,19 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     from ds_ppo.data.tokenizer import load_tokenizer
 
     reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
-    if same_tokenizer(policy_tokenizer, reward_tok):
+    same = same_tokenizer(policy_tokenizer, reward_tok)
+    if same:
         def encode(rollout):
             ids, am = rollout.input_ids, rollout.attention_mask
             return ids[:, -cfg.reward.max_len:], am[:, -cfg.reward.max_len:]
     else:
+        log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
+                 "and re-encoded for it")
+
         def encode(rollout):
             return encode_for_reward(reward_tok, rollout.prompts, rollout.responses,
                                      cfg.reward.max_len)
+    encode.same = same
     return encode
 
 

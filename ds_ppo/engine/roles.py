@@ -145,10 +145,19 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     return _initialize(model, ds, opt, _warmup_schedule(opt, cfg.policy.warmup_steps)), ds
 
 
-def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None) -> str:
+def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
+                  reward_shares_tokenizer: bool) -> str:
+    """The value model reads the policy's token ids, so it can start from the reward model only
+    when the two share a tokenizer (auto then falls back to the policy)."""
     mode = cfg.value.init_from
     if mode == "auto":
-        mode = "reward" if cfg.reward.model is not None else "policy"
+        mode = "reward" if cfg.reward.model is not None and reward_shares_tokenizer else "policy"
+    if mode == "reward" and not reward_shares_tokenizer:
+        from ds_ppo.errors import ConfigError
+
+        raise ConfigError("value.init_from = 'reward' needs the reward model to share the "
+                          "policy's tokenizer (the value model reads policy token ids); use "
+                          "value.init_from=policy")
     if mode == "reward":
         return cfg.reward.model
     if mode == "path":
@@ -199,8 +208,8 @@ def _init_reward(cfg: Config, world: int, dtype):
     return _initialize(model, ds), ds
 
 
-def init_engines(cfg: Config, tokenizer, device: torch.device,
-                 load_universal: bool = False) -> Engines:
+def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
+                 reward_shares_tokenizer: bool = True) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
     from ds_ppo.rewards import load_reward_function
@@ -219,7 +228,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device,
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
                                                 load_universal)
-    value_src = _value_source(cfg, policy_path, value_arch)
+    value_src = _value_source(cfg, policy_path, value_arch, reward_shares_tokenizer)
+    if dist.is_main():
+        log.info("value model starts from %s", value_src)
     value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
                                              resolve_dtype(cfg.value.dtype), load_universal)
     reference, ds_configs["reference"] = _init_reference(

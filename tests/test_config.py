@@ -1,0 +1,373 @@
+"""The config tree: loading, overrides, validation errors (key + value + fix), presets, CLI.
+
+Everything here is in-process except a handful of `python -m ds_ppo` runs that check what a
+user sees: exit status 2, the message on stderr and no traceback.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from conftest import REPO, clean_env, run_cli
+from ds_ppo.cli import main
+from ds_ppo.config import (Config, apply_overrides, describe, grad_accum_steps, load_config,
+                           preset_names, validate, world_size_from_env)
+from ds_ppo.errors import ConfigError, UserError
+
+
+def config_error(overrides: list[str] = (), world_size: int = 1, source=None) -> str:
+    """The ConfigError message that loading + validating raises (fails the test if none)."""
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(source, list(overrides)), world_size)
+    return str(info.value)
+
+
+def problem_line(message: str, key: str) -> str:
+    """The one line of a (possibly multi-problem) message that names `key`."""
+    lines = [ln.strip() for ln in message.splitlines() if key in ln]
+    assert lines, f"no problem names {key!r} in:\n{message}"
+    return lines[0]
+
+
+def leaves(model: BaseModel, prefix: str = ""):
+    """(dotted key, field info, default value) of every leaf field of a config instance."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from leaves(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field, value
+
+
+# ---------------------------------------------------------------------------- loading
+def test_default_is_the_tiny_preset_and_launch_tiny_is_a_link_to_it(monkeypatch):
+    link = REPO / "launch" / "tiny.yaml"
+    assert link.is_symlink() and link.resolve() == (REPO / "ds_ppo/presets/tiny.yaml").resolve()
+    default = load_config()
+    assert load_config("tiny") == default
+    assert load_config(link) == default
+    monkeypatch.chdir(REPO)
+    assert load_config("launch/tiny.yaml") == default
+    assert default.reward.function == "ds_ppo.rewards:positive_words"
+    assert default.policy.arch["model_type"] == "llama" and default.output_dir == "outputs/tiny"
+    validate(default, 1)
+
+
+def test_config_round_trips_through_its_dict():
+    cfg = load_config("70b")
+    assert Config.model_validate(cfg.to_dict()) == cfg
+    assert Config.model_validate(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("ppo: [1, 2", "not valid YAML"),
+    ("- a\n- b\n", "must hold a mapping at the top, got list"),
+])
+def test_unreadable_yaml_files(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    message = config_error(source=path)
+    assert str(path) in message and expected in message
+
+
+def test_missing_config_file_and_directory(tmp_path):
+    message = config_error(source=tmp_path / "nope.yaml")
+    assert "nope.yaml" in message and "does not exist" in message and "tiny" in message
+    message = config_error(source=tmp_path)
+    assert str(tmp_path) in message and "directory" in message
+
+
+def test_empty_yaml_file_is_all_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+    assert load_config(path) == Config()
+
+
+# -------------------------------------------------------------------------- overrides
+def test_overrides_are_parsed_as_yaml_and_reach_nested_keys():
+    cfg = load_config(None, [
+        "ppo.kl_coef=0.05",                       # float
+        "iterations=4",                           # int
+        "data.shuffle=false",                     # bool
+        "reward.score_clip=null",                 # null
+        "generation.stop_tokens=[</s>, '###']",   # list
+        "policy.betas=[0.9, 0.99]",               # list -> tuple
+        "ppo.value_clip_eps=1e-1",                # exponent without a dot: still a float
+        "policy.arch.rms_norm_eps=1e-6",          # ... also inside an untyped map
+        "policy.arch.hidden_size=128",            # nested key of a free-form map
+        "tracking.tags.version=2",                # a number where a string is expected
+        "tracking.run_name=a=b",                  # only the first '=' splits
+        "deepspeed.reference.zero_stage=3",       # three levels deep
+    ])
+    assert cfg.ppo.kl_coef == 0.05 and cfg.iterations == 4
+    assert cfg.data.shuffle is False and cfg.reward.score_clip is None
+    assert cfg.generation.stop_tokens == ["</s>", "###"]
+    assert cfg.policy.betas == (0.9, 0.99)
+    assert cfg.ppo.value_clip_eps == 0.1
+    assert cfg.policy.arch["rms_norm_eps"] == 1e-6 and isinstance(cfg.policy.arch["rms_norm_eps"], float)
+    # the override changed one arch key and kept the preset's others
+    assert cfg.policy.arch["hidden_size"] == 128 and cfg.policy.arch["num_hidden_layers"] == 2
+    assert cfg.tracking.tags == {"version": "2"}
+    assert cfg.tracking.run_name == "a=b"
+    # untouched keys keep the preset's values
+    assert cfg.ppo.rollout_batch_size == 32 and cfg.seed == 1
+    validate(cfg, 1)
+
+
+def test_later_override_wins_and_input_dict_is_not_changed():
+    data = {"ppo": {"kl_coef": 0.1}}
+    out = apply_overrides(data, ["ppo.kl_coef=0.2", "ppo.kl_coef=0.3", "iterations=4"])
+    assert out == {"ppo": {"kl_coef": 0.3}, "iterations": 4}
+    assert data == {"ppo": {"kl_coef": 0.1}}
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError, match=r"'ppo\.kl_coef' is not of the form key=value"):
+        load_config(None, ["ppo.kl_coef"])
+
+
+@pytest.mark.parametrize("override, key, where, valid_example", [
+    ("itterations=4", "itterations", "the top level", "iterations"),
+    ("ppo.kl_coeff=0.05", "ppo.kl_coeff", "ppo", "kl_coef"),
+    ("deepspeed.policy.foo=1", "deepspeed.policy.foo", "deepspeed.policy", "zero_stage"),
+    ("deepspeed.critic.zero_stage=2", "deepspeed.critic.zero_stage", "deepspeed", "reference"),
+    ("policy.foo.bar=1", "policy.foo.bar", "policy", "arch"),
+])
+def test_unknown_override_key_at_every_level(override, key, where, valid_example):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert f"unknown config key {key!r}" in message
+    assert f"{where} has no" in message
+    assert "valid:" in message and valid_example in message
+
+
+def test_free_form_maps_take_any_key():
+    cfg = load_config(None, ["policy.arch.rope_theta=10000.0", "tracking.tags.team=rl"])
+    assert cfg.policy.arch["rope_theta"] == 10000.0 and cfg.tracking.tags == {"team": "rl"}
+
+
+def test_unknown_keys_in_the_yaml_file_are_all_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("iteration: 3\nppo:\n  kl_coeff: 0.05\ndeepspeed:\n  policy:\n    stage: 2\n")
+    message = config_error(source=path)
+    for key, valid_example in [("iteration", "iterations"), ("ppo.kl_coeff", "kl_coef"),
+                               ("deepspeed.policy.stage", "zero_stage")]:
+        line = problem_line(message, f"unknown config key {key!r}")
+        assert "valid here:" in line and valid_example in line
+
+
+# ------------------------------------------------------------------ range errors (pydantic)
+@pytest.mark.parametrize("override, key, value, valid", [
+    ("ppo.clip_eps=0", "ppo.clip_eps", "0", "greater than 0"),
+    ("ppo.lam=1.5", "ppo.lam", "1.5", "less than or equal to 1"),
+    ("ppo.gamma=-0.1", "ppo.gamma", "-0.1", "greater than or equal to 0"),
+    ("generation.top_p=0", "generation.top_p", "0", "greater than 0"),
+    ("iterations=0", "iterations", "0", "greater than 0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last", "0", "greater than 0"),
+    ("ppo.micro_batch_size=-2", "ppo.micro_batch_size", "-2", "greater than 0"),
+    ("deepspeed.policy.zero_stage=4", "deepspeed.policy.zero_stage", "4", "0, 1, 2 or 3"),
+    ("generation.mode=fast", "generation.mode", "'fast'", "'auto', 'gathered' or 'zero3'"),
+    ("ppo.kl_coef=abc", "ppo.kl_coef", "'abc'", "valid number"),
+])
+def test_range_errors_name_key_value_and_what_is_valid(override, key, value, valid):
+    line = problem_line(config_error([override]), key)
+    assert line.startswith(f"{key} = {value}:"), line
+    assert valid in line
+
+
+# ------------------------------------------------------------- cross-field errors (validate)
+@pytest.mark.parametrize("overrides, world_size, key, value", [
+    # batch sizes
+    (["ppo.rollout_batch_size=33", "ppo.mini_batch_size=11", "ppo.micro_batch_size=1"], 2,
+     "ppo.rollout_batch_size", "33 must be divisible by the data-parallel world size 2"),
+    (["ppo.mini_batch_size=24"], 1, "ppo.mini_batch_size", "= 24 must divide ppo.rollout_batch_size = 32"),
+    ([], 4, "ppo.micro_batch_size * world size", "= 8 * 4 = 32"),
+    (["ppo.value_clip_eps=0"], 1, "ppo.value_clip_eps", "= 0.0"),
+    (["ppo.value_clip_eps=-0.2"], 1, "ppo.value_clip_eps", "= -0.2"),
+    # reward
+    (["reward.model=/models/rm"], 1, "reward.model", "model='/models/rm'"),
+    (["reward.function=null"], 1, "reward.function", "function=None, model=None"),
+    (["reward.function=my_rewards.score"], 1, "reward.function", "'my_rewards.score'"),
+    (["reward.score_clip=0"], 1, "reward.score_clip", "= 0.0"),
+    # models
+    (["policy.path=/models/llama"], 1, "policy.path", "'/models/llama'"),
+    (["policy.arch={hidden_size: 8}"], 1, "policy.arch", "{'hidden_size': 8}"),
+    (["value.arch={hidden_size: 8}"], 1, "value.arch", "{'hidden_size': 8}"),
+    (["policy.arch=null"], 1, "policy.path", "policy.arch = None"),
+    (["value.init_from=reward"], 1, "value.init_from", "'reward'"),
+    (["value.init_from=path"], 1, "value.init_from", "'path'"),
+    (["value.max_grad_norm=0"], 1, "value.max_grad_norm", "= 0.0"),
+    # generation
+    (["generation.min_new_tokens=20"], 1, "generation.min_new_tokens", "= 20 must be <= "
+     "generation.max_new_tokens = 12"),
+    # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
+    (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
+     "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),
+    (["deepspeed.reference.zero_stage=1"], 1,
+     "deepspeed.reference.offload_param", "deepspeed.reference.zero_stage = 3 (got 1)"),
+    (["deepspeed.policy.config=/no/such/zero3.json"], 1, "deepspeed.policy.config",
+     "'/no/such/zero3.json': file does not exist"),
+    # resume
+    (["resume=/no/such/run/checkpoints/iter_000010"], 1, "resume",
+     "'/no/such/run/checkpoints/iter_000010'"),
+])
+def test_cross_field_errors_name_key_and_value(overrides, world_size, key, value):
+    line = problem_line(config_error(overrides, world_size), key)
+    assert value in line, line
+
+
+def test_every_problem_is_reported_at_once():
+    message = config_error(["ppo.mini_batch_size=24", "generation.min_new_tokens=20",
+                            "reward.model=/rm"])
+    assert message.startswith("invalid config:")
+    for key in ("ppo.mini_batch_size = 24", "generation.min_new_tokens = 20", "model='/rm'"):
+        problem_line(message, key)
+    message = config_error(["ppo.clip_eps=0", "ppo.lam=1.5"])
+    problem_line(message, "ppo.clip_eps = 0")
+    problem_line(message, "ppo.lam = 1.5")
+
+
+def test_range_errors_and_unknown_keys_in_a_file_are_reported_together(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("ppo:\n  clip_eps: 0\n  kl_coeff: 0.05\niterations: 0\n")
+    message = config_error(source=path)
+    problem_line(message, "ppo.clip_eps = 0")
+    problem_line(message, "iterations = 0")
+    problem_line(message, "unknown config key 'ppo.kl_coeff'")
+
+
+def test_existing_paths_pass(tmp_path):
+    ds = tmp_path / "my_zero3.json"
+    ds.write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    cfg = load_config(None, [f"deepspeed.policy.config={ds}", f"resume={tmp_path / 'ckpt'}"])
+    validate(cfg, 1)
+    for resume in ("auto", "never"):
+        validate(load_config(None, [f"resume={resume}"]), 1)
+
+
+def test_config_error_is_a_user_error():
+    assert issubclass(ConfigError, UserError) and ConfigError.exit_code == 2
+
+
+# ------------------------------------------------------------------------- the tree
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.iterations = 3
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.ppo.kl_coef = 0.5
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.deepspeed.policy.zero_stage = 2
+
+
+def test_describe_covers_every_leaf_with_a_description_and_its_real_default():
+    lines = describe()
+    assert len(lines) == len(set(lines))
+    by_key = {line.split(" (default ", 1)[0]: line for line in lines}
+    expected = list(leaves(Config()))
+    assert sorted(by_key) == sorted(key for key, _, _ in expected)
+    undocumented = [key for key, field, _ in expected if not (field.description or "").strip()]
+    assert not undocumented, f"fields without a description: {undocumented}"
+    for key, field, default in expected:
+        assert by_key[key] == f"{key} (default {default!r}): {field.description}"
+    # a section whose default differs from its class's defaults is described as it is
+    assert by_key["deepspeed.reference.offload_param"].startswith(
+        "deepspeed.reference.offload_param (default True)")
+
+
+@pytest.mark.parametrize("mini, micro, world_size, accum", [
+    (16, 8, 1, 2), (64, 4, 8, 2), (256, 1, 64, 4), (32, 32, 1, 1)])
+def test_grad_accum_steps(mini, micro, world_size, accum):
+    cfg = load_config(None, [f"ppo.rollout_batch_size={mini * 4}", f"ppo.mini_batch_size={mini}",
+                             f"ppo.micro_batch_size={micro}"])
+    assert grad_accum_steps(cfg, world_size) == accum
+
+
+def test_world_size_from_env(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert world_size_from_env() == 1
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert world_size_from_env() == 16
+
+
+# --------------------------------------------------------------------------- presets
+# (preset, world size, accumulation, prompts per rank) as each preset's comments state them
+PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16)]
+
+
+def test_presets_are_all_tested():
+    assert preset_names() == sorted(name for name, *_ in PRESETS)
+
+
+@pytest.mark.parametrize("name, world_size, accum, per_rank", PRESETS)
+def test_presets_validate_at_their_world_size(name, world_size, accum, per_rank):
+    cfg = load_config(name)
+    assert load_config(REPO / "launch" / f"{name}.yaml") == cfg
+    validate(cfg, world_size)
+    assert grad_accum_steps(cfg, world_size) == accum
+    assert cfg.ppo.rollout_batch_size // world_size == per_rank
+
+
+def test_a_preset_at_the_wrong_world_size_names_it():
+    line = problem_line(config_error(world_size=48, source="70b"), "ppo.rollout_batch_size")
+    assert "1024" in line and "world size 48" in line
+
+
+# ------------------------------------------------------------------------------- CLI
+def test_cli_in_process(capsys):
+    assert main(["train", "--dry-run", "ppo.clip_eps=0"]) == 2
+    assert "ppo.clip_eps = 0" in capsys.readouterr().err
+    assert main(["config", "iterations=4", "ppo.kl_coef=0.05"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["iterations"] == 4 and printed["ppo"]["kl_coef"] == 0.05
+    assert Config.model_validate(printed) == load_config(None, ["iterations=4", "ppo.kl_coef=0.05"])
+
+
+def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return run_cli(args, cwd=REPO, timeout=60, env=clean_env(**env), check=False)
+
+
+def test_cli_batch_size_error_exits_2_without_traceback():
+    proc = _cli(["train", "--dry-run", "ppo.mini_batch_size=7"])
+    assert proc.returncode == 2
+    assert "ppo.mini_batch_size = 7" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_reads_world_size_from_env():
+    proc = _cli(["train", "--dry-run", "ppo.rollout_batch_size=33"], WORLD_SIZE="2")
+    assert proc.returncode == 2, proc.stderr
+    assert "ppo.rollout_batch_size = 33" in proc.stderr and "world size 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_missing_config_file():
+    proc = _cli(["train", "--dry-run", "--config", "nonexistent.yaml"])
+    assert proc.returncode == 2
+    assert "nonexistent.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_describe():
+    proc = _cli(["config", "--describe"])
+    assert proc.returncode == 0, proc.stderr
+    assert "ppo.kl_coef (default 0.1): KL penalty coefficient" in proc.stdout
+    assert len(proc.stdout.splitlines()) == len(describe())
+
+
+def test_dry_run_loads_no_deepspeed_and_no_model_code():
+    code = ("import sys; from ds_ppo.cli import main; "
+            "rc = main(['train', '--dry-run', '--config', 'launch/tiny.yaml', "
+            "'ppo.kl_coef=0.05', 'iterations=4']); "
+            "assert rc == 0, rc; "
+            "heavy = [m for m in ('deepspeed', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "config OK for world size 1" in proc.stdout
