@@ -113,15 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model-type", choices=["unigram", "bpe"], default="bpe")
     t.set_defaults(func=_tokenizer_train)
 
-    p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases",
-                       add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases "
+                       "(ds-ppo bench --help for its flags)", add_help=False)
     p.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra  # the benchmark parses its own flags
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except UserError as e:

@@ -70,7 +70,7 @@ def train(cfg: Config) -> TrainResult:
             acc, t_iter = Accumulator(), time.perf_counter()
             # step 1. generate the trajectory (this rank's shard of the global batch)
             with _timed(acc, "time/generation_s"):
-                rollout, gen = make_rollout(prompts, sampler.indices(iteration - 1), engines,
+                rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
                                             cfg, tokenizer, gen_mode, eos_ids)
             # step 2. score it: log-probs, reference log-probs, values, reward scores
             with _timed(acc, "time/scoring_s"):
@@ -81,7 +81,7 @@ def train(cfg: Config) -> TrainResult:
             with _timed(acc, "time/update_s"):
                 ppo_update(exp, engines, cfg, iteration, acc)
             # step 5. metrics, reduced across ranks; KL controller; logging
-            metrics = _iteration_metrics(acc, exp, gen, engines, kl_ctl, t_iter)
+            metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter)
             kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
             _report(cfg, tracker, metrics, iteration, exp, out)
             result.history.append(metrics)
@@ -289,7 +289,7 @@ def _timed(acc: Accumulator, name: str):
     acc.add_max(name, time.perf_counter() - t0)
 
 
-def _iteration_metrics(acc: Accumulator, exp, gen, engines: Engines, kl_ctl,
+def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
                        t_iter: float) -> dict[str, float]:
     """Add this iteration's rollout statistics to `acc` and reduce everything across ranks."""
     mask = exp.mask.float()
@@ -331,7 +331,9 @@ def _iteration_metrics(acc: Accumulator, exp, gen, engines: Engines, kl_ctl,
     var_r = m.pop("_ev/r2") - m.pop("_ev/r") ** 2
     var_e = m.pop("_ev/e2") - m.pop("_ev/e") ** 2
     m["value/explained_variance"] = 1.0 - var_e / var_r if var_r > 0 else math.nan
-    m["tokens_per_s/generation"] = total_tokens / max(m["time/generation_s"], 1e-9)
+    # response tokens of the whole job per second of each phase (the slowest rank's time)
+    for phase in ("generation", "scoring", "update"):
+        m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)
     m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
     m["kl_coef"] = float(kl_ctl.value)
     m["lr/policy"] = current_lr(engines.policy)

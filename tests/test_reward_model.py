@@ -80,7 +80,8 @@ def test_reward_model_with_another_tokenizer_reencodes(tmp_path):
     other = train_tokenizer(tiny_corpus_path(), 300, tmp_path / "other_tok", model_type="unigram")
     rm = tmp_path / "rm"
     _make_reward_model(rm, str(other), tmp_path)
-    proc = run_cli(["train", *SMALL, f"reward.model={rm}", f"output_dir={tmp_path / 'out'}"],
+    proc = run_cli(["train", *SMALL, f"reward.model={rm}", f"output_dir={tmp_path / 'out'}",
+                    "policy.gradient_checkpointing=true", "value.gradient_checkpointing=true"],
                    cwd=tmp_path)
     assert "decoded and re-encoded" in proc.stdout
     rows = read_metrics(tmp_path / "out")

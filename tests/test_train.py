@@ -134,6 +134,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert "resumed from" in resumed.stdout and "iter_000001" in resumed.stdout
     assert not (ckpts / "iter_000002.tmp").exists()
     assert (ckpts / "latest").read_text().strip() == "iter_000003"
+    # checkpoint.keep_last=2: older complete checkpoints are pruned
+    assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_000002", "iter_000003"]
     rows = read_metrics(out)
     # iteration 2 ran before the crash and again after the resume; metrics.jsonl keeps the
     # iterations of the latest attempt only once
@@ -147,3 +149,18 @@ def test_bad_config_exits_cleanly(tmp_path):
     proc = run_cli(["train", "ppo.no_such_key=1"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "no_such_key" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "hello there"}\n{"prompt": 3}\n{"prompt": "fine"}\n')
+    proc = run_cli(["train", *SMALL, f"data.path={bad}", f"output_dir={tmp_path / 'o'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "prompts.jsonl" in proc.stderr and "line 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o" / "init_models").exists()  # stopped before any model was built
+    ok = run_cli(["train", *SMALL, f"data.path={bad}", "data.on_bad_row=skip", "iterations=1",
+                  "ppo.rollout_batch_size=8", "checkpoint.save_at_end=false",
+                  f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path)
+    assert "skipped" in ok.stdout + ok.stderr

@@ -132,8 +132,10 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         model = build_replica(module, dtype, device)
         if cfg.cache_implementation == "static":
             kw["cache_implementation"] = "static"
-            if cfg.compile:
-                kw["compile_config"] = None  # transformers compiles the static-cache decode step
+            # transformers compiles the static-cache decoding step by itself on an accelerator;
+            # generation.compile=false must mean no compilation
+            if not cfg.compile:
+                kw["disable_compile"] = True
         elif cfg.compile:
             model.forward = torch.compile(model.forward, dynamic=True)
     else:
@@ -150,6 +152,9 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     if mode != "gathered":
         module.config.use_cache = False
         module.train(was_training)
+        # generate() leaves prefetched ZeRO-3 parameters in flight; release them before the
+        # next gather (the replica build, scoring) or DeepSpeed refuses to partition them
+        policy_engine.empty_partition_cache()
     del model  # the replica's memory goes back before training resumes
     width = max(o.shape[1] for o in outs)
     response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)

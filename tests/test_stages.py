@@ -1,0 +1,123 @@
+"""Stage functions without DeepSpeed: generation options, the auto mode choice, reward scores
+(penalties, bad reward functions), metric reduction, forward-pass alignment."""
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ds_ppo.config import load_config
+from ds_ppo.containers import Rollout
+from ds_ppo.engine.generation import _generate_kwargs, choose_mode
+from ds_ppo.forward import last_token_index, position_ids, response_logprobs
+from ds_ppo.metrics import Accumulator, std_from_moments
+from ds_ppo.rewards import load_reward_function, positive_words
+from ds_ppo.scoring import reward_scores
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+def test_generate_kwargs_sampling_greedy_and_stops():
+    g = _cfg("generation.temperature=0.7", "generation.top_p=0.9", "generation.top_k=5",
+             "generation.min_new_tokens=2").generation
+    kw = _generate_kwargs(g, [2, 9], pad_id=3)
+    assert kw["do_sample"] and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
+    assert kw["top_k"] == 5 and kw["min_new_tokens"] == 2 and kw["eos_token_id"] == [2, 9]
+    assert kw["suppress_tokens"] == [3]  # a sampled pad would read as padding
+    greedy = _generate_kwargs(_cfg("generation.temperature=0").generation, [2], pad_id=2)
+    assert greedy["do_sample"] is False and "suppress_tokens" not in greedy
+
+
+def test_auto_mode_chooses_by_memory():
+    model = torch.nn.Linear(1000, 1000)  # 1M params: 2 MB in bf16
+    g = _cfg("generation.mode=auto").generation
+    assert choose_mode(g, model, torch.bfloat16, torch.device("cpu")) == "gathered"
+    huge = types.SimpleNamespace(ds_numel=10**15, numel=lambda: 0)  # a ZeRO-3 partitioned param
+    big = types.SimpleNamespace(parameters=lambda: iter([huge]))
+    assert choose_mode(g, big, torch.bfloat16, torch.device("cpu")) == "zero3"
+    assert choose_mode(_cfg("generation.mode=zero3").generation, model, torch.bfloat16,
+                       torch.device("cpu")) == "zero3"
+
+
+def _rollout(responses, ended):
+    B = len(responses)
+    return Rollout(prompt_ids=torch.ones(B, 2, dtype=torch.long),
+                   prompt_mask=torch.ones(B, 2, dtype=torch.bool),
+                   response_ids=torch.ones(B, 3, dtype=torch.long),
+                   mask=torch.ones(B, 3, dtype=torch.bool),
+                   ended=torch.tensor(ended), prompts=["p"] * B, responses=responses)
+
+
+def test_reward_function_scores_and_missing_eos_penalty():
+    cfg = _cfg("reward.missing_eos_penalty=0.5")
+    engines = types.SimpleNamespace(reward_fn=positive_words)
+    scores = reward_scores(_rollout([" good day", " a bad day"], [True, False]), engines, cfg, None)
+    assert scores.tolist() == pytest.approx([0.5, 0.0 - 0.5])
+
+
+def test_reward_function_must_return_one_finite_score_each():
+    cfg = _cfg()
+    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0])
+    with pytest.raises(ValueError, match="returned 1 scores for 2"):
+        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
+    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0, float("nan")])
+    with pytest.raises(ValueError, match="non-finite"):
+        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
+
+
+def test_positive_words_and_loading():
+    assert positive_words(["x"] * 3, ["good great bad", "", "Happy!"]) == pytest.approx(
+        [2 / 3, 0.0, 1.0])
+    assert load_reward_function("ds_ppo.rewards:positive_words") is positive_words
+    from ds_ppo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_reward_function("no_such_module_xyz:f")
+    with pytest.raises(ConfigError, match="no callable"):
+        load_reward_function("ds_ppo.rewards:nope")
+
+
+def test_accumulator_reduces_mean_max_sum_replicated():
+    acc = Accumulator()
+    acc.add_mean("a", 6.0, 3.0)
+    acc.add_mean("a", 4.0, 1.0)
+    acc.add_max("t", 1.0)
+    acc.add_max("t", 3.0)
+    acc.add_sum("n", 2.0)
+    acc.add_sum("n", 5.0)
+    acc.add_replicated("r", 1.0)
+    acc.add_replicated("r", 3.0)
+    assert acc.reduce() == {"a": 2.5, "t": 3.0, "n": 7.0, "r": 2.0}
+    assert std_from_moments(2.0, 5.0) == pytest.approx(1.0)
+    acc = Accumulator()
+    acc.add_mean("empty", 0.0, 0.0)
+    assert math.isnan(acc.reduce()["empty"])
+
+
+def test_response_logprobs_align_with_left_padding():
+    """Left-padded prompts with position ids from the mask give the same response log-probs as
+    the unpadded sequence; logits are only computed for the response positions."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1)).eval()
+    prompt, response = [5, 6, 7], [8, 9, 10, 11]
+    ids = torch.tensor([prompt + response])
+    am = torch.ones_like(ids)
+    ref = torch.log_softmax(model(ids).logits[0, 2:-1].float(), -1)
+    ref = ref.gather(-1, torch.tensor(response)[:, None])[:, 0]
+    padded = torch.tensor([[0, 0] + prompt + response])
+    pam = torch.tensor([[0, 0] + [1] * 7])
+    with torch.no_grad():
+        lp, ent = response_logprobs(model, padded, pam, torch.tensor([response]), 1.0,
+                                    with_entropy=True)
+    assert torch.allclose(lp[0], ref, atol=1e-5)
+    assert ent.shape == (1, 4) and (ent > 0).all()
+    assert position_ids(pam).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5, 6]]
+    assert last_token_index(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])).tolist() == [2, 3]
+    del am
