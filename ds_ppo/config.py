@@ -207,6 +207,10 @@ class CheckpointConfig(Section):
     save_at_end: bool = Field(True, description="Save a checkpoint after the last iteration.")
     export_at_end: bool = Field(
         True, description="Export the policy as a Hugging Face directory at output_dir/final.")
+    save_hf_weights: bool = Field(
+        True, description="Also write the policy's and value's weights as safetensors into each "
+        "checkpoint (gathered to rank 0's CPU; set false for very large models), so that "
+        "`ds-ppo export` reads no pickle.")
     export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Weight dtype of exported models (safetensors).")
 

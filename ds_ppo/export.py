@@ -37,43 +37,64 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
                       with_value: bool = False) -> list[Path]:
-    """Offline export of a ds_ppo checkpoint (no process group, CPU)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
-                              AutoTokenizer)
+    """Offline export of a ds_ppo checkpoint (no process group, CPU).
 
-    from ds_ppo.engine.checkpoint import TAG, resolve_checkpoint
+    Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
+    saved without them is consolidated from DeepSpeed's ZeRO shards instead (pickles: only for
+    checkpoints you wrote yourself)."""
+    from transformers import AutoTokenizer
+
+    from ds_ppo.engine.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
-    written = []
-    roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
+    roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
+    written = []
     for role, target in roles:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
-        config = AutoConfig.from_pretrained(ckpt / ("hf" if role == "policy" else "hf_value"))
-        if role == "policy":
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
+        src = ckpt / ("hf" if role == "policy" else "hf_value")
+        if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
+            model = _from_safetensors(src, role)
         else:
-            config.num_labels = 1
-            config.classifier_dropout = 0.0
-            config.token_classification_bias = False
-            with torch.device("meta"):
-                model = AutoModelForTokenClassification.from_config(config)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        tied = set(getattr(model, "_tied_weights_keys", None) or [])
-        missing = [k for k in missing if k not in tied]
-        if unexpected or missing:
-            raise RuntimeError(f"{role} checkpoint does not match its config: missing {missing}, "
-                               f"unexpected {unexpected}")
-        if getattr(config, "tie_word_embeddings", False):
-            model.tie_weights()
+            log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
+                        "consolidating DeepSpeed's ZeRO shards", src)
+            model = _from_zero_shards(ckpt, role)
         model.to(dtype)
         model.save_pretrained(target, safe_serialization=True)
         tokenizer.save_pretrained(target)
         written.append(target)
     return written
+
+
+def _model_class(role: str):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
+
+
+def _from_safetensors(src: Path, role: str):
+    return _model_class(role).from_pretrained(src, dtype=torch.float32)
+
+
+def _from_zero_shards(ckpt: Path, role: str):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig
+
+    from ds_ppo.engine.checkpoint import TAG
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
+    config = AutoConfig.from_pretrained(ckpt / ("hf" if role == "policy" else "hf_value"))
+    with torch.device("meta"):
+        model = _model_class(role).from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied]
+    if unexpected or missing:
+        raise RuntimeError(f"{role} checkpoint does not match its config: missing {missing}, "
+                           f"unexpected {unexpected}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
 
 
 def main(args: argparse.Namespace) -> int:

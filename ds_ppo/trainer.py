@@ -89,7 +89,8 @@ def train(cfg: Config) -> TrainResult:
             # step 6. checkpoint
             if cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0:
                 result.last_checkpoint = str(save_checkpoint(
-                    out, engines, state, tokenizer, cfg.checkpoint.keep_last))
+                    out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                    cfg.checkpoint.save_hf_weights))
         result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                             result.last_checkpoint)
         status = "FINISHED"
@@ -376,7 +377,8 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         if latest_checkpoint(out) is None or \
                 latest_checkpoint(out).name != f"iter_{state.iteration:06d}":
             last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
-                                                  cfg.checkpoint.keep_last))
+                                                  cfg.checkpoint.keep_last,
+                                                  cfg.checkpoint.save_hf_weights))
     export_dir = None
     if cfg.checkpoint.export_at_end:
         from ds_ppo.export import export_engine

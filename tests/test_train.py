@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import clean_env, read_metrics, run_cli
 
@@ -108,10 +109,11 @@ def test_resume_continues_exactly(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     run_cli(["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={full}"],
             cwd=tmp_path)
-    run_cli(["train", *SMALL, "iterations=2", "checkpoint.every=2", f"output_dir={split}"],
-            cwd=tmp_path)
+    # the split run keeps no safetensors copies: its export below consolidates ZeRO shards
+    run_cli(["train", *SMALL, "iterations=2", "checkpoint.every=2", f"output_dir={split}",
+             "checkpoint.save_hf_weights=false"], cwd=tmp_path)
     resumed = run_cli(["train", *SMALL, "iterations=4", "checkpoint.every=2",
-                       f"output_dir={split}"], cwd=tmp_path)
+                       f"output_dir={split}", "checkpoint.save_hf_weights=false"], cwd=tmp_path)
     assert "resumed from" in resumed.stdout
     a, b = read_metrics(full), read_metrics(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]  # nothing repeated, nothing lost
@@ -119,6 +121,17 @@ def test_resume_continues_exactly(tmp_path):
     # checkpoint restores weights, optimizer, LR schedule, KL controller, data position and RNG.
     for ra, rb in zip(a, b):
         assert _comparable(ra) == _comparable(rb), ra["iteration"]
+    # and the final weights are identical: exported from the safetensors copy (full) and from
+    # DeepSpeed's ZeRO shards (split), both in fp32
+    for run in (full, split):
+        run_cli(["export", "--checkpoint", str(run), "--out", str(run / "export"), "--value",
+                 "--dtype", "fp32"], cwd=tmp_path)
+    from safetensors.torch import load_file
+
+    for sub in ("", "value"):
+        wa = load_file(full / "export" / sub / "model.safetensors")
+        wb = load_file(split / "export" / sub / "model.safetensors")
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), sub
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):

@@ -5,8 +5,9 @@ Layout (output_dir/checkpoints/):
     iter_000010/value/ds/...     the same for the value model
     iter_000010/*/ds_universal/  made on demand: DeepSpeed's universal format, for resuming on
                                  another data-parallel world size (e.g. 2 ranks -> 1)
-    iter_000010/hf/              the policy's HF config + tokenizer (for `ds-ppo export`)
-    iter_000010/hf_value/        the value model's HF config
+    iter_000010/hf/              the policy's HF config + tokenizer, and its weights as
+                                 safetensors unless checkpoint.save_hf_weights=false
+    iter_000010/hf_value/        the same for the value model
     iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
     iter_000010/rng/rank_00000.pt    RNG states of every rank (tensors only)
     latest                       the name of the newest COMPLETE checkpoint
@@ -18,7 +19,8 @@ checkpoint; stale `.tmp` directories are removed at the next start. The checkpoi
 must be on a filesystem all nodes share.
 
 Loading never unpickles arbitrary objects: trainer state is JSON, RNG states load with
-`torch.load(weights_only=True)`, and DeepSpeed's own files are ours (written by this code).
+`torch.load(weights_only=True)`, exports read the safetensors copies; DeepSpeed's own shard files
+(pickles) are read only to resume a run from its own output_dir.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
-                    keep_last: int) -> Path:
+                    keep_last: int, save_hf_weights: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory."""
     root = checkpoints_dir(output_dir)
     final = root / _name(state.iteration)
@@ -114,6 +116,11 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
     engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
     _fault_point("save", state.iteration)
+    if save_hf_weights:  # collective gathers; rank 0 writes safetensors
+        from ds_ppo.export import export_engine
+
+        export_engine(engines.policy, tokenizer, tmp / "hf", engines.dtype)
+        export_engine(engines.value, None, tmp / "hf_value", engines.dtype)
     if dist.is_main():
         engines.policy.module.config.save_pretrained(tmp / "hf")
         tokenizer.save_pretrained(tmp / "hf")

@@ -82,7 +82,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
             replica = type(module)(module.config)
         replica.to_empty(device=device)
         replica.to(dtype)
-        replica.generation_config = module.generation_config
+        if getattr(module, "generation_config", None) is not None:
+            replica.generation_config = module.generation_config
     target = dict(replica.named_parameters()) if replica is not None else {}
     for prefix, sub in module.named_modules():
         own = list(sub.named_parameters(recurse=False))
