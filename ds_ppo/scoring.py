@@ -2,6 +2,8 @@
 in micro-batches), then KL-shaped rewards and advantages."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
@@ -78,5 +80,4 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     if p.whiten_advantages:
         advantages = masked_whiten(advantages, mask, shift_mean=True,
                                    distributed=p.whiten_across_ranks)
-    exp.rewards, exp.kl, exp.advantages, exp.returns = rewards, kl, advantages, returns
-    return exp
+    return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns)

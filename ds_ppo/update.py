@@ -15,7 +15,7 @@ from ds_ppo.algo import policy_loss, value_loss
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
 from ds_ppo.engine import dist
-from ds_ppo.engine.roles import backward_step
+from ds_ppo.engine.roles import backward_step, global_grad_norm
 from ds_ppo.forward import response_logprobs, response_values
 from ds_ppo.metrics import Accumulator
 
@@ -72,3 +72,6 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             pg, vf = dist.all_reduce_sum(mini_losses).tolist()
             acc.add_replicated("loss/policy", pg)
             acc.add_replicated("loss/value", vf)
+            # global gradient norms of the step just taken (before clipping; identical on ranks)
+            acc.add_replicated("policy/grad_norm", global_grad_norm(engines.policy))
+            acc.add_replicated("value/grad_norm", global_grad_norm(engines.value))
