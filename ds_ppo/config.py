@@ -127,6 +127,10 @@ class GenerationConfig(Section):
     cache_implementation: Literal["dynamic", "static"] = Field(
         "dynamic", description="KV cache of the gathered replica; static enables compiled decoding.")
     compile: bool = Field(False, description="torch.compile the replica's decoding step.")
+    keep_replica: bool = Field(
+        False, description="Keep the gathered replica between rollouts and refresh its weights "
+        "in place: no re-allocation and no recompilation, at the cost of its 16-bit weights "
+        "staying in device memory during training.")
 
 
 # -------------------------------------------------------------------------------- ppo

@@ -28,7 +28,8 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     ids, am = left_pad([prompts.input_ids[i] for i in indices], tokenizer.pad_token_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
-                   tokenizer.pad_token_id, engines.dtype)
+                   tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
+    engines.replica = gen.replica
     # decoded together with their prompts, so a response keeps the space of its first word
     texts, responses = decode_responses(
         tokenizer, [prompts.input_ids[i] for i in indices],

@@ -106,12 +106,21 @@ def replica_and_roles(work: Path) -> dict:
     from ds_ppo.engine.generation import build_replica
     from ds_ppo.engine.roles import init_engines
 
-    cfg = cfg_for(work, "replica", ["iterations=1"])
+    from ds_ppo.data.prompts import load_prompts
+    from ds_ppo.rollout import make_rollout, stop_token_ids
+
+    cfg = cfg_for(work, "replica", ["iterations=1", "generation.keep_replica=true"])
     tok = load_tokenizer("builtin:tiny", work / "replica")
     engines = init_engines(cfg, tok, torch.device("cpu"))
     ref0, pol0 = gathered(engines.reference.module), gathered(engines.policy.module)
     _stages(cfg, engines, tok, 0, "gathered")
+    kept = engines.replica
     ref1, pol1 = gathered(engines.reference.module), gathered(engines.policy.module)
+    # the next rollout refreshes the kept replica in place with the updated weights
+    prompts = load_prompts(cfg.data, tok)
+    make_rollout(prompts, [0, 1], engines, cfg, tok, "gathered", stop_token_ids(tok, cfg))
+    kept_ok = engines.replica is kept and all(
+        torch.equal(p.detach().float(), pol1[n]) for n, p in kept.named_parameters())
 
     ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
@@ -129,6 +138,7 @@ def replica_and_roles(work: Path) -> dict:
         "policy_max_change": max(float((pol0[k] - pol1[k]).abs().max()) for k in pol0),
         "replica_equal_params": all(torch.equal(p.detach().float(), pol1[n])
                                     for n, p in replica.named_parameters()),
+        "kept_replica_refreshed": kept_ok,
         "replica_out": replica_out,
         "zero3_out": zero3_out,
     }

@@ -101,3 +101,4 @@ def test_generation_replica_equals_trained_policy(one_rank, two_ranks):
     for res in (one_rank["replica"], two_ranks["replica"]):
         assert res["replica_equal_params"]
         assert res["replica_out"] == res["zero3_out"]
+        assert res["kept_replica_refreshed"]  # generation.keep_replica: refreshed in place

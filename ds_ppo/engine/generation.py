@@ -38,6 +38,7 @@ class Generated:
     mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
     ended: torch.Tensor  # (B,) bool, the response contains an EOS/stop token
     seconds: float
+    replica: torch.nn.Module | None = None  # the kept replica (generation.keep_replica)
 
 
 def _param_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -65,19 +66,21 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
 
 
 def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                  materialize: bool = True) -> torch.nn.Module | None:
+                  materialize: bool = True,
+                  into: torch.nn.Module | None = None) -> torch.nn.Module | None:
     """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
 
     Parameters are gathered module by module (`GatheredParameters` on each module's own
     parameters), so the transient memory is one module's full weights. Buffers (e.g. rotary
     frequencies) are not partitioned by ZeRO and are copied as they are. The gathers are
     collective: every rank must call this; with `materialize=False` a rank only takes part in
-    them (e.g. all ranks but 0 when exporting) and gets None.
+    them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
+    call, refreshed in place (no new allocation, compiled graphs stay valid).
     """
     import deepspeed
 
-    replica = None
-    if materialize:
+    replica = into
+    if materialize and replica is None:
         with torch.device("meta"):
             replica = type(module)(module.config)
         replica.to_empty(device=device)
@@ -121,8 +124,11 @@ def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> 
 @torch.no_grad()
 def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              cfg: GenerationConfig, mode: str, eos_ids: list[int], pad_id: int,
-             dtype: torch.dtype) -> Generated:
-    """Sample responses for this rank's prompts (B, P) (left-padded) from the current policy."""
+             dtype: torch.dtype, kept_replica: torch.nn.Module | None = None) -> Generated:
+    """Sample responses for this rank's prompts (B, P) (left-padded) from the current policy.
+
+    With generation.keep_replica, the replica is returned in `Generated.replica` and should be
+    passed back as `kept_replica` next time: its weights are refreshed in place."""
     module = policy_engine.module
     device = prompt_ids.device
     kw = _generate_kwargs(cfg, eos_ids, pad_id)
@@ -130,14 +136,14 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     t0 = time.perf_counter()
     was_training = module.training
     if mode == "gathered":
-        model = build_replica(module, dtype, device)
+        model = build_replica(module, dtype, device, into=kept_replica)
         if cfg.cache_implementation == "static":
             kw["cache_implementation"] = "static"
             # transformers compiles the static-cache decoding step by itself on an accelerator;
             # generation.compile=false must mean no compilation
             if not cfg.compile:
                 kw["disable_compile"] = True
-        elif cfg.compile:
+        elif cfg.compile and kept_replica is None:
             model.forward = torch.compile(model.forward, dynamic=True)
     else:
         model = module
@@ -156,7 +162,8 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         # generate() leaves prefetched ZeRO-3 parameters in flight; release them before the
         # next gather (the replica build, scoring) or DeepSpeed refuses to partition them
         policy_engine.empty_partition_cache()
-    del model  # the replica's memory goes back before training resumes
+    kept = model if mode == "gathered" and cfg.keep_replica else None
+    del model  # unless kept, the replica's memory goes back before training resumes
     width = max(o.shape[1] for o in outs)
     response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)
     row = 0
@@ -169,4 +176,4 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generated(response_ids=response, mask=mask, ended=ended,
-                     seconds=time.perf_counter() - t0)
+                     seconds=time.perf_counter() - t0, replica=kept)

@@ -47,6 +47,7 @@ class Engines:
     policy_path: str  # where the initial policy weights came from (HF dir)
     device: torch.device
     dtype: torch.dtype
+    replica: Any | None = None  # the kept generation replica (generation.keep_replica)
 
 
 # ----------------------------------------------------------------------------- helpers
