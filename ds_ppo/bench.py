@@ -343,7 +343,9 @@ def build_config(s: dict, run_dir: Path):
         "reward": reward,
         "generation": {"mode": "gathered", "max_new_tokens": T, "min_new_tokens": T,
                        "temperature": 1.0, "cache_implementation": s["gen_cache"],
-                       "compile": s["compile"]},
+                       "compile": s["compile"],
+                       # a kept replica keeps its compiled decoding step between rollouts
+                       "keep_replica": s["gen_cache"] == "static" or s["compile"]},
         "ppo": {"rollout_batch_size": s["prompts"], "mini_batch_size": s["mini_batch"],
                 "micro_batch_size": s["micro_batch"],
                 "score_micro_batch_size": s["score_micro_batch"], "ppo_epochs": s["ppo_epochs"]},
@@ -454,7 +456,8 @@ def _generation_compare(cfg, engines, tok, s: dict) -> dict:
     ids, am = ids.to(device), am.to(device).bool()
     eos_ids = stop_token_ids(tok, cfg)
     greedy = cfg.generation.model_copy(update={"temperature": 0.0})
-    plain = greedy.model_copy(update={"cache_implementation": "dynamic", "compile": False})
+    plain = greedy.model_copy(update={"cache_implementation": "dynamic", "compile": False,
+                                      "keep_replica": False})
     bn = s["baseline_new_tokens"]
     hooks = plain.model_copy(update={"max_new_tokens": bn, "min_new_tokens": bn})
 
@@ -462,7 +465,9 @@ def _generation_compare(cfg, engines, tok, s: dict) -> dict:
         rec: dict[str, Any] = {}
         with _measured(device, rec):
             out = generate(engines.policy, ids, am, gen_cfg, mode, eos_ids, tok.pad_token_id,
-                           dtype)
+                           dtype, kept_replica=engines.replica if gen_cfg.keep_replica else None)
+        if gen_cfg.keep_replica:
+            engines.replica = out.replica
         rec["new_tokens"] = int(out.mask.sum())
         rec["width"] = int(out.response_ids.shape[1])
         return rec, out.response_ids
