@@ -175,7 +175,12 @@ class DataConfig(Section):
         "messages", description="Column holding chat messages (list of {role, content}), rendered "
         "with the tokenizer's chat template; used when prompt_key is absent.")
     split: str = Field("train", description="Dataset split for training prompts.")
-    eval_split: str | None = Field(None, description="Optional split for evaluation prompts.")
+    eval_split: str | None = Field(
+        None, description="Optional evaluation prompts: a split spec (test, train[90%:]) or a "
+        "file; scored with greedy responses every data.eval_every iterations.")
+    eval_every: int = Field(10, ge=0, description="Evaluate every N iterations (0: never).")
+    eval_size: int = Field(64, gt=0, description="Evaluation prompts used (at most; rounded down "
+                           "to a multiple of the world size).")
     max_prompt_len: int = Field(256, gt=0, description="Longest prompt in tokens.")
     truncation: Literal["left", "drop"] = Field(
         "left", description="Prompts over max_prompt_len: keep their end (left) or drop them.")

@@ -25,6 +25,7 @@ from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_mode
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
 from ds_ppo.errors import ConfigError
+from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rollout import make_rollout, stop_token_ids
 from ds_ppo.scoring import add_advantages, score
@@ -52,7 +53,7 @@ def train(cfg: Config) -> TrainResult:
     out = Path(cfg.output_dir)
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
-    tokenizer, prompts, reward_encode = _load_data(cfg, out)
+    tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
     resume_from, universal = _find_resume(cfg)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
@@ -82,6 +83,9 @@ def train(cfg: Config) -> TrainResult:
                 ppo_update(exp, engines, cfg, iteration, acc)
             # step 5. metrics, reduced across ranks; KL controller; logging
             metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter)
+            if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+                metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
+                                        eos_ids, reward_encode))
             kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
             _report(cfg, tracker, metrics, iteration, exp, out)
             result.history.append(metrics)
@@ -145,7 +149,10 @@ def _load_data(cfg: Config, out: Path):
     dist.barrier()
     tokenizer = load_tokenizer(spec, out)
     prompts = load_prompts(cfg.data, tokenizer)
-    return tokenizer, prompts, _reward_encoder(cfg, tokenizer, out)
+    eval_prompts = None
+    if cfg.data.eval_split is not None and cfg.data.eval_every > 0:
+        eval_prompts = load_prompts(cfg.data, tokenizer, split=cfg.data.eval_split)
+    return tokenizer, prompts, eval_prompts, _reward_encoder(cfg, tokenizer, out)
 
 
 def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):

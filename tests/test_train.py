@@ -173,7 +173,14 @@ def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
     assert "prompts.jsonl" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o" / "init_models").exists()  # stopped before any model was built
+    # skipping bad rows; held-out prompts from another file are evaluated with greedy responses
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"my aunt is {w}"}) + "\n"
+                                for w in ("kind", "tall", "here")))
     ok = run_cli(["train", *SMALL, f"data.path={bad}", "data.on_bad_row=skip", "iterations=1",
                   "ppo.rollout_batch_size=8", "checkpoint.save_at_end=false",
+                  f"data.eval_split={held_out}", "data.eval_every=1",
                   f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path)
     assert "skipped" in ok.stdout + ok.stderr
+    row = read_metrics(tmp_path / "o2")[0]
+    assert 0.0 <= row["eval/score_mean"] <= 1.0 and row["eval/length_mean"] > 0

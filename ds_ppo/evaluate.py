@@ -1,0 +1,45 @@
+"""Evaluation: greedy responses to held-out prompts, scored by the reward, reduced across ranks."""
+from __future__ import annotations
+
+import logging
+
+from ds_ppo.config import Config
+from ds_ppo.data.prompts import PromptSet
+from ds_ppo.engine import dist
+from ds_ppo.metrics import Accumulator
+from ds_ppo.rollout import make_rollout
+from ds_ppo.scoring import reward_scores
+
+log = logging.getLogger("ds_ppo")
+
+
+def eval_indices(num_prompts: int, cfg: Config) -> list[int]:
+    """This rank's share of the first eval_size prompts, rounded down to a multiple of the world
+    size so every rank generates (and calls the engines) equally often."""
+    world = dist.world_size()
+    n = (min(num_prompts, cfg.data.eval_size) // world) * world
+    per = n // world
+    return list(range(dist.rank() * per, (dist.rank() + 1) * per))
+
+
+def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
+             eos_ids: list[int], reward_encode) -> dict[str, float]:
+    """Collective. Metrics `eval/score_mean`, `eval/score_std`, `eval/length_mean`,
+    `eval/eos_rate` over every rank's greedy responses."""
+    indices = eval_indices(len(prompts.input_ids), cfg)
+    if not indices:
+        return {}
+    greedy = cfg.model_copy(update={"generation": cfg.generation.model_copy(
+        update={"temperature": 0.0})})
+    rollout, _ = make_rollout(prompts, indices, engines, greedy, tokenizer, mode, eos_ids)
+    scores = reward_scores(rollout, engines, cfg, reward_encode)
+    acc = Accumulator()
+    n = float(len(rollout))
+    acc.add_mean("eval/score_mean", float(scores.sum()), n)
+    acc.add_mean("eval/_score_sq", float((scores ** 2).sum()), n)
+    acc.add_mean("eval/length_mean", float(rollout.mask.sum()), n)
+    acc.add_mean("eval/eos_rate", float(rollout.ended.sum()), n)
+    m = acc.reduce()
+    sq = m.pop("eval/_score_sq")
+    m["eval/score_std"] = max(sq - m["eval/score_mean"] ** 2, 0.0) ** 0.5
+    return m
