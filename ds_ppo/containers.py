@@ -8,11 +8,14 @@ import torch
 
 
 def _slice_fields(obj, idx):
+    """A copy of a container with every per-sequence field indexed by `idx` (B first)."""
     out = {}
     for f in fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, torch.Tensor):
             out[f.name] = v[idx]
+        elif isinstance(v, Rollout):
+            out[f.name] = v.slice(idx)
         elif isinstance(v, list):
             out[f.name] = [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor)
                                           else range(len(v))[idx])]
@@ -71,11 +74,4 @@ class Experience:
         return len(self.rollout)
 
     def slice(self, idx) -> "Experience":
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                out[f.name] = v[idx]
-            elif isinstance(v, Rollout):
-                out[f.name] = v.slice(idx)
-        return replace(self, **out)
+        return _slice_fields(self, idx)

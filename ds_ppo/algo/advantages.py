@@ -31,6 +31,13 @@ def _td_errors(rewards: torch.Tensor, values: torch.Tensor, gamma: float) -> tor
     return rewards + gamma * next_values - values
 
 
+def _masked_outputs(advantages: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns = advantages + values), both 0 outside the mask."""
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    return advantages, torch.where(mask, advantages + values, torch.zeros_like(advantages))
+
+
 def gae_loop(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -46,8 +53,7 @@ def gae_loop(
     for t in reversed(range(deltas.shape[1])):
         running = deltas[:, t] + gamma * lam * running
         advantages[:, t] = running
-    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
-    return advantages, torch.where(mask, advantages + values, torch.zeros_like(advantages))
+    return _masked_outputs(advantages, values, mask)
 
 
 def gae_matmul(
@@ -77,8 +83,7 @@ def gae_matmul(
     padded = torch.cat([powers, torch.zeros(T - 1, dtype=torch.float64, device=device)])
     hankel = padded.unfold(0, T, 1)
     advantages = (deltas.double().flip(-1) @ hankel).to(deltas.dtype)
-    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
-    return advantages, torch.where(mask, advantages + values, torch.zeros_like(advantages))
+    return _masked_outputs(advantages, values, mask)
 
 
 def gae(
