@@ -144,9 +144,8 @@ def _load_data(cfg: Config, out: Path):
         raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
                           "(a path, a hub name or builtin:tiny)")
     out.mkdir(parents=True, exist_ok=True)
-    if dist.is_main():  # build any cached tokenizer once
-        tokenizer = load_tokenizer(spec, out)
-    dist.barrier()
+    # every rank loads (and, for builtin:tiny, may build: the cache is written atomically) the
+    # tokenizer itself, so a bad tokenizer spec fails on every rank alike instead of hanging one
     tokenizer = load_tokenizer(spec, out)
     prompts = load_prompts(cfg.data, tokenizer)
     eval_prompts = None

@@ -162,6 +162,11 @@ def test_bad_config_exits_cleanly(tmp_path):
     proc = run_cli(["train", "ppo.no_such_key=1"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "no_such_key" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # an arch transformers cannot build: caught on every rank before any weights exist
+    proc = run_cli(["train", *SMALL, "policy.arch.model_type=no_such_model",
+                    f"output_dir={tmp_path / 'o'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "policy.arch" in proc.stderr and "no_such_model" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):

@@ -104,19 +104,29 @@ def _initialize(model, ds_config: dict, optimizer=None, scheduler=None):
 
 
 # ------------------------------------------------------------------ initial weights
-def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int) -> str:
+def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str = "policy.arch"
+                     ) -> str:
     """Build a random-init causal LM from `arch` on rank 0 and save it (with the tokenizer) so every
-    role loads identical starting weights with from_pretrained. Returns the directory."""
+    role loads identical starting weights with from_pretrained. Returns the directory.
+
+    Every rank first builds the HF config itself, so a bad `arch` fails on all ranks alike
+    (a rank-0-only error would leave the others waiting at the barrier)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ds_ppo.errors import ConfigError
+
+    fields = dict(arch)
+    model_type = fields.pop("model_type")
+    fields.setdefault("vocab_size", len(tokenizer))
+    fields.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{key} = {arch!r}: transformers cannot build this config: {e}") \
+            from None
     out_dir = Path(out_dir)
     if dist.is_main() and not (out_dir / "config.json").exists():
-        fields = dict(arch)
-        model_type = fields.pop("model_type")
-        fields.setdefault("vocab_size", len(tokenizer))
-        fields.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
-        config = AutoConfig.for_model(model_type, **fields)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -224,7 +234,8 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         policy_path = cfg.policy.path
     value_arch = None
     if cfg.value.arch is not None:
-        value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1)
+        value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1,
+                                      key="value.arch")
 
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
