@@ -269,6 +269,10 @@ class Config(Section):
         "auto", description="auto: continue from output_dir's latest complete checkpoint if any; "
         "never: start fresh (refuses a non-empty checkpoint dir); or a checkpoint directory.")
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
+    dist_timeout_minutes: float = Field(
+        30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
+        "than this fails the job with an error instead of hanging it; raise it when rank 0 does "
+        "long solitary work (writing huge checkpoints, a universal-checkpoint conversion).")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -47,7 +47,7 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
-    device = init_distributed()
+    device = init_distributed(cfg.dist_timeout_minutes)
     _setup_logging()
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from contextlib import closing
 
 import torch
@@ -35,7 +36,7 @@ def _rank_vars_from_mpi_or_slurm() -> None:
             return
 
 
-def init_distributed() -> torch.device:
+def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     """Join (or, run without a launcher, create) the process group; return this rank's device.
 
     Without the `deepspeed` launcher (plain `ds-ppo train`) the run is a world of one; the
@@ -54,7 +55,8 @@ def init_distributed() -> torch.device:
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+        deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
+                                   timeout=timedelta(minutes=timeout_minutes))
     name = acc.device_name(local_rank) if acc.device_name() != "cpu" else "cpu"
     return torch.device(name)
 
