@@ -121,3 +121,15 @@ def test_response_logprobs_align_with_left_padding():
     assert position_ids(pam).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5, 6]]
     assert last_token_index(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])).tolist() == [2, 3]
     del am
+
+
+def test_param_chunks_bound_each_gather():
+    from ds_ppo.engine.generation import _param_chunks
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 30),
+                                torch.nn.Linear(30, 2))  # 110, 330, 62 elements
+    chunks = list(_param_chunks(model, limit=150))
+    sizes = [sum(p.numel() for _, p in c) for c in chunks]
+    assert [n for c in chunks for n, _ in c] == [n for n, _ in model.named_parameters()]
+    assert sizes == [110, 300, 30 + 62]  # a too-large parameter stands alone
+    assert len(list(_param_chunks(model, limit=10**9))) == 1

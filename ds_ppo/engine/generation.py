@@ -65,13 +65,33 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
     return mode
 
 
+GATHER_CHUNK_NUMEL = 2**27  # elements per all-gather while copying weights (256 MiB in 16-bit)
+
+
+def _param_chunks(module: torch.nn.Module, limit: int):
+    """Consecutive groups of (name, param) whose full sizes add up to at most `limit` elements
+    (a single larger parameter forms its own group). Tied parameters appear once."""
+    chunk, size = [], 0
+    for name, p in module.named_parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        if chunk and size + n > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, p))
+        size += n
+    if chunk:
+        yield chunk
+
+
 def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                   materialize: bool = True,
                   into: torch.nn.Module | None = None) -> torch.nn.Module | None:
     """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
 
-    Parameters are gathered module by module (`GatheredParameters` on each module's own
-    parameters), so the transient memory is one module's full weights. Buffers (e.g. rotary
+    Parameters are gathered in chunks of up to GATHER_CHUNK_NUMEL elements (one coalesced
+    all-gather each, in module order), so the transient memory is one chunk's full weights (or
+    one parameter, when a single one is larger) and a 1B model needs a handful of collectives,
+    not one per module. Buffers (e.g. rotary
     frequencies) are not partitioned by ZeRO and are copied as they are. The gathers are
     collective: every rank must call this; with `materialize=False` a rank only takes part in
     them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
@@ -88,15 +108,11 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         if getattr(module, "generation_config", None) is not None:
             replica.generation_config = module.generation_config
     target = dict(replica.named_parameters()) if replica is not None else {}
-    for prefix, sub in module.named_modules():
-        own = list(sub.named_parameters(recurse=False))
-        if not own:
-            continue
-        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
-            for name, p in own:
-                key = f"{prefix}.{name}" if prefix else name
-                if key in target:
-                    target[key].data.copy_(p.data)
+    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
+        with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+            for name, p in chunk:
+                if name in target:
+                    target[name].data.copy_(p.data)
     if replica is None:
         return None
     target_buffers = dict(replica.named_buffers())
