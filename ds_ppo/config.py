@@ -56,6 +56,11 @@ class Optim(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warm-up: constant, or decaying (linearly / by a cosine) "
+        "to min_lr_ratio x lr at the last optimizer step of the run.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR of a decaying schedule, "
+                                "as a fraction of lr.")
     max_grad_norm: float | None = Field(
         1.0, description="Gradient clipping by global norm; null disables it.")
 
@@ -392,6 +397,12 @@ def load_config(source: str | os.PathLike | None = None,
 # --------------------------------------------------------------------- validation
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """Optimizer steps of the whole run (each role): iterations x epochs x mini-batches."""
+    p = cfg.ppo
+    return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size // p.mini_batch_size)
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

@@ -133,3 +133,30 @@ def test_param_chunks_bound_each_gather():
     assert [n for c in chunks for n, _ in c] == [n for n, _ in model.named_parameters()]
     assert sizes == [110, 300, 30 + 62]  # a too-large parameter stands alone
     assert len(list(_param_chunks(model, limit=10**9))) == 1
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_schedule_warmup_then_decay(kind):
+    from ds_ppo.config import optimizer_steps
+    from ds_ppo.engine.roles import _lr_schedule
+
+    cfg = _cfg("policy.lr=1.0", "policy.warmup_steps=2", f"policy.schedule={kind}",
+               "policy.min_lr_ratio=0.1", "iterations=3", "ppo.rollout_batch_size=32",
+               "ppo.mini_batch_size=16", "ppo.ppo_epochs=2")
+    total = optimizer_steps(cfg)
+    assert total == 3 * 2 * 2
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.policy.lr)
+    sched = _lr_schedule(opt, cfg.policy, total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:2] == pytest.approx([0.5, 1.0])  # warm-up
+    if kind == "constant":
+        assert lrs[2:] == pytest.approx([1.0] * (total - 2))
+    else:
+        assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # non-increasing after warm-up
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # min_lr_ratio at the end
+        mid = lrs[2 + (total - 2) // 2]
+        assert 0.1 < mid < 1.0

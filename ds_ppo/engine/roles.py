@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ds_ppo.config import Config
+from ds_ppo.config import Config, optimizer_steps
 from ds_ppo.engine import dist
 from ds_ppo.engine.ds_config import Role, build_ds_config, resolve_dtype
 
@@ -76,11 +76,23 @@ def _load_kwargs(cfg_dtype: torch.dtype, attn: str) -> dict:
     return {"dtype": cfg_dtype, "attn_implementation": attn}
 
 
-def _warmup_schedule(optimizer, warmup_steps: int):
+def _lr_schedule(optimizer, section, total_steps: int):
+    """Linear warm-up, then constant or a linear / cosine decay to min_lr_ratio at the last
+    optimizer step (a LambdaLR: its step count is saved and restored with the checkpoint)."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    return LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps)
-                    if warmup_steps > 0 else 1.0)
+    warmup, kind, floor = section.warmup_steps, section.schedule, section.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * decay
+
+    return LambdaLR(optimizer, factor)
 
 
 def _optimizer(params, section, device: torch.device, offload: bool):
@@ -153,7 +165,7 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     model.config.use_cache = False
     opt = _optimizer(model.parameters(), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
-    return _initialize(model, ds, opt, _warmup_schedule(opt, cfg.policy.warmup_steps)), ds
+    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, optimizer_steps(cfg))), ds
 
 
 def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
@@ -192,7 +204,7 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     opt = _optimizer(model.parameters(), cfg.value, device, cfg.deepspeed.value.offload_optimizer)
-    return _initialize(model, ds, opt, _warmup_schedule(opt, cfg.value.warmup_steps)), ds
+    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.value, optimizer_steps(cfg))), ds
 
 
 def _init_reference(cfg: Config, path: str, world: int, dtype):
