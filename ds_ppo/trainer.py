@@ -377,21 +377,19 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
 # ------------------------------------------------------------------------------ end
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             last_checkpoint: str | None):
+    """Save the final state (unless the last iteration was just saved) and export the policy."""
+    from ds_ppo.export import DTYPES, export_engine
+
     out = Path(cfg.output_dir)
-    if cfg.checkpoint.save_at_end and (last_checkpoint is None or
-                                       not last_checkpoint.endswith(f"{state.iteration:06d}")):
-        if latest_checkpoint(out) is None or \
-                latest_checkpoint(out).name != f"iter_{state.iteration:06d}":
-            last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
-                                                  cfg.checkpoint.keep_last,
-                                                  cfg.checkpoint.save_hf_weights))
+    latest = latest_checkpoint(out)
+    if cfg.checkpoint.save_at_end and (latest is None or
+                                       latest.name != f"iter_{state.iteration:06d}"):
+        last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
+                                              cfg.checkpoint.keep_last,
+                                              cfg.checkpoint.save_hf_weights))
     export_dir = None
     if cfg.checkpoint.export_at_end:
-        from ds_ppo.export import export_engine
-
         export_dir = str(out / "final")
-        from ds_ppo.export import DTYPES
-
         export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
         if dist.is_main():
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics, run_cli
+from conftest import clean_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

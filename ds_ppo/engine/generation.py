@@ -18,7 +18,6 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,6 @@ class Generated:
     response_ids: torch.Tensor  # (B, T) long, pad after the first EOS
     mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
     ended: torch.Tensor  # (B,) bool, the response contains an EOS/stop token
-    seconds: float
     replica: torch.nn.Module | None = None  # the kept replica (generation.keep_replica)
 
 
@@ -149,7 +147,6 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     device = prompt_ids.device
     kw = _generate_kwargs(cfg, eos_ids, pad_id)
     chunk = cfg.batch_size or prompt_ids.shape[0]
-    t0 = time.perf_counter()
     was_training = module.training
     if mode == "gathered":
         model = build_replica(module, dtype, device, into=kept_replica)
@@ -189,7 +186,4 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return Generated(response_ids=response, mask=mask, ended=ended,
-                     seconds=time.perf_counter() - t0, replica=kept)
+    return Generated(response_ids=response, mask=mask, ended=ended, replica=kept)

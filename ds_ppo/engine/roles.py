@@ -26,7 +26,7 @@ import torch
 
 from ds_ppo.config import Config, optimizer_steps
 from ds_ppo.engine import dist
-from ds_ppo.engine.ds_config import Role, build_ds_config, resolve_dtype
+from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 
 log = logging.getLogger("ds_ppo")
 
@@ -277,10 +277,6 @@ def backward_step(engine, loss: torch.Tensor) -> None:
     """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
     engine.backward(loss)
     engine.step()
-
-
-def grad_accum_boundary(engine) -> bool:
-    return engine.is_gradient_accumulation_boundary()
 
 
 def global_grad_norm(engine) -> float:
