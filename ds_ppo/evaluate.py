@@ -6,7 +6,7 @@ import logging
 from ds_ppo.config import Config
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine import dist
-from ds_ppo.metrics import Accumulator
+from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rollout import make_rollout
 from ds_ppo.scoring import reward_scores
 
@@ -40,6 +40,5 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     acc.add_mean("eval/length_mean", float(rollout.mask.sum()), n)
     acc.add_mean("eval/eos_rate", float(rollout.ended.sum()), n)
     m = acc.reduce()
-    sq = m.pop("eval/_score_sq")
-    m["eval/score_std"] = max(sq - m["eval/score_mean"] ** 2, 0.0) ** 0.5
+    m["eval/score_std"] = std_from_moments(m["eval/score_mean"], m.pop("eval/_score_sq"))
     return m

@@ -25,15 +25,15 @@ def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
                  mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch)."""
-    ids, am = left_pad([prompts.input_ids[i] for i in indices], tokenizer.pad_token_id)
+    prompt_ids = [prompts.input_ids[i] for i in indices]
+    ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
     engines.replica = gen.replica
     # decoded together with their prompts, so a response keeps the space of its first word
     texts, responses = decode_responses(
-        tokenizer, [prompts.input_ids[i] for i in indices],
-        [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)])
+        tokenizer, prompt_ids, [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)])
     rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
                       mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses)
     return rollout, gen

@@ -18,9 +18,9 @@ import torch
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
-from ds_ppo.engine.checkpoint import (TrainerState, clean_partial, ensure_universal,
-                                      latest_checkpoint, load_checkpoint, read_state,
-                                      resolve_checkpoint, save_checkpoint)
+from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
+                                      ensure_universal, latest_checkpoint, load_checkpoint,
+                                      read_state, resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_mode
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
@@ -383,7 +383,7 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
     if cfg.checkpoint.save_at_end and (latest is None or
-                                       latest.name != f"iter_{state.iteration:06d}"):
+                                       latest.name != checkpoint_name(state.iteration)):
         last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
                                               cfg.checkpoint.keep_last,
                                               cfg.checkpoint.save_hf_weights))

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from ds_ppo.data import POSITIVE_WORDS
-from ds_ppo.data.reencode import (decode_responses, encode_for_reward, last_token_index,
+from ds_ppo.data.reencode import (decode_responses, encode_for_reward,
                                   reencode_for, same_tokenizer)
 from ds_ppo.data.tokenizer import (CHAT_TEMPLATE, load_tokenizer, tiny_corpus_path,
                                    train_tokenizer)
 from ds_ppo.errors import ConfigError, DataError, UserError
+from ds_ppo.forward import last_token_index
 
 REPO = Path(__file__).resolve().parent.parent
 TEXTS = ["the cat sat in the park", "we had a wonderful time at the beach",

@@ -100,7 +100,7 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
     Returns:
         ``input_ids`` (B, L) long and ``attention_mask`` (B, L) long, 1 on real tokens which
         come first in each row (right padding with the pad id, else EOS, else 0);
-        L = the longest row <= max_len. See :func:`last_token_index`.
+        L = the longest row <= max_len. See ds_ppo.forward.last_token_index.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -121,15 +121,6 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
         input_ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[b, :len(r)] = 1
     return input_ids, attention_mask
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) long: position of each row's last real token in a right-padded (B, L) mask.
-
-    Use this rather than searching for the pad id: when pad == EOS, the EOS a sequence ends
-    with would look like padding.
-    """
-    return (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)
 
 
 def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrainedTokenizerBase,

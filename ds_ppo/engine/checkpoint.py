@@ -56,7 +56,7 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _name(iteration: int) -> str:
+def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:06d}"
 
 
@@ -104,8 +104,8 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                     keep_last: int, save_hf_weights: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory."""
     root = checkpoints_dir(output_dir)
-    final = root / _name(state.iteration)
-    tmp = root / (_name(state.iteration) + ".tmp")
+    final = root / checkpoint_name(state.iteration)
+    tmp = root / (checkpoint_name(state.iteration) + ".tmp")
     if dist.is_main():
         if tmp.exists():
             shutil.rmtree(tmp)
