@@ -129,9 +129,23 @@ class GenerationConfig(Section):
     batch_size: int | None = Field(
         None, gt=0, description="Prompts per generate call on each rank; default: the rank's "
         "whole share of the rollout batch.")
+    loop: Literal["auto", "own", "hf"] = Field(
+        "auto", description="Decoding loop on the gathered replica. own: ds_ppo's loop (static "
+        "KV cache, sampling on the device, one CUDA graph per token on CUDA, no per-token host "
+        "sync); hf: HF generate (cache_implementation and compile apply to it only); auto: own "
+        "unless the model is not supported by it (an attention kernel other than sdpa/eager, "
+        "sliding-window layers) or cache_implementation/compile ask for HF generate. zero3 mode "
+        "always uses HF generate.")
+    cuda_graph: bool = Field(
+        True, description="loop=own on CUDA: capture the decoding step once per generate call "
+        "as a CUDA graph and replay it for every token.")
+    stop_check_every: int = Field(
+        16, gt=0, description="loop=own: decoding steps between checks whether every response "
+        "has ended (each check waits for the device).")
     cache_implementation: Literal["dynamic", "static"] = Field(
-        "dynamic", description="KV cache of the gathered replica; static enables compiled decoding.")
-    compile: bool = Field(False, description="torch.compile the replica's decoding step.")
+        "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
+        "transformers' compiled decoding.")
+    compile: bool = Field(False, description="loop=hf: torch.compile the replica's decoding step.")
     keep_replica: bool = Field(
         False, description="Keep the gathered replica between rollouts and refresh its weights "
         "in place: no re-allocation and no recompilation, at the cost of its 16-bit weights "
@@ -457,6 +471,19 @@ def validate(cfg: Config, world_size: int) -> None:
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
                         f"generation.max_new_tokens = {g.max_new_tokens}")
+    if g.loop == "own" and g.mode == "zero3":
+        problems.append("generation.loop = 'own' runs on the gathered replica, but "
+                        "generation.mode = 'zero3' generates through the ZeRO-3 hooks: set "
+                        "generation.loop=auto (or hf), or generation.mode=gathered")
+    if g.loop == "own" and (g.cache_implementation != "dynamic" or g.compile):
+        problems.append("generation.cache_implementation / generation.compile are options of "
+                        "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
+                        "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
+                        "set generation.loop=hf")
+    if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
+        problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
+                        f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
+                        "set generation.loop=auto (HF generate for this kernel)")
     for role in ("policy", "value", "reference", "reward"):
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage != 3:

@@ -22,7 +22,7 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
                                       ensure_universal, latest_checkpoint, load_checkpoint,
                                       read_state, resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
-from ds_ppo.engine.generation import choose_mode
+from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
 from ds_ppo.errors import ConfigError
 from ds_ppo.evaluate import evaluate
@@ -63,6 +63,8 @@ def train(cfg: Config) -> TrainResult:
     state.mlflow_run_id = tracker.run_id
     eos_ids = stop_token_ids(tokenizer, cfg)
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
+    log.info("generation: mode %s, decoding loop %s", gen_mode,
+             choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     sampler = _sampler(cfg, len(prompts.input_ids))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id)
     status = "FAILED"

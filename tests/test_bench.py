@@ -93,6 +93,13 @@ def test_baselines_ratios_and_greedy_match(tiny_run):
     assert cmp_["ratio_vs_plain"] == pytest.approx(
         cmp_["ours"]["tokens_per_s"] / cmp_["plain"]["tokens_per_s"])
     assert cmp_["greedy_match"] is True and cmp_["greedy_match_fraction"] == 1.0
+    assert cmp_["common_prefix"] == cmp_["ours"]["width"]
+    assert cmp_["greedy_fp32"]["greedy_match"] is True
+    # ours is our own decoding loop; the baselines are HF generate; CPU: no CUDA graph
+    assert (cmp_["ours"]["loop"], cmp_["plain"]["loop"], cmp_["hooks"]["loop"]) == (
+        "own", "hf", "hf")
+    assert result["iterations"][-1]["generation"]["loop"] == "own"
+    assert not cmp_["ours"]["cuda_graph"] and cmp_["ours"]["graph_error"] is None
     assert set(result["targets"]) == {"generation_vs_hooks", "generation_vs_plain",
                                       "training_mfu", "end_to_end_mfu"}
 
@@ -102,6 +109,35 @@ def test_runs_without_mlflow_or_datasets(tiny_run):
     assert result["imported_mlflow"] is False and result["imported_datasets"] is False
     from_ds_ppo = [a for a in attempts if "/ds_ppo/" in a["from"]]
     assert not from_ds_ppo, from_ds_ppo
+
+
+def test_summarize_prints_one_row_per_result(tiny_run, tmp_path, capsys):
+    _, result, _ = tiny_run
+    skipped = dict(result, generation_compare=None)
+    (tmp_path / "main.json").write_text(json.dumps(result))
+    (tmp_path / "nobase.json").write_text(json.dumps(skipped))
+    assert main(["--summarize", str(tmp_path / "main.json"), str(tmp_path / "nobase.json")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3  # header + 2 runs
+    main_row = rows[1].split(" | ")
+    assert main_row[0] == "| main" and "own loop" in main_row[1]
+    ratio = result["generation_compare"]["ratio_vs_plain"]
+    assert f"{ratio:.2f}x" in rows[1] and "yes (yes)" in rows[1]
+    assert rows[2].startswith("| nobase |") and " - | - |" in rows[2]
+
+
+def test_hf_generate_loop_runs(tmp_path):
+    # a subprocess: the bench initialises torch.distributed, which must not leak into pytest
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_ppo.bench", "--shape", "tiny", "--prompts", "2",
+         "--prompt-len", "4", "--new-tokens", "4", "--iterations", "1", "--warmup", "0",
+         "--gen-loop", "hf", "--skip-baselines", "--json", str(tmp_path / "r.json")],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["settings"]["gen_loop"] == "hf"
+    assert result["iterations"][0]["generation"]["loop"] == "hf"
+    assert "HF generate, dynamic cache" in proc.stdout
 
 
 def test_help_goes_through_the_cli_separator(capsys):
@@ -148,3 +184,25 @@ def test_flop_model_counts_body_parameters_of_a_llama():
     layers = sum(p.numel() for p in model.model.layers.parameters())
     assert fm.body_params == layers + model.model.norm.weight.numel()
     assert (fm.layers, fm.attn_width, fm.hidden, fm.vocab) == (2, 16, 16, 50)
+
+
+def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_path):
+    """launch/bench_gpu.sh (the one script the GPU session runs), on CPU with the tiny shape."""
+    from conftest import REPO
+
+    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="main zero2",
+                    BENCH_MODELS=str(tmp_path / "models"),
+                    BENCH_FLAGS="--prompts 4 --prompt-len 8 --new-tokens 8 --iterations 1")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(tmp_path / "res"),
+                           "600"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-4].startswith("| run |") and lines[-3].startswith("|---")
+    assert lines[-2].startswith("| main | ZeRO-3") and lines[-1].startswith("| zero2 | ZeRO-2")
+    assert "| greedy gen: ours (gathered, own loop" in proc.stdout  # the main table, too
+    assert json.loads((tmp_path / "res" / "zero2.json").read_text())["settings"]["zero_stage"] == 2
+    bad = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(tmp_path / "r2")],
+                         env=dict(env, BENCH_RUNS="nonsense"), capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unknown run nonsense" in bad.stdout

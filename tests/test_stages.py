@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
-from ds_ppo.engine.generation import _generate_kwargs, choose_mode
+from ds_ppo.engine.generation import _generate_kwargs, choose_loop, choose_mode
+from ds_ppo.errors import ConfigError
 from ds_ppo.forward import last_token_index, position_ids, response_logprobs
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rewards import load_reward_function, positive_words
@@ -31,6 +32,37 @@ def test_generate_kwargs_sampling_greedy_and_stops():
     assert kw["suppress_tokens"] == [3]  # a sampled pad would read as padding
     greedy = _generate_kwargs(_cfg("generation.temperature=0").generation, [2], pad_id=2)
     assert greedy["do_sample"] is False and "suppress_tokens" not in greedy
+
+
+def test_decoding_loop_choice():
+    llama = LlamaConfig(attn_implementation="sdpa")
+    flash = LlamaConfig(attn_implementation="flash_attention_2")
+    auto = _cfg().generation
+    assert auto.loop == "auto"
+    assert choose_loop(auto, "gathered", llama) == "own"
+    assert choose_loop(auto, "zero3", llama) == "hf"  # the hooks path needs synced_gpus
+    assert choose_loop(auto, "gathered", flash) == "hf"  # not served by ours: HF generate
+    for hf_option in ("generation.cache_implementation=static", "generation.compile=true"):
+        assert choose_loop(_cfg(hf_option).generation, "gathered", llama) == "hf"
+    assert choose_loop(_cfg("generation.loop=hf").generation, "gathered", llama) == "hf"
+    own = _cfg("generation.loop=own").generation
+    assert choose_loop(own, "gathered", llama) == "own"
+    with pytest.raises(ConfigError, match="flash_attention_2.*generation.loop=auto"):
+        choose_loop(own, "gathered", flash)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["generation.loop=own", "generation.mode=zero3"], "generation.mode=gathered"),
+    (["generation.loop=own", "generation.cache_implementation=static"], "generation.loop=hf"),
+    (["generation.loop=own", "generation.compile=true"], "generation.loop=hf"),
+    (["generation.loop=own", "policy.attn_implementation=flash_attention_2"],
+     "generation.loop=auto"),
+])
+def test_own_loop_conflicts_fail_validation(overrides, match):
+    from ds_ppo.config import validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(_cfg(*overrides), 1)
 
 
 def test_auto_mode_chooses_by_memory():

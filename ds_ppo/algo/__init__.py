@@ -5,6 +5,9 @@ Free functions over (B, T) response-token tensors (B = sequences, T = response
 tokens) with ``mask`` True on tokens that count. Imports only torch: no deepspeed,
 no transformers, no trainer state.
 
+Decoding: decode_attention_mask, block_tokens -> filter_logits -> next_tokens (sampling on the
+device, no host sync).
+
 Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 """
@@ -13,8 +16,9 @@ from .advantages import gae, gae_loop, gae_matmul
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, KLEstimator, kl_estimate
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
-from .masks import last_valid_index, mask_from_lengths, response_mask
+from .masks import decode_attention_mask, last_valid_index, mask_from_lengths, response_mask
 from .rewards import shape_rewards
+from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -22,8 +26,11 @@ __all__ = [
     "FixedKLController",
     "KLEstimator",
     "KL_ESTIMATORS",
+    "block_tokens",
+    "decode_attention_mask",
     "entropy_from_logits",
     "explained_variance",
+    "filter_logits",
     "gae",
     "gae_loop",
     "gae_matmul",
@@ -35,8 +42,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "next_tokens",
     "policy_loss",
     "response_mask",
+    "sample_from_logits",
     "shape_rewards",
     "value_loss",
 ]

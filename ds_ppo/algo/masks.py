@@ -52,3 +52,28 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     mask = mask.bool()
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     return torch.where(mask, positions, -1).amax(dim=-1)
+
+
+def decode_attention_mask(prompt_mask: torch.Tensor, total_len: int,
+                          prefill: bool = False) -> torch.Tensor:
+    """4D keep-masks (True = may attend) over a static KV cache of `total_len` columns whose
+    first P columns hold the left-padded prompts (B, P) bool.
+
+    prefill=False: (B, 1, 1, total_len), the prompt's real tokens only; a decoding loop sets one
+    more column per generated token. prefill=True: (B, 1, P, total_len), causal over the
+    prompt's real tokens; a query with nothing to attend (a left pad) attends to every column
+    instead, so its unused output stays finite (an all-masked softmax row is NaN, which would
+    then be written to the cache and poison later steps through 0 * NaN).
+    """
+    prompt_mask = prompt_mask.bool()
+    B, P = prompt_mask.shape
+    if total_len < P:
+        raise ValueError(f"total_len {total_len} < prompt length {P}")
+    queries = P if prefill else 1
+    keep = torch.zeros(B, 1, queries, total_len, dtype=torch.bool, device=prompt_mask.device)
+    keep[..., :P] = prompt_mask[:, None, None, :]
+    if prefill:
+        causal = torch.ones(P, P, dtype=torch.bool, device=prompt_mask.device).tril()
+        keep[..., :P] &= causal
+        keep |= ~keep.any(dim=-1, keepdim=True)
+    return keep

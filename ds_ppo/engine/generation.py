@@ -6,7 +6,9 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
 
 - mode `gathered`: once per rollout, gather the policy's weights module by module (so at most one
   module's full weights are in flight besides the replica) into a hook-free replica in the compute
-  dtype, generate there with a KV cache, then drop the replica before training resumes.
+  dtype, generate there, then drop the replica before training resumes. Decoding on the replica
+  is our own loop (`generation.loop`, `engine/decode.py`: static cache, CUDA graphs) or HF
+  generate.
   No collective runs during decoding, so ranks whose responses end at different lengths never wait
   on each other.
 - mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
@@ -18,13 +20,16 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ds_ppo.algo import response_mask
 from ds_ppo.config import GenerationConfig
 from ds_ppo.engine import dist
+from ds_ppo.engine.decode import DecodeStats, decode
+from ds_ppo.engine.decode import unsupported as decode_unsupported
+from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
 
@@ -37,6 +42,8 @@ class Generated:
     mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
     ended: torch.Tensor  # (B,) bool, the response contains an EOS/stop token
     replica: torch.nn.Module | None = None  # the kept replica (generation.keep_replica)
+    loop: str = "hf"  # the decoding loop that ran: own or hf
+    decode_stats: list[DecodeStats] = field(default_factory=list)  # loop=own, one per chunk
 
 
 def _param_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -122,6 +129,23 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     return replica
 
 
+def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> str:
+    """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.decode) or
+    `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus). The trainer
+    calls it once at start-up, so an unusable loop=own fails before the first rollout."""
+    if mode != "gathered" or cfg.loop == "hf":
+        return "hf"
+    reason = decode_unsupported(model_config)
+    if cfg.loop == "own":
+        if reason:
+            raise ConfigError(f"generation.loop=own cannot serve this policy: {reason}; set "
+                              "generation.loop=auto (or hf) to use HF generate")
+        return "own"
+    if reason or cfg.cache_implementation != "dynamic" or cfg.compile:
+        return "hf"
+    return "own"
+
+
 def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> dict:
     kw = dict(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
               eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
@@ -135,6 +159,40 @@ def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> 
     return kw
 
 
+def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
+                 replica_is_new: bool, synced_gpus: bool | None):
+    """A `(ids, mask) -> response ids` function calling HF generate (loop=hf)."""
+    kw = _generate_kwargs(cfg, eos_ids, pad_id)
+    if synced_gpus is not None:
+        kw["synced_gpus"] = synced_gpus
+    elif cfg.cache_implementation == "static":
+        kw["cache_implementation"] = "static"
+        # transformers compiles the static-cache decoding step by itself on an accelerator;
+        # generation.compile=false must mean no compilation
+        if not cfg.compile:
+            kw["disable_compile"] = True
+    elif cfg.compile and replica_is_new:
+        model.forward = torch.compile(model.forward, dynamic=True)
+
+    def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = model.generate(input_ids=ids, attention_mask=am.long(), **kw)
+        return out[:, ids.shape[1]:], None
+    return run
+
+
+def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int):
+    """A `(ids, mask) -> (response ids, DecodeStats)` function running our loop (loop=own)."""
+    suppress = [] if pad_id in eos_ids else [pad_id]  # a sampled pad would read as padding
+
+    def run(ids: torch.Tensor, am: torch.Tensor):
+        return decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
+                      pad_id=pad_id, min_new_tokens=cfg.min_new_tokens,
+                      temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                      suppress_ids=suppress, cuda_graph=cfg.cuda_graph,
+                      stop_check_every=cfg.stop_check_every)
+    return run
+
+
 @torch.no_grad()
 def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              cfg: GenerationConfig, mode: str, eos_ids: list[int], pad_id: int,
@@ -145,30 +203,23 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     passed back as `kept_replica` next time: its weights are refreshed in place."""
     module = policy_engine.module
     device = prompt_ids.device
-    kw = _generate_kwargs(cfg, eos_ids, pad_id)
     chunk = cfg.batch_size or prompt_ids.shape[0]
     was_training = module.training
+    loop = choose_loop(cfg, mode, module.config)
     if mode == "gathered":
         model = build_replica(module, dtype, device, into=kept_replica)
-        if cfg.cache_implementation == "static":
-            kw["cache_implementation"] = "static"
-            # transformers compiles the static-cache decoding step by itself on an accelerator;
-            # generation.compile=false must mean no compilation
-            if not cfg.compile:
-                kw["disable_compile"] = True
-        elif cfg.compile and kept_replica is None:
-            model.forward = torch.compile(model.forward, dynamic=True)
+        run = (_own_decode(model, cfg, eos_ids, pad_id) if loop == "own" else
+               _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
     else:
         model = module
         module.eval()
         module.config.use_cache = True
-        kw["synced_gpus"] = dist.world_size() > 1
-    outs = []
+        run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
+    outs, stats = [], []
     for start in range(0, prompt_ids.shape[0], chunk):
-        ids = prompt_ids[start:start + chunk]
-        am = prompt_mask[start:start + chunk].long()
-        out = model.generate(input_ids=ids, attention_mask=am, **kw)
-        outs.append(out[:, ids.shape[1]:])
+        out, st = run(prompt_ids[start:start + chunk], prompt_mask[start:start + chunk])
+        outs.append(out)
+        stats.append(st)
     if mode != "gathered":
         module.config.use_cache = False
         module.train(was_training)
@@ -176,7 +227,7 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         # next gather (the replica build, scoring) or DeepSpeed refuses to partition them
         policy_engine.empty_partition_cache()
     kept = model if mode == "gathered" and cfg.keep_replica else None
-    del model  # unless kept, the replica's memory goes back before training resumes
+    del model, run  # unless kept, the replica's memory goes back before training resumes
     width = max(o.shape[1] for o in outs)
     response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)
     row = 0
@@ -186,4 +237,5 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
-    return Generated(response_ids=response, mask=mask, ended=ended, replica=kept)
+    return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
+                     decode_stats=[st for st in stats if st is not None])
