@@ -241,3 +241,51 @@ def test_failed_capture_decodes_eagerly_and_is_not_retried(monkeypatch, caplog):
         assert torch.equal(out, ref) and not stats.graph
         assert "not permitted" in stats.graph_error
     assert len(attempts) == 1
+
+
+def test_grouped_decode_attention_equals_hf_sdpa():
+    """One query token with grouped-query heads: folding the G query heads of a KV head into
+    SDPA's query axis gives HF's sdpa result without repeating K/V."""
+    import types
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ds_ppo.engine.decode import grouped_sdpa_attention
+
+    torch.manual_seed(0)
+    B, H, KVH, L, D = 3, 8, 2, 10, 16
+    module = types.SimpleNamespace(num_key_value_groups=H // KVH, is_causal=True)
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KVH, L, D), torch.randn(B, KVH, L, D)
+    mask = torch.rand(B, 1, 1, L) > 0.4
+    mask[..., 0] = True
+    ours, _ = grouped_sdpa_attention(module, q, k, v, mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert ours.shape == ref.shape == (B, 1, H, D)
+    torch.testing.assert_close(ours, ref)
+    # the fold matters: a wrong head order would not match
+    swapped, _ = grouped_sdpa_attention(module, q.flip(1), k, v, mask, scaling=0.3)
+    assert not torch.allclose(swapped.flip(2), ref)
+    # several query tokens (the prefill): HF's sdpa itself
+    q4 = torch.randn(B, H, 4, D)
+    m4 = torch.ones(B, 1, 4, L, dtype=torch.bool)
+    torch.testing.assert_close(grouped_sdpa_attention(module, q4, k, v, m4)[0],
+                               sdpa_attention_forward(module, q4, k, v, m4)[0])
+
+
+def test_sdpa_models_decode_through_the_grouped_function_and_get_their_config_back():
+    import ds_ppo.engine.decode as dec
+
+    model = tiny_llama("sdpa")
+    seen = []
+    inner = model.model.forward
+
+    @functools.wraps(inner)
+    def spy(*args, **kwargs):
+        seen.append(model.config._attn_implementation)
+        return inner(*args, **kwargs)
+
+    model.model.forward = spy
+    ids, mask = left_padded()
+    ours_greedy(model, ids, mask, 4, [EOS])
+    assert seen == [dec.GROUPED_SDPA] * 4  # prefill + 3 steps
+    assert model.config._attn_implementation == "sdpa"

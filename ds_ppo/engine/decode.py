@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from ds_ppo.algo.sampling import block_tokens, next_tokens
 log = logging.getLogger("ds_ppo")
 
 ATTENTION_KERNELS = ("sdpa", "eager")  # the kernels that take our 4D masks
+GROUPED_SDPA = "ds_ppo_grouped_sdpa"  # our attention function for sdpa models (registered lazily)
 WARMUP_STEPS = 2  # eager steps before capture (lazy allocations, cuBLAS workspaces)
 
 
@@ -61,6 +63,52 @@ def unsupported(config) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return f"sliding-window attention (sliding_window={config.sliding_window})"
     return None
+
+
+def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                           scaling: float | None = None, is_causal: bool | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """HF attention function: sdpa for one new token per sequence with grouped-query attention,
+    without repeating K/V.
+
+    HF's sdpa repeats the cache's K and V for every query head whenever a mask is passed (which
+    a static cache always needs): H / KVH times the cache traffic of a decoding step, the
+    largest memory traffic of the step at batch 64 x 512 tokens. With one query token, the
+    G = H / KVH query heads sharing a KV head can instead stand on SDPA's query axis:
+    query (B, H, 1, D) -> (B, KVH, G, D) against key/value (B, KVH, L, D), the (B, 1, 1, L) mask
+    broadcast. Head h = kvh * G + g, as repeat_kv orders them. Returns (B, 1, H, D) as HF's
+    attention functions do. Any other shape (the prefill, no grouping) goes to HF's sdpa.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, Q, D = query.shape
+    kv_heads = key.shape[1]
+    if Q != 1 or H == kv_heads or dropout or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, kv_heads, H // kv_heads, D), key, value, attn_mask=attention_mask,
+        scale=scaling)
+    return out.reshape(B, 1, H, D), None
+
+
+@contextmanager
+def _attention_function(model: torch.nn.Module, kernel: str):
+    """sdpa models decode through grouped_sdpa_attention (the config's attention setting is
+    switched for the call and restored after: the replica may share its config object)."""
+    if kernel != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    config = model.config
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = kernel
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -135,13 +183,29 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         pos.add_(1)
         choose(logits)
 
-    prefill = model(input_ids=prompt_ids,
-                    attention_mask=_attention_input(
-                        decode_attention_mask(prompt_mask, P + T, prefill=True), dtype, kernel),
-                    position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kw)
-    choose(prefill.logits[:, -1])
-    del prefill
+    with _attention_function(model, kernel):
+        prefill = model(input_ids=prompt_ids,
+                        attention_mask=_attention_input(
+                            decode_attention_mask(prompt_mask, P + T, prefill=True), dtype,
+                            kernel),
+                        position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kw)
+        choose(prefill.logits[:, -1])
+        del prefill
+        stats = _run_steps(decode_step, done, T, min_new_tokens, device,
+                           cuda_graph=cuda_graph, stop_check_every=stop_check_every)
+    if not trim:
+        return out[:, :stats.steps], stats
+    # as HF generate: as wide as the longest response (the loop may run up to
+    # stop_check_every - 1 steps past the last EOS)
+    width = int(response_mask(out[:, :stats.steps], eos_ids).sum(dim=-1).max())
+    return out[:, :width], stats
 
+
+def _run_steps(decode_step, done: torch.Tensor, T: int, min_new_tokens: int,
+               device: torch.device, cuda_graph: bool, stop_check_every: int) -> DecodeStats:
+    """Run decoding steps until T tokens (the prefill chose the first) or until every row has
+    ended (looked at every stop_check_every steps). With CUDA graphs: WARMUP_STEPS eager steps
+    on a side stream, one capture, then replays."""
     stats = DecodeStats(steps=1, graph=False, graph_error=_CAPTURE_FAILED)
     use_graph = (cuda_graph and _graphs_available(device) and T - 1 > WARMUP_STEPS
                  and _CAPTURE_FAILED is None)
@@ -163,12 +227,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                 and bool(done.all())):
             break
     del graph
-    if not trim:
-        return out[:, :stats.steps], stats
-    # as HF generate: as wide as the longest response (the loop may run up to
-    # stop_check_every - 1 steps past the last EOS)
-    width = int(response_mask(out[:, :stats.steps], eos_ids).sum(dim=-1).max())
-    return out[:, :width], stats
+    return stats
 
 
 def _graphs_available(device: torch.device) -> bool:
