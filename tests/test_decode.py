@@ -289,3 +289,33 @@ def test_sdpa_models_decode_through_the_grouped_function_and_get_their_config_ba
     ours_greedy(model, ids, mask, 4, [EOS])
     assert seen == [dec.GROUPED_SDPA] * 4  # prefill + 3 steps
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica():
+    """ds_ppo.engine.generation.generate (what the trainer calls) on a plain model: the own loop
+    and HF generate give the same greedy responses, also with a ragged last chunk
+    (generation.batch_size); a kept replica is reused."""
+    import types
+
+    from ds_ppo.config import load_config
+    from ds_ppo.engine.generation import generate
+
+    model = tiny_llama()
+    engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
+    ids, mask = left_padded()
+    first = hf_greedy(model, ids, mask, 12, [EOS])
+    eos_ids = [EOS, int(first[1, 3])]  # row 1 ends at its 4th token
+    base = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=12",
+                              "generation.batch_size=2"]).generation
+    runs = {}
+    for loop in ("own", "hf"):
+        cfg = base.model_copy(update={"loop": loop, "keep_replica": True})
+        gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32)
+        again = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32,
+                         kept_replica=gen.replica)
+        assert again.replica is gen.replica and torch.equal(again.response_ids, gen.response_ids)
+        assert gen.loop == loop and len(gen.decode_stats) == (3 if loop == "own" else 0)
+        runs[loop] = gen
+    assert torch.equal(runs["own"].response_ids, runs["hf"].response_ids)
+    assert torch.equal(runs["own"].mask, runs["hf"].mask)
+    assert runs["own"].mask[1].sum() == 4 and runs["own"].ended[1]
