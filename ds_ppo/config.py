@@ -110,14 +110,22 @@ class RewardConfig(Section):
 
 # ------------------------------------------------------------------------- generation
 class GenerationConfig(Section):
-    mode: Literal["auto", "gathered", "zero3"] = Field(
+    mode: Literal["auto", "gathered", "tensor_parallel", "zero3"] = Field(
         "auto",
         description="gathered: copy the policy's 16-bit weights once per rollout into a hook-free "
-        "replica with a KV cache (fast); zero3: generate through the ZeRO-3 hooks, gathering layer "
-        "by layer (for models whose 16-bit copy does not fit one device); auto: gathered when the "
-        "replica fits in generation.replica_memory_fraction of free device memory.")
+        "replica on each rank (fast); tensor_parallel: generation.tp_size ranks hold one replica "
+        "between them (attention heads and MLP columns split, for policies whose 16-bit copy does "
+        "not fit one device); zero3: generate through the ZeRO-3 hooks, gathering layer by layer "
+        "for every token (slow; the last resort); auto: gathered when the replica fits in "
+        "generation.replica_memory_fraction of free device memory, else tensor_parallel when a "
+        "1/tp_size shard does, else zero3.")
     replica_memory_fraction: float = Field(
-        0.5, gt=0, le=1, description="auto mode: share of free device memory the replica may use.")
+        0.5, gt=0, le=1, description="auto mode: share of free device memory the replica (or "
+        "its tensor-parallel shard) may use.")
+    tp_size: int | None = Field(
+        None, gt=0, description="tensor_parallel mode: consecutive ranks sharing one replica; "
+        "default: the ranks of one node. Must divide the world size and the policy's attention "
+        "heads, KV heads and MLP width.")
     max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
     min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
@@ -138,7 +146,8 @@ class GenerationConfig(Section):
         "always uses HF generate.")
     cuda_graph: bool = Field(
         True, description="loop=own on CUDA: capture the decoding step once per generate call "
-        "as a CUDA graph and replay it for every token.")
+        "as a CUDA graph and replay it for every token (not in tensor_parallel mode with "
+        "tp_size > 1, whose steps hold all-reduces).")
     stop_check_every: int = Field(
         16, gt=0, description="loop=own: decoding steps between checks whether every response "
         "has ended (each check waits for the device).")
@@ -471,6 +480,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
                         f"generation.max_new_tokens = {g.max_new_tokens}")
+    if g.tp_size is not None and world_size % g.tp_size:
+        problems.append(f"generation.tp_size = {g.tp_size} must divide the world size "
+                        f"{world_size}: set generation.tp_size to the GPUs per node")
     if g.loop == "own" and g.mode == "zero3":
         problems.append("generation.loop = 'own' runs on the gathered replica, but "
                         "generation.mode = 'zero3' generates through the ZeRO-3 hooks: set "

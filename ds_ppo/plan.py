@@ -365,7 +365,7 @@ class Plan:
     micro_batch: int
     score_micro_batch: int
     gen_batch: int
-    generation_mode: str  # resolved: gathered | zero3
+    generation_mode: str  # resolved: gathered | tensor_parallel | zero3
     resident_bytes: int
     phases: list[Phase]
     peak_gpu_bytes: int
@@ -399,6 +399,20 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
                     d.offload_param, states)
 
 
+def tp_splits(shape: ModelShape, tp: int) -> bool:
+    """The engine's tensor_parallel.unshardable rule: heads, KV heads and MLP width divide."""
+    return not (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)
+
+
+def tp_shard_params(shape: ModelShape, tp: int) -> int:
+    """Parameters of one rank's tensor-parallel replica: the attention and MLP projections of
+    every layer split tp ways (Llama layout: q, k, v, o and gate, up, down), the rest whole."""
+    attn = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+    mlp = 3 * shape.hidden * shape.intermediate
+    split = shape.layers * (attn + mlp)
+    return shape.params - split + split // tp
+
+
 def _forward_gather(rp: RolePlan) -> int:
     """A forward-only pass gathers 16-bit weights: 2 bytes per param of the largest layer."""
     return 2 * rp.shape.largest_layer_params if rp.zero_stage == 3 else 0
@@ -420,22 +434,33 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
 
     # generation: the policy decodes gen_batch prompts with a KV cache
     replica = 2 * ps.params
-    gen_common = {
-        "KV cache": kv_cache_bytes(ps, seq, gen_batch),
-        "prefill activations (one layer)": layer_activation_bytes(
-            ps, prompt, gen_batch, cfg.policy.attn_implementation == "eager"),
-        "fp32 logits of one step": gen_batch * ps.vocab * 4,
-    }
+    tp = cfg.generation.tp_size or cluster.gpus_per_node
+    shard = 2 * tp_shard_params(ps, tp)
     # The same rule as the engine's generation.choose_mode, on the free memory of this plan.
     mode = cfg.generation.mode
     if mode == "auto":
-        free = cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES
-        mode = "gathered" if replica <= cfg.generation.replica_memory_fraction * free else "zero3"
+        budget = cfg.generation.replica_memory_fraction * (
+            cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES)
+        mode = ("gathered" if replica <= budget else
+                "tensor_parallel" if tp > 1 and tp_splits(ps, tp) and shard <= budget else
+                "zero3")
     gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
+    batch, kv_share = gen_batch, 1
     if mode == "gathered":
         gen = {"16-bit policy replica": replica, "layer gather while copying": gather}
+    elif mode == "tensor_parallel":  # the group decodes its ranks' prompts together
+        batch = min(cfg.generation.batch_size or tp * gen_batch, tp * gen_batch)
+        kv_share = tp
+        gen = {f"16-bit policy replica shard (1/{tp} of each layer)": shard,
+               "layer gather while copying": gather}
     else:
         gen = {"layer gather (ZeRO-3 hooks)": gather}
+    gen_common = {
+        "KV cache": kv_cache_bytes(ps, seq, batch) // kv_share,
+        "prefill activations (one layer)": layer_activation_bytes(
+            ps, prompt, batch, cfg.policy.attn_implementation == "eager"),
+        "fp32 logits of one step": batch * ps.vocab * 4,
+    }
     phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))
 
     # scoring: one forward per model role over the rollout, score_micro sequences at a time
@@ -515,6 +540,9 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
             levers.append(Lever(f"gradient checkpointing for the {role}",
                                 (f"{role}.gradient_checkpointing=true",)))
     if plan.generation_mode == "gathered":
+        levers.append(Lever("split the generation replica over the GPUs of a node",
+                            ("generation.mode=tensor_parallel",)))
+    if plan.generation_mode in ("gathered", "tensor_parallel"):
         levers.append(Lever("generate through ZeRO-3 layer gathering instead of a replica",
                             ("generation.mode=zero3",)))
     if plan.micro_batch > 1:

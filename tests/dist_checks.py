@@ -144,6 +144,59 @@ def replica_and_roles(work: Path) -> dict:
     }
 
 
+def tensor_parallel(work: Path) -> dict:
+    """generation.mode=tensor_parallel over all ranks: training runs; greedy rows equal the
+    gathered replica's for each rank's own prompts (ranks with different prompt counts and
+    lengths); sampled tokens are the same on every rank of the group."""
+    from ds_ppo.data.prompts import left_pad, load_prompts
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine import generation as gen
+    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.rollout import stop_token_ids
+
+    world, rank = dist.world_size(), dist.rank()
+    cfg = cfg_for(work, "tp", ["iterations=2", "generation.mode=tensor_parallel",
+                               f"generation.tp_size={world}", "generation.max_new_tokens=10"])
+    history = train(cfg).history
+    tok = load_tokenizer("builtin:tiny", work / "tp")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    prompts = load_prompts(cfg.data, tok)
+    mine = [prompts.input_ids[i][:6 + 3 * rank] for i in range(5 * rank, 5 * rank + 3 + rank)]
+    ids, am = left_pad(mine, tok.pad_token_id)
+    am = am.bool()
+    eos, pad = stop_token_ids(tok, cfg), tok.pad_token_id
+    greedy = cfg.generation.model_copy(update={"temperature": 0.0})
+    tp_ids = gen.generate(engines.policy, ids, am, greedy, "tensor_parallel", eos, pad,
+                          torch.float32).response_ids
+    full_ids = gen.generate(engines.policy, ids, am, greedy, "gathered", eos, pad,
+                            torch.float32).response_ids
+    group_outputs = []
+    take_rows = gen._rows
+
+    def recording_rows(outs, start, n):
+        group_outputs.append([o.tolist() for o in outs])
+        return take_rows(outs, start, n)
+
+    gen._rows = recording_rows
+    try:
+        sampled = gen.generate(engines.policy, ids, am, cfg.generation, "tensor_parallel", eos,
+                               pad, torch.float32)
+    finally:
+        gen._rows = take_rows
+    width = min(tp_ids.shape[1], full_ids.shape[1])
+    return {
+        "iterations": len(history),
+        "losses_finite": all(h[k] == h[k] for h in history for k in LOSS_KEYS),
+        "greedy_equal": dist.gather_objects(bool(
+            torch.equal(tp_ids[:, :width], full_ids[:, :width])
+            and (tp_ids[:, width:] == pad).all() and (full_ids[:, width:] == pad).all())),
+        "rows": dist.gather_objects(int(sampled.response_ids.shape[0])),
+        "group_outputs_equal": len({json.dumps(o) for o in dist.gather_objects(group_outputs)})
+        == 1,
+        "sampled_tokens": int(sampled.mask.sum()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -162,6 +215,7 @@ def main() -> None:
         "varied_zero3": lambda: varied_lengths(work, "zero3"),
         "varied_gathered": lambda: varied_lengths(work, "gathered"),
         "replica": lambda: replica_and_roles(work),
+        "tensor_parallel": lambda: tensor_parallel(work),
     }
     for name, fn in scenarios.items():
         t0 = time.time()

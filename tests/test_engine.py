@@ -102,3 +102,14 @@ def test_generation_replica_equals_trained_policy(one_rank, two_ranks):
         assert res["replica_equal_params"]
         assert res["replica_out"] == res["zero3_out"]
         assert res["kept_replica_refreshed"]  # generation.keep_replica: refreshed in place
+
+
+def test_tensor_parallel_generation(one_rank, two_ranks):
+    for res, world in ((one_rank["tensor_parallel"], 1), (two_ranks["tensor_parallel"], 2)):
+        assert "error" not in res, res
+        assert res["iterations"] == 2 and res["losses_finite"]
+        # each rank's rows of the group's greedy decoding equal its own gathered replica's
+        assert res["greedy_equal"] == [True] * world
+        assert res["rows"] == [3 + r for r in range(world)]  # every rank got its own rows back
+        assert res["group_outputs_equal"]  # ranks of a group sampled the same tokens
+        assert res["sampled_tokens"] > 0

@@ -154,7 +154,12 @@ def test_70b_fits_on_8_nodes(plan_70b_8x8):
     p = plan_70b_8x8
     assert p.cluster.world_size == 64
     assert p.fits and p.peak_gpu_bytes <= 80 * GiB
-    assert p.generation_mode == "zero3"  # a 141 GB replica cannot fit one GPU
+    # a 141 GB replica cannot fit one GPU: the preset splits it over the 8 GPUs of a node
+    assert p.generation_mode == "tensor_parallel"
+    gen = p.phases[0]
+    shard = next(v for k, v in gen.transient.items() if k.startswith("16-bit policy replica"))
+    assert shard == 2 * P.tp_shard_params(p.roles["policy"].shape, 8)
+    assert 19 * GiB < shard < 21 * GiB  # SCALING.md: 19.9 GiB
     assert p.peak_gpu_bytes == max(ph.total(p.resident_bytes) for ph in p.phases)
     assert p.biggest_lever is None
 
@@ -199,6 +204,28 @@ def test_checkpointing_and_generation_mode_move_the_peak(tmp_path):
     gen = lambda p: p.phases[0].total(p.resident_bytes)  # noqa: E731
     replica = 2 * gathered.roles["policy"].shape.params
     assert gen(gathered) - gen(zero3) == replica
+
+
+def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
+    cfg_path = small_config(tmp_path)
+    shape = P.plan(load_config(cfg_path), P.Cluster(1, 2, 80 * GiB)).roles["policy"].shape
+    # SMALL_ARCH per layer: q 64x64, k and v 64x32, o 64x64 (attention: 64*16*(2*4+2*2)
+    # = 12,288), gate/up/down 3x64x128 = 24,576; 2 layers = 73,728 split parameters
+    assert shape.params - P.tp_shard_params(shape, 2) == 73_728 // 2
+    assert P.tp_splits(shape, 2) and not P.tp_splits(shape, 4)  # 2 KV heads
+    replica, shard = 2 * shape.params, 2 * P.tp_shard_params(shape, 2)
+
+    def mode_at(gpu_bytes, gpus=2, *extra):
+        cfg = load_config(cfg_path, ["generation.mode=auto", *extra])
+        base = P.plan(cfg, P.Cluster(1, gpus, 80 * GiB))
+        # free memory for the replica = gpu - resident - overhead; fraction 0.5
+        gpu = base.resident_bytes + P.RUNTIME_OVERHEAD_BYTES + 2 * gpu_bytes
+        return P.plan(cfg, P.Cluster(1, gpus, gpu)).generation_mode
+
+    assert mode_at(replica) == "gathered"
+    assert mode_at((replica + shard) // 2) == "tensor_parallel"
+    assert mode_at((replica + shard) // 2, 1) == "zero3"  # one GPU: nothing to split over
+    assert mode_at(shard - 1) == "zero3"
 
 
 def test_tiny_gpu_names_a_lever_from_the_config(tmp_path):

@@ -65,12 +65,69 @@ def test_own_loop_conflicts_fail_validation(overrides, match):
         validate(_cfg(*overrides), 1)
 
 
+def test_auto_mode_falls_back_to_tensor_parallel_then_zero3(monkeypatch):
+    from ds_ppo.engine import generation
+    from ds_ppo.engine.generation import _param_bytes
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    full = _param_bytes(model, torch.float32)
+    shard = _param_bytes(model, torch.float32, tp_size=2)
+    # by hand, fp32: per layer q 64x64, k and v 32x64, o 64x64, gate/up/down 128x64 = 36,864
+    # linear weights, 2 layers; norms 2 x 2 x 64 + 64; embeddings and head 2 x 50 x 64
+    assert full == 4 * (2 * 36_864 + 320 + 6_400)
+    assert shard == 4 * (36_864 + 320 + 6_400)  # linear layers halved, the rest whole
+    import psutil
+
+    free = psutil.virtual_memory().available
+    monkeypatch.setattr(generation.dist, "local_world_size", lambda: 2)
+
+    def mode(fraction, *extra):
+        g = _cfg("generation.mode=auto", f"generation.replica_memory_fraction={fraction}",
+                 *extra).generation
+        return choose_mode(g, model, torch.float32, torch.device("cpu"))
+
+    between = (full + shard) / 2 / free  # the shard fits, the whole replica does not
+    assert mode(min(1.0, 2 * full / free)) == "gathered"
+    assert mode(between) == "tensor_parallel"
+    assert mode(between, "generation.tp_size=1") == "zero3"
+    assert mode(shard / 4 / free) == "zero3"
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 not divisible by tp_size=4"):
+        choose_mode(_cfg("generation.mode=tensor_parallel", "generation.tp_size=4").generation,
+                    model, torch.float32, torch.device("cpu"))
+
+
+def test_tensor_parallel_shards_by_hand():
+    from ds_ppo.engine.tensor_parallel import TPGroup, RowParallelLinear, shard_modules, shard_of
+
+    tp = TPGroup(group=None, size=2, rank=1, first=0)
+    w = torch.arange(24.0).reshape(4, 6)
+    assert torch.equal(shard_of("model.layers.0.self_attn.q_proj.weight", w, tp), w[2:])
+    assert torch.equal(shard_of("model.layers.0.mlp.up_proj.bias", torch.arange(4.0), tp),
+                       torch.tensor([2.0, 3.0]))
+    assert torch.equal(shard_of("model.layers.0.self_attn.o_proj.weight", w, tp), w[:, 3:])
+    assert torch.equal(shard_of("model.layers.0.mlp.down_proj.bias", torch.arange(4.0), tp),
+                       torch.arange(4.0))  # added once, after the sum
+    assert torch.equal(shard_of("model.embed_tokens.weight", w, tp), w)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64,
+                                             intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    shard_modules(model, tp)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.weight.shape == (2 * 16, 64) and attn.k_proj.weight.shape == (16, 64)
+    assert isinstance(attn.o_proj, RowParallelLinear) and attn.o_proj.weight.shape == (64, 32)
+    assert mlp.gate_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
+    assert model.lm_head.weight.shape == (50, 64)
+
+
 def test_auto_mode_chooses_by_memory():
     model = torch.nn.Linear(1000, 1000)  # 1M params: 2 MB in bf16
     g = _cfg("generation.mode=auto").generation
     assert choose_mode(g, model, torch.bfloat16, torch.device("cpu")) == "gathered"
     huge = types.SimpleNamespace(ds_numel=10**15, numel=lambda: 0)  # a ZeRO-3 partitioned param
-    big = types.SimpleNamespace(parameters=lambda: iter([huge]))
+    big = types.SimpleNamespace(named_parameters=lambda: iter([("w", huge)]))
     assert choose_mode(g, big, torch.bfloat16, torch.device("cpu")) == "zero3"
     assert choose_mode(_cfg("generation.mode=zero3").generation, model, torch.bfloat16,
                        torch.device("cpu")) == "zero3"

@@ -111,6 +111,12 @@ def gather_objects(obj) -> list:
     return out
 
 
-def num_nodes() -> int:
+def local_world_size() -> int:
+    """Ranks on this node (the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE); the world size when
+    neither is set."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0)
-    return max(1, world_size() // local) if local else 1
+    return local or world_size()
+
+
+def num_nodes() -> int:
+    return max(1, world_size() // local_world_size())

@@ -11,15 +11,20 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
   generate.
   No collective runs during decoding, so ranks whose responses end at different lengths never wait
   on each other.
+- mode `tensor_parallel`: `generation.tp_size` ranks (a node's GPUs by default) hold one replica
+  between them (`engine/tensor_parallel.py`) and decode their prompts together. For models whose
+  16-bit copy does not fit one device but whose 1/tp_size shard does.
 - mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
-  stepping until all are done, so the per-layer all-gathers stay matched). For models whose 16-bit
-  copy does not fit on one device.
+  stepping until all are done, so the per-layer all-gathers stay matched). Every token gathers
+  every layer: the last resort.
 - mode `auto`: `gathered` when the replica (16-bit weights) fits in
-  `generation.replica_memory_fraction` of free device memory, else `zero3`; the choice is logged.
+  `generation.replica_memory_fraction` of free device memory, else `tensor_parallel` when its
+  shard does, else `zero3`; the choice is logged.
 """
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +34,9 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.engine import dist
 from ds_ppo.engine.decode import DecodeStats, decode
 from ds_ppo.engine.decode import unsupported as decode_unsupported
+from ds_ppo.engine.tensor_parallel import (COLUMN, ROW, TPGroup, gather_group_prompts,
+                                           group_seed, shard_modules, shard_of, tp_group,
+                                           unshardable)
 from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
@@ -46,30 +54,57 @@ class Generated:
     decode_stats: list[DecodeStats] = field(default_factory=list)  # loop=own, one per chunk
 
 
-def _param_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
-    n = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one rank's replica: all weights, or with tp_size > 1 the sharded layers' share
+    plus the replicated rest (embeddings, norms, output head)."""
+    n = 0
+    for name, p in module.named_parameters():
+        numel = getattr(p, "ds_numel", p.numel())
+        layer = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        n += numel // tp_size if layer in COLUMN + ROW else numel
     return n * torch.finfo(dtype).bits // 8
 
 
 def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dtype,
                 device: torch.device) -> str:
-    """Resolve `auto` by a memory estimate (replica weights vs free device memory)."""
+    """Resolve `auto` by a memory estimate: `gathered` when the whole replica fits in
+    generation.replica_memory_fraction of free device memory, else `tensor_parallel` when a
+    1/tp_size shard does (and the model splits), else `zero3`. Free memory is the least over
+    all ranks, so every rank picks the same mode (different modes would hang)."""
+    tp = cfg.tp_size or dist.local_world_size()
+    config = getattr(module, "config", None)
+    if cfg.mode == "tensor_parallel" and config is not None and unshardable(config, tp):
+        raise ConfigError(f"generation.mode=tensor_parallel: {unshardable(config, tp)}; set "
+                          "generation.tp_size to a divisor of them, or generation.mode=auto")
     if cfg.mode != "auto":
         return cfg.mode
-    need = _param_bytes(module, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         import psutil
 
         free = psutil.virtual_memory().available
-    mode = "gathered" if need <= cfg.replica_memory_fraction * free else "zero3"
+    free = -float(dist.all_reduce_max(
+        torch.tensor([-float(free)], dtype=torch.float64, device=device)).item())
+    budget = cfg.replica_memory_fraction * free
+    need = _param_bytes(module, dtype)
+    if need <= budget:
+        mode = "gathered"
+    elif (tp > 1 and config is not None and unshardable(config, tp) is None
+          and _param_bytes(module, dtype, tp) <= budget):
+        mode = "tensor_parallel"
+        need = _param_bytes(module, dtype, tp)
+    else:
+        mode = "zero3"
     if dist.is_main():
-        log.info("generation.mode=auto -> %s (replica %.2f GiB, free %.2f GiB, fraction %.2f)",
-                 mode, need / 2**30, free / 2**30, cfg.replica_memory_fraction)
+        log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
+                 "fraction %.2f)", mode, need / 2**30,
+                 f" per rank, tp_size {tp}" if mode == "tensor_parallel" else "",
+                 free / 2**30, cfg.replica_memory_fraction)
     return mode
 
 
+REPLICA_MODES = ("gathered", "tensor_parallel")  # the modes that decode on a hook-free replica
 GATHER_CHUNK_NUMEL = 2**27  # elements per all-gather while copying weights (256 MiB in 16-bit)
 
 
@@ -89,8 +124,8 @@ def _param_chunks(module: torch.nn.Module, limit: int):
 
 
 def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                  materialize: bool = True,
-                  into: torch.nn.Module | None = None) -> torch.nn.Module | None:
+                  materialize: bool = True, into: torch.nn.Module | None = None,
+                  tp: TPGroup | None = None) -> torch.nn.Module | None:
     """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
 
     Parameters are gathered in chunks of up to GATHER_CHUNK_NUMEL elements (one coalesced
@@ -100,7 +135,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     frequencies) are not partitioned by ZeRO and are copied as they are. The gathers are
     collective: every rank must call this; with `materialize=False` a rank only takes part in
     them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
-    call, refreshed in place (no new allocation, compiled graphs stay valid).
+    call, refreshed in place (no new allocation, compiled graphs stay valid). `tp`: build this
+    rank's shard of a tensor-parallel replica (`engine/tensor_parallel.py`).
     """
     import deepspeed
 
@@ -108,6 +144,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     if materialize and replica is None:
         with torch.device("meta"):
             replica = type(module)(module.config)
+        if tp is not None:
+            shard_modules(replica, tp)
         replica.to_empty(device=device)
         replica.to(dtype)
         if getattr(module, "generation_config", None) is not None:
@@ -117,7 +155,7 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
             for name, p in chunk:
                 if name in target:
-                    target[name].data.copy_(p.data)
+                    target[name].data.copy_(p.data if tp is None else shard_of(name, p.data, tp))
     if replica is None:
         return None
     target_buffers = dict(replica.named_buffers())
@@ -133,7 +171,7 @@ def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> str:
     """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.decode) or
     `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus). The trainer
     calls it once at start-up, so an unusable loop=own fails before the first rollout."""
-    if mode != "gathered" or cfg.loop == "hf":
+    if mode not in REPLICA_MODES or cfg.loop == "hf":
         return "hf"
     reason = decode_unsupported(model_config)
     if cfg.loop == "own":
@@ -193,6 +231,26 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int):
     return run
 
 
+@contextmanager
+def _group_random_stream(tp: TPGroup | None, device: torch.device):
+    """Tensor-parallel ranks must sample the same tokens: within a group, one shared seed for
+    the call (the ranks' own random streams are restored after). Other modes: unchanged."""
+    if tp is None or tp.size == 1:
+        yield
+        return
+    seed = group_seed(tp, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def _rows(outs: list[torch.Tensor], start: int, n: int) -> list[torch.Tensor]:
+    """Rows start..start+n of the chunks' outputs (chunks padded to the widest one)."""
+    width = max(o.shape[1] for o in outs)
+    full = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs])
+    return [full[start:start + n]]
+
+
 @torch.no_grad()
 def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              cfg: GenerationConfig, mode: str, eos_ids: list[int], pad_id: int,
@@ -203,31 +261,40 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     passed back as `kept_replica` next time: its weights are refreshed in place."""
     module = policy_engine.module
     device = prompt_ids.device
-    chunk = cfg.batch_size or prompt_ids.shape[0]
     was_training = module.training
     loop = choose_loop(cfg, mode, module.config)
-    if mode == "gathered":
-        model = build_replica(module, dtype, device, into=kept_replica)
+    tp = tp_group(cfg.tp_size or dist.local_world_size()) if mode == "tensor_parallel" else None
+    rows, rows_mask, offset = prompt_ids, prompt_mask, 0
+    if mode in REPLICA_MODES:
+        model = build_replica(module, dtype, device, into=kept_replica, tp=tp)
+        if tp is not None and tp.size > 1:  # collectives are not captured in CUDA graphs
+            cfg = cfg.model_copy(update={"cuda_graph": False})
         run = (_own_decode(model, cfg, eos_ids, pad_id) if loop == "own" else
                _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
+        if tp is not None:  # the group decodes all its ranks' prompts together
+            rows, rows_mask, offset = gather_group_prompts(prompt_ids, prompt_mask, pad_id, tp)
     else:
         model = module
         module.eval()
         module.config.use_cache = True
         run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
     outs, stats = [], []
-    for start in range(0, prompt_ids.shape[0], chunk):
-        out, st = run(prompt_ids[start:start + chunk], prompt_mask[start:start + chunk])
-        outs.append(out)
-        stats.append(st)
-    if mode != "gathered":
+    chunk = cfg.batch_size or rows.shape[0]
+    with _group_random_stream(tp, device):
+        for start in range(0, rows.shape[0], chunk):
+            out, st = run(rows[start:start + chunk], rows_mask[start:start + chunk])
+            outs.append(out)
+            stats.append(st)
+    if mode not in REPLICA_MODES:
         module.config.use_cache = False
         module.train(was_training)
         # generate() leaves prefetched ZeRO-3 parameters in flight; release them before the
         # next gather (the replica build, scoring) or DeepSpeed refuses to partition them
         policy_engine.empty_partition_cache()
-    kept = model if mode == "gathered" and cfg.keep_replica else None
+    kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
+    if tp is not None:  # this rank's rows of the group's responses
+        outs = _rows(outs, offset, prompt_ids.shape[0])
     width = max(o.shape[1] for o in outs)
     response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)
     row = 0
