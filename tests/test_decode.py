@@ -319,3 +319,21 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     assert torch.equal(runs["own"].response_ids, runs["hf"].response_ids)
     assert torch.equal(runs["own"].mask, runs["hf"].mask)
     assert runs["own"].mask[1].sum() == 4 and runs["own"].ended[1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_replica_equals_the_model_with_tied_or_untied_embeddings(tied):
+    """build_replica on a plain model: the same logits. With tied embeddings the output head
+    must be the embedding matrix again (a regression: it stayed uninitialised)."""
+    from ds_ppo.engine.generation import build_replica
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, tie_word_embeddings=tied)).eval()
+    replica = build_replica(model, torch.float32, torch.device("cpu"))
+    shared = replica.lm_head.weight.data_ptr() == replica.model.embed_tokens.weight.data_ptr()
+    assert shared == tied
+    ids, mask = left_padded()
+    with torch.no_grad():
+        torch.testing.assert_close(replica(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -98,6 +98,27 @@ def test_auto_mode_falls_back_to_tensor_parallel_then_zero3(monkeypatch):
                     model, torch.float32, torch.device("cpu"))
 
 
+def test_tensor_parallel_refuses_unchecked_layouts(monkeypatch):
+    from transformers import Olmo2Config, Phi3Config, Phi3ForCausalLM
+
+    from ds_ppo.engine.tensor_parallel import unshardable
+
+    llama = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    assert unshardable(llama, 2) is None
+    assert "num_key_value_heads=2 not divisible by tp_size=4" in unshardable(llama, 4)
+    assert "olmo2" in unshardable(Olmo2Config(), 2)  # normalises q across all heads
+    phi3 = Phi3Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    with torch.device("meta"):
+        model = Phi3ForCausalLM(phi3)
+    assert "phi3" in unshardable(phi3, 2, model)
+    # were phi3 on the checked list, the module check would still name its fused layers
+    import ds_ppo.engine.tensor_parallel as tpm
+
+    monkeypatch.setattr(tpm, "MODEL_TYPES", tpm.MODEL_TYPES + ("phi3",))
+    assert "qkv_proj" in unshardable(phi3, 2, model)
+
+
 def test_tensor_parallel_shards_by_hand():
     from ds_ppo.engine.tensor_parallel import TPGroup, RowParallelLinear, shard_modules, shard_of
 

@@ -73,8 +73,9 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
     all ranks, so every rank picks the same mode (different modes would hang)."""
     tp = cfg.tp_size or dist.local_world_size()
     config = getattr(module, "config", None)
-    if cfg.mode == "tensor_parallel" and config is not None and unshardable(config, tp):
-        raise ConfigError(f"generation.mode=tensor_parallel: {unshardable(config, tp)}; set "
+    why_not_tp = unshardable(config, tp, module) if config is not None else "no HF config"
+    if cfg.mode == "tensor_parallel" and why_not_tp:
+        raise ConfigError(f"generation.mode=tensor_parallel: {why_not_tp}; set "
                           "generation.tp_size to a divisor of them, or generation.mode=auto")
     if cfg.mode != "auto":
         return cfg.mode
@@ -90,8 +91,7 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
     need = _param_bytes(module, dtype)
     if need <= budget:
         mode = "gathered"
-    elif (tp > 1 and config is not None and unshardable(config, tp) is None
-          and _param_bytes(module, dtype, tp) <= budget):
+    elif tp > 1 and not why_not_tp and _param_bytes(module, dtype, tp) <= budget:
         mode = "tensor_parallel"
         need = _param_bytes(module, dtype, tp)
     else:
@@ -148,6 +148,10 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
             shard_modules(replica, tp)
         replica.to_empty(device=device)
         replica.to(dtype)
+        # to_empty gives every parameter its own storage: an output head tied to the embeddings
+        # (Llama-3.2-1B, Gemma, small Qwen2) would stay uninitialised, since named_parameters()
+        # below yields a tied weight once
+        replica.tie_weights()
         if getattr(module, "generation_config", None) is not None:
             replica.generation_config = module.generation_config
     target = dict(replica.named_parameters()) if replica is not None else {}
