@@ -45,7 +45,8 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             # valid tokens of the global mini-batch (sum over ranks)
             n_tok = float(dist.all_reduce_sum(mini.mask.sum().float()).item())
             n_tok = max(n_tok, 1.0)
-            mini_losses = torch.zeros(2, dtype=torch.float64)  # this rank's share of the losses
+            # device tensors, read once per mini-batch: no host sync between micro-batches
+            losses, stats = [], {}
             for m0 in range(0, per_rank_mini, p.micro_batch_size):
                 mb = mini.slice(slice(m0, m0 + p.micro_batch_size))
                 ids, am = mb.rollout.input_ids, mb.rollout.attention_mask
@@ -60,16 +61,18 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                                                clip_eps=p.value_clip_eps, num_tokens=n_tok)
                 backward_step(engines.value, p.vf_coef * vf_loss * scale)
 
-                mini_losses += torch.tensor([float(pg_loss.detach()), float(vf_loss.detach())],
-                                            dtype=torch.float64)
+                losses.append(torch.stack([pg_loss.detach(), vf_loss.detach()]).double())
                 # stats are per-micro-batch token means: weight them by tokens for a global mean
-                n_valid = float(mb.mask.sum().item())
-                for k, v in pg_stats.items():
-                    acc.add_mean(f"policy/{k}", float(v) * n_valid, n_valid)
-                for k, v in vf_stats.items():
-                    acc.add_mean(f"value/{k}", float(v) * n_valid, n_valid)
+                n_valid = mb.mask.sum().double()
+                named = {**{f"policy/{k}": v for k, v in pg_stats.items()},
+                         **{f"value/{k}": v for k, v in vf_stats.items()}}
+                for k, v in named.items():
+                    stats.setdefault(k, []).append(torch.stack([v.double() * n_valid, n_valid]))
+            for k, parts in stats.items():
+                total, count = torch.stack(parts).sum(dim=0).tolist()
+                acc.add_mean(k, total, count)
             # summed over ranks, this step's losses are token means over the global mini-batch
-            pg, vf = dist.all_reduce_sum(mini_losses).tolist()
+            pg, vf = dist.all_reduce_sum(torch.stack(losses).sum(dim=0)).tolist()
             acc.add_replicated("loss/policy", pg)
             acc.add_replicated("loss/value", vf)
             # global gradient norms of the step just taken (before clipping; identical on ranks)

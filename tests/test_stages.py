@@ -270,3 +270,16 @@ def test_lr_schedule_warmup_then_decay(kind):
         assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # min_lr_ratio at the end
         mid = lrs[2 + (total - 2) // 2]
         assert 0.1 < mid < 1.0
+
+
+def test_cpu_metric_sums_go_through_the_gpu_with_nccl(monkeypatch):
+    """NCCL takes only CUDA tensors: metric sums built on the CPU must be moved for the
+    collective (gloo, the CPU backend of the tests, would hide the problem)."""
+    from ds_ppo.engine import dist
+
+    monkeypatch.setattr(dist.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert dist.collective_device(torch.zeros(2)) == torch.device("cuda", 3)
+    assert dist.collective_device(torch.zeros(2, device="meta")) == torch.device("meta")
+    monkeypatch.setattr(dist.dist, "get_backend", lambda group=None: "gloo")
+    assert dist.collective_device(torch.zeros(2)) == torch.device("cpu")

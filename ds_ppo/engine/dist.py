@@ -78,19 +78,32 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device(t: torch.Tensor) -> torch.device:
+    """Where a collective on `t` can run: NCCL takes only CUDA tensors, so a CPU tensor (metric
+    sums built from Python floats) goes through this rank's GPU; gloo takes it where it is."""
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """A reduced copy of t over the data-parallel group, on t's device (identity on one
+    process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t.clone()
+    work = t.to(collective_device(t), copy=True)
+    dist.all_reduce(work, op=op)
+    return work.to(t.device)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over the data-parallel group (returns a new tensor; identity on one process)."""
-    t = t.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    return _all_reduce(t, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    """Maximum over the data-parallel group (returns a new tensor; identity on one process)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj, src: int = 0):
