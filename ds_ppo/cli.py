@@ -20,9 +20,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"config OK for world size {world_size_from_env()}")
         return 0
+    from ds_ppo.preemption import Preempted
     from ds_ppo.trainer import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except Preempted as e:  # checkpoint saved; 128 + signal tells the scheduler it did not finish
+        print(f"ds-ppo: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

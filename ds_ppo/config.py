@@ -250,6 +250,9 @@ class CheckpointConfig(Section):
         "`ds-ppo export` reads no pickle.")
     export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Weight dtype of exported models (safetensors).")
+    save_on_signal: bool = Field(
+        True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
+        "--signal=USR1@300): finish the iteration, save a checkpoint, exit 128 + the signal.")
 
 
 # -------------------------------------------------------------------------- deepspeed

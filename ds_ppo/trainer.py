@@ -23,6 +23,7 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
                                       read_state, resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
+from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
 from ds_ppo.errors import ConfigError
 from ds_ppo.evaluate import evaluate
@@ -68,44 +69,56 @@ def train(cfg: Config) -> TrainResult:
     sampler = _sampler(cfg, len(prompts.input_ids))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id)
     status = "FAILED"
-    try:
-        for iteration in range(state.iteration + 1, cfg.iterations + 1):
-            acc, t_iter = Accumulator(), time.perf_counter()
-            # step 1. generate the trajectory (this rank's shard of the global batch)
-            with _timed(acc, "time/generation_s"):
-                rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
-                                            cfg, tokenizer, gen_mode, eos_ids)
-            # step 2. score it: log-probs, reference log-probs, values, reward scores
-            with _timed(acc, "time/scoring_s"):
-                exp = score(rollout, engines, cfg, reward_encode)
-            # step 3. KL-shaped rewards, GAE, whitened advantages
-            exp = add_advantages(exp, cfg, kl_ctl.value)
-            # step 4. PPO epochs over mini-batches: policy and value updates
-            with _timed(acc, "time/update_s"):
-                ppo_update(exp, engines, cfg, iteration, acc)
-            # step 5. metrics, reduced across ranks; KL controller; logging
-            metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter)
-            if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
-                                        eos_ids, reward_encode))
-            kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
-            _report(cfg, tracker, metrics, iteration, exp, out)
-            result.history.append(metrics)
-            state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
-            # step 6. checkpoint
-            if cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0:
-                result.last_checkpoint = str(save_checkpoint(
-                    out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                    cfg.checkpoint.save_hf_weights))
-        result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
-                                                            result.last_checkpoint)
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        tracker.close(status)
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
+    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
+        try:
+            for iteration in range(state.iteration + 1, cfg.iterations + 1):
+                acc, t_iter = Accumulator(), time.perf_counter()
+                # step 1. generate the trajectory (this rank's shard of the global batch)
+                with _timed(acc, "time/generation_s"):
+                    rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
+                                              cfg, tokenizer, gen_mode, eos_ids)
+                # step 2. score it: log-probs, reference log-probs, values, reward scores
+                with _timed(acc, "time/scoring_s"):
+                    exp = score(rollout, engines, cfg, reward_encode)
+                # step 3. KL-shaped rewards, GAE, whitened advantages
+                exp = add_advantages(exp, cfg, kl_ctl.value)
+                # step 4. PPO epochs over mini-batches: policy and value updates
+                with _timed(acc, "time/update_s"):
+                    ppo_update(exp, engines, cfg, iteration, acc)
+                # step 5. metrics, reduced across ranks; KL controller; logging
+                metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter)
+                if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+                    metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
+                                            eos_ids, reward_encode))
+                kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
+                _report(cfg, tracker, metrics, iteration, exp, out)
+                result.history.append(metrics)
+                state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
+                # step 6. checkpoint
+                saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
+                if saved:
+                    result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                signum = stop.agreed(device)
+                if signum:
+                    if not saved:
+                        result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                    raise Preempted(signum, iteration, result.last_checkpoint)
+            result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
+                                                                result.last_checkpoint)
+            status = "FINISHED"
+        except (KeyboardInterrupt, Preempted):
+            status = "KILLED"
+            raise
+        finally:
+            tracker.close(status)
     return result
+
+
+def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
+    return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                               cfg.checkpoint.save_hf_weights))
 
 
 # ------------------------------------------------------------------------- start-up
@@ -386,9 +399,7 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     latest = latest_checkpoint(out)
     if cfg.checkpoint.save_at_end and (latest is None or
                                        latest.name != checkpoint_name(state.iteration)):
-        last_checkpoint = str(save_checkpoint(out, engines, state, tokenizer,
-                                              cfg.checkpoint.keep_last,
-                                              cfg.checkpoint.save_hf_weights))
+        last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
     export_dir = None
     if cfg.checkpoint.export_at_end:
         export_dir = str(out / "final")

@@ -1,0 +1,67 @@
+"""Stopping cleanly when a scheduler asks, so that a preempted run loses no finished iteration.
+
+SIGTERM (what Kubernetes, `scancel` and the `deepspeed` launcher send before killing; the
+launcher waits 30 s) and SIGUSR1 (Slurm's advance notice with `sbatch --signal=USR1@300`) only
+set a flag. After each iteration the ranks agree on it (one max all-reduce of one number, so a
+signal that reached only some ranks stops all of them together), save a checkpoint unless one
+was just saved, and the run ends with `Preempted`: the CLI exits 128 + the signal number (143
+for SIGTERM), so a scheduler does not take the run for finished. The same command resumes it.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from ds_ppo.engine import dist
+
+log = logging.getLogger("ds_ppo")
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """The run stopped at an iteration boundary on a signal; its checkpoint is saved."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint: str | None) -> None:
+        self.signum, self.iteration, self.checkpoint = signum, iteration, checkpoint
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after iteration {iteration}; checkpoint "
+            f"{checkpoint}; run the same command again to resume")
+
+
+class StopRequests:
+    """Records SIGTERM/SIGUSR1 while installed (a context manager; the previous handlers come
+    back on exit). Installs nothing off the main thread, where Python cannot take signals."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.signum:
+            log.warning("received %s: finishing this iteration, then saving a checkpoint and "
+                        "stopping", signal.Signals(signum).name)
+        self.signum = signum
+
+    def __enter__(self) -> "StopRequests":
+        if self.enabled:
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def agreed(self, device: torch.device) -> int:
+        """Collective: the signal any rank received (0: none). Every rank must call it."""
+        if not self.enabled:
+            return 0
+        flag = torch.tensor([float(self.signum)], device=device)
+        return int(dist.all_reduce_max(flag).item())

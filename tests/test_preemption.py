@@ -1,0 +1,77 @@
+"""A scheduler's stop request loses no finished iteration: SIGTERM / SIGUSR1 make `ds-ppo train`
+finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from conftest import clean_env, deepspeed_cmd, free_port, read_metrics, run_cli
+
+SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
+         "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.every=0",
+         "checkpoint.export_at_end=false"]
+
+
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 300) -> list[str]:
+    """stdout lines up to the first containing `text` (the run keeps going)."""
+    seen, t0 = [], time.time()
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.time() - t0 < timeout, "".join(seen[-20:])
+    raise AssertionError(f"exited before {text!r}:\n{''.join(seen[-30:])}\n{proc.stderr.read()}")
+
+
+def _saved_iteration(out: Path) -> int:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())
+    return state["iteration"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    out = tmp_path / "out"
+    args = ["train", *SMALL, f"output_dir={out}", "iterations=500"]
+    proc = _start([sys.executable, "-m", "ds_ppo", *args], tmp_path)
+    _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    n = _saved_iteration(out)
+    assert 2 <= n < 500
+    assert f"stopped by SIGTERM after iteration {n}" in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+    # the same command (with a nearer end) resumes after the saved iteration
+    run_cli([*args[:-1], f"iterations={n + 2}"], cwd=tmp_path, timeout=600)
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 3))
+
+
+def test_sigusr1_to_one_rank_stops_both_at_the_same_iteration(tmp_path):
+    """Slurm's advance notice may reach one rank first: the ranks agree after each iteration,
+    so both save the same checkpoint and stop (no rank left waiting in a collective)."""
+    out = tmp_path / "out"
+    launcher = _start([*deepspeed_cmd(2, free_port()), "--module", "ds_ppo", "train", *SMALL,
+                       f"output_dir={out}", "iterations=500"], tmp_path)
+    _wait_for(launcher, "iter    2/500")
+    ranks = {p.environ().get("RANK"): p for p in psutil.Process(launcher.pid).children(True)
+             if p.environ().get("RANK") is not None}
+    assert set(ranks) == {"0", "1"}, ranks
+    ranks["1"].send_signal(signal.SIGUSR1)
+    stdout, stderr = launcher.communicate(timeout=300)
+    n = _saved_iteration(out)
+    assert launcher.returncode != 0
+    assert f"stopped by SIGUSR1 after iteration {n}" in stdout + stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert len(list((ckpt / "rng").iterdir())) == 2  # both ranks wrote their part
