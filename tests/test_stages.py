@@ -283,3 +283,21 @@ def test_cpu_metric_sums_go_through_the_gpu_with_nccl(monkeypatch):
     assert dist.collective_device(torch.zeros(2, device="meta")) == torch.device("meta")
     monkeypatch.setattr(dist.dist, "get_backend", lambda group=None: "gloo")
     assert dist.collective_device(torch.zeros(2)) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"LOCAL_WORLD_SIZE": "4"}, 4),
+    ({"LOCAL_SIZE": "8", "SLURM_NTASKS_PER_NODE": "1"}, 8),  # deepspeed's launcher inside srun
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 8),
+    ({"MPI_LOCALNRANKS": "2"}, 2),
+    ({"SLURM_NTASKS_PER_NODE": "8(x2)"}, 8),
+    ({}, 1),  # no launcher variables, no GPU: the world size (1 without a process group)
+])
+def test_local_world_size_from_launcher_variables(monkeypatch, env, expected):
+    from ds_ppo.engine import dist
+
+    for var in dist._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert dist.local_world_size() == expected

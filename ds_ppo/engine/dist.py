@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from datetime import timedelta
 from contextlib import closing
@@ -124,11 +125,22 @@ def gather_objects(obj) -> list:
     return out
 
 
+# ranks on this node, as launchers name it: torchrun, the deepspeed launcher, OpenMPI, MPICH /
+# Intel MPI, SLURM ("8", or "8(x2)" for 2 nodes of 8)
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
 def local_world_size() -> int:
-    """Ranks on this node (the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE); the world size when
-    neither is set."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0)
-    return local or world_size()
+    """Ranks on this node, from the launcher's variables; else the visible GPUs (one rank per
+    GPU), capped by the world size; on CPU without them, the world size."""
+    for var in _LOCAL_SIZE_VARS:
+        digits = re.match(r"\d+", os.environ.get(var, ""))
+        if digits and int(digits.group()) > 0:
+            return int(digits.group())
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return min(world_size(), torch.cuda.device_count())
+    return world_size()
 
 
 def num_nodes() -> int:
