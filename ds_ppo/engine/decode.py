@@ -1,4 +1,5 @@
-"""Our decoding loop on the gathered replica (`generation.loop=own`).
+"""Our decoding loop on the generation replica (`generation.loop=own`; gathered or
+tensor-parallel).
 
 HF `generate` does per-step Python work the device waits on: it rebuilds the attention mask and
 the model inputs, runs its logits processors one by one and asks the device whether every
@@ -11,6 +12,8 @@ bound. This loop instead:
   positions, a key mask that grows by one column, the step counter, the ended flags, the output),
   so the step has no host synchronisation and no value-dependent shape. On CUDA the step is
   captured once as a CUDA graph after two eager warm-up steps and replayed (one launch per token);
+- with the sdpa kernel, attends through `grouped_sdpa_attention`: one query token per sequence
+  lets grouped-query heads share their K/V without HF's per-head copy of the cache;
 - processes logits and samples on the device (`ds_ppo.algo.sampling`, HF's processors in HF's
   order), so greedy outputs equal HF generate's for the same logits;
 - asks whether every response has ended only every `stop_check_every` steps.
