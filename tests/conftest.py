@@ -14,6 +14,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+# A smaller variant of the tiny default for the resume, crash and preemption tests (same code
+# paths as the default run, fewer sequences).
+SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
+         "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.keep_last=2",
+         "checkpoint.export_at_end=false"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

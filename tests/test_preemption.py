@@ -11,11 +11,10 @@ from pathlib import Path
 
 import psutil
 
+from conftest import SMALL as BASE
 from conftest import clean_env, deepspeed_cmd, free_port, read_metrics, run_cli
 
-SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
-         "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.every=0",
-         "checkpoint.export_at_end=false"]
+SMALL = [*BASE, "checkpoint.every=0"]  # only the stop request saves
 
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
