@@ -23,11 +23,11 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
                                       read_state, resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
-from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.engine.roles import Engines, current_lr, init_engines
 from ds_ppo.errors import ConfigError
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
+from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.rollout import make_rollout, stop_token_ids
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update

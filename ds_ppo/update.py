@@ -68,8 +68,8 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                          **{f"value/{k}": v for k, v in vf_stats.items()}}
                 for k, v in named.items():
                     stats.setdefault(k, []).append(torch.stack([v.double() * n_valid, n_valid]))
-            for k, parts in stats.items():
-                total, count = torch.stack(parts).sum(dim=0).tolist()
+            sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
+            for k, (total, count) in zip(stats, sums.tolist()):  # one read for all statistics
                 acc.add_mean(k, total, count)
             # summed over ranks, this step's losses are token means over the global mini-batch
             pg, vf = dist.all_reduce_sum(torch.stack(losses).sum(dim=0)).tolist()

@@ -171,18 +171,19 @@ def tensor_parallel(work: Path) -> dict:
     full_ids = gen.generate(engines.policy, ids, am, greedy, "gathered", eos, pad,
                             torch.float32).response_ids
     group_outputs = []
-    take_rows = gen._rows
+    stack_chunks = gen._stack_chunks
 
-    def recording_rows(outs, start, n):
-        group_outputs.append([o.tolist() for o in outs])
-        return take_rows(outs, start, n)
+    def recording(outs, pad_id):  # the group's responses, before each rank takes its rows
+        stacked = stack_chunks(outs, pad_id)
+        group_outputs.append(stacked.tolist())
+        return stacked
 
-    gen._rows = recording_rows
+    gen._stack_chunks = recording
     try:
         sampled = gen.generate(engines.policy, ids, am, cfg.generation, "tensor_parallel", eos,
                                pad, torch.float32)
     finally:
-        gen._rows = take_rows
+        gen._stack_chunks = stack_chunks
     width = min(tp_ids.shape[1], full_ids.shape[1])
     return {
         "iterations": len(history),

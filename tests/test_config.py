@@ -205,6 +205,15 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     # generation
     (["generation.min_new_tokens=20"], 1, "generation.min_new_tokens", "= 20 must be <= "
      "generation.max_new_tokens = 12"),
+    (["generation.tp_size=3"], 2, "generation.tp_size = 3", "must divide the world size 2"),
+    (["generation.loop=own", "generation.mode=zero3"], 1, "generation.loop = 'own' runs",
+     "generation.mode=gathered"),
+    (["generation.loop=own", "generation.cache_implementation=static"], 1,
+     "generation.cache_implementation / generation.compile", "generation.loop=hf"),
+    (["generation.loop=own", "generation.compile=true"], 1,
+     "generation.cache_implementation / generation.compile", "generation.loop=hf"),
+    (["generation.loop=own", "policy.attn_implementation=flash_attention_2"], 1,
+     "generation.loop = 'own' supports", "generation.loop=auto"),
     # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
     (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
      "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),

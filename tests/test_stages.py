@@ -51,20 +51,6 @@ def test_decoding_loop_choice():
         choose_loop(own, "gathered", flash)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["generation.loop=own", "generation.mode=zero3"], "generation.mode=gathered"),
-    (["generation.loop=own", "generation.cache_implementation=static"], "generation.loop=hf"),
-    (["generation.loop=own", "generation.compile=true"], "generation.loop=hf"),
-    (["generation.loop=own", "policy.attn_implementation=flash_attention_2"],
-     "generation.loop=auto"),
-])
-def test_own_loop_conflicts_fail_validation(overrides, match):
-    from ds_ppo.config import validate
-
-    with pytest.raises(ConfigError, match=match):
-        validate(_cfg(*overrides), 1)
-
-
 def test_auto_mode_falls_back_to_tensor_parallel_then_zero3(monkeypatch):
     from ds_ppo.engine import generation
     from ds_ppo.engine.generation import _param_bytes

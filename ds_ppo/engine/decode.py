@@ -34,6 +34,7 @@ import torch
 
 from ds_ppo.algo.masks import decode_attention_mask, response_mask
 from ds_ppo.algo.sampling import block_tokens, next_tokens
+from ds_ppo.forward import position_ids
 
 log = logging.getLogger("ds_ppo")
 
@@ -154,8 +155,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     cache = StaticCache(config=config, max_cache_len=P + T)
     cache_kw = {_cache_kwarg(model): cache}
     prompt_mask = prompt_mask.bool()
-    # HF's positions for left padding: real tokens count from 0, pads get a dummy 1
-    positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(~prompt_mask, 1)
+    positions = position_ids(prompt_mask)  # as scoring and training count them
 
     # persistent state: the decoding step reads and writes only these (capture-safe)
     eos_t = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)

@@ -34,8 +34,8 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.engine import dist
 from ds_ppo.engine.decode import DecodeStats, decode
 from ds_ppo.engine.decode import unsupported as decode_unsupported
-from ds_ppo.engine.tensor_parallel import (COLUMN, ROW, TPGroup, gather_group_prompts,
-                                           group_seed, shard_modules, shard_of, tp_group,
+from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
+                                           shard_modules, shard_of, split_dim, tp_group,
                                            unshardable)
 from ds_ppo.errors import ConfigError
 
@@ -60,8 +60,7 @@ def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) 
     n = 0
     for name, p in module.named_parameters():
         numel = getattr(p, "ds_numel", p.numel())
-        layer = name.rsplit(".", 2)[-2] if name.count(".") else ""
-        n += numel // tp_size if layer in COLUMN + ROW else numel
+        n += numel if split_dim(name) is None else numel // tp_size
     return n * torch.finfo(dtype).bits // 8
 
 
@@ -71,13 +70,15 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
     generation.replica_memory_fraction of free device memory, else `tensor_parallel` when a
     1/tp_size shard does (and the model splits), else `zero3`. Free memory is the least over
     all ranks, so every rank picks the same mode (different modes would hang)."""
+    if cfg.mode in ("gathered", "zero3"):
+        return cfg.mode
     tp = cfg.tp_size or dist.local_world_size()
     config = getattr(module, "config", None)
     why_not_tp = unshardable(config, tp, module) if config is not None else "no HF config"
-    if cfg.mode == "tensor_parallel" and why_not_tp:
-        raise ConfigError(f"generation.mode=tensor_parallel: {why_not_tp}; set "
-                          "generation.tp_size to a divisor of them, or generation.mode=auto")
-    if cfg.mode != "auto":
+    if cfg.mode == "tensor_parallel":
+        if why_not_tp:
+            raise ConfigError(f"generation.mode=tensor_parallel: {why_not_tp}; set "
+                              "generation.tp_size to a divisor of them, or generation.mode=auto")
         return cfg.mode
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -89,11 +90,11 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
         torch.tensor([-float(free)], dtype=torch.float64, device=device)).item())
     budget = cfg.replica_memory_fraction * free
     need = _param_bytes(module, dtype)
+    shard = _param_bytes(module, dtype, tp) if tp > 1 and not why_not_tp else None
     if need <= budget:
         mode = "gathered"
-    elif tp > 1 and not why_not_tp and _param_bytes(module, dtype, tp) <= budget:
-        mode = "tensor_parallel"
-        need = _param_bytes(module, dtype, tp)
+    elif shard is not None and shard <= budget:
+        mode, need = "tensor_parallel", shard
     else:
         mode = "zero3"
     if dist.is_main():
@@ -248,11 +249,11 @@ def _group_random_stream(tp: TPGroup | None, device: torch.device):
         yield
 
 
-def _rows(outs: list[torch.Tensor], start: int, n: int) -> list[torch.Tensor]:
-    """Rows start..start+n of the chunks' outputs (chunks padded to the widest one)."""
+def _stack_chunks(outs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
+    """The chunks' responses as one (N, W) tensor, each padded to the widest chunk."""
     width = max(o.shape[1] for o in outs)
-    full = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs])
-    return [full[start:start + n]]
+    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id)
+                      for o in outs])
 
 
 @torch.no_grad()
@@ -297,14 +298,8 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         policy_engine.empty_partition_cache()
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
-    if tp is not None:  # this rank's rows of the group's responses
-        outs = _rows(outs, offset, prompt_ids.shape[0])
-    width = max(o.shape[1] for o in outs)
-    response = torch.full((prompt_ids.shape[0], width), pad_id, dtype=torch.long, device=device)
-    row = 0
-    for o in outs:
-        response[row:row + o.shape[0], :o.shape[1]] = o
-        row += o.shape[0]
+    # tensor_parallel: this rank's rows of the group's responses
+    response = _stack_chunks(outs, pad_id)[offset:offset + prompt_ids.shape[0]]
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)

@@ -130,17 +130,25 @@ def shard_modules(model: torch.nn.Module, tp: TPGroup) -> None:
             setattr(parent, name, new)
 
 
-def shard_of(name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's slice of the full parameter `name` (module path + .weight/.bias)."""
+def split_dim(name: str) -> int | None:
+    """The dimension along which the parameter `name` (module path + .weight/.bias) is split:
+    0 for column-parallel weights and biases, 1 for row-parallel weights, None when whole."""
     parts = name.rsplit(".", 2)
     layer, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
     if layer in COLUMN:
-        n = full.shape[0] // tp.size
-        return full[tp.rank * n:(tp.rank + 1) * n]
+        return 0
     if layer in ROW and kind == "weight":
-        n = full.shape[1] // tp.size
-        return full[:, tp.rank * n:(tp.rank + 1) * n]
-    return full
+        return 1
+    return None
+
+
+def shard_of(name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of the full parameter `name`."""
+    dim = split_dim(name)
+    if dim is None:
+        return full
+    n = full.shape[dim] // tp.size
+    return full.narrow(dim, tp.rank * n, n)
 
 
 def gather_group_prompts(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, tp: TPGroup
