@@ -229,12 +229,13 @@ def _setup_failed(cfg: Config, uri: str, err: BaseException) -> NullTracker:
 
 
 # ---------------------------------------------------------------------------- opening
-def open_tracker(cfg: Config, *, is_main: bool, run_id: str | None, tags: dict[str, str],
-                 ds_configs: dict[str, dict]) -> Tracker:
+def open_tracker(cfg: Config, *, is_main: bool, run_id: str | None,
+                 tags: dict[str, str]) -> Tracker:
     """The tracker of this process: an MLflow run on rank 0, a `NullTracker` elsewhere.
 
     run_id: the run to continue (resume), or None for a new run. tags: the trainer's run
-    tags (world size, node count, model names). ds_configs: role -> final DeepSpeed config.
+    tags (world size, node count, model names). The DeepSpeed configs come later (the tracker
+    opens before the engines, so an unreachable server fails fast): `log_dict` them.
     Raises TrackingError when MLflow cannot be reached and tracking.required is true.
     """
     if not is_main or not cfg.tracking.enabled:
@@ -250,7 +251,7 @@ def open_tracker(cfg: Config, *, is_main: bool, run_id: str | None, tags: dict[s
         tracker = MlflowTracker.connect(cfg, uri, embedded, run_id)
     except Exception as err:
         return _setup_failed(cfg, uri, err)
-    tracker.record_setup(cfg, tags, ds_configs)
+    tracker.record_setup(cfg, tags)
     return tracker
 
 
@@ -331,8 +332,8 @@ class MlflowTracker:
                                 "experiments restore) or choose another tracking.experiment")
         return exp.experiment_id
 
-    def record_setup(self, cfg: Config, tags: dict[str, str], ds_configs: dict[str, dict]) -> None:
-        """Tags, params, config and DeepSpeed configs of a new run; resume notes of an old one."""
+    def record_setup(self, cfg: Config, tags: dict[str, str]) -> None:
+        """Tags, params and config of a new run; resume notes of an old one."""
         from mlflow.entities import Param, RunTag
 
         self.local_log = str(Path(cfg.output_dir) / "metrics.jsonl")
@@ -358,8 +359,6 @@ class MlflowTracker:
                             params=[e for e in chunk if isinstance(e, Param)],
                             tags=[e for e in chunk if isinstance(e, RunTag)])
             self.log_text(config_yaml, "config.yaml")
-            for role, ds_config in ds_configs.items():
-                self.log_dict(ds_config, f"deepspeed/{role}.json")
         if cfg.tracking.log_system_metrics:
             self._start_system_metrics()
 

@@ -281,8 +281,7 @@ def _open_tracker(cfg: Config, resume_from: Path | None):
     run_id = read_state(resume_from).mlflow_run_id if resume_from is not None else None
     tracker, error = None, None
     try:
-        tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=run_id, tags=tags,
-                               ds_configs={})
+        tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=run_id, tags=tags)
     except TrackingError as e:
         error = e
     # rank 0's verdict reaches every rank, so a failed start stops the whole job, not one rank

@@ -6,7 +6,8 @@ launcher, which is what sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTE
 
 sets those variables from OpenMPI's (OMPI_COMM_WORLD_*), MPICH/Intel MPI's (PMI_*) or SLURM's
 (SLURM_PROCID, ...) variables, then runs the module as `python -m` would. Variables that are
-already set are left alone.
+already set are left alone. The mapping itself is `ds_ppo.engine.dist.launcher_rank_vars`,
+the one the trainer applies too.
 """
 from __future__ import annotations
 
@@ -14,26 +15,14 @@ import os
 import runpy
 import sys
 
-# (rank, world size, local rank) as each launcher names them
-_SOURCES = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-)
-
-
 def rank_env(environ: dict[str, str], master_addr: str, master_port: int) -> dict[str, str]:
     """The torch.distributed variables this rank lacks, derived from its launcher's."""
-    out = {}
-    if "RANK" not in environ:
-        for rank, size, local in _SOURCES:
-            if rank in environ and size in environ:
-                out.update(RANK=environ[rank], WORLD_SIZE=environ[size],
-                           LOCAL_RANK=environ.get(local, "0"))
-                break
-        else:
-            raise SystemExit("ds_ppo_entry.py: no RANK and no OpenMPI/PMI/SLURM rank variables: "
-                             "start it through `deepspeed --launcher openmpi|slurm`")
+    from ds_ppo.engine.dist import launcher_rank_vars
+
+    out = launcher_rank_vars(environ)
+    if "RANK" not in environ and not out:
+        raise SystemExit("ds_ppo_entry.py: no RANK and no OpenMPI/PMI/SLURM rank variables: "
+                         "start it through `deepspeed --launcher openmpi|slurm`")
     out.setdefault("MASTER_ADDR", environ.get("MASTER_ADDR", master_addr))
     out.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(master_port)))
     return out
@@ -48,9 +37,9 @@ def main(argv: list[str]) -> None:
         opts[argv[0]], argv = argv[1], argv[2:]
     if opts["--master-addr"] is None:
         raise SystemExit("ds_ppo_entry.py: --master-addr is required")
+    sys.path[0] = os.getcwd()  # as `python -m` has it, instead of this script's directory
     os.environ.update(rank_env(dict(os.environ), opts["--master-addr"], int(opts["--master-port"])))
     sys.argv = [opts["--module"], *argv]
-    sys.path[0] = os.getcwd()  # as `python -m` has it, instead of this script's directory
     runpy.run_module(opts["--module"], run_name="__main__", alter_sys=True)
 
 

@@ -68,6 +68,12 @@ def log_steps(tracker, steps, samples_at=()) -> None:
                                  for i in range(3)], step=step)
 
 
+def log_ds_configs(tracker) -> None:
+    """As the trainer does once its engines exist."""
+    for role, ds_config in DS_CONFIGS.items():
+        tracker.log_dict(ds_config, f"deepspeed/{role}.json")
+
+
 def history_steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
@@ -108,8 +114,9 @@ def server_run(mlflow_server, tmp_path_factory):  # noqa: F811
     uri = mlflow_server.ensure_running()
     cfg = make_cfg(tmp_path_factory.mktemp("server_run"), uri=uri,
                    experiment="ds_ppo_test", tags={"team": "rl"})
-    tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS, ds_configs=DS_CONFIGS)
+    tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS)
     assert isinstance(tracker, MlflowTracker)
+    log_ds_configs(tracker)
     log_steps(tracker, [1, 2, 3], samples_at=[2])
     tracker.close()
     assert tracker.lost_calls == 0
@@ -167,7 +174,7 @@ def test_where_names_run_and_server(server_run):
 
 def test_resume_continues_same_run_without_duplicates(mlflow_uri, tmp_path, caplog):  # noqa: F811
     cfg = make_cfg(tmp_path, uri=mlflow_uri, experiment="ds_ppo_resume")
-    first = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS, ds_configs=DS_CONFIGS)
+    first = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS)
     log_steps(first, [1, 2, 3], samples_at=[3])
     first.close("KILLED")  # crashed after iteration 3; the checkpoint is from iteration 1
 
@@ -175,8 +182,7 @@ def test_resume_continues_same_run_without_duplicates(mlflow_uri, tmp_path, capl
     cfg2 = make_cfg(tmp_path, uri=mlflow_uri, experiment="ds_ppo_resume")
     cfg2 = cfg2.model_copy(update={"iterations": 200})
     with caplog.at_level(logging.WARNING, logger="ds_ppo.tracking"):
-        again = open_tracker(cfg2, is_main=True, run_id=first.run_id, tags=TAGS,
-                             ds_configs=DS_CONFIGS)
+        again = open_tracker(cfg2, is_main=True, run_id=first.run_id, tags=TAGS)
     assert again.run_id == first.run_id and again.resumed
     assert "iterations=200" in caplog.text
     log_steps(again, [2, 3, 4, 5], samples_at=[3, 5])
@@ -201,7 +207,7 @@ def test_resume_continues_same_run_without_duplicates(mlflow_uri, tmp_path, capl
 def test_resume_of_unknown_run_starts_a_new_one(mlflow_uri, tmp_path, caplog):  # noqa: F811
     cfg = make_cfg(tmp_path, uri=mlflow_uri)
     with caplog.at_level(logging.WARNING, logger="ds_ppo.tracking"):
-        tracker = open_tracker(cfg, is_main=True, run_id="0" * 32, tags={}, ds_configs={})
+        tracker = open_tracker(cfg, is_main=True, run_id="0" * 32, tags={})
     assert tracker.run_id not in (None, "0" * 32)
     assert "starting a new run" in caplog.text
     tracker.close()
@@ -211,7 +217,8 @@ def test_resume_of_unknown_run_starts_a_new_one(mlflow_uri, tmp_path, caplog):  
 def test_embedded_store_in_output_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     cfg = make_cfg(tmp_path, log_system_metrics=True)
-    tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS, ds_configs=DS_CONFIGS)
+    tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS)
+    log_ds_configs(tracker)
     log_steps(tracker, [1, 2], samples_at=[1])
     time.sleep(1.0)  # a few system-metric samples
     tracker.close()
@@ -235,8 +242,7 @@ def test_unreachable_server_fails_fast(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(TrackingError) as err:
-        open_tracker(make_cfg(tmp_path, uri=uri), is_main=True, run_id=None, tags={},
-                     ds_configs={})
+        open_tracker(make_cfg(tmp_path, uri=uri), is_main=True, run_id=None, tags={})
     assert time.monotonic() - t0 < 20
     assert uri in str(err.value)
     assert "tracking.required=false" in str(err.value)
@@ -247,7 +253,7 @@ def test_unreachable_server_not_required_warns(tmp_path, caplog):
     uri = f"http://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING, logger="ds_ppo.tracking"):
         tracker = open_tracker(make_cfg(tmp_path, uri=uri, required=False), is_main=True,
-                               run_id=None, tags={}, ds_configs={})
+                               run_id=None, tags={})
     assert isinstance(tracker, NullTracker) and tracker.run_id is None
     assert uri in caplog.text and "training without MLflow" in caplog.text
 
@@ -264,7 +270,7 @@ def test_disabled_and_non_main_never_import_mlflow(tmp_path):
         off = Config.model_validate({{**base, "tracking": {{"enabled": False}}}})
         on = Config.model_validate(base)
         for cfg, is_main in ((off, True), (on, False)):
-            t = open_tracker(cfg, is_main=is_main, run_id=None, tags={{}}, ds_configs={{}})
+            t = open_tracker(cfg, is_main=is_main, run_id=None, tags={{}})
             assert isinstance(t, NullTracker) and t.run_id is None
             t.log_metrics({{"a": 1.0}}, step=1); t.log_samples([], step=1); t.close("FAILED")
         assert "mlflow" not in sys.modules, "mlflow was imported"
@@ -281,7 +287,7 @@ def test_server_killed_mid_run(mlflow_server, tmp_path, caplog):  # noqa: F811
     uri = mlflow_server.ensure_running()
     try:
         tracker = open_tracker(make_cfg(tmp_path, uri=uri), is_main=True, run_id=None,
-                               tags=TAGS, ds_configs=DS_CONFIGS)
+                               tags=TAGS)
         log_steps(tracker, [1])
         assert tracker.lost_calls == 0
     finally:

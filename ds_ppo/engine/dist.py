@@ -25,16 +25,17 @@ _RANK_SOURCES = (
 )
 
 
-def _rank_vars_from_mpi_or_slurm() -> None:
-    """`deepspeed --launcher openmpi|slurm` starts ranks without RANK/WORLD_SIZE: take them from
-    the MPI or SLURM variables (MASTER_ADDR/PORT come from the launcher's command line)."""
-    if "RANK" in os.environ:
-        return
+def launcher_rank_vars(environ) -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK from OpenMPI's, MPICH/Intel MPI's or SLURM's variables, for
+    ranks started without them (`deepspeed --launcher openmpi|slurm`); {} when RANK is already
+    set or no launcher variables are present. Also used by launch/ds_ppo_entry.py."""
+    if "RANK" in environ:
+        return {}
     for rank, size, local in _RANK_SOURCES:
-        if rank in os.environ and size in os.environ:
-            os.environ.update(RANK=os.environ[rank], WORLD_SIZE=os.environ[size],
-                              LOCAL_RANK=os.environ.get(local, "0"))
-            return
+        if rank in environ and size in environ:
+            return {"RANK": environ[rank], "WORLD_SIZE": environ[size],
+                    "LOCAL_RANK": environ.get(local, "0")}
+    return {}
 
 
 def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
@@ -46,7 +47,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    _rank_vars_from_mpi_or_slurm()
+    # MASTER_ADDR/PORT of such ranks come from the launcher's command line
+    os.environ.update(launcher_rank_vars(os.environ))
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
