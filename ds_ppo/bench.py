@@ -408,6 +408,7 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int):
 # -------------------------------------------------------------------------------- runs
 def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     """Warm-up + timed iterations through the trainer's stage functions; one record each."""
+    from ds_ppo.data.reencode import rollout_for_reward
     from ds_ppo.metrics import Accumulator
     from ds_ppo.rollout import make_rollout, stop_token_ids
     from ds_ppo.scoring import add_advantages, score
@@ -420,7 +421,7 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     reward_encode = None
     if cfg.reward.model is not None:
         def reward_encode(rollout):  # one tokenizer for all roles: the rollout's own ids
-            return rollout.input_ids, rollout.attention_mask
+            return rollout_for_reward(rollout, cfg.reward.max_len, tok.bos_token_id)
 
     records = []
     for it in range(s["warmup"] + s["iterations"]):

@@ -7,8 +7,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 
-def _slice_fields(obj, idx):
-    """A copy of a container with every per-sequence field indexed by `idx` (B first)."""
+def _slice_fields(obj, idx: slice | list[int]):
+    """A copy of a container with every per-sequence field indexed by `idx` (B first): a slice
+    or a list of row indices (host values: slicing never reads the device)."""
+    rows = range(len(obj))[idx] if isinstance(idx, slice) else idx
     out = {}
     for f in fields(obj):
         v = getattr(obj, f.name)
@@ -17,8 +19,7 @@ def _slice_fields(obj, idx):
         elif isinstance(v, Rollout):
             out[f.name] = v.slice(idx)
         elif isinstance(v, list):
-            out[f.name] = [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor)
-                                          else range(len(v))[idx])]
+            out[f.name] = [v[i] for i in rows]
         else:
             out[f.name] = v
     return replace(obj, **out)
@@ -35,6 +36,9 @@ class Rollout:
     ended: torch.Tensor  # (B,) bool, the response ended with EOS/stop (not truncated)
     prompts: list[str]  # B prompt texts
     responses: list[str]  # B decoded responses (special tokens removed)
+    # host copies of the row lengths, so a micro-batch's bounds need no device sync
+    prompt_lens: list[int]  # B real prompt tokens per row (prompt_mask.sum(1))
+    response_lens: list[int]  # B counted response tokens per row (mask.sum(1))
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+T)
@@ -44,10 +48,30 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:  # (B, P+T) long
         return torch.cat([self.prompt_mask, self.mask], dim=1).long()
 
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(input_ids (B, P'+T'), attention_mask (B, P'+T') long, T') without the columns no
+        counted token needs: the leading pads every row's prompt has (P' = longest prompt)
+        and the response columns after every row's last counted token (T' = longest counted
+        response). Positions count real tokens only, so the model's outputs for the kept
+        tokens are those of the full width; a micro-batch of short rows costs short forwards."""
+        lead = self.prompt_ids.shape[1] - max(self.prompt_lens, default=0)
+        keep = max(self.response_lens, default=0)
+        ids = torch.cat([self.prompt_ids[:, lead:], self.response_ids[:, :keep]], dim=1)
+        am = torch.cat([self.prompt_mask[:, lead:], self.mask[:, :keep]], dim=1).long()
+        return ids, am, keep
+
+    def micro_batches(self, size: int, rows: list[int] | None = None) -> list[list[int]]:
+        """`rows` (default: all) cut into micro-batches of at most `size`, longest (prompt +
+        counted response) first, ties in the given order: rows of similar length share a
+        forward, so `model_inputs` drops more padding."""
+        rows = list(range(len(self))) if rows is None else rows
+        ordered = sorted(rows, key=lambda i: -(self.prompt_lens[i] + self.response_lens[i]))
+        return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
-    def slice(self, idx) -> "Rollout":
+    def slice(self, idx: slice | list[int]) -> "Rollout":
         return _slice_fields(self, idx)
 
 
@@ -73,5 +97,5 @@ class Experience:
     def __len__(self) -> int:
         return len(self.rollout)
 
-    def slice(self, idx) -> "Experience":
+    def slice(self, idx: slice | list[int]) -> "Experience":
         return _slice_fields(self, idx)

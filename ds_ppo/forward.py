@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ds_ppo.algo import entropy_from_logits, logprobs_from_logits
+from ds_ppo.containers import Rollout
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -16,38 +17,44 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    num_response: int, temperature: float) -> torch.Tensor:
-    """(B, T, V) logits predicting the T response tokens, divided by the sampling temperature.
-
-    Only the last T + 1 positions' logits are computed (`logits_to_keep`), so the (B, P+T, V)
-    prompt logits are never materialised.
-    """
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask), logits_to_keep=num_response + 1,
-                use_cache=False)
+def _response_logits(model, ids: torch.Tensor, am: torch.Tensor, num_response: int,
+                     temperature: float) -> torch.Tensor:
+    """(B, T, V) logits predicting the last T tokens of `ids`, divided by the sampling
+    temperature. Only the last T + 1 positions' logits are computed (`logits_to_keep`), so the
+    prompt logits are never materialised."""
+    out = model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
+                logits_to_keep=num_response + 1, use_cache=False)
     logits = out.logits[:, :-1]
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     return logits
 
 
-def response_logprobs(model, input_ids, attention_mask, response_ids, temperature,
-                      with_entropy: bool = False):
-    """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked)."""
-    logits = response_logits(model, input_ids, attention_mask, response_ids.shape[1], temperature)
-    logprobs = logprobs_from_logits(logits, response_ids)
-    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
-    return logprobs, entropy
+def _full_width(x: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T') -> (B, T): zeros after the kept response columns (they are masked everywhere)."""
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
 
 
-def response_values(value_model, input_ids, attention_mask, num_response: int) -> torch.Tensor:
+def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False):
+    """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked). The
+    forward runs on `rollout.model_inputs()` (unused padding dropped); the columns after the
+    longest counted response are 0, and like every masked position they mean nothing."""
+    ids, am, keep = rollout.model_inputs()
+    T = rollout.response_ids.shape[1]
+    logits = _response_logits(model, ids, am, keep, temperature)
+    logprobs = logprobs_from_logits(logits, ids[:, ids.shape[1] - keep:])
+    entropy = _full_width(entropy_from_logits(logits.detach()), T) if with_entropy else None
+    return _full_width(logprobs, T), entropy
+
+
+def response_values(value_model, rollout: Rollout) -> torch.Tensor:
     """(B, T) float32 value of the state before each response token (the per-token head's output
-    at position P - 1 + t)."""
-    out = value_model(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids(attention_mask), use_cache=False)
-    values = out.logits.squeeze(-1)  # (B, P+T)
-    return values[:, -num_response - 1:-1].float()
+    at position P - 1 + t); masked positions as in `response_logprobs`."""
+    ids, am, keep = rollout.model_inputs()
+    out = value_model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
+                      use_cache=False)
+    values = out.logits.squeeze(-1)[:, ids.shape[1] - keep - 1:ids.shape[1] - 1]  # (B, T')
+    return _full_width(values.float(), rollout.response_ids.shape[1])
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

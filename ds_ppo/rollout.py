@@ -32,9 +32,13 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
     engines.replica = gen.replica
     # decoded together with their prompts, so a response keeps the space of its first word
-    texts, responses = decode_responses(
-        tokenizer, prompt_ids, [row[m].tolist() for row, m in zip(gen.response_ids, gen.mask)])
+    # the counted tokens of each row, on the host (two device reads for the whole batch)
+    counted = [[t for t, m in zip(row, keep) if m]
+               for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
+    texts, responses = decode_responses(tokenizer, prompt_ids, counted)
     rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
-                      mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses)
+                      mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses,
+                      prompt_lens=[len(p) for p in prompt_ids],
+                      response_lens=[len(r) for r in counted])
     return rollout, gen
 

@@ -12,8 +12,20 @@ from ds_ppo.containers import Experience, Rollout
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
 
 
-def _micro_slices(n: int, size: int):
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], torch.Tensor]:
+    """The scoring micro-batches (row indices, longest rows first) and their concatenated
+    order as a (B,) device tensor."""
+    batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
+    order = [i for rows in batches for i in rows]
+    return batches, torch.tensor(order, device=rollout.prompt_ids.device)
+
+
+def _in_row_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+    """Per-micro-batch outputs (rows in `order`) -> one tensor in the rollout's row order."""
+    stacked = torch.cat(parts)
+    out = torch.empty_like(stacked)
+    out[order] = stacked
+    return out
 
 
 def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torch.Tensor:
@@ -29,12 +41,12 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torc
         if not torch.isfinite(scores).all():
             raise ValueError(f"reward function {cfg.reward.function} returned non-finite scores")
     else:
-        size = cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size
+        batches, order = _micro_batches(rollout, cfg)
         parts = []
-        for sl in _micro_slices(len(rollout), size):
-            ids, am = reward_encode(rollout.slice(sl))
+        for rows in batches:
+            ids, am = reward_encode(rollout.slice(rows))
             parts.append(sequence_scores(engines.reward, ids.to(device), am.to(device)))
-        scores = torch.cat(parts)
+        scores = _in_row_order(parts, order)
     if cfg.reward.missing_eos_penalty is not None:
         scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
     return scores
@@ -44,25 +56,22 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torc
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes)."""
-    size = cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size
     temp = cfg.generation.temperature
-    T = rollout.response_ids.shape[1]
     engines.policy.eval()
     engines.value.eval()
+    batches, order = _micro_batches(rollout, cfg)
     logp, ref_logp, values, entropy = [], [], [], []
-    for sl in _micro_slices(len(rollout), size):
-        mb = rollout.slice(sl)
-        ids, am = mb.input_ids, mb.attention_mask
-        lp, ent = response_logprobs(engines.policy, ids, am, mb.response_ids, temp,
-                                    with_entropy=True)
+    for rows in batches:
+        mb = rollout.slice(rows)
+        lp, ent = response_logprobs(engines.policy, mb, temp, with_entropy=True)
         logp.append(lp)
         entropy.append(ent)
-        ref_logp.append(response_logprobs(engines.reference, ids, am, mb.response_ids, temp)[0])
-        values.append(response_values(engines.value, ids, am, T))
+        ref_logp.append(response_logprobs(engines.reference, mb, temp)[0])
+        values.append(response_values(engines.value, mb))
     engines.policy.train()
     engines.value.train()
     mask = rollout.mask
-    zero = lambda parts: torch.cat(parts).masked_fill(~mask, 0.0)  # noqa: E731
+    zero = lambda parts: _in_row_order(parts, order).masked_fill(~mask, 0.0)  # noqa: E731
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values), entropy=zero(entropy),
                       scores=reward_scores(rollout, engines, cfg, reward_encode))

@@ -174,15 +174,14 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
     if cfg.reward.model is None:
         return None
-    from ds_ppo.data.reencode import encode_for_reward, same_tokenizer
+    from ds_ppo.data.reencode import encode_for_reward, rollout_for_reward, same_tokenizer
     from ds_ppo.data.tokenizer import load_tokenizer
 
     reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
     same = same_tokenizer(policy_tokenizer, reward_tok)
     if same:
         def encode(rollout):
-            ids, am = rollout.input_ids, rollout.attention_mask
-            return ids[:, -cfg.reward.max_len:], am[:, -cfg.reward.max_len:]
+            return rollout_for_reward(rollout, cfg.reward.max_len, reward_tok.bos_token_id)
     else:
         log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
                  "and re-encoded for it")

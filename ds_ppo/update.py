@@ -20,12 +20,12 @@ from ds_ppo.forward import response_logprobs, response_values
 from ds_ppo.metrics import Accumulator
 
 
-def _minibatch_order(n: int, epoch: int, seed: int, iteration: int) -> torch.Tensor:
+def _minibatch_order(n: int, epoch: int, seed: int, iteration: int) -> list[int]:
     """Rank-local order of samples: as sampled in epoch 0, reshuffled in later epochs."""
     if epoch == 0:
-        return torch.arange(n)
+        return list(range(n))
     g = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + epoch)
-    return torch.randperm(n, generator=g)
+    return torch.randperm(n, generator=g).tolist()
 
 
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
@@ -35,28 +35,30 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     accum = grad_accum_steps(cfg, world)
     per_rank_mini = p.mini_batch_size // world
     scale = float(world * accum)
-    T = exp.rollout.response_ids.shape[1]
+    lens = exp.rollout.response_lens  # host: token counts without a device read
     engines.policy.train()
     engines.value.train()
     for epoch in range(p.ppo_epochs):
-        order = _minibatch_order(len(exp), epoch, cfg.seed, iteration).to(exp.mask.device)
+        order = _minibatch_order(len(exp), epoch, cfg.seed, iteration)
         for start in range(0, len(exp), per_rank_mini):
-            mini = exp.slice(order[start:start + per_rank_mini])
+            rows = order[start:start + per_rank_mini]
             # valid tokens of the global mini-batch (sum over ranks)
-            n_tok = float(dist.all_reduce_sum(mini.mask.sum().float()).item())
-            n_tok = max(n_tok, 1.0)
+            n_tok = dist.all_reduce_sum(torch.tensor(float(sum(lens[i] for i in rows)),
+                                                     dtype=torch.float64))
+            n_tok = max(float(n_tok), 1.0)
             # device tensors, read once per mini-batch: no host sync between micro-batches
             losses, stats = [], {}
-            for m0 in range(0, per_rank_mini, p.micro_batch_size):
-                mb = mini.slice(slice(m0, m0 + p.micro_batch_size))
-                ids, am = mb.rollout.input_ids, mb.rollout.attention_mask
-                logprobs, _ = response_logprobs(engines.policy, ids, am, mb.rollout.response_ids,
+            # longest rows first; the order within a mini-batch does not change its gradient
+            # (each micro-batch loss is normalised by the whole mini-batch's tokens)
+            for mb_rows in exp.rollout.micro_batches(p.micro_batch_size, rows):
+                mb = exp.slice(mb_rows)
+                logprobs, _ = response_logprobs(engines.policy, mb.rollout,
                                                 cfg.generation.temperature)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages,
                                                 mb.mask, clip_eps=p.clip_eps, num_tokens=n_tok)
                 backward_step(engines.policy, pg_loss * scale)
 
-                values = response_values(engines.value, ids, am, T)
+                values = response_values(engines.value, mb.rollout)
                 vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
                                                clip_eps=p.value_clip_eps, num_tokens=n_tok)
                 backward_step(engines.value, p.vf_coef * vf_loss * scale)

@@ -13,7 +13,9 @@ from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
 from ds_ppo.engine.generation import _generate_kwargs, choose_loop, choose_mode
 from ds_ppo.errors import ConfigError
-from ds_ppo.forward import last_token_index, position_ids, response_logprobs
+from ds_ppo.data.prompts import truncate_left
+from ds_ppo.data.reencode import rollout_for_reward
+from ds_ppo.forward import last_token_index, position_ids, response_logprobs, response_values
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rewards import load_reward_function, positive_words
 from ds_ppo.scoring import reward_scores
@@ -146,7 +148,8 @@ def _rollout(responses, ended):
                    prompt_mask=torch.ones(B, 2, dtype=torch.bool),
                    response_ids=torch.ones(B, 3, dtype=torch.long),
                    mask=torch.ones(B, 3, dtype=torch.bool),
-                   ended=torch.tensor(ended), prompts=["p"] * B, responses=responses)
+                   ended=torch.tensor(ended), prompts=["p"] * B, responses=responses,
+                   prompt_lens=[2] * B, response_lens=[3] * B)
 
 
 def test_reward_function_scores_and_missing_eos_penalty():
@@ -195,28 +198,115 @@ def test_accumulator_reduces_mean_max_sum_replicated():
     assert math.isnan(acc.reduce()["empty"])
 
 
-def test_response_logprobs_align_with_left_padding():
-    """Left-padded prompts with position ids from the mask give the same response log-probs as
-    the unpadded sequence; logits are only computed for the response positions."""
+def _padded_rollout(prompts, responses, P, T, pad=0):
+    """A Rollout of unpadded prompt/response id lists: prompts left-padded to P, responses
+    right-padded to T (wider than any row: extra columns nothing needs)."""
+    B = len(prompts)
+    prompt_ids = torch.full((B, P), pad)
+    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
+    response_ids = torch.full((B, T), pad)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (pr, rs) in enumerate(zip(prompts, responses)):
+        prompt_ids[b, P - len(pr):], prompt_mask[b, P - len(pr):] = torch.tensor(pr), True
+        response_ids[b, :len(rs)], mask[b, :len(rs)] = torch.tensor(rs), True
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   mask=mask, ended=torch.ones(B, dtype=torch.bool), prompts=[""] * B,
+                   responses=[""] * B, prompt_lens=[len(x) for x in prompts],
+                   response_lens=[len(x) for x in responses])
+
+
+def _tiny_llama(**kw):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1)).eval()
-    prompt, response = [5, 6, 7], [8, 9, 10, 11]
-    ids = torch.tensor([prompt + response])
-    am = torch.ones_like(ids)
-    ref = torch.log_softmax(model(ids).logits[0, 2:-1].float(), -1)
-    ref = ref.gather(-1, torch.tensor(response)[:, None])[:, 0]
-    padded = torch.tensor([[0, 0] + prompt + response])
-    pam = torch.tensor([[0, 0] + [1] * 7])
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, **kw)).eval()
+
+
+PROMPTS = [[5, 6, 7], [9, 3], [4, 4, 8, 2]]
+RESPONSES = [[8, 9, 10, 11], [12], [13, 14]]
+
+
+def test_response_logprobs_equal_unpadded_and_skip_unused_columns():
+    """Each row's response log-probs equal those of its unpadded sequence, whatever the other
+    rows' lengths; the forward only sees the columns some row needs; logits only for responses."""
+    model = _tiny_llama()
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=6, T=7)
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: widths.append(args[0].shape[1]))
     with torch.no_grad():
-        lp, ent = response_logprobs(model, padded, pam, torch.tensor([response]), 1.0,
-                                    with_entropy=True)
-    assert torch.allclose(lp[0], ref, atol=1e-5)
-    assert ent.shape == (1, 4) and (ent > 0).all()
-    assert position_ids(pam).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5, 6]]
+        lp, ent = response_logprobs(model, rollout, 1.0, with_entropy=True)
+    hook.remove()
+    assert widths == [4 + 4]  # longest prompt + longest response, not 6 + 7
+    assert lp.shape == ent.shape == (3, 7)
+    for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
+        with torch.no_grad():
+            logits = model(torch.tensor([pr + rs])).logits[0, len(pr) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(rs)[:, None])[:, 0]
+        torch.testing.assert_close(lp[b, :len(rs)], ref, atol=1e-5, rtol=1e-5)
+        assert (ent[b, :len(rs)] > 0).all()
+    assert (lp[:, 4:] == 0).all() and (ent[:, 4:] == 0).all()  # the columns not computed
+    assert position_ids(torch.tensor([[0, 0, 1, 1, 1]])).tolist() == [[0, 0, 0, 1, 2]]
     assert last_token_index(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])).tolist() == [2, 3]
-    del am
+
+
+def test_response_values_equal_unpadded():
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    model.lm_head = torch.nn.Linear(16, 1)  # a per-token value head
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=5, T=6)
+    with torch.no_grad():
+        values = response_values(model, rollout)
+        assert values.shape == (3, 6)
+        for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
+            ref = model(torch.tensor([pr + rs])).logits[0, len(pr) - 1:-1, 0]
+            torch.testing.assert_close(values[b, :len(rs)], ref, atol=1e-5, rtol=1e-5)
+        assert (values[:, 4:] == 0).all()
+
+
+def test_micro_batches_group_similar_lengths():
+    rollout = _padded_rollout([[1]] * 5, [[1] * n for n in (1, 6, 2, 5, 6)], P=1, T=6)
+    assert rollout.micro_batches(2) == [[1, 4], [3, 2], [0]]  # ties keep their order
+    assert rollout.micro_batches(2, rows=[0, 2, 3]) == [[3, 2], [0]]
+    sub = rollout.slice([3, 0])
+    assert sub.response_lens == [5, 1] and sub.mask.sum(1).tolist() == [5, 1]
+    ids, am, keep = sub.model_inputs()
+    assert keep == 5 and ids.shape == am.shape == (2, 6)
+
+
+def test_reward_inputs_cut_each_row_like_encode_for_reward():
+    """Same tokenizer: each row keeps its last max_len real tokens (and a leading BOS), however
+    long the other rows' responses are; a row within max_len is whole."""
+    bos = 1
+    prompts = [[bos, 5, 6, 7, 8], [bos, 9, 3], [4, 4, 8, 2, 6]]
+    responses = [[10, 11], [12, 13, 14, 15, 16, 17], [13, 14]]
+    rollout = _padded_rollout(prompts, responses, P=6, T=8)
+    ids, am = rollout_for_reward(rollout, max_len=6, bos_id=bos)
+    rows = [[t for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), am.tolist())]
+    expected = [truncate_left(p + r, 6, keep_first=p[0] == bos)
+                for p, r in zip(prompts, responses)]
+    assert rows == expected
+    assert rows[0] == [bos, 6, 7, 8, 10, 11] and rows[2] == [4, 8, 2, 6, 13, 14]
+    assert ids.shape[1] == 6 and am[:, :1].all()  # right-padded, no column beyond max_len
+    whole, _ = rollout_for_reward(rollout, max_len=100, bos_id=bos)
+    assert [r[:len(p) + len(s)] for r, p, s in zip(whole.tolist(), prompts, responses)] == \
+        [p + s for p, s in zip(prompts, responses)]
+
+
+def test_scoring_returns_rows_in_rollout_order():
+    """Micro-batches run longest-first; the scores come back in the rollout's row order."""
+    model = _tiny_llama()
+    backbone_score = torch.nn.Linear(16, 1)
+    reward = types.SimpleNamespace(base_model_prefix="model", model=model.model,
+                                   score=backbone_score)
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    engines = types.SimpleNamespace(reward_fn=None, reward=reward)
+    cfg = _cfg("ppo.micro_batch_size=1")
+    with torch.no_grad():
+        got = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+        for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
+            hidden = model.model(torch.tensor([pr + rs])).last_hidden_state[0, -1]
+            torch.testing.assert_close(got[b], backbone_score(hidden)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_param_chunks_bound_each_gather():

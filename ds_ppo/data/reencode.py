@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import truncate_left
 
 if TYPE_CHECKING:
@@ -121,6 +122,36 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
         input_ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[b, :len(r)] = 1
     return input_ids, attention_mask
+
+
+def rollout_for_reward(rollout: Rollout, max_len: int, bos_id: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout's own ids as reward-model input (same tokenizer), right-padded, each row cut
+    as `encode_for_reward` cuts it: a row of more than ``max_len`` real tokens keeps its last
+    ones (the response) and loses the start of its prompt, keeping a leading ``bos_id``.
+
+    Per row: the padding of the other rows never costs a row its tokens. Runs on the device
+    with no host sync (the width comes from the rollout's host lengths).
+
+    Returns:
+        ``input_ids`` (B, L) long and ``attention_mask`` (B, L) long, real tokens first;
+        L = the longest row after the cut.
+    """
+    ids, real = rollout.input_ids, rollout.attention_mask.bool()  # (B, P+T)
+    from_end = real.flip(1).cumsum(1).flip(1)  # 1 at each row's last real token, n at its first
+    first = real.long().argmax(1, keepdim=True)  # column of each row's first real token
+    too_long = from_end.gather(1, first) > max_len  # (B, 1)
+    bos_kept = too_long & (max_len > 1) & (bos_id is not None)
+    if bos_id is not None:
+        bos_kept &= ids.gather(1, first) == bos_id
+    tail = max_len - bos_kept.long()  # real tokens kept from the end
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    keep = real & ((from_end <= tail) | (bos_kept & (columns == first)))
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept tokens first, in order
+    width = max(1, max(min(max_len, p + r) for p, r in zip(rollout.prompt_lens,
+                                                            rollout.response_lens)))
+    order = order[:, :width]
+    return ids.gather(1, order), keep.gather(1, order).long()
 
 
 def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrainedTokenizerBase,
