@@ -172,7 +172,8 @@ class PPOConfig(Section):
         "= mini_batch_size / (micro_batch_size * world size).")
     score_micro_batch_size: int | None = Field(
         None, gt=0, description="Sequences per scoring forward on one rank; default micro_batch_size.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
+                            "the mini-batches (the same samples in each at any world size).")
     clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")
     value_clip_eps: float | None = Field(
         0.2, description="Value clip range around the old values (null: unclipped).")

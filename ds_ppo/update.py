@@ -20,12 +20,28 @@ from ds_ppo.forward import response_logprobs, response_values
 from ds_ppo.metrics import Accumulator
 
 
-def _minibatch_order(n: int, epoch: int, seed: int, iteration: int) -> list[int]:
-    """Rank-local order of samples: as sampled in epoch 0, reshuffled in later epochs."""
-    if epoch == 0:
-        return list(range(n))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
+                   iteration: int) -> list[list[int]]:
+    """This rank's rows (of its n) in each PPO mini-batch of one epoch.
+
+    The sampler lays the rollout out so that row i of rank r sits in mini-batch i // m at slot
+    r*m + i % m of the global mini-batch (m = per_rank_mini). Epoch 0 keeps that layout. Later
+    epochs re-mix the mini-batches without moving a row to another rank: the row in slot s of
+    mini-batch j goes to slot s of mini-batch pi_s(j), pi_s a permutation drawn from
+    (seed, iteration, epoch, s). A slot's rank depends only on s, and pi_s does not depend on
+    the world size, so every mini-batch of every epoch holds the same samples at any world size.
+    """
+    m, count = per_rank_mini, n // per_rank_mini
+    rows = [list(range(j * m, (j + 1) * m)) for j in range(count)]
+    if epoch == 0 or count == 1:
+        return rows
+    for q in range(m):
+        slot = rank * m + q
+        g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_009 + epoch)
+                                          * 100_003 + slot)
+        for j, to in enumerate(torch.randperm(count, generator=g).tolist()):
+            rows[to][q] = j * m + q
+    return rows
 
 
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
@@ -39,9 +55,8 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     engines.policy.train()
     engines.value.train()
     for epoch in range(p.ppo_epochs):
-        order = _minibatch_order(len(exp), epoch, cfg.seed, iteration)
-        for start in range(0, len(exp), per_rank_mini):
-            rows = order[start:start + per_rank_mini]
+        for rows in minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
+                                   iteration):
             # valid tokens of the global mini-batch (sum over ranks)
             n_tok = dist.all_reduce_sum(torch.tensor(float(sum(lens[i] for i in rows)),
                                                      dtype=torch.float64))

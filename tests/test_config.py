@@ -379,3 +379,18 @@ def test_dry_run_loads_no_deepspeed_and_no_model_code():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "config OK for world size 1" in proc.stdout
+
+
+def test_config_doc_lists_every_key_with_its_description():
+    """docs/CONFIG.md's tables are generated from `ds-ppo config --describe`; a key added or
+    re-described in config.py without regenerating them fails here."""
+    import re
+
+    doc = (REPO / "docs" / "CONFIG.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| `.*?` \| (.*) \|$", doc, re.M))
+    described = {}
+    for line in describe():
+        key, rest = line.split(" (default ", 1)
+        described[key] = rest.split("): ", 1)[1]
+    assert set(rows) == set(described)
+    assert {k: v.replace("\\|", "|") for k, v in rows.items()} == described

@@ -7,8 +7,8 @@ Three processes trees, shared by the cases below:
                                                      a checkpoint at iteration 2
   C. ds-ppo train ... (one rank) on B's output_dir   resumes B's 2-rank checkpoint through
                                                      DeepSpeed's universal checkpoint, to 4
-Greedy decoding makes the rollouts a function of the weights only, so A, B and C must agree.
-(ppo_epochs=1: later epochs reshuffle each rank's own samples, which depends on the world size.)
+Greedy decoding makes the rollouts a function of the weights only, so A, B and C must agree,
+also in the second PPO epoch, whose re-mixed mini-batches hold the same samples at any world size.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
 ARGS = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "generation.temperature=0",
-        "ppo.ppo_epochs=1", "checkpoint.every=2", "checkpoint.export_at_end=false"]
+        "ppo.ppo_epochs=2", "checkpoint.every=2", "checkpoint.export_at_end=false"]
 KEYS = ("score/mean", "loss/policy", "loss/value", "policy/approx_kl", "kl/sequence_mean",
         "policy/entropy", "value/explained_variance")
 

@@ -19,6 +19,7 @@ from ds_ppo.forward import last_token_index, position_ids, response_logprobs, re
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rewards import load_reward_function, positive_words
 from ds_ppo.scoring import reward_scores
+from ds_ppo.update import minibatch_rows
 
 
 def _cfg(*overrides):
@@ -377,3 +378,28 @@ def test_local_world_size_from_launcher_variables(monkeypatch, env, expected):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert dist.local_world_size() == expected
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_minibatches_hold_the_same_samples_at_any_world_size(epoch):
+    """Global sample g of the rollout sits on rank r at row i as the sampler lays it out (slot
+    r*m + i % m of mini-batch i // m); every epoch's mini-batches must be the same sets of g."""
+    M, n_mini = 8, 4  # global mini-batch size, mini-batches per rollout
+
+    def composition(world):
+        m = M // world
+        minibatches = [set() for _ in range(n_mini)]
+        for r in range(world):
+            for j, rows in enumerate(minibatch_rows(n_mini * m, m, r, epoch, seed=3, iteration=5)):
+                assert len(rows) == m
+                minibatches[j] |= {(i // m) * M + r * m + i % m for i in rows}
+        return minibatches
+
+    one = composition(1)
+    assert sorted(g for mb in one for g in mb) == list(range(M * n_mini))  # each sample once
+    assert composition(2) == one and composition(4) == one and composition(8) == one
+    as_sampled = [set(range(j * M, (j + 1) * M)) for j in range(n_mini)]
+    assert (one == as_sampled) == (epoch == 0)  # later epochs re-mix the mini-batches
+    other_epoch = minibatch_rows(n_mini * M, M, 0, epoch + 1, seed=3, iteration=5)
+    assert [set(r) for r in other_epoch] != [set(r) for r in
+                                              minibatch_rows(n_mini * M, M, 0, epoch, 3, 5)]
