@@ -13,3 +13,10 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """The prompt data is unreadable or malformed; the message names file, row and column."""
+
+
+class Diverged(UserError):
+    """Training produced a non-finite loss or gradient norm: the weights are no longer usable.
+    The message names the iteration, the values and the last checkpoint saved before it."""
+
+    exit_code = 3

@@ -23,8 +23,8 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
                                       read_state, resolve_checkpoint, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
-from ds_ppo.engine.roles import Engines, current_lr, init_engines
-from ds_ppo.errors import ConfigError
+from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
+from ds_ppo.errors import ConfigError, Diverged
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
@@ -94,6 +94,7 @@ def train(cfg: Config) -> TrainResult:
                 kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
                 _report(cfg, tracker, metrics, iteration, exp, out)
                 result.history.append(metrics)
+                _stop_if_diverged(metrics, iteration, result.last_checkpoint)  # before any save
                 state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
                 # step 6. checkpoint
                 saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
@@ -224,6 +225,11 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
         _truncate_metrics_log(cfg, 0)
         return state, kl_ctl
     state = load_checkpoint(path, engines, universal)
+    for role in ("policy", "value"):
+        changed = apply_optimizer_config(getattr(engines, role), getattr(cfg, role))
+        if changed:
+            log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
+                     ", ".join(changed))
     _truncate_metrics_log(cfg, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
     log.info("resumed from %s (iteration %d%s)", path, state.iteration,
@@ -300,6 +306,25 @@ def _log_ds_configs(tracker, engines: Engines, resumed: bool) -> None:
 
 
 # ------------------------------------------------------------------------- per iteration
+# Metrics that are never NaN or infinite while training is healthy. With bf16, DeepSpeed applies
+# a non-finite gradient (only fp16's loss scaler skips such steps), so one is enough to ruin the
+# weights; stopping before the next checkpoint keeps the saved ones usable.
+_MUST_BE_FINITE = ("loss/policy", "loss/value", "policy/grad_norm", "value/grad_norm")
+
+
+def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint: str | None):
+    """Raise `Diverged` (on every rank alike: the metrics are reduced) when a loss or gradient
+    norm of this iteration is not finite."""
+    bad = {k: metrics[k] for k in _MUST_BE_FINITE if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        where = (f"the last checkpoint, {last_checkpoint}, was saved before it" if last_checkpoint
+                 else "no checkpoint was saved before it")
+        raise Diverged(f"iteration {iteration}: {', '.join(f'{k} = {v}' for k, v in bad.items())}"
+                       f": training diverged and this iteration's weights are not saved; {where}. "
+                       "Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
+                       "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
+
+
 @contextmanager
 def _timed(acc: Accumulator, name: str):
     t0 = time.perf_counter()

@@ -93,5 +93,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             acc.add_replicated("loss/policy", pg)
             acc.add_replicated("loss/value", vf)
             # global gradient norms of the step just taken (before clipping; identical on ranks)
-            acc.add_replicated("policy/grad_norm", global_grad_norm(engines.policy))
-            acc.add_replicated("value/grad_norm", global_grad_norm(engines.value))
+            for role in ("policy", "value"):
+                norm = global_grad_norm(getattr(engines, role))
+                if norm is not None:
+                    acc.add_replicated(f"{role}/grad_norm", norm)

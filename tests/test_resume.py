@@ -56,8 +56,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "iter_000001"
     assert (ckpts / "iter_000002.tmp").exists()  # the half-written save is left behind
-    resumed = run_cli(args, cwd=tmp_path)
+    # resumed with a lower learning rate: the config's, not the checkpoint's, from now on
+    resumed = run_cli(args + ["policy.lr=1e-4"], cwd=tmp_path)
     assert "resumed from" in resumed.stdout and "iter_000001" in resumed.stdout
+    assert "policy optimizer settings from the config, not the checkpoint: lr: 0.002 -> 0.0001" \
+        in resumed.stdout
     assert not (ckpts / "iter_000002.tmp").exists()
     assert (ckpts / "latest").read_text().strip() == "iter_000003"
     # checkpoint.keep_last=2: older complete checkpoints are pruned
@@ -66,3 +69,6 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     # iteration 2 ran before the crash and again after the resume; metrics.jsonl keeps the
     # iterations of the latest attempt only once
     assert [r["iteration"] for r in rows] == [1, 2, 3]
+    # warm-up of 2 optimizer steps per 2 steps an iteration: full lr from iteration 2 on
+    assert [r["lr/policy"] for r in rows] == [2e-3, 1e-4, 1e-4]
+    assert [r["lr/value"] for r in rows] == [2e-3, 2e-3, 2e-3]

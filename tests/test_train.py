@@ -3,7 +3,8 @@
 - the embedded default experiment learns (mean score rises clearly, fixed seed);
 - `ds-ppo export` writes a Hugging Face model that loads with no ds_ppo import and continues
   greedily exactly like the in-training export of the same weights;
-- bad configs and bad data end with one message and exit 2.
+- bad configs and bad data end with one message and exit 2; a diverged run (NaN losses)
+  stops with exit 3 before saving its weights.
 (Resume and crash recovery: test_resume.py; preemption: test_preemption.py.)
 """
 from __future__ import annotations
@@ -126,3 +127,21 @@ def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
     assert "skipped" in ok.stdout + ok.stderr
     row = read_metrics(tmp_path / "o2")[0]
     assert 0.0 <= row["eval/score_mean"] <= 1.0 and row["eval/length_mean"] > 0
+
+
+def test_divergence_stops_before_saving_nan_weights(tmp_path):
+    """A learning rate of 1e30: the first optimizer step (end of iteration 1, one step per
+    iteration) ruins the weights, iteration 2's losses are NaN. The run stops there with exit 3
+    and a message naming the iteration and the last checkpoint, and saves nothing after it."""
+    out = tmp_path / "o"
+    proc = run_cli(["train", *SMALL, "ppo.mini_batch_size=16", "ppo.ppo_epochs=1",
+                    "policy.lr=1e30", "value.lr=1e30", "iterations=4", "checkpoint.every=1",
+                    f"output_dir={out}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "iteration 2:" in proc.stderr and "training diverged" in proc.stderr
+    assert "iter_000001" in proc.stderr and "Traceback" not in proc.stderr
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2]  # the diverged iteration is still logged
+    assert math.isfinite(rows[0]["loss/policy"]) and not math.isfinite(rows[1]["loss/policy"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["iter_000001"]

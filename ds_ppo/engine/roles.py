@@ -95,6 +95,24 @@ def _lr_schedule(optimizer, section, total_steps: int):
     return LambdaLR(optimizer, factor)
 
 
+def apply_optimizer_config(engine, section) -> list[str]:
+    """After a checkpoint load: the config's lr, betas, eps and weight decay replace those the
+    checkpoint restored (its param groups and the scheduler's base lr), so a resumed run can
+    lower the learning rate; the schedule keeps its step count and uses the current config's
+    shape. Returns `key: old -> new` for each setting that changed."""
+    sched, groups = engine.lr_scheduler, engine.optimizer.param_groups
+    new = {"lr": section.lr, "betas": tuple(section.betas), "eps": section.eps,
+           "weight_decay": section.weight_decay}
+    old = {"lr": sched.base_lrs[0], **{k: groups[0][k] for k in new if k != "lr"}}
+    old["betas"] = tuple(old["betas"])
+    for group, factor in zip(groups, sched.lr_lambdas):
+        group.update(betas=new["betas"], eps=new["eps"], weight_decay=new["weight_decay"],
+                     initial_lr=new["lr"], lr=new["lr"] * factor(sched.last_epoch))
+    sched.base_lrs = [new["lr"]] * len(groups)
+    sched._last_lr = [g["lr"] for g in groups]
+    return [f"{k}: {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+
+
 def _optimizer(params, section, device: torch.device, offload: bool):
     kw = dict(lr=section.lr, betas=tuple(section.betas), eps=section.eps,
               weight_decay=section.weight_decay)
@@ -279,6 +297,8 @@ def backward_step(engine, loss: torch.Tensor) -> None:
     engine.step()
 
 
-def global_grad_norm(engine) -> float:
+def global_grad_norm(engine) -> float | None:
+    """The global gradient norm of the step just taken (before clipping), None if DeepSpeed
+    did not compute one."""
     norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else math.nan
+    return float(norm) if norm is not None else None
