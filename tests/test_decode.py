@@ -298,7 +298,7 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     import types
 
     from ds_ppo.config import load_config
-    from ds_ppo.engine.generation import generate
+    from ds_ppo.engine.generation import _prompt_chunks, generate
 
     model = tiny_llama()
     engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
@@ -319,6 +319,12 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     assert torch.equal(runs["own"].response_ids, runs["hf"].response_ids)
     assert torch.equal(runs["own"].mask, runs["hf"].mask)
     assert runs["own"].mask[1].sum() == 4 and runs["own"].ended[1]
+    # the chunks take the prompts longest first, without the columns all their rows pad; the
+    # responses come back in prompt order, as one call on the whole batch gives them
+    assert _prompt_chunks(mask, 2) == [([0, 3], 0), ([1, 2], 2), ([4], 6)]
+    whole = generate(engine, ids, mask, base.model_copy(update={"batch_size": None}), "gathered",
+                     eos_ids, PAD, torch.float32)
+    assert torch.equal(whole.response_ids, runs["own"].response_ids)
 
 
 @pytest.mark.parametrize("tied", [True, False])

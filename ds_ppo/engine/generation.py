@@ -249,6 +249,28 @@ def _group_random_stream(tp: TPGroup | None, device: torch.device):
         yield
 
 
+def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]:
+    """Generate calls for N left-padded prompts, (row indices, leading columns to drop) each, of
+    at most `size` rows. Several calls take the prompts longest first, so each call's rows have
+    similar lengths and its prefill and KV cache skip the columns all of them pad. Every rank of
+    a collective mode makes the same number of calls (equal shares, same size)."""
+    n = mask.shape[0]
+    if size >= n:
+        return [(list(range(n)), 0)]
+    lengths = mask.sum(1).tolist()  # one device read per rollout
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    return [(order[s:s + size], mask.shape[1] - lengths[order[s]]) for s in range(0, n, size)]
+
+
+def _in_row_order(stacked: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Rows generated in `order` -> rows in prompt order."""
+    if order == sorted(order):
+        return stacked
+    out = torch.empty_like(stacked)
+    out[torch.tensor(order, device=stacked.device)] = stacked
+    return out
+
+
 def _stack_chunks(outs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
     """The chunks' responses as one (N, W) tensor, each padded to the widest chunk."""
     width = max(o.shape[1] for o in outs)
@@ -284,10 +306,10 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         module.config.use_cache = True
         run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
     outs, stats = [], []
-    chunk = cfg.batch_size or rows.shape[0]
+    chunks = _prompt_chunks(rows_mask, cfg.batch_size or rows.shape[0])
     with _group_random_stream(tp, device):
-        for start in range(0, rows.shape[0], chunk):
-            out, st = run(rows[start:start + chunk], rows_mask[start:start + chunk])
+        for idx, lead in chunks:
+            out, st = run(rows[idx, lead:], rows_mask[idx, lead:])
             outs.append(out)
             stats.append(st)
     if mode not in REPLICA_MODES:
@@ -299,7 +321,8 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
     # tensor_parallel: this rank's rows of the group's responses
-    response = _stack_chunks(outs, pad_id)[offset:offset + prompt_ids.shape[0]]
+    response = _in_row_order(_stack_chunks(outs, pad_id), [i for idx, _ in chunks for i in idx])
+    response = response[offset:offset + prompt_ids.shape[0]]
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
