@@ -100,7 +100,8 @@ class RewardConfig(Section):
         None, description="The reward model's tokenizer; default: its `model` path. When it "
         "differs from the policy's, responses are decoded and re-encoded for it.")
     max_len: int = Field(1024, gt=0, description="Longest reward-model input in tokens; longer "
-                         "inputs keep their end (the response) and lose the prompt's start.")
+                         "inputs keep their end (the response) and lose the prompt's start "
+                         "(counted: metric reward/input_cut_rate, and a warning).")
     score_clip: float | None = Field(
         5.0, description="Clip sequence scores to +-score_clip before adding them (null: no clip).")
     missing_eos_penalty: float | None = Field(

@@ -85,6 +85,7 @@ class Experience:
     old_values: torch.Tensor  # (B, T) float32, value estimates at sampling time
     scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
     entropy: torch.Tensor  # (B, T) float32, policy entropy per position (metric only)
+    reward_cut: torch.Tensor | None = None  # (B,) bool, reward-model input cut to reward.max_len
     rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured

@@ -32,7 +32,7 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     greedy = cfg.model_copy(update={"generation": cfg.generation.model_copy(
         update={"temperature": 0.0})})
     rollout, _ = make_rollout(prompts, indices, engines, greedy, tokenizer, mode, eos_ids)
-    scores = reward_scores(rollout, engines, cfg, reward_encode)
+    scores, _ = reward_scores(rollout, engines, cfg, reward_encode)
     acc = Accumulator()
     n = float(len(rollout))
     acc.add_mean("eval/score_mean", float(scores.sum()), n)

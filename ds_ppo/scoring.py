@@ -28,10 +28,13 @@ def _in_row_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tenso
     return out
 
 
-def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torch.Tensor:
+def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
-    penalty applied (clipping happens in shape_rewards)."""
+    penalty applied (clipping happens in shape_rewards); and, for a reward model, (B,) bool: the
+    rows whose input lost the start of its prompt to reward.max_len (None for a function)."""
     device = rollout.prompt_ids.device
+    cut = None
     if engines.reward_fn is not None:
         raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses))
         scores = torch.as_tensor([float(s) for s in raw], dtype=torch.float32, device=device)
@@ -42,14 +45,15 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> torc
             raise ValueError(f"reward function {cfg.reward.function} returned non-finite scores")
     else:
         batches, order = _micro_batches(rollout, cfg)
-        parts = []
+        parts, cuts = [], []
         for rows in batches:
-            ids, am = reward_encode(rollout.slice(rows))
+            ids, am, part_cut = reward_encode(rollout.slice(rows))
             parts.append(sequence_scores(engines.reward, ids.to(device), am.to(device)))
-        scores = _in_row_order(parts, order)
+            cuts.append(part_cut.to(device))
+        scores, cut = _in_row_order(parts, order), _in_row_order(cuts, order)
     if cfg.reward.missing_eos_penalty is not None:
         scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
-    return scores
+    return scores, cut
 
 
 @torch.no_grad()
@@ -72,9 +76,10 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     engines.value.train()
     mask = rollout.mask
     zero = lambda parts: _in_row_order(parts, order).masked_fill(~mask, 0.0)  # noqa: E731
+    scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
-                      old_values=zero(values), entropy=zero(entropy),
-                      scores=reward_scores(rollout, engines, cfg, reward_encode))
+                      old_values=zero(values), entropy=zero(entropy), scores=scores,
+                      reward_cut=cut)
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

@@ -353,6 +353,8 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     acc.add_mean("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))
     acc.add_mean("response/eos_rate", float(exp.rollout.ended.float().sum()), n)
+    if exp.reward_cut is not None:
+        acc.add_mean("reward/input_cut_rate", float(exp.reward_cut.sum()), n)
     # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
     ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
     acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))
@@ -398,6 +400,13 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
         rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
     if not dist.is_main():
         return
+    if metrics.get("reward/input_cut_rate", 0.0) > 0 and not _report.warned_cut:
+        _report.warned_cut = True
+        log.warning("iteration %d: %.1f%% of the reward model's inputs were longer than "
+                    "reward.max_len = %d and lost the start of their prompt (metric "
+                    "reward/input_cut_rate); raise reward.max_len if the reward model takes "
+                    "longer inputs", iteration, 100 * metrics["reward/input_cut_rate"],
+                    cfg.reward.max_len)
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
     tracker.log_metrics(metrics, step=iteration)
@@ -410,6 +419,9 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
               f"| len {metrics['response/length_mean']:.1f} "
               f"| gen {metrics['time/generation_s']:.1f}s "
               f"| iter {metrics['time/iteration_s']:.1f}s", flush=True)
+
+
+_report.warned_cut = False  # the reward-input cut is reported once per process
 
 
 # ------------------------------------------------------------------------------ end

@@ -69,9 +69,13 @@ def test_value_model_starts_from_reward_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res == {"head_from_reward": True, "backbone_from_reward": True}
-    run_cli(["train", *args], cwd=tmp_path)
+    # prompts of up to 16 tokens + 6 response tokens: a reward.max_len of 12 cuts some inputs,
+    # which is counted and reported, never silent
+    proc = run_cli(["train", *args, "reward.max_len=12"], cwd=tmp_path)
     rows = read_metrics(tmp_path / "out")
     assert len(rows) == 2 and all(r["score/std"] > 0 for r in rows)  # real per-response scores
+    assert all(0 < r["reward/input_cut_rate"] <= 1 for r in rows)
+    assert proc.stdout.count("longer than reward.max_len = 12") == 1
 
 
 def test_reward_model_with_another_tokenizer_reencodes(tmp_path):
@@ -86,5 +90,6 @@ def test_reward_model_with_another_tokenizer_reencodes(tmp_path):
     assert "decoded and re-encoded" in proc.stdout
     rows = read_metrics(tmp_path / "out")
     assert len(rows) == 2 and all(r["score/std"] > 0 for r in rows)
+    assert all(r["reward/input_cut_rate"] == 0 for r in rows)  # reward.max_len 1024
     # the value model fell back to the policy's backbone (it reads policy token ids)
     assert f"value model starts from {tmp_path / 'out' / 'init_models' / 'policy'}" in proc.stdout

@@ -156,7 +156,9 @@ def _rollout(responses, ended):
 def test_reward_function_scores_and_missing_eos_penalty():
     cfg = _cfg("reward.missing_eos_penalty=0.5")
     engines = types.SimpleNamespace(reward_fn=positive_words)
-    scores = reward_scores(_rollout([" good day", " a bad day"], [True, False]), engines, cfg, None)
+    scores, cut = reward_scores(_rollout([" good day", " a bad day"], [True, False]), engines, cfg,
+                                None)
+    assert cut is None
     assert scores.tolist() == pytest.approx([0.5, 0.0 - 0.5])
 
 
@@ -282,20 +284,23 @@ def test_reward_inputs_cut_each_row_like_encode_for_reward():
     prompts = [[bos, 5, 6, 7, 8], [bos, 9, 3], [4, 4, 8, 2, 6]]
     responses = [[10, 11], [12, 13, 14, 15, 16, 17], [13, 14]]
     rollout = _padded_rollout(prompts, responses, P=6, T=8)
-    ids, am = rollout_for_reward(rollout, max_len=6, bos_id=bos)
+    ids, am, cut = rollout_for_reward(rollout, max_len=6, bos_id=bos)
+    assert cut.tolist() == [True, True, True]
     rows = [[t for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), am.tolist())]
     expected = [truncate_left(p + r, 6, keep_first=p[0] == bos)
                 for p, r in zip(prompts, responses)]
     assert rows == expected
     assert rows[0] == [bos, 6, 7, 8, 10, 11] and rows[2] == [4, 8, 2, 6, 13, 14]
     assert ids.shape[1] == 6 and am[:, :1].all()  # right-padded, no column beyond max_len
-    whole, _ = rollout_for_reward(rollout, max_len=100, bos_id=bos)
+    whole, _, cut = rollout_for_reward(rollout, max_len=100, bos_id=bos)
+    assert not cut.any()
     assert [r[:len(p) + len(s)] for r, p, s in zip(whole.tolist(), prompts, responses)] == \
         [p + s for p, s in zip(prompts, responses)]
 
 
 def test_scoring_returns_rows_in_rollout_order():
-    """Micro-batches run longest-first; the scores come back in the rollout's row order."""
+    """Micro-batches run longest-first; the scores (and which inputs were cut to max_len) come
+    back in the rollout's row order."""
     model = _tiny_llama()
     backbone_score = torch.nn.Linear(16, 1)
     reward = types.SimpleNamespace(base_model_prefix="model", model=model.model,
@@ -304,9 +309,10 @@ def test_scoring_returns_rows_in_rollout_order():
     engines = types.SimpleNamespace(reward_fn=None, reward=reward)
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
-        got = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+        got, cut = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 6, None))
+        assert cut.tolist() == [True, False, False]  # 7, 3 and 6 tokens; max_len 6
         for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
-            hidden = model.model(torch.tensor([pr + rs])).last_hidden_state[0, -1]
+            hidden = model.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]
             torch.testing.assert_close(got[b], backbone_score(hidden)[0], atol=1e-5, rtol=1e-5)
 
 

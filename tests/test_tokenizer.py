@@ -236,8 +236,9 @@ def test_reencode_between_different_tokenizers(bpe_dir, tiny):
     got_prompts, got_responses = decode_responses(policy, prompt_ids, response_ids)
     assert got_prompts == prompts and got_responses == responses  # spaces kept at the seam
 
-    ids, mask = reencode_for(policy, reward, prompt_ids, response_ids, max_len=64)
+    ids, mask, cut = reencode_for(policy, reward, prompt_ids, response_ids, max_len=64)
     assert ids.dtype == mask.dtype == torch.long and ids.shape == mask.shape
+    assert not cut.any()
     last = last_token_index(mask)
     for b, (p, r) in enumerate(zip(prompts, responses)):
         n = int(mask[b].sum())
@@ -252,7 +253,7 @@ def test_reencode_between_different_tokenizers(bpe_dir, tiny):
 def test_encode_for_reward_keeps_the_end(tiny):
     prompts, responses = ["the cat sat in the park and the dog ran"], [" to the wonderful beach"]
     full = tiny(prompts[0] + responses[0])["input_ids"]
-    ids, mask = encode_for_reward(tiny, prompts, responses, max_len=6, append_eos=True)
-    assert ids.shape == (1, 6) and mask.all()
+    ids, mask, cut = encode_for_reward(tiny, prompts, responses, max_len=6, append_eos=True)
+    assert ids.shape == (1, 6) and mask.all() and cut.tolist() == [True]
     assert ids[0].tolist() == [tiny.bos_token_id] + (full + [tiny.eos_token_id])[-5:]
     assert tiny.decode(ids[0], skip_special_tokens=True).endswith("wonderful beach")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, clean_env, read_metrics, run_cli
+from conftest import REPO, SMALL, clean_env, read_metrics, run_cli
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
@@ -44,6 +45,14 @@ def test_default_experiment_raises_reward(default_run):
 
 
 @pytest.mark.slow
+def test_every_logged_metric_is_documented(default_run):
+    out, _ = default_run
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    logged = set(read_metrics(out)[0]) - {"iteration"}
+    assert logged <= documented, sorted(logged - documented)
+
+
 def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
     out, proc = default_run
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000040"

@@ -87,7 +87,7 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Se
 
 def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
                       responses: Sequence[str], max_len: int, append_eos: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode ``prompt + response`` texts for a reward model, right-padded.
 
     Args:
@@ -101,7 +101,8 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
     Returns:
         ``input_ids`` (B, L) long and ``attention_mask`` (B, L) long, 1 on real tokens which
         come first in each row (right padding with the pad id, else EOS, else 0);
-        L = the longest row <= max_len. See ds_ppo.forward.last_token_index.
+        L = the longest row <= max_len (see ds_ppo.forward.last_token_index); and ``cut``
+        (B,) bool, True for the rows that lost tokens to max_len.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -112,6 +113,7 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if append_eos and eos is not None:
         rows = [r + [eos] for r in rows]
+    cut = torch.tensor([len(r) > max_len for r in rows], dtype=torch.bool)
     rows = [truncate_left(r, max_len, keep_first=bos is not None and bool(r) and r[0] == bos)
             for r in rows]
     pad = next((i for i in (tokenizer.pad_token_id, eos) if i is not None), 0)
@@ -121,11 +123,11 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
     for b, r in enumerate(rows):
         input_ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[b, :len(r)] = 1
-    return input_ids, attention_mask
+    return input_ids, attention_mask, cut
 
 
 def rollout_for_reward(rollout: Rollout, max_len: int, bos_id: int | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rollout's own ids as reward-model input (same tokenizer), right-padded, each row cut
     as `encode_for_reward` cuts it: a row of more than ``max_len`` real tokens keeps its last
     ones (the response) and loses the start of its prompt, keeping a leading ``bos_id``.
@@ -135,7 +137,7 @@ def rollout_for_reward(rollout: Rollout, max_len: int, bos_id: int | None
 
     Returns:
         ``input_ids`` (B, L) long and ``attention_mask`` (B, L) long, real tokens first;
-        L = the longest row after the cut.
+        L = the longest row after the cut; ``cut`` (B,) bool, True for the rows that were cut.
     """
     ids, real = rollout.input_ids, rollout.attention_mask.bool()  # (B, P+T)
     from_end = real.flip(1).cumsum(1).flip(1)  # 1 at each row's last real token, n at its first
@@ -151,16 +153,17 @@ def rollout_for_reward(rollout: Rollout, max_len: int, bos_id: int | None
     width = max(1, max(min(max_len, p + r) for p, r in zip(rollout.prompt_lens,
                                                             rollout.response_lens)))
     order = order[:, :width]
-    return ids.gather(1, order), keep.gather(1, order).long()
+    return ids.gather(1, order), keep.gather(1, order).long(), too_long.squeeze(1)
 
 
 def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrainedTokenizerBase,
                  prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                 max_len: int, append_eos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_len: int, append_eos: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Policy ids -> text -> reward-model ids: decode_responses then encode_for_reward.
 
     Returns ``input_ids`` (B, L) and ``attention_mask`` (B, L), right-padded, for the
-    reward model's tokenizer ``tokenizer_to``.
+    reward model's tokenizer ``tokenizer_to``, and the (B,) rows cut to max_len.
     """
     prompts, responses = decode_responses(tokenizer_from, prompt_ids, response_ids)
     return encode_for_reward(tokenizer_to, prompts, responses, max_len, append_eos=append_eos)
