@@ -92,8 +92,9 @@ class RewardConfig(Section):
     function: str | None = Field(
         None,
         description="A Python reward function `module:function` called as "
-        "f(prompts: list[str], responses: list[str]) -> list[float] (batched). "
-        "`ds_ppo.rewards:positive_words` is the tiny default's task.")
+        "f(prompts: list[str], responses: list[str]) -> list[float] (batched), plus one "
+        "keyword list per data.reward_keys column. `ds_ppo.rewards:positive_words` is the tiny "
+        "default's task.")
     model: str | None = Field(
         None, description="A Hugging Face sequence-classification reward model (num_labels=1).")
     tokenizer: str | None = Field(
@@ -218,6 +219,10 @@ class DataConfig(Section):
         "error", description="A malformed row stops before training (error) or is counted and "
         "skipped (skip).")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch with the run's seed.")
+    reward_keys: list[str] = Field(
+        default_factory=list, description="Dataset columns passed to reward.function as keyword "
+        "arguments, one value per response, e.g. [answer] for a reference answer: "
+        "f(prompts, responses, answer=[...]). Every row must have them.")
 
 
 # --------------------------------------------------------------------------- tracking
@@ -462,6 +467,16 @@ def validate(cfg: Config, world_size: int) -> None:
                         f"reward.model (got function={r.function!r}, model={r.model!r})")
     if r.function is not None and ":" not in r.function:
         problems.append(f"reward.function = {r.function!r} must look like module:function")
+    keys = cfg.data.reward_keys
+    if keys and r.function is None:
+        problems.append(f"data.reward_keys = {keys}: only a reward.function takes dataset "
+                        "columns (a reward model reads the text)")
+    if keys and cfg.data.path is None:
+        problems.append(f"data.reward_keys = {keys}: the builtin prompts (data.path = null) "
+                        "have no other columns")
+    if len(set(keys)) != len(keys) or {"prompts", "responses"} & set(keys):
+        problems.append(f"data.reward_keys = {keys}: names must be distinct and not prompts "
+                        "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
     for name in ("policy", "value"):

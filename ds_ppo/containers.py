@@ -39,6 +39,7 @@ class Rollout:
     # host copies of the row lengths, so a micro-batch's bounds need no device sync
     prompt_lens: list[int]  # B real prompt tokens per row (prompt_mask.sum(1))
     response_lens: list[int]  # B counted response tokens per row (mask.sum(1))
+    extras: list[dict]  # B prompts' data.reward_keys values, for the reward function
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+T)

@@ -1,13 +1,16 @@
 """Reward functions given as `module:function`, and the tiny default's task.
 
 A reward function takes the batch's prompts and responses as text and returns one float per
-response: `f(prompts: list[str], responses: list[str]) -> list[float]`.
+response: `f(prompts: list[str], responses: list[str]) -> list[float]`. With
+`data.reward_keys: [answer]` it also gets each response's dataset value of that column:
+`f(prompts, responses, answer=[...])` (a reference answer for a verifiable reward).
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 from ds_ppo.errors import ConfigError
 
@@ -28,8 +31,10 @@ def positive_words(prompts: list[str], responses: list[str]) -> list[float]:
     return scores
 
 
-def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[float]]:
-    """Import `module:function`; a clear ConfigError when it cannot be found."""
+def load_reward_function(spec: str, keys: Sequence[str] = ()
+                         ) -> Callable[..., list[float]]:
+    """Import `module:function`; a clear ConfigError when it cannot be found or does not take
+    the keyword arguments `keys` (data.reward_keys)."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -40,4 +45,15 @@ def load_reward_function(spec: str) -> Callable[[list[str], list[str]], list[flo
     if not callable(fn):
         raise ConfigError(f"reward.function = {spec!r}: module {module_name!r} has no callable "
                           f"{attr!r}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to check (some builtins): call and see
+        return fn
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        missing = [k for k in keys if k not in named]
+        if missing:
+            raise ConfigError(f"reward.function = {spec!r} takes no keyword argument "
+                              f"{', '.join(missing)} (data.reward_keys); define it as "
+                              f"def {attr}(prompts, responses, {', '.join(keys)}): ...")
     return fn

@@ -39,6 +39,7 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
                       mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses,
                       prompt_lens=[len(p) for p in prompt_ids],
-                      response_lens=[len(r) for r in counted])
+                      response_lens=[len(r) for r in counted],
+                      extras=[prompts.extra(i) for i in indices])
     return rollout, gen
 

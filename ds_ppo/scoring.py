@@ -36,7 +36,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     device = rollout.prompt_ids.device
     cut = None
     if engines.reward_fn is not None:
-        raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses))
+        columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+        raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses), **columns)
         scores = torch.as_tensor([float(s) for s in raw], dtype=torch.float32, device=device)
         if scores.shape != (len(rollout),):
             raise ValueError(f"reward function {cfg.reward.function} returned {scores.shape[0]} "

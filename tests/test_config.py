@@ -194,6 +194,13 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     (["reward.function=null"], 1, "reward.function", "function=None, model=None"),
     (["reward.function=my_rewards.score"], 1, "reward.function", "'my_rewards.score'"),
     (["reward.score_clip=0"], 1, "reward.score_clip", "= 0.0"),
+    (["data.reward_keys=[answer]"], 1, "data.reward_keys", "the builtin prompts (data.path = "),
+    (["data.path=p.jsonl", "data.reward_keys=[answer]", "reward.function=null",
+      "reward.model=/rm", "value.init_from=policy"], 1, "data.reward_keys",
+     "only a reward.function takes dataset columns"),
+    (["data.path=p.jsonl", "data.reward_keys=[a, a]"], 1, "data.reward_keys", "must be distinct"),
+    (["data.path=p.jsonl", "data.reward_keys=[prompts]"], 1, "data.reward_keys",
+     "not prompts or responses"),
     # models
     (["policy.path=/models/llama"], 1, "policy.path", "'/models/llama'"),
     (["policy.arch={hidden_size: 8}"], 1, "policy.arch", "{'hidden_size': 8}"),

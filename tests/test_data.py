@@ -454,3 +454,39 @@ def test_sampler_groups_by_minibatch_invariant_to_world_size():
     assert sorted(two[0].indices(5) + two[1].indices(5)) == sorted(two[0].global_indices(5))
     with pytest.raises(ValueError):
         PromptSampler(100, B, 0, 3, seed=3, group_size=G)
+
+
+# ------------------------------------------------------------------------- reward columns
+def test_reward_keys_follow_their_prompts(tok, tmp_path, caplog):
+    """data.reward_keys values stay with their prompt through bad rows skipped, prompts dropped
+    as too long, and in a CSV too."""
+    rows = [{"prompt": p, "answer": i, "note": f"n{i}"} for i, p in enumerate(PROMPTS)]
+    rows.insert(2, {"prompt": 7, "answer": 99, "note": "bad"})  # not text: skipped
+    rows[4] = {"prompt": rows[4]["prompt"]}  # no answer: skipped
+    rows.append({"prompt": "a " * 40, "answer": 100, "note": "long"})  # dropped as too long
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        got = load_prompts(cfg(path, reward_keys=["answer", "note"], on_bad_row="skip",
+                               truncation="drop", max_prompt_len=12), tok)
+    assert "missing column 'answer'" in caplog.text
+    assert [(t, e) for t, e in zip(got.texts, got.extras)] == [
+        (PROMPTS[i], {"answer": i, "note": f"n{i}"}) for i in (0, 1, 2, 4)]
+    assert got.extra(1) == {"answer": 1, "note": "n1"}
+    import csv
+
+    with open(tmp_path / "p.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["prompt", "answer"])
+        w.writeheader()
+        w.writerows({"prompt": p, "answer": f"a{i}"} for i, p in enumerate(PROMPTS))
+    got = load_prompts(cfg(tmp_path / "p.csv", reward_keys=["answer"]), tok)
+    assert got.extras == [{"answer": f"a{i}"} for i in range(len(PROMPTS))]
+    assert load_prompts(cfg(path, on_bad_row="skip"), tok).extra(0) == {}  # none asked for
+
+
+def test_reward_keys_missing_column_or_value(tok, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": 1} for p in PROMPTS[:2]]
+                       + [{"prompt": "no answer here"}])
+    with pytest.raises(DataError, match=r"no column 'solution' \(data.reward_keys\).*'answer'"):
+        load_prompts(cfg(path, reward_keys=["solution"]), tok)
+    with pytest.raises(DataError, match=r"line 3: missing column 'answer'"):
+        load_prompts(cfg(path, reward_keys=["answer"]), tok)

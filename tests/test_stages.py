@@ -150,7 +150,7 @@ def _rollout(responses, ended):
                    response_ids=torch.ones(B, 3, dtype=torch.long),
                    mask=torch.ones(B, 3, dtype=torch.bool),
                    ended=torch.tensor(ended), prompts=["p"] * B, responses=responses,
-                   prompt_lens=[2] * B, response_lens=[3] * B)
+                   prompt_lens=[2] * B, response_lens=[3] * B, extras=[{}] * B)
 
 
 def test_reward_function_scores_and_missing_eos_penalty():
@@ -170,6 +170,31 @@ def test_reward_function_must_return_one_finite_score_each():
     engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0, float("nan")])
     with pytest.raises(ValueError, match="non-finite"):
         reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
+
+
+def exact_match(prompts, responses, answer, *, weight=1.0):
+    return [weight * float(r.strip() == a) for r, a in zip(responses, answer)]
+
+
+def with_kwargs(prompts, responses, **columns):
+    return [float(len(columns))] * len(prompts)
+
+
+def test_reward_function_gets_the_dataset_columns():
+    cfg = _cfg("data.path=p.jsonl", "data.reward_keys=[answer]")
+    rollout = _rollout([" 4", " 5"], [True, True])
+    rollout.extras = [{"answer": "4"}, {"answer": "6"}]
+    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=exact_match), cfg, None)
+    assert scores.tolist() == [1.0, 0.0]
+    from ds_ppo.errors import ConfigError
+
+    spec = f"{__name__}:exact_match"
+    assert load_reward_function(spec, ["answer"]) is exact_match
+    with pytest.raises(ConfigError, match="takes no keyword argument solution"):
+        load_reward_function(spec, ["answer", "solution"])
+    with pytest.raises(ConfigError, match="takes no keyword argument answer"):
+        load_reward_function("ds_ppo.rewards:positive_words", ["answer"])
+    assert load_reward_function(f"{__name__}:with_kwargs", ["a", "b"]) is with_kwargs
 
 
 def test_positive_words_and_loading():
@@ -215,7 +240,7 @@ def _padded_rollout(prompts, responses, P, T, pad=0):
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                    mask=mask, ended=torch.ones(B, dtype=torch.bool), prompts=[""] * B,
                    responses=[""] * B, prompt_lens=[len(x) for x in prompts],
-                   response_lens=[len(x) for x in responses])
+                   response_lens=[len(x) for x in responses], extras=[{}] * B)
 
 
 def _tiny_llama(**kw):

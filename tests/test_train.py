@@ -154,3 +154,27 @@ def test_divergence_stops_before_saving_nan_weights(tmp_path):
     assert [r["iteration"] for r in rows] == [1, 2]  # the diverged iteration is still logged
     assert math.isfinite(rows[0]["loss/policy"]) and not math.isfinite(rows[1]["loss/policy"])
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["iter_000001"]
+
+
+def test_reward_function_gets_each_prompts_dataset_columns(tmp_path):
+    """data.reward_keys: the reward function gets each response's `answer` from the row of its
+    own prompt (the function fails the run if one is misaligned), through sampling, sharding
+    and length-sorted scoring."""
+    (tmp_path / "my_reward.py").write_text(
+        "def first_word(prompts, responses, answer):\n"
+        "    for p, a in zip(prompts, answer):\n"
+        "        assert p.split()[0] == a, (p, a)\n"
+        "    return [float(len(r.split()) % 3) for r in responses]\n")
+    words = ["the cat sat", "we had a wonderful day", "it was", "my aunt is kind", "what a"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "answer": w.split()[0]}) + "\n"
+                            for w in words * 4))
+    run_cli(["train", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+             "reward.function=my_reward:first_word", "iterations=2",
+             "checkpoint.save_at_end=false", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "o")] == [1, 2]
+    bad = run_cli(["train", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+                   "reward.function=ds_ppo.rewards:positive_words",
+                   f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and "takes no keyword argument answer" in bad.stderr
+    assert not (tmp_path / "o2" / "init_models").exists()  # stopped before any model was built

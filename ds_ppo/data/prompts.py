@@ -71,7 +71,8 @@ class PromptSet:
     """The prompts of one split, validated and tokenised.
 
     ``input_ids[i]`` are prompt i's token ids, unpadded, 1..max_prompt_len long (with the
-    BOS the tokenizer or chat template adds). ``texts[i]`` is the prompt as rendered (after the
+    BOS the tokenizer or chat template adds). ``extras[i]`` holds row i's values of the
+    ``data.reward_keys`` columns, for the reward function. ``texts[i]`` is the prompt as rendered (after the
     chat template); for a prompt truncated to its end, the decoded kept tokens. ``stats``
     counts rows: ``rows`` in the split, ``used``, ``truncated``, ``dropped_too_long``,
     ``skipped_bad``, and ``max_prompt_len`` (the limit) and ``longest`` (tokens).
@@ -80,9 +81,14 @@ class PromptSet:
     input_ids: list[list[int]]
     texts: list[str]
     stats: dict[str, int] = field(default_factory=dict)
+    extras: list[dict[str, Any]] | None = None  # per prompt: its data.reward_keys values
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def extra(self, i: int) -> dict[str, Any]:
+        """Prompt i's data.reward_keys values ({} without any)."""
+        return self.extras[i] if self.extras is not None else {}
 
 
 # ------------------------------------------------------------------------------ builtin
@@ -463,6 +469,7 @@ class _Valid:
     texts: list[str] = field(default_factory=list)  # rendered prompts
     chat: list[bool] = field(default_factory=list)  # rendered by the chat template
     where: list[str] = field(default_factory=list)  # "line 7": for messages
+    extras: list[dict] = field(default_factory=list)  # data.reward_keys values
     skipped: int = 0                                # bad rows skipped
 
 
@@ -478,14 +485,22 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
             f"{table.source}: no column {cfg.prompt_key!r} (data.prompt_key) or "
             f"{cfg.messages_key!r} (data.messages_key); its columns are: "
             f"{', '.join(map(repr, table.columns)) or '(none)'}")
+    absent = [k for k in cfg.reward_keys if k not in table.columns]
+    if absent:
+        raise DataError(f"{table.source}: no column {', '.join(map(repr, absent))} "
+                        f"(data.reward_keys); its columns are: "
+                        f"{', '.join(map(repr, table.columns)) or '(none)'}")
     values = table.column(key)
+    extra_values = {k: table.column(k) for k in cfg.reward_keys}
     bad: list[str] = []
     out = _Valid()
     for i in rows:
         value, why = values[i], table.broken.get(i)
-        if why is None and value is _MISSING:
-            has = ", ".join(map(repr, table.row_keys(i))) if table.row_keys else "?"
-            why = f"missing column {key!r} (this row has: {has or 'nothing'})"
+        for col in [key, *cfg.reward_keys]:
+            if why is None and (value if col == key else extra_values[col][i]) is _MISSING:
+                has = ", ".join(map(repr, table.row_keys(i))) if table.row_keys else "?"
+                why = f"missing column {col!r} (this row has: {has or 'nothing'})"
+        before = len(out.texts)
         if why is None and (isinstance(value, list) or key == cfg.messages_key):
             messages, why = _check_messages(value, key)
             if why is None:
@@ -505,6 +520,8 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
                 out.where.append(table.where[i])
         if why is not None:
             bad.append(f"{table.where[i]}: {why}")
+        if len(out.texts) > before:
+            out.extras.append({k: extra_values[k][i] for k in cfg.reward_keys})
     out.skipped = _report_bad(table.source, bad, cfg.on_bad_row)
     return out
 
@@ -620,13 +637,14 @@ def load_prompts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
 def _apply_max_len(valid: _Valid, ids: list[list[int]], cfg: DataConfig,
                    tokenizer: PreTrainedTokenizerBase, source: str) -> PromptSet:
     limit, bos = cfg.max_prompt_len, tokenizer.bos_token_id
-    out = PromptSet(input_ids=[], texts=[], stats={})
+    out = PromptSet(input_ids=[], texts=[], stats={}, extras=[] if cfg.reward_keys else None)
+    extras = valid.extras if cfg.reward_keys else [{}] * len(valid.texts)
     truncated = dropped = 0
     # A tokenizer may normalise a whole text away (e.g. only zero-width characters).
     empty = [f"{w}: the prompt has no tokens after tokenising" for w, r in zip(valid.where, ids)
              if not r]
     skipped = _report_bad(source, empty, cfg.on_bad_row)
-    for text, row in zip(valid.texts, ids):
+    for text, row, extra in zip(valid.texts, ids, extras):
         if not row:
             continue
         if len(row) > limit:
@@ -638,6 +656,8 @@ def _apply_max_len(valid: _Valid, ids: list[list[int]], cfg: DataConfig,
             truncated += 1
         out.input_ids.append(row)
         out.texts.append(text)
+        if out.extras is not None:
+            out.extras.append(extra)
     out.stats = {"rows": 0, "used": len(out.input_ids), "truncated": truncated,
                  "dropped_too_long": dropped, "skipped_bad": skipped, "max_prompt_len": limit,
                  "longest": max((len(r) for r in out.input_ids), default=0)}

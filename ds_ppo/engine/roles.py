@@ -281,7 +281,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
     else:
-        reward_fn = load_reward_function(cfg.reward.function)
+        reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     return Engines(policy=policy, value=value, reference=reference, reward=reward,
                    reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,
                    device=device, dtype=dtype)
