@@ -327,6 +327,44 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     assert torch.equal(whole.response_ids, runs["own"].response_ids)
 
 
+def test_generation_out_of_memory_retries_in_halves(monkeypatch, caplog):
+    """Gathered mode: a generate call that runs out of device memory is retried on each half
+    of its prompts (no collectives there, so one rank may do it alone); the responses are
+    those of one call. Modes with collectives in the decode re-raise."""
+    import types
+
+    import ds_ppo.engine.generation as gen_mod
+    from ds_ppo.config import load_config
+
+    model = tiny_llama()
+    engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
+    ids, mask = left_padded()
+    cfg = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=6",
+                             "generation.loop=own"]).generation
+    expected = gen_mod.generate(engine, ids, mask, cfg, "gathered", [EOS], PAD, torch.float32)
+    real, calls = gen_mod._own_decode, []
+
+    def small_memory(*args):
+        run = real(*args)
+
+        def limited(rows, rows_mask):
+            calls.append(rows.shape[0])
+            if rows.shape[0] > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return run(rows, rows_mask)
+        return limited
+
+    monkeypatch.setattr(gen_mod, "_own_decode", small_memory)
+    with caplog.at_level("WARNING", logger="ds_ppo"):
+        got = gen_mod.generate(engine, ids, mask, cfg, "gathered", [EOS], PAD, torch.float32)
+    assert calls == [5, 2, 3, 1, 2]  # 5 -> 2 + 3, 3 -> 1 + 2
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.mask, expected.mask)
+    assert "out of device memory for 5 prompts" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError):
+        gen_mod._run_or_split(small_memory(model, cfg, [EOS], PAD), ids, mask, splittable=False)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_replica_equals_the_model_with_tied_or_untied_embeddings(tied):
     """build_replica on a plain model: the same logits. With tied embeddings the output head

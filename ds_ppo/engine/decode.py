@@ -259,6 +259,8 @@ def _capture(fn, device: torch.device):
             fn()
     except Exception as exc:  # a host sync or an unsupported op inside the model's forward
         torch.cuda.synchronize(device)
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise  # not the step's fault: the caller retries with fewer prompts, graphs stay on
         _CAPTURE_FAILED = f"{type(exc).__name__}: {exc}"
         log.warning("generation: capturing the decoding step as a CUDA graph failed (%s); "
                     "decoding eagerly from now on (generation.cuda_graph=false silences this)",

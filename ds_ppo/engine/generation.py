@@ -249,6 +249,23 @@ def _group_random_stream(tp: TPGroup | None, device: torch.device):
         yield
 
 
+def _run_or_split(run, ids: torch.Tensor, mask: torch.Tensor, splittable: bool) -> list:
+    """[run(ids, mask)]; if the device runs out of memory and `splittable`, the prompts in two
+    halves (recursively, down to one prompt), in order, with one warning per split."""
+    try:
+        return [run(ids, mask)]
+    except torch.OutOfMemoryError:
+        if not splittable or ids.shape[0] == 1:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = ids.shape[0] // 2
+    log.warning("generation: out of device memory for %d prompts at once; generating them in "
+                "halves (generation.batch_size=%d or less avoids the retry)", ids.shape[0], half)
+    return (_run_or_split(run, ids[:half], mask[:half], splittable)
+            + _run_or_split(run, ids[half:], mask[half:], splittable))
+
+
 def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]:
     """Generate calls for N left-padded prompts, (row indices, leading columns to drop) each, of
     at most `size` rows. Several calls take the prompts longest first, so each call's rows have
@@ -309,9 +326,11 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     chunks = _prompt_chunks(rows_mask, cfg.batch_size or rows.shape[0])
     with _group_random_stream(tp, device):
         for idx, lead in chunks:
-            out, st = run(rows[idx, lead:], rows_mask[idx, lead:])
-            outs.append(out)
-            stats.append(st)
+            # only a gathered replica decodes without collectives: a rank may split alone
+            for out, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
+                                         splittable=mode == "gathered"):
+                outs.append(out)
+                stats.append(st)
     if mode not in REPLICA_MODES:
         module.config.use_cache = False
         module.train(was_training)
