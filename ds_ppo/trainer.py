@@ -67,7 +67,8 @@ def train(cfg: Config) -> TrainResult:
     log.info("generation: mode %s, decoding loop %s", gen_mode,
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     sampler = _sampler(cfg, len(prompts.input_ids))
-    result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id)
+    result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
+                         last_checkpoint=str(resume_from) if resume_from is not None else None)
     status = "FAILED"
     # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
@@ -94,7 +95,8 @@ def train(cfg: Config) -> TrainResult:
                 kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
                 _report(cfg, tracker, metrics, iteration, exp, out)
                 result.history.append(metrics)
-                _stop_if_diverged(metrics, iteration, result.last_checkpoint)  # before any save
+                _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
+                                  grad_norms=engines.dtype != torch.float16)
                 state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
                 # step 6. checkpoint
                 saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
@@ -310,16 +312,20 @@ def _log_ds_configs(tracker, engines: Engines, resumed: bool) -> None:
 
 
 # ------------------------------------------------------------------------- per iteration
-# Metrics that are never NaN or infinite while training is healthy. With bf16, DeepSpeed applies
-# a non-finite gradient (only fp16's loss scaler skips such steps), so one is enough to ruin the
-# weights; stopping before the next checkpoint keeps the saved ones usable.
-_MUST_BE_FINITE = ("loss/policy", "loss/value", "policy/grad_norm", "value/grad_norm")
+# Metrics that are never NaN or infinite while training is healthy. With bf16 or fp32, DeepSpeed
+# applies a non-finite gradient, so one is enough to ruin the weights; stopping before the next
+# checkpoint keeps the saved ones usable. fp16's loss scaler skips such steps and reports their
+# gradient norm as inf, routinely in the first steps: there only the losses are checked.
+_LOSSES = ("loss/policy", "loss/value")
+_GRAD_NORMS = ("policy/grad_norm", "value/grad_norm")
 
 
-def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint: str | None):
-    """Raise `Diverged` (on every rank alike: the metrics are reduced) when a loss or gradient
-    norm of this iteration is not finite."""
-    bad = {k: metrics[k] for k in _MUST_BE_FINITE if k in metrics and not math.isfinite(metrics[k])}
+def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint: str | None,
+                      grad_norms: bool = True):
+    """Raise `Diverged` (on every rank alike: the metrics are reduced) when a loss (or, with
+    `grad_norms`, a gradient norm) of this iteration is not finite."""
+    keys = _LOSSES + (_GRAD_NORMS if grad_norms else ())
+    bad = {k: metrics[k] for k in keys if k in metrics and not math.isfinite(metrics[k])}
     if bad:
         where = (f"the last checkpoint, {last_checkpoint}, was saved before it" if last_checkpoint
                  else "no checkpoint was saved before it")

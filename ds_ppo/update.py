@@ -37,8 +37,8 @@ def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
         return rows
     for q in range(m):
         slot = rank * m + q
-        g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_009 + epoch)
-                                          * 100_003 + slot)
+        key = ((seed * 1_000_003 + iteration) * 1_009 + epoch) * 100_003 + slot
+        g = torch.Generator().manual_seed(key % 2**63)  # any seed, negative or large
         for j, to in enumerate(torch.randperm(count, generator=g).tolist()):
             rows[to][q] = j * m + q
     return rows

@@ -485,8 +485,9 @@ def test_reward_keys_follow_their_prompts(tok, tmp_path, caplog):
 
 def test_reward_keys_missing_column_or_value(tok, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": 1} for p in PROMPTS[:2]]
-                       + [{"prompt": "no answer here"}])
+                       + [{"prompt": "no answer here"}, {"prompt": "null", "answer": None}])
     with pytest.raises(DataError, match=r"no column 'solution' \(data.reward_keys\).*'answer'"):
         load_prompts(cfg(path, reward_keys=["solution"]), tok)
-    with pytest.raises(DataError, match=r"line 3: missing column 'answer'"):
+    with pytest.raises(DataError, match=r"line 3: missing column 'answer'.*\n.*line 4: "
+                                        r"column 'answer' \(data.reward_keys\) is null"):
         load_prompts(cfg(path, reward_keys=["answer"]), tok)

@@ -431,6 +431,25 @@ def test_minibatches_hold_the_same_samples_at_any_world_size(epoch):
     assert composition(2) == one and composition(4) == one and composition(8) == one
     as_sampled = [set(range(j * M, (j + 1) * M)) for j in range(n_mini)]
     assert (one == as_sampled) == (epoch == 0)  # later epochs re-mix the mini-batches
+    for seed in (2**40, -5):  # any seed the config takes
+        assert sorted(sum(minibatch_rows(n_mini * M, M, 0, epoch, seed, 5), [])) == \
+            list(range(n_mini * M))
     other_epoch = minibatch_rows(n_mini * M, M, 0, epoch + 1, seed=3, iteration=5)
     assert [set(r) for r in other_epoch] != [set(r) for r in
                                               minibatch_rows(n_mini * M, M, 0, epoch, 3, 5)]
+
+
+def test_divergence_check_losses_always_grad_norms_unless_fp16():
+    from ds_ppo.errors import Diverged
+    from ds_ppo.trainer import _stop_if_diverged
+
+    healthy = {"loss/policy": 0.1, "loss/value": 0.2, "policy/grad_norm": 1.0,
+               "value/explained_variance": math.nan}  # NaN there is normal
+    _stop_if_diverged(healthy, 3, None)
+    skipped_fp16_step = {**healthy, "policy/grad_norm": math.inf}
+    _stop_if_diverged(skipped_fp16_step, 3, None, grad_norms=False)
+    with pytest.raises(Diverged, match=r"iteration 3: policy/grad_norm = inf.*the last "
+                                       r"checkpoint, ck/iter_000002, was saved before it"):
+        _stop_if_diverged(skipped_fp16_step, 3, "ck/iter_000002")
+    with pytest.raises(Diverged, match=r"loss/value = nan.*no checkpoint was saved before it"):
+        _stop_if_diverged({**healthy, "loss/value": math.nan}, 1, None, grad_norms=False)

@@ -143,10 +143,9 @@ def test_divergence_stops_before_saving_nan_weights(tmp_path):
     iteration) ruins the weights, iteration 2's losses are NaN. The run stops there with exit 3
     and a message naming the iteration and the last checkpoint, and saves nothing after it."""
     out = tmp_path / "o"
-    proc = run_cli(["train", *SMALL, "ppo.mini_batch_size=16", "ppo.ppo_epochs=1",
-                    "policy.lr=1e30", "value.lr=1e30", "iterations=4", "checkpoint.every=1",
-                    f"output_dir={out}"],
-                   cwd=tmp_path, check=False)
+    args = ["train", *SMALL, "ppo.mini_batch_size=16", "ppo.ppo_epochs=1", "policy.lr=1e30",
+            "value.lr=1e30", "iterations=4", "checkpoint.every=1", f"output_dir={out}"]
+    proc = run_cli(args, cwd=tmp_path, check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "iteration 2:" in proc.stderr and "training diverged" in proc.stderr
     assert "iter_000001" in proc.stderr and "Traceback" not in proc.stderr
@@ -154,6 +153,11 @@ def test_divergence_stops_before_saving_nan_weights(tmp_path):
     assert [r["iteration"] for r in rows] == [1, 2]  # the diverged iteration is still logged
     assert math.isfinite(rows[0]["loss/policy"]) and not math.isfinite(rows[1]["loss/policy"])
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["iter_000001"]
+    # the same command resumes from iteration 1's (finite, but ruined) weights and diverges
+    # again; the message names the checkpoint it resumed from
+    again = run_cli(args, cwd=tmp_path, check=False)
+    assert again.returncode == 3 and "resumed from" in again.stdout
+    assert "iteration 2:" in again.stderr and "iter_000001, was saved before it" in again.stderr
 
 
 def test_reward_function_gets_each_prompts_dataset_columns(tmp_path):

@@ -500,6 +500,8 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
             if why is None and (value if col == key else extra_values[col][i]) is _MISSING:
                 has = ", ".join(map(repr, table.row_keys(i))) if table.row_keys else "?"
                 why = f"missing column {col!r} (this row has: {has or 'nothing'})"
+            elif why is None and col != key and extra_values[col][i] is None:
+                why = f"column {col!r} (data.reward_keys) is null"
         before = len(out.texts)
         if why is None and (isinstance(value, list) or key == cfg.messages_key):
             messages, why = _check_messages(value, key)

@@ -326,9 +326,10 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     chunks = _prompt_chunks(rows_mask, cfg.batch_size or rows.shape[0])
     with _group_random_stream(tp, device):
         for idx, lead in chunks:
-            # only a gathered replica decodes without collectives: a rank may split alone
+            # a whole replica decodes without collectives: a rank may split alone
             for out, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
-                                         splittable=mode == "gathered"):
+                                         splittable=mode == "gathered" or
+                                         (tp is not None and tp.size == 1)):
                 outs.append(out)
                 stats.append(st)
     if mode not in REPLICA_MODES:
