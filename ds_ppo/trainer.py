@@ -405,8 +405,9 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
     every = cfg.tracking.log_samples_every
     if every and iteration % every == 0:
         k = cfg.tracking.num_samples
-        rows = [{"prompt": p, "response": r, "score": float(s)} for p, r, s in
-                zip(exp.rollout.prompts[:k], exp.rollout.responses[:k], exp.scores[:k].tolist())]
+        rows = [_sample_row(p, r, s, extra) for p, r, s, extra in
+                zip(exp.rollout.prompts[:k], exp.rollout.responses[:k], exp.scores[:k].tolist(),
+                    exp.rollout.extras[:k])]
         rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
     if not dist.is_main():
         return
@@ -432,6 +433,14 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
 
 
 _report.warned_cut = False  # the reward-input cut is reported once per process
+
+
+def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
+    """One row of the samples table, with the prompt's data.reward_keys values (e.g. the
+    reference answer); a key named like a fixed column gets a `data/` prefix."""
+    row = {"prompt": prompt, "response": response, "score": float(score)}
+    row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
+    return row
 
 
 # ------------------------------------------------------------------------------ end

@@ -453,3 +453,10 @@ def test_divergence_check_losses_always_grad_norms_unless_fp16():
         _stop_if_diverged(skipped_fp16_step, 3, "ck/iter_000002")
     with pytest.raises(Diverged, match=r"loss/value = nan.*no checkpoint was saved before it"):
         _stop_if_diverged({**healthy, "loss/value": math.nan}, 1, None, grad_norms=False)
+
+
+def test_samples_table_rows_carry_the_reward_columns():
+    from ds_ppo.trainer import _sample_row
+
+    assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
+        "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}
