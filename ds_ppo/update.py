@@ -55,12 +55,13 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     engines.policy.train()
     engines.value.train()
     for epoch in range(p.ppo_epochs):
-        for rows in minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
-                                   iteration):
-            # valid tokens of the global mini-batch (sum over ranks)
-            n_tok = dist.all_reduce_sum(torch.tensor(float(sum(lens[i] for i in rows)),
-                                                     dtype=torch.float64))
-            n_tok = max(float(n_tok), 1.0)
+        minibatches = minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
+                                     iteration)
+        # valid tokens of each global mini-batch (sum over ranks): one all-reduce per epoch
+        counts = dist.all_reduce_sum(torch.tensor([float(sum(lens[i] for i in rows))
+                                                   for rows in minibatches], dtype=torch.float64))
+        for rows, n_tok in zip(minibatches, counts.tolist()):
+            n_tok = max(n_tok, 1.0)
             # device tensors, read once per mini-batch: no host sync between micro-batches
             losses, stats = [], {}
             # longest rows first; the order within a mini-batch does not change its gradient
