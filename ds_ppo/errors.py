@@ -20,3 +20,8 @@ class Diverged(UserError):
     The message names the iteration, the values and the last checkpoint saved before it."""
 
     exit_code = 3
+
+
+class JoinError(UserError):
+    """A rank could not join the process group (rendezvous timed out or rank 0 unreachable);
+    the message names the address, what was seen and what to check."""

@@ -116,6 +116,36 @@ def test_bad_config_exits_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_rank_left_alone_exits_cleanly_naming_the_address(tmp_path):
+    """Rank 0 of 2 whose partner never starts: after dist_timeout_minutes, one message that
+    names the address and what to check, exit 2, instead of a C++ stack dump."""
+    from conftest import free_port
+
+    port = free_port()
+    env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port))
+    proc = run_cli(["train", *SMALL, "dist_timeout_minutes=0.05", f"output_dir={tmp_path / 'o'}"],
+                   cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"rank 0 of 2 could not join the job at 127.0.0.1:{port}" in proc.stderr
+    assert "1/2 clients joined" in proc.stderr and "same MASTER_ADDR" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_join_error_for_an_unreachable_rank_0():
+    import torch.distributed as tdist
+
+    from ds_ppo.engine.dist import join_error
+
+    err = join_error(tdist.DistNetworkError("The client socket has timed out after 6000ms while "
+                                            "trying to connect to (10.0.0.1, 29500).\nframe #0"),
+                     {"RANK": "9", "WORLD_SIZE": "16", "MASTER_ADDR": "10.0.0.1",
+                      "MASTER_PORT": "29500"}, 30.0)
+    assert str(err).startswith("rank 9 of 16 could not join the job at 10.0.0.1:29500 within "
+                               "dist_timeout_minutes = 30: The client socket has timed out")
+    assert "frame" not in str(err) and "not localhost" in str(err) and err.exit_code == 2
+
+
 def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "hello there"}\n{"prompt": 3}\n{"prompt": "fine"}\n')

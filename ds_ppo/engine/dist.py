@@ -58,10 +58,32 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
-                                   timeout=timedelta(minutes=timeout_minutes))
+        try:
+            deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
+                                       timeout=timedelta(minutes=timeout_minutes))
+        except dist.DistError as err:  # a hang at start-up, turned into a message and exit 2
+            raise join_error(err, dict(os.environ), timeout_minutes) from None
     name = acc.device_name(local_rank) if acc.device_name() != "cpu" else "cpu"
     return torch.device(name)
+
+
+def join_error(err: Exception, environ, timeout_minutes: float):
+    """The JoinError for a failed rendezvous: what this rank saw, then what to check."""
+    from ds_ppo.errors import JoinError
+
+    where = f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+    me = f"rank {environ.get('RANK')} of {environ.get('WORLD_SIZE')}"
+    seen = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
+    if isinstance(err, dist.DistNetworkError):
+        hint = (f"rank 0 is not reachable at {where} from this node: check that rank 0 is "
+                "running, that MASTER_ADDR is an address of rank 0's node that this node can "
+                "reach (not localhost on a multi-node job), and that the port is open")
+    else:
+        hint = ("not every rank joined in time: start every node's launcher with the same "
+                "MASTER_ADDR, MASTER_PORT and node count; a rank that crashed before joining "
+                "says why in its own log")
+    return JoinError(f"{me} could not join the job at {where} within dist_timeout_minutes = "
+                     f"{timeout_minutes:g}: {seen}. {hint}.")
 
 
 def rank() -> int:
