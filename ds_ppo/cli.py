@@ -17,6 +17,10 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size_from_env())
+    if cfg.reward.function is not None:  # importable, and takes data.reward_keys
+        from ds_ppo.rewards import load_reward_function
+
+        load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     if args.dry_run:
         print(f"config OK for world size {world_size_from_env()}")
         return 0

@@ -162,10 +162,6 @@ def _load_data(cfg: Config, out: Path):
         raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
                           "(a path, a hub name or builtin:tiny)")
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.reward.function is not None:  # a wrong name or signature fails before any model loads
-        from ds_ppo.rewards import load_reward_function
-
-        load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     # every rank loads (and, for builtin:tiny, may build: the cache is written atomically) the
     # tokenizer itself, so a bad tokenizer spec fails on every rank alike instead of hanging one
     tokenizer = load_tokenizer(spec, out)

@@ -211,4 +211,7 @@ def test_reward_function_gets_each_prompts_dataset_columns(tmp_path):
                    "reward.function=ds_ppo.rewards:positive_words",
                    f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "takes no keyword argument answer" in bad.stderr
-    assert not (tmp_path / "o2" / "init_models").exists()  # stopped before any model was built
+    assert not (tmp_path / "o2").exists()  # stopped before any data or model was loaded
+    dry = run_cli(["train", "--dry-run", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+                   "reward.function=my_reward:first_wrd"], cwd=tmp_path, check=False)
+    assert dry.returncode == 2 and "has no callable 'first_wrd'" in dry.stderr
