@@ -25,6 +25,25 @@ def _slice_fields(obj, idx: slice | list[int]):
     return replace(obj, **out)
 
 
+def longest_first(lengths: list[int], size: int, rows: list[int] | None = None
+                  ) -> list[list[int]]:
+    """`rows` (default: all of `lengths`) cut into groups of at most `size`, longest first, ties
+    in the given order: a batched forward over rows of similar lengths pads little."""
+    rows = list(range(len(lengths))) if rows is None else rows
+    ordered = sorted(rows, key=lambda i: -lengths[i])
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def in_row_order(stacked: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Rows computed in `order` (a permutation of range(N), e.g. `longest_first`'s groups one
+    after another), put back in row order."""
+    if order == list(range(len(order))):
+        return stacked
+    out = torch.empty_like(stacked)
+    out[torch.tensor(order, device=stacked.device)] = stacked
+    return out
+
+
 @dataclass
 class Rollout:
     """What leaves generation."""
@@ -63,11 +82,10 @@ class Rollout:
 
     def micro_batches(self, size: int, rows: list[int] | None = None) -> list[list[int]]:
         """`rows` (default: all) cut into micro-batches of at most `size`, longest (prompt +
-        counted response) first, ties in the given order: rows of similar length share a
-        forward, so `model_inputs` drops more padding."""
-        rows = list(range(len(self))) if rows is None else rows
-        ordered = sorted(rows, key=lambda i: -(self.prompt_lens[i] + self.response_lens[i]))
-        return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        counted response) first: rows of similar length share a forward, so `model_inputs`
+        drops more padding."""
+        total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
+        return longest_first(total, size, rows)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

@@ -8,24 +8,15 @@ import torch
 
 from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
 from ds_ppo.config import Config
-from ds_ppo.containers import Experience, Rollout
+from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
 
 
-def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], torch.Tensor]:
-    """The scoring micro-batches (row indices, longest rows first) and their concatenated
-    order as a (B,) device tensor."""
+def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
+    """The scoring micro-batches (row indices, longest rows first) and their rows one after
+    another (for `in_row_order`)."""
     batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
-    order = [i for rows in batches for i in rows]
-    return batches, torch.tensor(order, device=rollout.prompt_ids.device)
-
-
-def _in_row_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
-    """Per-micro-batch outputs (rows in `order`) -> one tensor in the rollout's row order."""
-    stacked = torch.cat(parts)
-    out = torch.empty_like(stacked)
-    out[order] = stacked
-    return out
+    return batches, [i for rows in batches for i in rows]
 
 
 def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
@@ -51,7 +42,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
             ids, am, part_cut = reward_encode(rollout.slice(rows))
             parts.append(sequence_scores(engines.reward, ids.to(device), am.to(device)))
             cuts.append(part_cut.to(device))
-        scores, cut = _in_row_order(parts, order), _in_row_order(cuts, order)
+        scores = in_row_order(torch.cat(parts), order)
+        cut = in_row_order(torch.cat(cuts), order)
     if cfg.reward.missing_eos_penalty is not None:
         scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
     return scores, cut
@@ -76,7 +68,10 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     engines.policy.train()
     engines.value.train()
     mask = rollout.mask
-    zero = lambda parts: _in_row_order(parts, order).masked_fill(~mask, 0.0)  # noqa: E731
+
+    def zero(parts):  # row order, 0 at masked positions
+        return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
+
     scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values), entropy=zero(entropy), scores=scores,

@@ -72,8 +72,9 @@ class PromptSet:
 
     ``input_ids[i]`` are prompt i's token ids, unpadded, 1..max_prompt_len long (with the
     BOS the tokenizer or chat template adds). ``extras[i]`` holds row i's values of the
-    ``data.reward_keys`` columns, for the reward function. ``texts[i]`` is the prompt as rendered (after the
-    chat template); for a prompt truncated to its end, the decoded kept tokens. ``stats``
+    ``data.reward_keys`` columns, for the reward function. ``texts[i]`` is the prompt as
+    rendered (after the chat template); for a prompt truncated to its end, the decoded kept
+    tokens. ``stats``
     counts rows: ``rows`` in the split, ``used``, ``truncated``, ``dropped_too_long``,
     ``skipped_bad``, and ``max_prompt_len`` (the limit) and ``longest`` (tokens).
     """
@@ -496,13 +497,13 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
     out = _Valid()
     for i in rows:
         value, why = values[i], table.broken.get(i)
-        for col in [key, *cfg.reward_keys]:
-            if why is None and (value if col == key else extra_values[col][i]) is _MISSING:
+        extra = {k: extra_values[k][i] for k in cfg.reward_keys}
+        for n, (col, cell) in enumerate([(key, value), *extra.items()]):
+            if why is None and cell is _MISSING:
                 has = ", ".join(map(repr, table.row_keys(i))) if table.row_keys else "?"
                 why = f"missing column {col!r} (this row has: {has or 'nothing'})"
-            elif why is None and col != key and extra_values[col][i] is None:
+            elif why is None and n > 0 and cell is None:  # a reward_keys value
                 why = f"column {col!r} (data.reward_keys) is null"
-        before = len(out.texts)
         if why is None and (isinstance(value, list) or key == cfg.messages_key):
             messages, why = _check_messages(value, key)
             if why is None:
@@ -522,8 +523,8 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
                 out.where.append(table.where[i])
         if why is not None:
             bad.append(f"{table.where[i]}: {why}")
-        if len(out.texts) > before:
-            out.extras.append({k: extra_values[k][i] for k in cfg.reward_keys})
+        else:  # the row's text was appended above
+            out.extras.append(extra)
     out.skipped = _report_bad(table.source, bad, cfg.on_bad_row)
     return out
 

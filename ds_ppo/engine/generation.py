@@ -31,6 +31,7 @@ import torch
 
 from ds_ppo.algo import response_mask
 from ds_ppo.config import GenerationConfig
+from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.decode import DecodeStats, decode
 from ds_ppo.engine.decode import unsupported as decode_unsupported
@@ -275,17 +276,7 @@ def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]
     if size >= n:
         return [(list(range(n)), 0)]
     lengths = mask.sum(1).tolist()  # one device read per rollout
-    order = sorted(range(n), key=lambda i: -lengths[i])
-    return [(order[s:s + size], mask.shape[1] - lengths[order[s]]) for s in range(0, n, size)]
-
-
-def _in_row_order(stacked: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """Rows generated in `order` -> rows in prompt order."""
-    if order == sorted(order):
-        return stacked
-    out = torch.empty_like(stacked)
-    out[torch.tensor(order, device=stacked.device)] = stacked
-    return out
+    return [(rows, mask.shape[1] - lengths[rows[0]]) for rows in longest_first(lengths, size)]
 
 
 def _stack_chunks(outs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
@@ -341,7 +332,7 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
     # tensor_parallel: this rank's rows of the group's responses
-    response = _in_row_order(_stack_chunks(outs, pad_id), [i for idx, _ in chunks for i in idx])
+    response = in_row_order(_stack_chunks(outs, pad_id), [i for idx, _ in chunks for i in idx])
     response = response[offset:offset + prompt_ids.shape[0]]
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
