@@ -108,6 +108,18 @@ class RewardConfig(Section):
     missing_eos_penalty: float | None = Field(
         None, description="Subtracted from the score of a response that hit max_new_tokens "
         "without an EOS (null: none).")
+    url: str | None = Field(
+        None, description="A reward service: POST {prompts, responses, <data.reward_keys "
+        "columns>} as JSON, answer {scores: [one float per response]} (README: reward service). "
+        "Each rank posts its own share, reward.batch_size responses per request.")
+    batch_size: int = Field(64, gt=0, description="reward.url: responses per request.")
+    concurrency: int = Field(4, gt=0, description="reward.url: requests in flight at once, "
+                             "per rank.")
+    timeout_s: float = Field(600.0, gt=0, description="Time limit of one reward call in "
+                             "seconds (reward.url: of one request).")
+    retries: int = Field(3, ge=0, description="reward.url: retries of a request after a "
+                         "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
+                         "before the run stops.")
 
 
 # ------------------------------------------------------------------------- generation
@@ -221,7 +233,7 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle prompts each epoch with the run's seed.")
     reward_keys: list[str] = Field(
         default_factory=list, description="Dataset columns passed to reward.function as keyword "
-        "arguments, one value per response, e.g. [answer] for a reference answer: "
+        "arguments (to reward.url as JSON lists), one value per response, e.g. [answer] for a reference answer: "
         "f(prompts, responses, answer=[...]). Every row must have them.")
 
 
@@ -462,15 +474,22 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
     r = cfg.reward
-    if (r.function is None) == (r.model is None):
-        problems.append("reward: set exactly one of reward.function (module:function) and "
-                        f"reward.model (got function={r.function!r}, model={r.model!r})")
+    if sum(x is not None for x in (r.function, r.model, r.url)) != 1:
+        from ds_ppo.reward_service import redact_url
+
+        problems.append("reward: set exactly one of reward.function (module:function), "
+                        "reward.model and reward.url (got function="
+                        f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r})")
+    if r.url is not None and not r.url.startswith(("http://", "https://")):
+        from ds_ppo.reward_service import redact_url
+
+        problems.append(f"reward.url = {redact_url(r.url)!r} must start with http:// or https://")
     if r.function is not None and ":" not in r.function:
         problems.append(f"reward.function = {r.function!r} must look like module:function")
     keys = cfg.data.reward_keys
-    if keys and r.function is None:
-        problems.append(f"data.reward_keys = {keys}: only a reward.function takes dataset "
-                        "columns (a reward model reads the text)")
+    if keys and r.function is None and r.url is None:
+        problems.append(f"data.reward_keys = {keys}: only a reward.function or reward.url "
+                        "takes dataset columns (a reward model reads the text)")
     if keys and cfg.data.path is None:
         problems.append(f"data.reward_keys = {keys}: the builtin prompts (data.path = null) "
                         "have no other columns")

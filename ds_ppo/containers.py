@@ -105,6 +105,8 @@ class Experience:
     scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
     entropy: torch.Tensor  # (B, T) float32, policy entropy per position (metric only)
     reward_cut: torch.Tensor | None = None  # (B,) bool, reward-model input cut to reward.max_len
+    reward_s: float = 0.0  # seconds this rank spent on the reward scores (metric only)
+    reward_retries: int | None = None  # reward.url: requests retried for them (metric only)
     rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured

@@ -2,6 +2,7 @@
 in micro-batches), then KL-shaped rewards and advantages."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -72,10 +73,17 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     def zero(parts):  # row order, 0 at masked positions
         return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
 
+    retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
+    t0 = time.perf_counter()
     scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
+    if scores.is_cuda:
+        torch.cuda.synchronize()  # the reward model's forwards run asynchronously
+    reward_s = time.perf_counter() - t0
+    if retries is not None:
+        retries = engines.reward_fn.retries - retries
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values), entropy=zero(entropy), scores=scores,
-                      reward_cut=cut)
+                      reward_cut=cut, reward_s=reward_s, reward_retries=retries)
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

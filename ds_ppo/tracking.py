@@ -336,10 +336,14 @@ class MlflowTracker:
         """Tags, params and config of a new run; resume notes of an old one."""
         from mlflow.entities import Param, RunTag
 
+        from ds_ppo.reward_service import redact_url
+
         self.local_log = str(Path(cfg.output_dir) / "metrics.jsonl")
+        config = cfg.to_dict()
+        config["reward"]["url"] = redact_url(config["reward"].get("url"))  # no password logged
         params = {clean_key(k): v[:self._limit("MAX_PARAM_VAL_LENGTH", _MAX_PARAM_VALUE)]
-                  for k, v in flatten(cfg.to_dict()).items()}
-        config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+                  for k, v in flatten(config).items()}
+        config_yaml = yaml.safe_dump(config, sort_keys=False)
         if self.resumed:
             changed = sorted(k for k, v in params.items()
                              if k in self._old_params and self._old_params[k] != v)

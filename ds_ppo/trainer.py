@@ -275,11 +275,12 @@ def _open_tracker(cfg: Config, resume_from: Path | None):
     """MLflow on rank 0 (continuing the checkpoint's run on resume); no-ops elsewhere."""
     import importlib.metadata as md
 
+    from ds_ppo.reward_service import redact_url
     from ds_ppo.tracking import TrackingError, open_tracker
 
     tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
             "policy": cfg.policy.path or f"arch:{(cfg.policy.arch or {}).get('model_type')}",
-            "reward": cfg.reward.model or cfg.reward.function or "",
+            "reward": cfg.reward.model or cfg.reward.function or redact_url(cfg.reward.url) or "",
             "generation_mode": cfg.generation.mode}
     try:
         tags["ds_ppo_version"] = md.version("ds-ppo")
@@ -361,6 +362,9 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     acc.add_mean("response/eos_rate", float(exp.rollout.ended.float().sum()), n)
     if exp.reward_cut is not None:
         acc.add_mean("reward/input_cut_rate", float(exp.reward_cut.sum()), n)
+    acc.add_max("time/reward_s", exp.reward_s)
+    if exp.reward_retries is not None:
+        acc.add_sum("reward/retries", exp.reward_retries)
     # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
     ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
     acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))

@@ -5,7 +5,8 @@ one `_init_<role>` per role).
 - value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
              trained; initialised from the reward model or the policy.
 - reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
-- reward:    an HF sequence-classification model (inference engine) or a Python function.
+- reward:    an HF sequence-classification model (inference engine), a Python function or an
+             HTTP service (ds_ppo.reward_service).
 
 Models load with `from_pretrained` while a `HfDeepSpeedConfig` for their role is alive, so under
 ZeRO-3 transformers builds them inside `deepspeed.zero.Init`: a large model is never whole on one
@@ -35,8 +36,8 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 
 @dataclass
 class Engines:
-    """Everything the PPO loop calls into. `reward_fn` is set when the reward is a function,
-    `reward` (an engine) when it is a model."""
+    """Everything the PPO loop calls into. `reward_fn` is set when the reward is a function
+    (or a `RewardService` for reward.url), `reward` (an engine) when it is a model."""
 
     policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
     value: Any  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1)
@@ -280,6 +281,10 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     reward, reward_fn = None, None
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
+    elif cfg.reward.url is not None:
+        from ds_ppo.reward_service import RewardService
+
+        reward_fn = RewardService.from_config(cfg.reward)
     else:
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     return Engines(policy=policy, value=value, reference=reference, reward=reward,

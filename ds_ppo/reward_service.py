@@ -1,0 +1,169 @@
+"""Rewards from an HTTP service (`reward.url`): verifiable rewards (unit tests, a maths checker,
+a judge model on its own GPUs) that run beside the trainer, not inside it.
+
+Contract (one POST per `reward.batch_size` responses, JSON both ways):
+
+    request   {"prompts": [str, ...], "responses": [str, ...], <key>: [...], ...}
+              one <key> list per `data.reward_keys` column, each as long as "responses"
+    response  200 {"scores": [float, ...]}  one finite number per response, in request order
+
+Each rank posts its own share of the rollout, `reward.concurrency` requests in flight at once.
+A connection error, a timeout (`reward.timeout_s` per request) or a 5xx answer is retried
+`reward.retries` times with exponential back-off, then the job stops with an error naming the
+URL and what came back; a 4xx answer or a malformed body (not JSON, no `scores`, the wrong
+count, a non-number) stops it at once, quoting the body's start. User and password in the URL
+are sent (HTTP basic auth, by requests) but never printed or logged: see `redact_url`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ds_ppo.errors import UserError
+
+BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
+MAX_BACKOFF_S = 30.0
+
+
+class RewardServiceError(UserError):
+    """The reward service failed for good (retries spent, a 4xx, a malformed answer)."""
+
+
+def redact_url(url: str | None) -> str | None:
+    """`url` without its password (and user): http://user:secret@host/x -> http://***@host/x."""
+    if not url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's outcome: the scores and how many retries it took."""
+
+    scores: list[float]
+    retries: int
+
+
+class RewardService:
+    """A reward function backed by a service: `service(prompts, responses, **columns)` ->
+    one float per response, in row order (the signature of a `reward.function`).
+
+    `retries` counts the retried requests of every call so far (for the metric
+    `reward/retries`); the calls themselves are made from this rank only."""
+
+    def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
+                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 1.0) -> None:
+        self.url, self.shown = url, redact_url(url)
+        self.batch_size, self.timeout_s = batch_size, timeout_s
+        self.max_retries, self.backoff_s = retries, backoff_s
+        self.retries = 0
+        self._secret = urllib.parse.urlsplit(url).password
+        self._pool = ThreadPoolExecutor(max_workers=concurrency,
+                                        thread_name_prefix="reward-service")
+        self._local = threading.local()  # one keep-alive session per worker thread
+
+    @classmethod
+    def from_config(cls, reward) -> RewardService:
+        """From the `reward` config section."""
+        return cls(reward.url, reward.batch_size, reward.concurrency, reward.timeout_s,
+                   reward.retries)
+
+    def __call__(self, prompts: list[str], responses: list[str], **columns: list) -> list[float]:
+        n, size = len(responses), self.batch_size
+        payloads = [{"prompts": list(prompts[i:i + size]),
+                     "responses": list(responses[i:i + size]),
+                     **{k: list(v[i:i + size]) for k, v in columns.items()}}
+                    for i in range(0, n, size)]
+        futures = [self._pool.submit(self._post, p) for p in payloads]
+        scores: list[float] = []
+        try:
+            for f in futures:
+                answer = f.result()
+                scores += answer.scores
+                self.retries += answer.retries
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        return scores
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- one request
+    def _session(self):
+        import requests
+
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def _post(self, payload: dict[str, Any]) -> Answer:
+        import requests
+
+        body = json.dumps(payload, default=str).encode()
+        expected = len(payload["responses"])
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            try:
+                r = self._session().post(self.url, data=body, timeout=self.timeout_s,
+                                         headers={"Content-Type": "application/json"})
+            except requests.Timeout:
+                what = f"no answer within reward.timeout_s = {self.timeout_s:g} s"
+                continue
+            except requests.RequestException as err:
+                what = f"{type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
+                continue
+            if r.status_code >= 500:
+                what = f"HTTP {r.status_code}: {self._quote(r.text)}"
+                continue
+            if r.status_code != 200:
+                raise self._error(f"answered HTTP {r.status_code}: {self._quote(r.text)}",
+                                  "check the request format (README: reward service contract) "
+                                  "and the service's log")
+            return Answer(self._parse(r.text, expected), attempt)
+        raise self._error(f"failed {self.max_retries + 1} times (reward.retries = "
+                          f"{self.max_retries}); last: {what}",
+                          "check that the service is up and answers within reward.timeout_s, "
+                          "or raise reward.retries / reward.timeout_s")
+
+    def _parse(self, text: str, expected: int) -> list[float]:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        scores = data.get("scores") if isinstance(data, dict) else None
+        if not isinstance(scores, list):
+            raise self._error(f'answered without a JSON {{"scores": [...]}} body: '
+                              f"{self._quote(text)}", "return one score per response")
+        if len(scores) != expected:
+            raise self._error(f"answered {len(scores)} scores for {expected} responses: "
+                              f"{self._quote(text)}", "return one score per response, in order")
+        ok = all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                 for s in scores)
+        if not ok:
+            raise self._error(f"answered scores that are not all finite numbers: "
+                              f"{self._quote(text)}", "return one float per response")
+        return [float(s) for s in scores]
+
+    def _hide(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+    def _quote(self, text: str) -> str:
+        text = self._hide(text.strip())
+        return repr(text[:BODY_QUOTE] + ("..." if len(text) > BODY_QUOTE else ""))
+
+    def _error(self, what: str, fix: str) -> RewardServiceError:
+        return RewardServiceError(f"reward.url = {self.shown}: the reward service {what}; {fix}")
