@@ -254,6 +254,17 @@ class TrackingConfig(Section):
         "(0: never).")
     num_samples: int = Field(8, gt=0, description="Rows in each sample table.")
     log_system_metrics: bool = Field(False, description="MLflow system metrics (CPU/GPU).")
+    register_model: str | None = Field(
+        None, description="Register the exported policy (output_dir/final) as a new version of "
+        "this MLflow registered model at the end of training, tagged with run_id, iteration, "
+        "eval_score (the last evaluation's, if any) and config_hash.")
+    register_every: int = Field(
+        0, ge=0, description="Also register the policy of every checkpoint whose iteration is a "
+        "multiple of N (its safetensors copy: checkpoint.save_hf_weights); 0: only at the end.")
+    register_copy: bool = Field(
+        True, description="Copy the model into the run's artifacts as an MLflow transformers "
+        "model; false: register a reference to the directory (for very large models; the "
+        "version's export_dir tag names it, and it must stay where it is).")
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -543,6 +554,16 @@ def validate(cfg: Config, world_size: int) -> None:
                             f"deepspeed.{role}.offload_param=false")
         if d.config is not None and not Path(d.config).exists():
             problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    t, c = cfg.tracking, cfg.checkpoint
+    if t.register_model is not None and not (t.enabled and c.export_at_end):
+        problems.append(f"tracking.register_model = {t.register_model!r} registers the export "
+                        "at the end: it needs tracking.enabled=true and "
+                        "checkpoint.export_at_end=true")
+    if t.register_every and (t.register_model is None or not c.every or not c.save_hf_weights
+                             or t.register_every % c.every):
+        problems.append(f"tracking.register_every = {t.register_every} registers checkpoints: "
+                        "it needs tracking.register_model, checkpoint.save_hf_weights=true and a "
+                        f"multiple of checkpoint.every = {c.every}")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")

@@ -28,6 +28,7 @@ from ds_ppo.errors import ConfigError, Diverged
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
+from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.rollout import make_rollout, stop_token_ids
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
@@ -102,6 +103,8 @@ def train(cfg: Config) -> TrainResult:
                 saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
                 if saved:
                     result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                    register_at_checkpoint(cfg, tracker, result.last_checkpoint, iteration,
+                                           result.history)
                 # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
                 signum = stop.agreed(device)
                 if signum:
@@ -110,6 +113,9 @@ def train(cfg: Config) -> TrainResult:
                     raise Preempted(signum, iteration, result.last_checkpoint)
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
+            # step 8. the exported policy into the MLflow model registry (tracking.register_model)
+            register_policy(cfg, tracker, result.export_dir, state.iteration,
+                            last_eval_score(result.history))
             status = "FINISHED"
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"

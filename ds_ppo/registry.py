@@ -1,0 +1,162 @@
+"""The trained policy in the MLflow model registry (`tracking.register_model: NAME`).
+
+At the end of training (and, with `tracking.register_every`, at checkpoints) rank 0 logs the
+policy into the run and registers it as a new version of NAME:
+
+- `tracking.register_copy: true` (default): the Hugging Face directory is logged as an MLflow
+  model with the transformers flavour at `policy/iter_<iteration>` (loadable with
+  `mlflow.transformers.load_model("models:/NAME/<version>")`). Should the flavour fail with the
+  installed packages, the directory's files are logged there as they are (load them with
+  `from_pretrained` after `mlflow.artifacts.download_artifacts`).
+- `false` (very large models): nothing is copied; `policy/iter_<iteration>/reference.json` and
+  the version's `export_dir` tag name the directory, which must stay where it is (a shared
+  file system). A local path cannot be the version's source itself: an MLflow server refuses
+  local sources outside the run's artifact directory.
+
+Every version is tagged `run_id`, `iteration`, `config_hash` (see `config_hash`) and, when the
+run evaluated, `eval_score` (the last `eval/score_mean`). Registration never stops a finished
+training: a failure is a warning that says what to retry.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ds_ppo.config import Config
+
+log = logging.getLogger("ds_ppo")
+
+
+def config_hash(cfg: Config) -> str:
+    """16 hex digits of the SHA-256 of the resolved config (JSON, sorted keys, reward.url
+    without credentials): equal configs give equal hashes."""
+    from ds_ppo.reward_service import redact_url
+
+    data = cfg.to_dict()
+    data["reward"]["url"] = redact_url(data["reward"].get("url"))
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def last_eval_score(history: list[dict[str, float]]) -> float | None:
+    """The latest `eval/score_mean` of this process's iterations, if any."""
+    scores = [m["eval/score_mean"] for m in history if "eval/score_mean" in m]
+    return scores[-1] if scores else None
+
+
+def register_at_checkpoint(cfg: Config, tracker, checkpoint: str | Path, iteration: int,
+                           history: list[dict[str, float]]) -> Any:
+    """Register checkpoint/hf when `tracking.register_every` asks for this iteration (not the
+    run's last one with an export at the end: that export is registered instead)."""
+    every = cfg.tracking.register_every
+    if not every or iteration % every or (iteration == cfg.iterations
+                                          and cfg.checkpoint.export_at_end):
+        return None
+    return register_policy(cfg, tracker, Path(checkpoint) / "hf", iteration,
+                           last_eval_score(history))
+
+
+def register_policy(cfg: Config, tracker, model_dir: str | Path | None, iteration: int,
+                    eval_score: float | None = None) -> Any:
+    """Rank 0 (a tracker with a run): log `model_dir` into the run and register it as a new
+    version of tracking.register_model. -> the ModelVersion, or None (not configured, not
+    rank 0, or failed: warned)."""
+    name = cfg.tracking.register_model
+    if name is None or model_dir is None:
+        return None
+    if getattr(tracker, "client", None) is None:  # a NullTracker: another rank, or no MLflow
+        if _is_main():
+            log.warning("tracking.register_model = %r: no MLflow run to register from "
+                        "(tracking unavailable); %s is not registered", name, model_dir)
+        return None
+    model_dir = Path(model_dir).resolve()
+    try:
+        return _register(cfg, tracker, name, model_dir, iteration, eval_score)
+    except Exception as err:  # the training is done and saved: say so, and how to retry
+        log.warning("tracking.register_model = %r: registering %s failed: %s: %s; the model "
+                    "is on disk, register it by hand (mlflow.register_model) or rerun with "
+                    "the tracking server reachable", name, model_dir, type(err).__name__,
+                    str(err)[:500])
+        return None
+
+
+def _is_main() -> bool:
+    from ds_ppo.engine import dist
+
+    return dist.is_main()
+
+
+def _register(cfg: Config, tracker, name: str, model_dir: Path, iteration: int,
+              eval_score: float | None) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    client, run_id = tracker.client, tracker.run_id
+    path = f"policy/iter_{iteration:06d}"
+    tags = {"run_id": run_id, "iteration": str(iteration), "config_hash": config_hash(cfg)}
+    if eval_score is not None:
+        tags["eval_score"] = repr(float(eval_score))
+    if cfg.tracking.register_copy:
+        tags["flavor"] = _log_model(client, run_id, model_dir, path, Path(cfg.output_dir))
+    else:
+        tags["export_dir"] = str(model_dir)
+        client.log_dict(run_id, {"export_dir": str(model_dir), "format": "huggingface",
+                                 "load": "AutoModelForCausalLM.from_pretrained(export_dir)"},
+                        f"{path}/reference.json")
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        name, f"runs:/{run_id}/{path}", run_id=run_id, tags=tags,
+        description=f"ds_ppo policy after iteration {iteration} ({model_dir})")
+    log.info("registered the policy of iteration %d as %s version %s%s", iteration, name,
+             version.version, "" if cfg.tracking.register_copy else f" (by reference: {model_dir})")
+    return version
+
+
+def _log_model(client, run_id: str, model_dir: Path, path: str, scratch: Path) -> str:
+    """Log model_dir at `path` in the run; -> the flavour used (transformers, or files)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".register_") as tmp:
+        try:
+            saved = _save_transformers_model(model_dir, Path(tmp) / "model")
+        except Exception as err:
+            log.warning("the MLflow transformers flavour failed (%s: %s); logging %s as plain "
+                        "files (load with from_pretrained after download_artifacts)",
+                        type(err).__name__, str(err)[:300], model_dir)
+            saved = None
+        client.log_artifacts(run_id, str(saved or model_dir), path)
+    return "transformers" if saved else "files"
+
+
+def _save_transformers_model(model_dir: Path, target: Path) -> Path:
+    import warnings
+
+    import mlflow.transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # explicit requirements: MLflow's inference imports optional packages (torchvision)
+        mlflow.transformers.save_model({"model": model, "tokenizer": tokenizer}, str(target),
+                                       task="text-generation", pip_requirements=_requirements())
+    return target
+
+
+def _requirements() -> list[str]:
+    reqs = []
+    for dist_name in ("torch", "transformers", "safetensors", "accelerate"):
+        try:
+            version = importlib.metadata.version(dist_name).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        reqs.append(f"{dist_name}=={version}")
+    return reqs
