@@ -197,7 +197,7 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     (["data.reward_keys=[answer]"], 1, "data.reward_keys", "the builtin prompts (data.path = "),
     (["data.path=p.jsonl", "data.reward_keys=[answer]", "reward.function=null",
       "reward.model=/rm", "value.init_from=policy"], 1, "data.reward_keys",
-     "only a reward.function takes dataset columns"),
+     "only a reward.function or reward.url takes dataset columns"),
     (["data.path=p.jsonl", "data.reward_keys=[a, a]"], 1, "data.reward_keys", "must be distinct"),
     (["data.path=p.jsonl", "data.reward_keys=[prompts]"], 1, "data.reward_keys",
      "not prompts or responses"),

@@ -18,6 +18,12 @@ SMALL = ["ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_
          "generation.max_new_tokens=8", "checkpoint.every=2", "checkpoint.export_at_end=false",
          "tracking.log_samples_every=2", "tracking.num_samples=4"]
 
+# the policy into the model registry at the checkpoint of iteration 2 and at each run's end;
+# evaluations give the versions an eval_score
+REGISTER = ["checkpoint.export_at_end=true", "tracking.register_model=ds_ppo_e2e_policy",
+            "tracking.register_every=2", "data.eval_split=train[90%:]", "data.eval_every=2",
+            "data.eval_size=8"]
+
 
 def _client(uri):
     from mlflow.tracking import MlflowClient
@@ -41,7 +47,7 @@ def tracked(mlflow_server, tmp_path_factory):  # noqa: F811
     work = tmp_path_factory.mktemp("tracked")
     out = work / "out"
     args = ["train", *SMALL, f"tracking.uri={mlflow_uri}", "tracking.experiment=ds_ppo_e2e",
-            f"output_dir={out}"]
+            f"output_dir={out}", *REGISTER]
     first = run_cli([*args, "iterations=4"], cwd=work)
     client, run = _run_of(mlflow_uri, out)
     first_id = run.info.run_id
@@ -110,3 +116,33 @@ def test_server_killed_mid_run_training_continues(mlflow_server, tmp_path):  # n
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000006"
     assert "MLflow unreachable" in stdout and "log calls were lost" in stdout
+
+
+def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
+    """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
+    tracking.register_model, tagged with the run, iteration, eval score and config hash; the
+    latest loads back with the transformers flavour and generates the export's greedy tokens."""
+    import mlflow
+    import mlflow.transformers
+    from test_registry import export_greedy, greedy_tokens
+
+    uri, out, run_id, _, _ = tracked
+    client = _client(uri)
+    versions = sorted(client.search_model_versions("name='ds_ppo_e2e_policy'"),
+                      key=lambda v: int(v.version))
+    assert [v.tags["iteration"] for v in versions] == ["2", "4", "6"]
+    rows = {r["iteration"]: r for r in read_metrics(out)}
+    for v in versions:
+        assert v.run_id == run_id and v.tags["run_id"] == run_id
+        assert v.source == f"runs:/{run_id}/policy/iter_{int(v.tags['iteration']):06d}"
+        assert float(v.tags["eval_score"]) == pytest.approx(
+            rows[int(v.tags["iteration"])]["eval/score_mean"])
+        assert v.tags["flavor"] == "transformers" and len(v.tags["config_hash"]) == 16
+    assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
+    mlflow.set_tracking_uri(uri)
+    try:
+        parts = mlflow.transformers.load_model(f"models:/ds_ppo_e2e_policy/{versions[-1].version}",
+                                               return_type="components")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert greedy_tokens(parts["model"], parts["tokenizer"]) == export_greedy(out / "final")
