@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import threading
-import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,13 +63,11 @@ class RewardService:
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
                  timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 1.0) -> None:
         self.url, self.shown = url, redact_url(url)
-        self.batch_size, self.timeout_s = batch_size, timeout_s
+        self.batch_size, self.concurrency, self.timeout_s = batch_size, concurrency, timeout_s
         self.max_retries, self.backoff_s = retries, backoff_s
         self.retries = 0
         self._secret = urllib.parse.urlsplit(url).password
-        self._pool = ThreadPoolExecutor(max_workers=concurrency,
-                                        thread_name_prefix="reward-service")
-        self._local = threading.local()  # one keep-alive session per worker thread
+        self._sessions: queue.SimpleQueue = queue.SimpleQueue()  # keep-alive, reused per call
 
     @classmethod
     def from_config(cls, reward) -> RewardService:
@@ -84,41 +81,66 @@ class RewardService:
                      "responses": list(responses[i:i + size]),
                      **{k: list(v[i:i + size]) for k, v in columns.items()}}
                     for i in range(0, n, size)]
-        futures = [self._pool.submit(self._post, p) for p in payloads]
-        scores: list[float] = []
-        try:
-            for f in futures:
-                answer = f.result()
-                scores += answer.scores
-                self.retries += answer.retries
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-        return scores
+        answers = self._post_all(payloads)
+        self.retries += sum(a.retries for a in answers)
+        return [s for a in answers for s in a.scores]
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _post_all(self, payloads: list[dict]) -> list[Answer]:
+        """The answers in payload order, `concurrency` requests at a time. The first failure
+        returns at once (no waiting for requests still in flight: their daemon threads stop
+        retrying and are abandoned, so they hold up neither the error nor the exit)."""
+        results: list[Answer | None] = [None] * len(payloads)
+        first_error: list[BaseException] = []
+        todo = iter(range(len(payloads)))
+        lock, failed = threading.Lock(), threading.Event()
 
-    # ---- one request
-    def _session(self):
+        def work() -> None:
+            session = self._take_session()
+            while not failed.is_set():
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    break
+                try:
+                    results[i] = self._post(payloads[i], session, failed)
+                except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                    with lock:
+                        if not failed.is_set():  # the first failure is the one reported
+                            first_error.append(err)
+                            failed.set()
+            self._sessions.put(session)
+
+        threads = [threading.Thread(target=work, name="reward-service", daemon=True)
+                   for _ in range(min(self.concurrency, len(payloads)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive() and not failed.is_set():
+                t.join(0.05)
+        if first_error:
+            raise first_error[0]
+        return results  # type: ignore[return-value]
+
+    def _take_session(self):
         import requests
 
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
-        return session
+        try:
+            return self._sessions.get_nowait()
+        except queue.Empty:
+            return requests.Session()
 
-    def _post(self, payload: dict[str, Any]) -> Answer:
+    def _post(self, payload: dict[str, Any], session, failed: threading.Event) -> Answer:
+        """One request with its retries (none once another request of the call `failed`)."""
         import requests
 
         body = json.dumps(payload, default=str).encode()
         expected = len(payload["responses"])
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                if failed.wait(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)):
+                    break  # the call has failed already: no more tries
             try:
-                r = self._session().post(self.url, data=body, timeout=self.timeout_s,
+                r = session.post(self.url, data=body, timeout=self.timeout_s,
                                          headers={"Content-Type": "application/json"})
             except requests.Timeout:
                 what = f"no answer within reward.timeout_s = {self.timeout_s:g} s"

@@ -164,6 +164,20 @@ def test_4xx_or_malformed_body_stops_at_once(server, status, body, says):
     assert srv.count == 1 and says in str(e.value) and body[:10] in str(e.value)
 
 
+def test_a_failed_request_stops_the_call_without_waiting_for_the_others(server):
+    # the first batch hangs (10 s), the second is refused at once: the error comes at once
+    def answer(body, n):
+        if body["responses"][0] == "slow":
+            time.sleep(10)
+        return 400, "bad request"
+
+    srv = server(answer)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match="HTTP 400"):
+        _service(srv.url, batch_size=1, concurrency=2, timeout_s=60)(["p", "q"], ["slow", "x"])
+    assert time.monotonic() - t0 < 5
+
+
 def test_server_down_stops_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(RewardServiceError) as e:
