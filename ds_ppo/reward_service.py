@@ -119,6 +119,8 @@ class RewardService:
                 t.join(0.05)
         if first_error:
             raise first_error[0]
+        if any(r is None for r in results):  # a worker died outside a request (cannot happen)
+            raise RuntimeError(f"reward.url = {self.shown}: a request got no answer")
         return results  # type: ignore[return-value]
 
     def _take_session(self):
@@ -141,7 +143,7 @@ class RewardService:
                     break  # the call has failed already: no more tries
             try:
                 r = session.post(self.url, data=body, timeout=self.timeout_s,
-                                         headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json"})
             except requests.Timeout:
                 what = f"no answer within reward.timeout_s = {self.timeout_s:g} s"
                 continue

@@ -15,7 +15,8 @@ What a run holds
     artifacts: `config.yaml` (the resolved config), `deepspeed/<role>.json` (each role's
     final DeepSpeed config), `samples/iter_<step>.json` (a table of prompts, responses and
     scores every `tracking.log_samples_every` iterations, logged with `log_table` so the
-    UI shows it as a table);
+    UI shows it as a table); with `tracking.register_model`, `policy/iter_<step>/` (the
+    policy registered as a model version: ds_ppo.registry);
     with `tracking.log_system_metrics` and psutil installed: MLflow's `system/...` CPU,
     memory, disk, network (and GPU, with pynvml) metrics, whose step counts samples
     (one every 10 s, or $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL), not iterations.
