@@ -106,6 +106,34 @@ def test_by_reference_version_copies_nothing(mlflow_uri, model_dir, tmp_path):
     assert export_greedy(mv.tags["export_dir"]) == export_greedy(model_dir)
 
 
+def test_without_the_flavour_the_files_are_logged_and_load_back(mlflow_uri, model_dir,
+                                                                 tmp_path, monkeypatch):
+    """Should the transformers flavour fail with the installed packages, the HF directory is
+    logged as it is; from_pretrained on the downloaded version gives the export's tokens."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    import ds_ppo.registry as registry
+
+    def broken(*args):
+        raise ImportError("no flavour here")
+
+    monkeypatch.setattr(registry, "_save_transformers_model", broken)
+    cfg, tracker = _tracker(mlflow_uri, tmp_path, "tracking.register_model=registry_files")
+    version = register_policy(cfg, tracker, model_dir, iteration=2)
+    tracker.close()
+    mv = MlflowClient(mlflow_uri).get_model_version("registry_files", version.version)
+    assert mv.tags["flavor"] == "files"
+    mlflow.set_tracking_uri(mlflow_uri)
+    try:
+        local = mlflow.artifacts.download_artifacts(f"models:/registry_files/{mv.version}",
+                                                    dst_path=str(tmp_path / "dl"))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert (Path(local) / "model.safetensors").exists()
+    assert export_greedy(local) == export_greedy(model_dir)
+
+
 def test_registry_failure_warns_and_returns_none(mlflow_uri, model_dir, tmp_path, caplog,
                                                  monkeypatch):
     from mlflow import MlflowClient
