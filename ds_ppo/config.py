@@ -233,8 +233,8 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle prompts each epoch with the run's seed.")
     reward_keys: list[str] = Field(
         default_factory=list, description="Dataset columns passed to reward.function as keyword "
-        "arguments (to reward.url as JSON lists), one value per response, e.g. [answer] for a reference answer: "
-        "f(prompts, responses, answer=[...]). Every row must have them.")
+        "arguments (to reward.url as JSON lists), one value per response, e.g. [answer] for a "
+        "reference answer: f(prompts, responses, answer=[...]). Every row must have them.")
 
 
 # --------------------------------------------------------------------------- tracking
@@ -484,16 +484,14 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    from ds_ppo.reward_service import redact_url  # stdlib only: no heavy import
+
     r = cfg.reward
     if sum(x is not None for x in (r.function, r.model, r.url)) != 1:
-        from ds_ppo.reward_service import redact_url
-
         problems.append("reward: set exactly one of reward.function (module:function), "
                         "reward.model and reward.url (got function="
                         f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r})")
     if r.url is not None and not r.url.startswith(("http://", "https://")):
-        from ds_ppo.reward_service import redact_url
-
         problems.append(f"reward.url = {redact_url(r.url)!r} must start with http:// or https://")
     if r.function is not None and ":" not in r.function:
         problems.append(f"reward.function = {r.function!r} must look like module:function")
