@@ -1,8 +1,9 @@
 """tracking.register_model against the real `mlflow server` (tests/mlflow_server.py), at unit
 level on a tiny Hugging Face directory: a copied version loads back with the transformers
 flavour and generates the export's greedy tokens; a by-reference version copies nothing; a
-registry failure warns instead of failing; the config rules. (The end-to-end registration of
-a training run is in test_tracking_e2e.py, sharing its run.)"""
+registry failure warns instead of failing; the config rules; and (same server) reward.url's
+credentials stay out of what a run logs. (The end-to-end registration of a training run is in
+test_tracking_e2e.py, sharing its run.)"""
 from __future__ import annotations
 
 import json
@@ -167,3 +168,23 @@ def test_config_hash_ignores_url_credentials_but_not_settings():
     b = load_config(None, [*base, "reward.url=http://u:two@h/s"])
     c = load_config(None, [*base, "reward.url=http://u:one@h/s", "ppo.kl_coef=0.5"])
     assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+def test_reward_url_credentials_are_not_logged(mlflow_uri, tmp_path):
+    """reward.url's user and password stay out of the run's params, tag and config.yaml."""
+    from mlflow import MlflowClient
+
+    from ds_ppo.trainer import _open_tracker
+
+    cfg = load_config(None, ["reward.function=null", "reward.url=http://bob:hunter2@h:8000/s",
+                             f"tracking.uri={mlflow_uri}", f"output_dir={tmp_path / 'out'}"])
+    tracker = _open_tracker(cfg, None)
+    tracker.close()
+    client = MlflowClient(tracker.uri)
+    run = client.get_run(tracker.run_id)
+    assert run.data.params["reward.url"] == "http://***@h:8000/s"
+    assert run.data.tags["reward"] == "http://***@h:8000/s"
+    logged = json.dumps(run.data.params) + json.dumps(run.data.tags)
+    logged += Path(client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path))
+                   ).read_text()
+    assert "hunter2" not in logged and "bob" not in logged
