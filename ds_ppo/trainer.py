@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.algo import AdaptiveKLController, FixedKLController, log_ratio_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
@@ -354,6 +354,8 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     seq_kl = (exp.kl * mask).sum(1)
     acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
+    acc.add_tensor_mean("kl/clamped_frac",
+                        log_ratio_clamped(exp.old_logprobs - exp.ref_logprobs).float(), mask)
     acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)
     acc.add_mean("response/length_mean", float(lengths.sum()), n)
