@@ -48,6 +48,10 @@ class ModelSource(Section):
         "sdpa", description="Attention kernel passed to transformers.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (trainable roles only).")
+    disable_dropout: bool = Field(
+        True, description="Set every dropout probability of the model's config to 0 before "
+        "loading (as DeepSpeed-Chat does for RLHF): with dropout, old and new log-probs (and "
+        "values) come from different masks and the PPO ratio is noise.")
 
 
 class Optim(Section):
@@ -108,6 +112,10 @@ class RewardConfig(Section):
     missing_eos_penalty: float | None = Field(
         None, description="Subtracted from the score of a response that hit max_new_tokens "
         "without an EOS (null: none).")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Seconds one call of reward.function may take; a call still "
+        "running then stops the run with a message, after a checkpoint of the last completed "
+        "iteration (exit 2).")
 
 
 # ------------------------------------------------------------------------- generation

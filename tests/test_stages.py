@@ -460,3 +460,29 @@ def test_samples_table_rows_carry_the_reward_columns():
 
     assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
         "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}
+
+
+def test_trained_roles_load_without_dropout(tmp_path):
+    """policy/value.disable_dropout (default true): every dropout probability of the config is 0
+    before the model is built, so old and new log-probs come from the same network."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from ds_ppo.engine.roles import _model_config
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, resid_pdrop=0.1,
+                               embd_pdrop=0.2, attn_pdrop=0.3)).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, attention_dropout=0.4).save_pretrained(tmp_path / "llama")
+    cfg = _cfg()
+    assert cfg.policy.disable_dropout and cfg.value.disable_dropout
+
+    def dropouts(path, disable):
+        config = _model_config(str(path), disable)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config)
+        return sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)})
+
+    assert dropouts(tmp_path / "gpt2", False) == [0.1, 0.2, 0.3]  # the checkpoint's own
+    assert dropouts(tmp_path / "gpt2", True) == [0.0]
+    assert _model_config(str(tmp_path / "llama"), False).attention_dropout == 0.4
+    assert _model_config(str(tmp_path / "llama"), True).attention_dropout == 0.0
+    assert _model_config(str(tmp_path / "llama"), True, num_labels=1).num_labels == 1
