@@ -323,22 +323,75 @@ def test_reward_inputs_cut_each_row_like_encode_for_reward():
         [p + s for p, s in zip(prompts, responses)]
 
 
+def _tiny_reward_model():
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(1)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1)).eval()
+
+
 def test_scoring_returns_rows_in_rollout_order():
     """Micro-batches run longest-first; the scores (and which inputs were cut to max_len) come
     back in the rollout's row order."""
-    model = _tiny_llama()
-    backbone_score = torch.nn.Linear(16, 1)
-    reward = types.SimpleNamespace(base_model_prefix="model", model=model.model,
-                                   score=backbone_score)
+    from ds_ppo.forward import LastTokenScorer
+
+    rm = _tiny_reward_model()
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
-    engines = types.SimpleNamespace(reward_fn=None, reward=reward)
+    engines = types.SimpleNamespace(reward_fn=None, reward=LastTokenScorer(rm))
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
         got, cut = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 6, None))
         assert cut.tolist() == [True, False, False]  # 7, 3 and 6 tokens; max_len 6
         for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
-            hidden = model.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]
-            torch.testing.assert_close(got[b], backbone_score(hidden)[0], atol=1e-5, rtol=1e-5)
+            hidden = rm.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]
+            torch.testing.assert_close(got[b], rm.score(hidden)[0], atol=1e-5, rtol=1e-5)
+
+
+class _CountingEngine(torch.nn.Module):
+    """Stands in for a DeepSpeedEngine: counts calls of its forward and, like DeepSpeed, passes
+    other attributes through to the wrapped module (so a bypass still runs, uncounted)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["module"], name)
+
+
+def test_every_role_forward_goes_through_its_engine():
+    """Scoring calls each model role through its engine's own forward (ZeRO-3 resets its
+    parameter-fetch trace in the root module's hooks; attribute forwarding skips them). The
+    reward engine wraps LastTokenScorer, as init_engines builds it."""
+    from transformers import LlamaForTokenClassification
+
+    from ds_ppo.forward import LastTokenScorer
+    from ds_ppo.scoring import score
+
+    value = LlamaForTokenClassification(LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1))
+    engines = types.SimpleNamespace(
+        policy=_CountingEngine(_tiny_llama()), reference=_CountingEngine(_tiny_llama()),
+        value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())),
+        reward_fn=None)
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2")
+    exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+    assert {role: getattr(engines, role).calls for role in ("policy", "reference", "value",
+                                                           "reward")} == dict.fromkeys(
+        ("policy", "reference", "value", "reward"), 2)  # 3 rows in micro-batches of 2
+    assert exp.scores.shape == (3,)
 
 
 def test_param_chunks_bound_each_gather():

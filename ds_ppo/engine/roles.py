@@ -5,7 +5,8 @@ one `_init_<role>` per role).
 - value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
              trained; initialised from the reward model or the policy.
 - reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
-- reward:    an HF sequence-classification model (inference engine) or a Python function.
+- reward:    an HF sequence-classification model wrapped so that its engine's forward returns
+             the score at the last real token (inference engine), or a Python function.
 
 Models load with `from_pretrained` while a `HfDeepSpeedConfig` for their role is alive, so under
 ZeRO-3 transformers builds them inside `deepspeed.zero.Init`: a large model is never whole on one
@@ -41,7 +42,7 @@ class Engines:
     policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
     value: Any  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1)
     reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM
-    reward: Any | None
+    reward: Any | None  # DeepSpeedEngine (inference) around forward.LastTokenScorer
     reward_fn: RewardFn | None
     ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
     policy_path: str  # where the initial policy weights came from (HF dir)
@@ -271,13 +272,17 @@ def _init_reference(cfg: Config, path: str, world: int, dtype):
 def _init_reward(cfg: Config, world: int, dtype):
     from transformers import AutoModelForSequenceClassification
 
+    from ds_ppo.forward import LastTokenScorer
+
     path = cfg.reward.model
     ds = build_ds_config(cfg, "reward", world, dtype, _hidden_size(path))
     with _zero_init_for(ds):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     model.requires_grad_(False)
     model.eval()
-    return _initialize(model, ds), ds
+    # the engine's root module reads the score at the last real token: every scoring call goes
+    # through engine.forward (and ZeRO-3's root hooks)
+    return _initialize(LastTokenScorer(model).eval(), ds), ds
 
 
 def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
