@@ -112,10 +112,11 @@ class RewardConfig(Section):
     missing_eos_penalty: float | None = Field(
         None, description="Subtracted from the score of a response that hit max_new_tokens "
         "without an EOS (null: none).")
-    timeout_s: float = Field(
-        600.0, gt=0, description="Seconds one call of reward.function may take; a call still "
-        "running then stops the run with a message, after a checkpoint of the last completed "
-        "iteration (exit 2).")
+    timeout_s: float | None = Field(
+        600.0, gt=0, description="Seconds one call of reward.function may take (it runs in a "
+        "worker thread); a call still running then stops the run with a message, after a "
+        "checkpoint of the last completed iteration (exit 2). null: call it in the main thread "
+        "(for functions that need it, e.g. signal-based timeouts), never stopped.")
 
 
 # ------------------------------------------------------------------------- generation

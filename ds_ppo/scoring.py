@@ -19,6 +19,34 @@ def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list
     return batches, [i for rows in batches for i in rows]
 
 
+def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
+    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout).
+    Collective: the ranks agree on the outcome, so a function that fails or hangs on one rank
+    stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+    from ds_ppo.engine import dist
+    from ds_ppo.errors import RewardFunctionError, RewardTimeout
+    from ds_ppo.rewards import call_reward_function
+
+    columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+    error, scores = None, []
+    try:
+        scores = call_reward_function(fn, cfg.reward.function, list(rollout.prompts),
+                                      list(rollout.responses), columns, cfg.reward.timeout_s)
+    except (RewardFunctionError, RewardTimeout) as e:
+        error = e
+    code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
+    worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
+    if error is not None:
+        raise error
+    if worst == 2.0:
+        raise RewardTimeout(f"reward.function = {cfg.reward.function!r} did not return within "
+                            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
+    if worst == 1.0:
+        raise RewardFunctionError(f"reward.function = {cfg.reward.function!r} failed on another "
+                                  "rank (its message is in that rank's log)")
+    return scores
+
+
 def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
@@ -27,14 +55,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     device = rollout.prompt_ids.device
     cut = None
     if engines.reward_fn is not None:
-        columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
-        raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses), **columns)
-        scores = torch.as_tensor([float(s) for s in raw], dtype=torch.float32, device=device)
-        if scores.shape != (len(rollout),):
-            raise ValueError(f"reward function {cfg.reward.function} returned {scores.shape[0]} "
-                             f"scores for {len(rollout)} responses")
-        if not torch.isfinite(scores).all():
-            raise ValueError(f"reward function {cfg.reward.function} returned non-finite scores")
+        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg),
+                              dtype=torch.float32, device=device)
     else:
         batches, order = _micro_batches(rollout, cfg)
         parts, cuts = [], []

@@ -24,7 +24,7 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
-from ds_ppo.errors import ConfigError, Diverged
+from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
@@ -111,6 +111,9 @@ def train(cfg: Config) -> TrainResult:
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
             status = "FINISHED"
+        except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
+            raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
+                                          result.last_checkpoint) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -439,6 +442,22 @@ def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
     row = {"prompt": prompt, "response": response, "score": float(score)}
     row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
     return row
+
+
+def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
+                            state: TrainerState, tokenizer, last: str | None) -> RewardTimeout:
+    """Checkpoint the last completed iteration (the weights still are its weights unless the
+    timeout came after this iteration's update, in evaluation), and the error to stop with."""
+    latest = latest_checkpoint(out)
+    if (not err.after_update and state.iteration > 0 and
+            (latest is None or latest.name != checkpoint_name(state.iteration))):
+        last = _checkpoint(cfg, out, engines, state, tokenizer)
+    elif latest is not None:
+        last = str(latest)
+    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
+             "to resume from it" if last else "no checkpoint was saved")
+    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
+                         "raise reward.timeout_s.")
 
 
 # ------------------------------------------------------------------------------ end

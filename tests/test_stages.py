@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import pytest
@@ -163,13 +164,63 @@ def test_reward_function_scores_and_missing_eos_penalty():
 
 
 def test_reward_function_must_return_one_finite_score_each():
+    from ds_ppo.errors import RewardFunctionError
+
     cfg = _cfg()
-    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0])
-    with pytest.raises(ValueError, match="returned 1 scores for 2"):
-        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
-    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0, float("nan")])
-    with pytest.raises(ValueError, match="non-finite"):
-        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
+    two = _rollout(["a", "b"], [True, True])
+    for fn, message in [
+            (lambda p, r: [1.0], "returned 1 scores for 2 responses"),
+            (lambda p, r: [1.0, float("nan")], r"score 1 is nan \(non-finite\)"),
+            (lambda p, r: ["0.5", 1.0], r"score 0 is '0.5' \(str\)"),
+            (lambda p, r: [None, None], r"score 0 is None \(NoneType\); score 1 is None"),
+            (lambda p, r: None, "returned NoneType None; it must return a list of 2 floats"),
+            (lambda p, r: "0.5 0.5", "returned str '0.5 0.5'"),
+            (lambda p, r: [[1.0], [2.0]], r"score 0 is \[1.0\] \(list\)"),
+            (lambda p, r: 1 / 0, r"raised ZeroDivisionError: division by zero at .*test_stages"),
+    ]:
+        with pytest.raises(RewardFunctionError, match=r"reward.function = 'ds_ppo.rewards:"
+                           r"positive_words' (returned|raised)") as info:
+            reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+        assert re.search(message, str(info.value)), (message, str(info.value))
+        assert info.value.exit_code == 2
+    import numpy as np
+
+    ok = [lambda p, r: (1, 0.5), lambda p, r: [True, np.float32(0.5)],
+          lambda p, r: torch.tensor([1.0, 0.5]), lambda p, r: [torch.tensor(1.0), 0.5]]
+    for fn in ok:
+        scores, _ = reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+        assert scores.tolist() == [1.0, 0.5]
+
+
+def test_reward_function_that_hangs_is_stopped_after_timeout():
+    """A call still running after reward.timeout_s raises RewardTimeout in the caller's thread;
+    the hung call is left in a daemon thread."""
+    import threading
+    import time
+
+    from ds_ppo.errors import RewardTimeout
+
+    release = threading.Event()
+
+    def hangs(prompts, responses):
+        release.wait(60)
+        return [0.0] * len(prompts)
+
+    cfg = _cfg("reward.timeout_s=0.5")
+    t0 = time.perf_counter()
+    with pytest.raises(RewardTimeout, match=r"did not return within reward.timeout_s = 0.5 s"):
+        reward_scores(_rollout(["a", "b"], [True, True]), types.SimpleNamespace(reward_fn=hangs),
+                      cfg, None)
+    assert time.perf_counter() - t0 < 10
+    hung = [t for t in threading.enumerate() if t.name.startswith("reward.function")]
+    assert hung and all(t.daemon for t in hung)
+    release.set()
+    # null: the function runs in the calling thread (signal-based code inside it works)
+    where = []
+    cfg = _cfg("reward.timeout_s=null")
+    reward_scores(_rollout(["a"], [True]), types.SimpleNamespace(
+        reward_fn=lambda p, r: where.append(threading.current_thread()) or [1.0]), cfg, None)
+    assert where == [threading.main_thread()]
 
 
 def exact_match(prompts, responses, answer, *, weight=1.0):
