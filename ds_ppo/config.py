@@ -139,9 +139,13 @@ class GenerationConfig(Section):
         "heads, KV heads and MLP width.")
     max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
     min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy. Scoring "
+                               "and the update divide the logits by it too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Log-probs are "
+                         "computed over the full softmax, so top_p < 1 makes the update "
+                         "slightly off-policy (a warning at start-up).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off. As with top_p, log-probs "
+                       "ignore the filter (a warning at start-up).")
     stop_tokens: list[str] = Field(
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")

@@ -28,7 +28,7 @@ from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
-from ds_ppo.rollout import make_rollout, stop_token_ids
+from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
 
@@ -66,6 +66,7 @@ def train(cfg: Config) -> TrainResult:
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
     log.info("generation: mode %s, decoding loop %s", gen_mode,
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
+    _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
@@ -148,6 +149,11 @@ def _setup_logging() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
+
+
+def _warn(message: str | None) -> None:
+    if message and dist.is_main():
+        log.warning("%s", message)
 
 
 def _seed_everything(seed: int) -> None:

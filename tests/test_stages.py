@@ -590,3 +590,29 @@ def test_trained_roles_load_without_dropout(tmp_path):
     assert _model_config(str(tmp_path / "llama"), False).attention_dropout == 0.4
     assert _model_config(str(tmp_path / "llama"), True).attention_dropout == 0.0
     assert _model_config(str(tmp_path / "llama"), True, num_labels=1).num_labels == 1
+
+
+def test_temperature_in_sampling_and_scoring_and_a_filter_warning():
+    """Generation samples from softmax(logits / T) and scoring's log-probs are those of the same
+    distribution; top-k / top-p filters are not in the log-probs: a start-up warning says so."""
+    from ds_ppo.algo import filter_logits
+    from ds_ppo.engine.generation import _generate_kwargs
+    from ds_ppo.rollout import sampling_mismatch
+
+    model = _tiny_llama()
+    rollout = _padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
+    ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, 2:-1]  # (4, V): the positions predicting the response
+        for temp in (0.5, 1.0, 1.7):
+            sampled = torch.softmax(filter_logits(logits, temp), -1)  # own decoding loop
+            scored = response_logprobs(model, rollout, temp)[0][0].exp()
+            torch.testing.assert_close(scored, sampled.gather(-1, torch.tensor(RESPONSES[0])[:, None])[:, 0],
+                                       atol=1e-5, rtol=1e-5)
+    assert _generate_kwargs(_cfg("generation.temperature=0.5").generation, [2], 0)["temperature"] \
+        == 0.5  # HF generate
+    assert sampling_mismatch(_cfg().generation) is None
+    assert sampling_mismatch(_cfg("generation.top_k=5", "generation.temperature=0").generation) \
+        is None  # greedy
+    warning = sampling_mismatch(_cfg("generation.top_k=5", "generation.top_p=0.9").generation)
+    assert "generation.top_k = 5, generation.top_p = 0.9" in warning and "off-policy" in warning
