@@ -55,6 +55,8 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                       mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses,
                       prompt_lens=[len(p) for p in prompt_ids],
                       response_lens=[len(r) for r in counted],
-                      extras=[prompts.extra(i) for i in indices])
+                      extras=[prompts.extra(i) for i in indices],
+                      messages=([prompts.chat(i) for i in indices]
+                                if prompts.messages is not None else None))
     return rollout, gen
 

@@ -186,7 +186,7 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
     if cfg.reward.model is None:
         return None
-    from ds_ppo.data.reencode import encode_for_reward, rollout_for_reward, same_tokenizer
+    from ds_ppo.data.reencode import encode_rollout_for_reward, rollout_for_reward, same_tokenizer
     from ds_ppo.data.tokenizer import load_tokenizer
 
     reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
@@ -196,11 +196,11 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
             return rollout_for_reward(rollout, cfg.reward.max_len, reward_tok.bos_token_id)
     else:
         log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
-                 "and re-encoded for it")
+                 "and re-encoded for it (chat prompts with its own chat template%s)",
+                 "" if reward_tok.chat_template else ": it has none, so as plain text")
 
         def encode(rollout):
-            return encode_for_reward(reward_tok, rollout.prompts, rollout.responses,
-                                     cfg.reward.max_len)
+            return encode_rollout_for_reward(reward_tok, rollout, cfg.reward.max_len)
     encode.same = same
     return encode
 
