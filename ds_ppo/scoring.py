@@ -9,7 +9,10 @@ import torch
 from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
+from ds_ppo.engine import dist
+from ds_ppo.errors import RewardFunctionError, RewardTimeout
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
+from ds_ppo.rewards import call_reward_function
 
 
 def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
@@ -23,10 +26,6 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
     """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout).
     Collective: the ranks agree on the outcome, so a function that fails or hangs on one rank
     stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
-    from ds_ppo.engine import dist
-    from ds_ppo.errors import RewardFunctionError, RewardTimeout
-    from ds_ppo.rewards import call_reward_function
-
     columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
     error, scores = None, []
     try:
@@ -36,14 +35,14 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
         error = e
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
     worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
-    if error is not None:
-        raise error
-    if worst == 2.0:
-        raise RewardTimeout(f"reward.function = {cfg.reward.function!r} did not return within "
-                            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
+    if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
+        raise error if isinstance(error, RewardTimeout) else RewardTimeout(
+            f"reward.function = {cfg.reward.function!r} did not return within "
+            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
     if worst == 1.0:
-        raise RewardFunctionError(f"reward.function = {cfg.reward.function!r} failed on another "
-                                  "rank (its message is in that rank's log)")
+        raise error if error is not None else RewardFunctionError(
+            f"reward.function = {cfg.reward.function!r} failed on another rank (its message is "
+            "in that rank's log)")
     return scores
 
 
