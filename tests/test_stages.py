@@ -616,4 +616,3 @@ def test_temperature_in_sampling_and_scoring_and_a_filter_warning():
         is None  # greedy
     warning = sampling_mismatch(_cfg("generation.top_k=5", "generation.top_p=0.9").generation)
     assert "generation.top_k = 5, generation.top_p = 0.9" in warning and "off-policy" in warning
-
