@@ -156,6 +156,9 @@ def gae(
         values on valid tokens; both 0 outside the mask. Rewards and values at masked
         positions are ignored; the value after the last valid token is taken as 0
         (terminal). Not whitened: see ``masked_whiten``.
+
+    Up to BLOCKED_ABOVE tokens one (T, T) matmul (``gae_matmul``), above it the blocked scan
+    (``gae_blocked``): the same values, in O(B T) memory.
     """
     if rewards.shape[-1] > BLOCKED_ABOVE:
         return gae_blocked(rewards, values, mask, gamma, lam)
