@@ -20,7 +20,7 @@ from ds_ppo.forward import last_token_index, position_ids, response_logprobs, re
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rewards import load_reward_function, positive_words
 from ds_ppo.scoring import reward_scores
-from ds_ppo.update import minibatch_rows
+from ds_ppo.update import minibatch_rows, ppo_update
 
 
 def _cfg(*overrides):
@@ -419,15 +419,24 @@ class _CountingEngine(torch.nn.Module):
         except AttributeError:
             return getattr(self.__dict__["_modules"]["module"], name)
 
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def get_global_grad_norm(self):
+        return None
+
 
 def test_every_role_forward_goes_through_its_engine():
-    """Scoring calls each model role through its engine's own forward (ZeRO-3 resets its
-    parameter-fetch trace in the root module's hooks; attribute forwarding skips them). The
-    reward engine wraps LastTokenScorer, as init_engines builds it."""
+    """Scoring and the update call each model role through its engine's own forward (ZeRO-3
+    resets its parameter-fetch trace in the root module's hooks; attribute forwarding skips
+    them). The reward engine wraps LastTokenScorer, as init_engines builds it."""
     from transformers import LlamaForTokenClassification
 
     from ds_ppo.forward import LastTokenScorer
-    from ds_ppo.scoring import score
+    from ds_ppo.scoring import add_advantages, score
 
     value = LlamaForTokenClassification(LlamaConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -437,12 +446,17 @@ def test_every_role_forward_goes_through_its_engine():
         value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())),
         reward_fn=None)
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
-    cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2")
+    cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
+               "ppo.ppo_epochs=1")
     exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
-    assert {role: getattr(engines, role).calls for role in ("policy", "reference", "value",
-                                                           "reward")} == dict.fromkeys(
-        ("policy", "reference", "value", "reward"), 2)  # 3 rows in micro-batches of 2
+    roles = ("policy", "reference", "value", "reward")
+    assert {role: getattr(engines, role).calls for role in roles} == dict.fromkeys(
+        roles, 2)  # 3 rows in micro-batches of 2
     assert exp.scores.shape == (3,)
+    # the update: one mini-batch of 2 rows, one micro-batch, one forward of policy and value
+    ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, Accumulator())
+    assert {role: getattr(engines, role).calls for role in roles} == {
+        "policy": 3, "reference": 2, "value": 3, "reward": 2}
 
 
 def test_param_chunks_bound_each_gather():
