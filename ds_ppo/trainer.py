@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.algo import AdaptiveKLController, FixedKLController, log_ratio_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
@@ -24,12 +24,12 @@ from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_parti
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
-from ds_ppo.errors import ConfigError, Diverged
+from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
-from ds_ppo.rollout import make_rollout, stop_token_ids
+from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
 
@@ -67,6 +67,7 @@ def train(cfg: Config) -> TrainResult:
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
     log.info("generation: mode %s, decoding loop %s", gen_mode,
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
+    _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
@@ -117,6 +118,9 @@ def train(cfg: Config) -> TrainResult:
             register_policy(cfg, tracker, result.export_dir, state.iteration,
                             last_eval_score(result.history))
             status = "FINISHED"
+        except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
+            raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
+                                          result.last_checkpoint) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -153,6 +157,11 @@ def _setup_logging() -> None:
     transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
 
 
+def _warn(message: str | None) -> None:
+    if message and dist.is_main():
+        log.warning("%s", message)
+
+
 def _seed_everything(seed: int) -> None:
     # Same seed on every rank for initialisation; sampling streams are made per rank below.
     random.seed(seed)
@@ -183,7 +192,7 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
     if cfg.reward.model is None:
         return None
-    from ds_ppo.data.reencode import encode_for_reward, rollout_for_reward, same_tokenizer
+    from ds_ppo.data.reencode import encode_rollout_for_reward, rollout_for_reward, same_tokenizer
     from ds_ppo.data.tokenizer import load_tokenizer
 
     reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
@@ -193,11 +202,11 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
             return rollout_for_reward(rollout, cfg.reward.max_len, reward_tok.bos_token_id)
     else:
         log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
-                 "and re-encoded for it")
+                 "and re-encoded for it (chat prompts with its own chat template%s)",
+                 "" if reward_tok.chat_template else ": it has none, so as plain text")
 
         def encode(rollout):
-            return encode_for_reward(reward_tok, rollout.prompts, rollout.responses,
-                                     cfg.reward.max_len)
+            return encode_rollout_for_reward(reward_tok, rollout, cfg.reward.max_len)
     encode.same = same
     return encode
 
@@ -361,6 +370,8 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     seq_kl = (exp.kl * mask).sum(1)
     acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
+    acc.add_tensor_mean("kl/clamped_frac",
+                        log_ratio_clamped(exp.old_logprobs - exp.ref_logprobs).float(), mask)
     acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)
     acc.add_mean("response/length_mean", float(lengths.sum()), n)
@@ -447,6 +458,22 @@ def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
     row = {"prompt": prompt, "response": response, "score": float(score)}
     row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
     return row
+
+
+def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
+                            state: TrainerState, tokenizer, last: str | None) -> RewardTimeout:
+    """Checkpoint the last completed iteration (the weights still are its weights unless the
+    timeout came after this iteration's update, in evaluation), and the error to stop with."""
+    latest = latest_checkpoint(out)
+    if (not err.after_update and state.iteration > 0 and
+            (latest is None or latest.name != checkpoint_name(state.iteration))):
+        last = _checkpoint(cfg, out, engines, state, tokenizer)
+    elif latest is not None:
+        last = str(latest)
+    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
+             "to resume from it" if last else "no checkpoint was saved")
+    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
+                         "raise reward.timeout_s.")
 
 
 # ------------------------------------------------------------------------------ end
