@@ -25,3 +25,12 @@ class Diverged(UserError):
 class JoinError(UserError):
     """A rank could not join the process group (rendezvous timed out or rank 0 unreachable);
     the message names the address, what was seen and what to check."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used (a file is corrupted, cut off or missing) or cannot be written
+    (disk full); the message names the checkpoint, the file and what to do."""
+
+
+class OutputDirBusy(UserError):
+    """Another run holds the lock on this output_dir; the message names its host and pid."""
