@@ -152,8 +152,7 @@ def test_a_kill_while_replacing_a_checkpoint_loses_neither(tmp_path, monkeypatch
     with pytest.raises(_Killed):
         _save(tmp_path, 3)
     monkeypatch.setattr(ckpt.os, "replace", real)
-    ckpt.clean_partial(tmp_path)  # what the next start does first
-    found = latest_checkpoint(tmp_path)
+    found = ckpt.find_resume(tmp_path, "auto")  # the next start
     assert found == old and (found / "marker").read_text() == "the first iter_3"
 
 

@@ -399,13 +399,6 @@ def _clean_partial(root: Path) -> None:
             os.replace(old, final)
 
 
-def clean_partial(output_dir: str | Path) -> None:
-    """Remove directories of saves that were killed before completing (rank 0). Collective."""
-    if dist.is_main():
-        _clean_partial(checkpoints_dir(output_dir))
-    dist.barrier()
-
-
 def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once),
     so it loads on a different data-parallel world size. Collective."""
