@@ -122,20 +122,17 @@ def test_cut_trainer_state_stops_with_one_message(restarted_run, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_export_replaces_only_its_own_exports(restarted_run, tmp_path, capsys):
+def test_export_replaces_only_its_own_exports(restarted_run, tmp_path):
     from ds_ppo.cli import main
     from ds_ppo.export import MARKER
 
     _, out, _, _, _ = restarted_run
-    target = tmp_path / "model"
-    assert main(["export", "--checkpoint", str(out), "--out", str(target)]) == 0
-    assert (target / MARKER).exists() and (target / "model.safetensors").exists()
-    assert main(["export", "--checkpoint", str(out), "--out", str(target)]) == 0  # an earlier one
     other = tmp_path / "other"
     other.mkdir()
     (other / "model-00001-of-00002.safetensors").write_text("someone else's")
-    assert main(["export", "--checkpoint", str(out), "--out", str(other)]) == 2
+    assert main(["export", "--checkpoint", str(out), "--out", str(other)]) == 2  # refused
     assert main(["export", "--checkpoint", str(out), "--out", str(other), "--overwrite"]) == 0
     assert not (other / "model-00001-of-00002.safetensors").exists()
-    assert (other / "model.safetensors").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other"]  # no temporaries
+    assert (other / MARKER).exists() and (other / "model.safetensors").exists()
+    assert main(["export", "--checkpoint", str(out), "--out", str(other)]) == 0  # its own export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]  # no temporaries left

@@ -320,12 +320,13 @@ def test_export_refuses_a_foreign_directory(tmp_path, capsys):
 
 
 def test_export_writes_atomically(tmp_path):
-    from ds_ppo.export import MARKER, write_atomically
+    from ds_ppo.export import MARKER, check_export_target, write_atomically
 
     out = tmp_path / "model"
     out.mkdir()
     (out / MARKER).write_text("{}")
     (out / "model.safetensors").write_text("the earlier export")
+    check_export_target(out, overwrite=False)  # an earlier export: may be replaced
 
     def fails(tmp):
         (tmp / "model.safetensors").write_text("half")
