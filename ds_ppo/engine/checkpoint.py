@@ -174,9 +174,18 @@ def read_state(path: Path) -> TrainerState:
         raise unusable(path, file, f"cannot be read ({type(e).__name__}: {e})") from None
 
 
+# the start of a file torch.save wrote in its legacy format (DeepSpeed's
+# "checkpoint": {"checkpoint_serialization": false}): a pickled magic number
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
 def _check_torch_file(path: Path, file: Path) -> None:
-    """torch.save writes a zip archive: a cut or garbled file has no readable zip directory."""
+    """torch.save writes a zip archive: a cut or garbled file has no readable zip directory.
+    (A legacy-format file is only checked for its magic number.)"""
     try:
+        with open(file, "rb") as f:
+            if f.read(len(_LEGACY_TORCH_MAGIC)) == _LEGACY_TORCH_MAGIC:
+                return
         with zipfile.ZipFile(file) as z:
             if not z.namelist():
                 raise zipfile.BadZipFile("empty archive")
@@ -325,14 +334,20 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# how torch.save's C++ writer reports a failed write (it drops the errno)
+_TORCH_WRITE_FAILED = ("inline_container", "PytorchStreamWriter", "iostream error",
+                       "file write failed")
+
+
 def _save_failed(e: Exception, root: Path, tmp: Path) -> Exception:
     """A disk-full (or file-size-limit) failure during a save as one CheckpointError; any other
     error unchanged. torch.save loses the errno ("enforce fail at inline_container.cc"), so
     there the free space and the file-size limit decide."""
     code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and _disk_full(root)):
+    torch_write = code is None and any(m in str(e) for m in _TORCH_WRITE_FAILED)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (torch_write and _disk_full(root)):
         reason = "no space left on the device"
-    elif code == errno.EFBIG or (code is None and _size_limited()):
+    elif code == errno.EFBIG or (torch_write and _size_limited()):
         reason = "file too large (the file-size limit, `ulimit -f`)"
     else:
         return e
