@@ -38,3 +38,10 @@ class RewardTimeout(UserError):
     evaluation) and stops with the message."""
 
     after_update = False
+class CheckpointError(UserError):
+    """A checkpoint cannot be used (a file is corrupted, cut off or missing) or cannot be written
+    (disk full); the message names the checkpoint, the file and what to do."""
+
+
+class OutputDirBusy(UserError):
+    """Another run holds the lock on this output_dir; the message names its host and pid."""

@@ -4,11 +4,19 @@ safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained`
 Two paths: `export_engine` inside a running job (weights gathered module by module from ZeRO-3,
 written by rank 0), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
 (DeepSpeed's ZeRO checkpoint consolidation, one process, CPU only).
+
+An offline export never overwrites what it did not write: `--out` must be new, empty or an
+earlier ds_ppo export (it holds `ds_ppo_export.json`) unless `--overwrite`; the export is written
+into a temporary directory next to it and renamed into place, so a failed export leaves nothing
+half-written.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +25,7 @@ from ds_ppo.engine import dist
 
 log = logging.getLogger("ds_ppo")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
@@ -36,21 +45,64 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
-                      with_value: bool = False) -> list[Path]:
+                      with_value: bool = False, overwrite: bool = False) -> list[Path]:
     """Offline export of a ds_ppo checkpoint (no process group, CPU).
 
     Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
     saved without them is consolidated from DeepSpeed's ZeRO shards instead (pickles: only for
-    checkpoints you wrote yourself)."""
-    from transformers import AutoTokenizer
+    checkpoints you wrote yourself).
 
+    Raises:
+        UserError: `out_dir` holds files of something else (and not `overwrite`).
+    """
     from ds_ppo.engine.checkpoint import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
+    check_export_target(out_dir, overwrite)
+    ckpt = resolve_checkpoint(checkpoint)
+    write_atomically(out_dir, lambda tmp: _export_into(ckpt, tmp, dtype, with_value))
+    return [out_dir] + ([out_dir / "value"] if with_value else [])
+
+
+def check_export_target(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an `--out` that holds anything but an earlier ds_ppo export (unless overwrite)."""
+    from ds_ppo.errors import UserError
+
+    if overwrite or not out_dir.exists() or (out_dir / MARKER).is_file():
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    raise UserError(f"--out {out_dir} is not empty and is not an earlier ds_ppo export (no "
+                    f"{MARKER}); choose a new or empty directory, or pass --overwrite to "
+                    "replace everything in it")
+
+
+def write_atomically(out_dir: Path, write) -> None:
+    """`write(tmp)` fills a temporary directory next to `out_dir`, which then replaces `out_dir`
+    (two renames); if `write` fails, the temporary directory is removed and `out_dir` is as it
+    was."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.is_dir() and not out_dir.is_symlink():
+        os.replace(out_dir, old)
+    elif out_dir.exists() or out_dir.is_symlink():
+        out_dir.unlink()
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool) -> None:
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
-    written = []
     for role, target in roles:
         src = ckpt / ("hf" if role == "policy" else "hf_value")
         if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
@@ -62,8 +114,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         model.to(dtype)
         model.save_pretrained(target, safe_serialization=True)
         tokenizer.save_pretrained(target)
-        written.append(target)
-    return written
+    (out_dir / MARKER).write_text(json.dumps(
+        {"checkpoint": str(ckpt.resolve()), "dtype": str(dtype).removeprefix("torch."),
+         "value": with_value}, indent=2) + "\n")
 
 
 def _model_class(role: str):
@@ -98,6 +151,7 @@ def _from_zero_shards(ckpt: Path, role: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value):
+    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value,
+                                  getattr(args, "overwrite", False)):
         print(f"exported {path}")
     return 0

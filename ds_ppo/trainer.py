@@ -18,9 +18,9 @@ import torch
 from ds_ppo.algo import AdaptiveKLController, FixedKLController, log_ratio_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
-from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
-                                      ensure_universal, latest_checkpoint, load_checkpoint,
-                                      read_state, resolve_checkpoint, save_checkpoint)
+from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, ensure_universal,
+                                      find_resume, latest_checkpoint, load_checkpoint,
+                                      read_state, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
@@ -30,6 +30,7 @@ from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
+from ds_ppo.rundir import lock_output_dir, start_metrics_log
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
 
@@ -53,6 +54,7 @@ def train(cfg: Config) -> TrainResult:
     _setup_logging()
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
+    lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
@@ -214,16 +216,7 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
     DeepSpeed's universal format because the data-parallel world size changed."""
-    clean_partial(cfg.output_dir)
-    if cfg.resume == "auto":
-        path = latest_checkpoint(cfg.output_dir)
-    elif cfg.resume != "never":
-        path = resolve_checkpoint(cfg.resume)
-    else:
-        if latest_checkpoint(cfg.output_dir) is not None:
-            raise ConfigError(f"resume = never but {cfg.output_dir} already holds checkpoints; "
-                              "use resume=auto to continue, or a new output_dir")
-        path = None
+    path = find_resume(cfg.output_dir, cfg.resume)
     if path is None:
         return None, False
     universal = read_state(path).world_size != dist.world_size()
@@ -239,7 +232,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
         _seed_sampling(cfg.seed)
-        _truncate_metrics_log(cfg, 0)
+        start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
         return state, kl_ctl
     state = load_checkpoint(path, engines, universal)
     for role in ("policy", "value"):
@@ -247,7 +240,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
         if changed:
             log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
                      ", ".join(changed))
-    _truncate_metrics_log(cfg, state.iteration)
+    start_metrics_log(cfg.output_dir, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
     log.info("resumed from %s (iteration %d%s)", path, state.iteration,
              f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
@@ -257,18 +250,6 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
         log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
                  "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
     return state, kl_ctl
-
-
-def _truncate_metrics_log(cfg: Config, iteration: int) -> None:
-    """metrics.jsonl keeps each iteration once: rows after the resumed iteration (run before a
-    crash, about to be run again) are dropped."""
-    path = Path(cfg.output_dir) / "metrics.jsonl"
-    if dist.is_main() and path.exists():
-        rows = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["iteration"] <= iteration]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        tmp.replace(path)
 
 
 def _seed_sampling(seed: int) -> None:

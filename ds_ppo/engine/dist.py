@@ -169,3 +169,23 @@ def local_world_size() -> int:
 
 def num_nodes() -> int:
     return max(1, world_size() // local_world_size())
+
+
+def on_rank0(fn, *args):
+    """`fn(*args)` on rank 0 only; its result on every rank. A `UserError` it raises is raised on
+    every rank alike (same class and message), so a rank-0 check stops the whole job instead of
+    leaving the other ranks waiting at the next collective."""
+    from ds_ppo import errors
+
+    verdict, error = None, None
+    if is_main():
+        try:
+            verdict = ("ok", fn(*args))
+        except errors.UserError as e:
+            verdict, error = ("error", type(e).__name__, str(e)), e
+    verdict = broadcast_object(verdict)
+    if error is not None:
+        raise error
+    if verdict[0] == "ok":
+        return verdict[1]
+    raise getattr(errors, verdict[1], errors.UserError)(verdict[2])

@@ -189,8 +189,11 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
             from None
     out_dir = Path(out_dir)
     if dist.is_main() and not (out_dir / "config.json").exists():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        # a stream of its own: what follows (the value head's init) must not depend on whether
+        # this process built the model or found it on disk (a restart), nor on the rank
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
