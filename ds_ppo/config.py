@@ -253,7 +253,7 @@ class CheckpointConfig(Section):
         True, description="Export the policy as a Hugging Face directory at output_dir/final.")
     save_hf_weights: bool = Field(
         True, description="Also write the policy's and value's weights as safetensors into each "
-        "checkpoint (gathered to rank 0's CPU; set false for very large models), so that "
+        "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
         "`ds-ppo export` reads no pickle.")
     export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Weight dtype of exported models (safetensors).")

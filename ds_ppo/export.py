@@ -1,9 +1,11 @@
 """Export the policy (and optionally the value model) as a Hugging Face model directory:
 safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
-Two paths: `export_engine` inside a running job (weights gathered module by module from ZeRO-3,
-written by rank 0), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
-(DeepSpeed's ZeRO checkpoint consolidation, one process, CPU only).
+Two paths: `export_engine` inside a running job (weights gathered a group at a time from ZeRO-3
+and streamed into safetensors shards by the ranks of node 0: engine/hf_writer.py), and
+`ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint (the checkpoint's safetensors
+copies re-written tensor by tensor, else DeepSpeed's ZeRO checkpoint consolidation; one process,
+CPU only).
 """
 from __future__ import annotations
 
@@ -13,26 +15,17 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine import dist
-
 log = logging.getLogger("ds_ppo")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
-    """Collective: gather the engine's (ZeRO-3) weights into a CPU model on rank 0 and save it."""
-    from ds_ppo.engine.generation import build_replica
+    """Collective: stream the engine's (ZeRO-3) weights, gathered a group at a time, into
+    safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
+    tokenizer."""
+    from ds_ppo.engine.hf_writer import save_module
 
-    out_dir = Path(out_dir)
-    model = build_replica(engine.module, dtype, torch.device("cpu"),
-                          materialize=dist.is_main())
-    if dist.is_main():
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-    return out_dir
+    return save_module(engine.module, tokenizer, out_dir, dtype)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
@@ -45,6 +38,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     from transformers import AutoTokenizer
 
     from ds_ppo.engine.checkpoint import resolve_checkpoint
+    from ds_ppo.engine.hf_writer import save_module
 
     ckpt = resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
@@ -54,13 +48,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     for role, target in roles:
         src = ckpt / ("hf" if role == "policy" else "hf_value")
         if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
-            model = _from_safetensors(src, role)
+            _copy_safetensors(src, target, dtype)  # one tensor in memory at a time
         else:
             log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
                         "consolidating DeepSpeed's ZeRO shards", src)
             model = _from_zero_shards(ckpt, role)
-        model.to(dtype)
-        model.save_pretrained(target, safe_serialization=True)
+            save_module(model, None, target, dtype)
         tokenizer.save_pretrained(target)
         written.append(target)
     return written
@@ -72,8 +65,18 @@ def _model_class(role: str):
     return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
 
 
-def _from_safetensors(src: Path, role: str):
-    return _model_class(role).from_pretrained(src, dtype=torch.float32)
+def _copy_safetensors(src: Path, target: Path, dtype: torch.dtype) -> None:
+    """The weights re-written (streamed) in `dtype`; config and generation config copied."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from ds_ppo.engine.hf_writer import copy_safetensors_weights
+
+    copy_safetensors_weights(src, target, dtype)
+    config = AutoConfig.from_pretrained(src)
+    config.dtype = str(dtype).split(".")[1]
+    config.save_pretrained(target)
+    if (src / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(src).save_pretrained(target)
 
 
 def _from_zero_shards(ckpt: Path, role: str):
