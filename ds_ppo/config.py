@@ -309,8 +309,9 @@ class Config(Section):
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
     dist_timeout_minutes: float = Field(
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
-        "than this fails the job with an error instead of hanging it; raise it when rank 0 does "
-        "long solitary work (writing huge checkpoints, a universal-checkpoint conversion).")
+        "than this fails the job with an error instead of hanging it. Rank 0's solitary file work "
+        "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
+        "all ranks together.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

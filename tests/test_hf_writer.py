@@ -149,3 +149,26 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
     assert r["total"] // 2 > 10 * r["largest"]  # the bound is far below a whole 16-bit copy
     assert r["growth"] < 3 * r["largest"], r
     assert r["same"] and r["tied"]
+
+
+def test_models_that_rename_weights_on_load_still_export(tmp_path):
+    """Mixtral's experts are merged on load in transformers 5: the export goes through
+    save_pretrained's reverse conversion (the original per-expert names other tools read), and
+    loads back equal."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_ppo.export import export_engine
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                               num_local_experts=2, num_experts_per_tok=1)
+    model = AutoModelForCausalLM.from_config(cfg)
+    export_engine(type("E", (), {"module": model})(), None, tmp_path / "moe", torch.float32)
+    with safe_open(tmp_path / "moe" / "model.safetensors", "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.1.w2.weight" in f.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32)
+    ref = model.state_dict()
+    assert loaded.state_dict().keys() == ref.keys()
+    assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
