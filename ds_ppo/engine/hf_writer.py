@@ -107,17 +107,17 @@ class ShardedWriter:
     """Writes `entries` into safetensors shards under out_dir, tensor by tensor, in entry order.
 
     With `writers` > 1, rank r writes shards r, r + writers, ...; `write` is called by every rank
-    for every entry, in order, and is a no-op for entries of shards this rank does not own (so the
-    caller can skip the CPU copy: `owns`). `close` checks every owned tensor was written; rank 0
-    writes the index."""
+    for every entry, in order, and is a no-op (no CPU copy) for entries of shards this rank does
+    not own. `close` checks every owned tensor was written; rank 0 writes the index."""
 
     def __init__(self, out_dir: str | Path, entries: list[Entry], max_shard_size: int | str,
                  rank: int = 0, writers: int = 1):
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.shards = plan_shards(entries, parse_size(max_shard_size))
         self.files = shard_file_names(len(self.shards))
         self.rank, self.writers = rank, writers
+        if rank == 0 or any(self._mine(i) for i in range(len(self.shards))):
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         self.shard_of = {e.name: i for i, shard in enumerate(self.shards) for e in shard}
         self.entry = {e.name: e for e in entries}
         self.left = {i: [e.name for e in s] for i, s in enumerate(self.shards) if self._mine(i)}
@@ -126,9 +126,6 @@ class ShardedWriter:
 
     def _mine(self, shard: int) -> bool:
         return shard % self.writers == self.rank
-
-    def owns(self, name: str) -> bool:
-        return self._mine(self.shard_of[name])
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append one tensor (any device; cast to its entry's dtype, copied to CPU here)."""
