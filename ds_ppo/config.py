@@ -288,7 +288,7 @@ class CheckpointConfig(Section):
         True, description="Export the policy as a Hugging Face directory at output_dir/final.")
     save_hf_weights: bool = Field(
         True, description="Also write the policy's and value's weights as safetensors into each "
-        "checkpoint (gathered to rank 0's CPU; set false for very large models), so that "
+        "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
         "`ds-ppo export` reads no pickle.")
     export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Weight dtype of exported models (safetensors).")
@@ -344,8 +344,9 @@ class Config(Section):
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
     dist_timeout_minutes: float = Field(
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
-        "than this fails the job with an error instead of hanging it; raise it when rank 0 does "
-        "long solitary work (writing huge checkpoints, a universal-checkpoint conversion).")
+        "than this fails the job with an error instead of hanging it. Rank 0's solitary file work "
+        "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
+        "all ranks together.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -1,9 +1,11 @@
 """Export the policy (and optionally the value model) as a Hugging Face model directory:
 safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
-Two paths: `export_engine` inside a running job (weights gathered module by module from ZeRO-3,
-written by rank 0), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
-(DeepSpeed's ZeRO checkpoint consolidation, one process, CPU only).
+Two paths: `export_engine` inside a running job (weights gathered a group at a time from ZeRO-3
+and streamed into safetensors shards by the ranks of node 0: engine/hf_writer.py), and
+`ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint (the checkpoint's safetensors
+copies re-written tensor by tensor, else DeepSpeed's ZeRO checkpoint consolidation; one process,
+CPU only).
 
 An offline export never overwrites what it did not write: `--out` must be new, empty or an
 earlier ds_ppo export (it holds `ds_ppo_export.json`) unless `--overwrite`; the export is written
@@ -21,27 +23,18 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine import dist
-
 log = logging.getLogger("ds_ppo")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
-    """Collective: gather the engine's (ZeRO-3) weights into a CPU model on rank 0 and save it."""
-    from ds_ppo.engine.generation import build_replica
+    """Collective: stream the engine's (ZeRO-3) weights, gathered a group at a time, into
+    safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
+    tokenizer."""
+    from ds_ppo.engine.hf_writer import save_module
 
-    out_dir = Path(out_dir)
-    model = build_replica(engine.module, dtype, torch.device("cpu"),
-                          materialize=dist.is_main())
-    if dist.is_main():
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-    return out_dir
+    return save_module(engine.module, tokenizer, out_dir, dtype)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
@@ -101,18 +94,19 @@ def write_atomically(out_dir: Path, write) -> None:
 def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool) -> None:
     from transformers import AutoTokenizer
 
+    from ds_ppo.engine.hf_writer import save_module
+
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
     for role, target in roles:
         src = ckpt / ("hf" if role == "policy" else "hf_value")
         if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
-            model = _from_safetensors(src, role)
+            _copy_safetensors(src, target, dtype)  # one tensor in memory at a time
         else:
             log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
                         "consolidating DeepSpeed's ZeRO shards", src)
             model = _from_zero_shards(ckpt, role)
-        model.to(dtype)
-        model.save_pretrained(target, safe_serialization=True)
+            save_module(model, None, target, dtype)
         tokenizer.save_pretrained(target)
     (out_dir / MARKER).write_text(json.dumps(
         {"checkpoint": str(ckpt.resolve()), "dtype": str(dtype).removeprefix("torch."),
@@ -125,8 +119,18 @@ def _model_class(role: str):
     return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
 
 
-def _from_safetensors(src: Path, role: str):
-    return _model_class(role).from_pretrained(src, dtype=torch.float32)
+def _copy_safetensors(src: Path, target: Path, dtype: torch.dtype) -> None:
+    """The weights re-written (streamed) in `dtype`; config and generation config copied."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from ds_ppo.engine.hf_writer import copy_safetensors_weights
+
+    copy_safetensors_weights(src, target, dtype)
+    config = AutoConfig.from_pretrained(src)
+    config.dtype = str(dtype).split(".")[1]
+    config.save_pretrained(target)
+    if (src / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(src).save_pretrained(target)
 
 
 def _from_zero_shards(ckpt: Path, role: str):

@@ -40,6 +40,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -415,9 +416,10 @@ def _clean_partial(root: Path) -> None:
 
 
 def ensure_universal(path: Path) -> None:
-    """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once),
-    so it loads on a different data-parallel world size. Collective."""
-    if dist.is_main():
+    """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
+    with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
+    world size. Collective; the other ranks wait without a collective timeout (dist.main_does)."""
+    def convert():
         for role in ("policy", "value"):
             target = path / role / UNIVERSAL_TAG
             if target.exists():
@@ -425,15 +427,35 @@ def ensure_universal(path: Path) -> None:
             log.info("converting %s to a universal checkpoint (world size changed)", path / role)
             tmp = path / role / (UNIVERSAL_TAG + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
+            start = time.perf_counter()
             proc = subprocess.run(
                 [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                 "--input_folder", str(path / role / TAG), "--output_folder", str(tmp)],
-                capture_output=True, text=True)
+                 "--input_folder", str(path / role / TAG), "--output_folder", str(tmp),
+                 *_workers_for(path / role / TAG)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"ds_to_universal failed for {path / role}:\n"
                                    f"{proc.stderr[-3000:]}")
             os.replace(tmp, target)
-    dist.barrier()
+            log.info("converted %s to a universal checkpoint in %.1f s", path / role,
+                     time.perf_counter() - start)
+    dist.main_does(convert, path, "converting the checkpoint to universal format")
+
+
+def universal_workers(cpus: int, free_bytes: int, shard_bytes: int, shards: int) -> list[str]:
+    """ds_to_universal's worker counts: extraction workers each load one rank's ZeRO shard file
+    (shard_bytes), so as many as half the free memory holds, up to one per core and per shard;
+    merge workers (each holding every slice of one parameter) a quarter of that."""
+    extract = max(1, min(cpus, shards, free_bytes // 2 // max(1, shard_bytes)))
+    return ["--num_extract_workers", str(extract),
+            "--num_merge_workers", str(max(1, min(extract, cpus) // 4))]
+
+
+def _workers_for(ds_dir: Path) -> list[str]:
+    import psutil
+
+    shards = [f.stat().st_size for f in ds_dir.rglob("*optim_states.pt")] or [1]
+    return universal_workers(os.cpu_count() or 1, psutil.virtual_memory().available,
+                             max(shards), len(shards))
 
 
 def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerState:

@@ -188,7 +188,10 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
         raise ConfigError(f"{key} = {arch!r}: transformers cannot build this config: {e}") \
             from None
     out_dir = Path(out_dir)
-    if dist.is_main() and not (out_dir / "config.json").exists():
+
+    def build():  # rank 0 alone; a large arch takes long, the others wait without a timeout
+        if (out_dir / "config.json").exists():
+            return
         # a stream of its own: what follows (the value head's init) must not depend on whether
         # this process built the model or found it on disk (a restart), nor on the rank
         with torch.random.fork_rng(devices=[]):
@@ -200,8 +203,7 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
         tmp.rename(out_dir)
         log.info("built random-init %s model (%.2fM params) at %s", model_type,
                  sum(p.numel() for p in model.parameters()) / 1e6, out_dir)
-        del model
-    dist.barrier()
+    dist.main_does(build, out_dir.parent, f"building the random-init {key} model")
     return str(out_dir)
 
 
