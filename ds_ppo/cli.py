@@ -7,16 +7,20 @@ with no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ds_ppo.errors import UserError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ds_ppo.config import load_config, validate, world_size_from_env
+    from ds_ppo.config import config_warnings, load_config, validate, world_size_from_env
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size_from_env())
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+        for warning in config_warnings(cfg):
+            print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     if cfg.reward.function is not None:  # importable, and takes data.reward_keys
         from ds_ppo.rewards import load_reward_function
 

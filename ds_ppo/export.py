@@ -47,6 +47,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     from ds_ppo.engine.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
+    if with_value and not (ckpt / "value").exists():
+        from ds_ppo.errors import UserError
+
+        raise UserError(f"--value: {ckpt} has no value model (trained with a critic-free "
+                        "ppo.advantage_estimator); export without --value")
     out_dir = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
