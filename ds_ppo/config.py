@@ -137,8 +137,9 @@ class GenerationConfig(Section):
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
     batch_size: int | None = Field(
-        None, gt=0, description="Prompts per generate call on each rank; default: the rank's "
-        "whole share of the rollout batch.")
+        None, gt=0, description="Prompts per generate call on each rank (a prompt counts "
+        "ppo.samples_per_prompt times: one row per response); default: the rank's whole share "
+        "of the rollout batch.")
     loop: Literal["auto", "own", "hf"] = Field(
         "auto", description="Decoding loop on the gathered replica. own: ds_ppo's loop (static "
         "KV cache, sampling on the device, one CUDA graph per token on CUDA, no per-token host "
@@ -190,7 +191,8 @@ class PPOConfig(Section):
     kl_horizon: int = Field(10000, gt=0, description="Adaptive controller: horizon in sequences.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens "
+                                    "(gae; reinforce_pp always whitens, grpo/dr_grpo/rloo never).")
     whiten_across_ranks: bool = Field(
         True, description="Whitening statistics over all ranks' tokens (else per rank).")
     advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
