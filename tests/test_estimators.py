@@ -4,6 +4,7 @@ verifiable reward of the grpo example."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -142,3 +143,21 @@ def test_final_answer_match():
     answers = ["1000", 42, "3", "1", "7", " paris", "12"]
     assert final_answer_match([""] * 7, responses, answer=answers) == \
         [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_evaluation_takes_one_greedy_response_per_prompt(monkeypatch):
+    """n greedy samples of a prompt would be n copies: evaluation generates one."""
+    from ds_ppo import evaluate as ev
+
+    seen = {}
+
+    def make_rollout(prompts, indices, engines, cfg, *args):
+        seen.update(n=cfg.ppo.samples_per_prompt, temperature=cfg.generation.temperature)
+        raise StopIteration
+
+    monkeypatch.setattr(ev, "make_rollout", make_rollout)
+    cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    with pytest.raises(StopIteration):
+        ev.evaluate(types.SimpleNamespace(input_ids=[[1]] * 8), None, cfg, None, "gathered",
+                    [2], None)
+    assert seen == {"n": 1, "temperature": 0.0}
