@@ -21,6 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
         for warning in config_warnings(cfg):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
+    _check_resume_estimator(cfg)
     if cfg.reward.function is not None:  # importable, and takes data.reward_keys
         from ds_ppo.rewards import load_reward_function
 
@@ -37,6 +38,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
     return 0
+
+
+def _check_resume_estimator(cfg) -> None:
+    """The checkpoint a run would resume from must match its estimator family (with or without
+    a value model): found here, before any model code loads (train() checks it again)."""
+    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+
+    if cfg.resume == "never":
+        return
+    path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
+    if cfg.resume != "auto":
+        from ds_ppo.engine.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint(cfg.resume)
+    if path is not None:
+        check_estimator_family(path, cfg.ppo.advantage_estimator)
 
 
 def _config(args: argparse.Namespace) -> int:

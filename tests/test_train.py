@@ -254,7 +254,7 @@ def test_grpo_learns_without_a_value_model(grpo_run):
 
 def test_resume_into_an_estimator_with_a_value_model_is_refused(grpo_run):
     out, _ = grpo_run
-    proc = run_cli(["train", f"output_dir={out}", "ppo.advantage_estimator=gae",
+    proc = run_cli(["train", "--dry-run", f"output_dir={out}", "ppo.advantage_estimator=gae",
                     *GRPO_SMALL, "iterations=21"], cwd=out.parent, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "ppo.advantage_estimator = 'grpo' (without a value model)" in proc.stderr

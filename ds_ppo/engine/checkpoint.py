@@ -183,8 +183,7 @@ def check_estimator_family(path: Path, estimator: str) -> None:
             f"cannot resume from {path}: it was trained with ppo.advantage_estimator = "
             f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
             f"{estimator!r} ({what[estimator == 'gae']}); set ppo.advantage_estimator={saved} "
-            "to continue that run, or start a new one (a new output_dir, or resume=never "
-            "in an empty one)")
+            "to continue that run, or start a new run in another output_dir")
 
 
 def read_state(path: Path) -> TrainerState:
