@@ -97,8 +97,9 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
     REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models", Sec. 3) takes them as advantages of the KL-shaped per-token rewards, then
-    whitens them over the global batch. The mask is a prefix of each row, so G after the last
-    valid token is 0: values of ``rewards`` outside the mask never leak in.
+    whitens them over the global batch. G is 0 at every masked position, so values of
+    ``rewards`` outside the mask never leak in, and a gap in a row's mask ends the sum before
+    it (a response mask is a prefix of its row: there the sum runs to the last valid token).
 
     Args:
         rewards: (B, T) float per-token rewards (e.g. from ``shape_rewards``).
@@ -110,8 +111,16 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     """
     mask = mask.bool()
     r = torch.where(mask, rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    if not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # a gap in some row: the plain recursion
+        returns = torch.zeros_like(r)
+        running = torch.zeros_like(r[:, 0])
+        for t in reversed(range(r.shape[1])):
+            running = torch.where(mask[:, t], r[:, t] + gamma * running, torch.zeros_like(running))
+            returns[:, t] = running
+        return returns
+    # prefix masks: G = r @ D with D[j, t] = gamma^(j - t) for j >= t, in float64 (as
+    # gae_matmul: one matmul instead of T small steps)
     T = r.shape[-1]
-    # G = r @ D with D[j, t] = gamma^(j - t) for j >= t, in float64 (as gae_matmul)
     idx = torch.arange(T, device=r.device)
     exponent = (idx.unsqueeze(1) - idx.unsqueeze(0)).double()  # [j, t] = j - t
     discount = torch.where(exponent >= 0,
