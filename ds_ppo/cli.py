@@ -7,6 +7,7 @@ with no traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from ds_ppo.errors import UserError
@@ -32,6 +33,9 @@ def _train(args: argparse.Namespace) -> int:
     except Preempted as e:  # checkpoint saved; 128 + signal tells the scheduler it did not finish
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the loop started, or a second one within it
+        print("ds-ppo: interrupted; nothing saved after the last checkpoint", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -1,8 +1,10 @@
 """A scheduler's stop request loses no finished iteration: SIGTERM / SIGUSR1 make `ds-ppo train`
-finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes."""
+finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes.
+Ctrl-C (SIGINT) does the same; a second Ctrl-C aborts at once."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,3 +76,31 @@ def test_sigusr1_to_one_rank_stops_both_at_the_same_iteration(tmp_path):
     assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
     ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert len(list((ckpt / "rng").iterdir())) == 2  # both ranks wrote their part
+
+
+def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_aborts(tmp_path):
+    """Through the console script a user runs: the first Ctrl-C finishes the iteration, saves
+    and exits 130 with the SIGTERM message; Ctrl-C twice aborts without waiting for the save."""
+    exe = shutil.which("ds-ppo")
+    assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
+    out = tmp_path / "out"
+    proc = _start([exe, "train", *SMALL, f"output_dir={out}", "iterations=500"], tmp_path)
+    _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    n = _saved_iteration(out)
+    assert f"stopped by SIGINT after iteration {n}; checkpoint " in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+
+    out2 = tmp_path / "out2"
+    proc = _start([exe, "train", *SMALL, f"output_dir={out2}", "iterations=500"], tmp_path)
+    _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGINT)
+    _wait_for(proc, "received SIGINT")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted; nothing saved after the last checkpoint" in stderr
+    assert "Traceback" not in stderr
