@@ -259,7 +259,8 @@ class CheckpointConfig(Section):
         "bf16", description="Weight dtype of exported models (safetensors).")
     save_on_signal: bool = Field(
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
-        "--signal=USR1@300): finish the iteration, save a checkpoint, exit 128 + the signal.")
+        "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
+        "signal (a second Ctrl-C aborts at once).")
 
 
 # -------------------------------------------------------------------------- deepspeed
