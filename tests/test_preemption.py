@@ -19,8 +19,8 @@ from conftest import clean_env, deepspeed_cmd, free_port, read_metrics, run_cli
 SMALL = [*BASE, "checkpoint.every=0"]  # only the stop request saves
 
 
-def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1"), text=True,
+def _start(cmd: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1", **env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -83,11 +83,14 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_ctrl_c_aborts(tmp_path):
     and exits 130 with the SIGTERM message; Ctrl-C twice aborts without waiting for the save."""
     exe = shutil.which("ds-ppo")
     assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
-    out = tmp_path / "out"
-    proc = _start([exe, "train", *SMALL, f"output_dir={out}", "iterations=500"], tmp_path)
+    out, extensions = tmp_path / "out", tmp_path / "torch_extensions"
+    proc = _start([exe, "train", *SMALL, f"output_dir={out}", "iterations=500"], tmp_path,
+                  TORCH_EXTENSIONS_DIR=str(extensions))
     _wait_for(proc, "iter    2/500")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
+    # a cold extension cache: nothing was built (DeepSpeed's CPU shm comm op is skipped)
+    assert not extensions.exists() or not any(extensions.iterdir())
     assert proc.returncode == 130, stderr[-3000:]
     n = _saved_iteration(out)
     assert f"stopped by SIGINT after iteration {n}; checkpoint " in stderr
