@@ -308,6 +308,9 @@ class Config(Section):
         "auto", description="auto: continue from output_dir's latest complete checkpoint if any; "
         "never: start fresh (refuses a non-empty checkpoint dir); or a checkpoint directory.")
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
+    log_level: Literal["info", "debug"] = Field(
+        "info", description="debug: also DeepSpeed's and transformers' start-up messages and "
+        "progress bars (e.g. one per checkpoint save), and ds_ppo's debug lines.")
     dist_timeout_minutes: float = Field(
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
         "than this fails the job with an error instead of hanging it; raise it when rank 0 does "

@@ -37,3 +37,35 @@ def test_console_script_imports_the_reward_module_from_the_working_directory(tmp
     assert proc.returncode == 2
     assert "their_rewards" in proc.stderr and str(tmp_path) in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------ progress
+def test_eta_is_the_mean_of_recent_iterations_times_those_left():
+    from ds_ppo.progress import Eta, format_duration
+
+    now = [100.0]
+    eta = Eta(window=3, clock=lambda: now[0])
+    eta.tick(1, 7.0)  # the first: its own duration
+    assert eta.left(10) == 70.0
+    for t in (102.0, 104.0, 110.0, 112.0):  # durations 2, 2, 6, 2: the last 3 count
+        now[0] = t
+        eta.tick(eta.iteration + 1, 99.0)
+    assert eta.left(5) == (2 + 6 + 2) / 3 * 5
+    now[0] = 500.0
+    eta.tick(3, 4.0)  # a new (or resumed) run in the same process starts afresh
+    assert eta.left(2) == 8.0
+    assert [format_duration(s) for s in (0, 44.6, 200, 3599, 7500)] == [
+        "0s", "45s", "3m20s", "59m59s", "2h05m"]
+
+
+def test_log_level_info_silences_library_bars_and_debug_keeps_them(tmp_path):
+    import sys
+
+    code = ("import logging, sys; from ds_ppo.trainer import _quiet_libraries; "
+            "from transformers.utils import logging as hf; _quiet_libraries(sys.argv[1]); "
+            "r = logging.LogRecord('DeepSpeed', 30, '', 0, 'Setting accelerator to CPU.', (), None);"
+            " print(hf.is_progress_bar_enabled(), logging.getLogger('DeepSpeed').filter(r))")
+    for level, expected in (("info", "False False"), ("debug", "True True")):
+        proc = subprocess.run([sys.executable, "-c", code, level], cwd=tmp_path, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.split() == expected.split(), proc.stderr[-2000:]
