@@ -340,8 +340,32 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+# Aliases share one object, so a few hundred bytes of nested &anchors/*aliases (an "alias bomb")
+# stand for billions of values, which validation and error messages would walk.
+MAX_YAML_VALUES = 100_000
+
+
 def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    count, stack = 0, [data]
+    while stack:  # the values of the tree with every alias expanded, up to the limit
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(f"YAML input expands, through its *aliases, to more than "
+                              f"{MAX_YAML_VALUES:,} values; write the values out instead")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return data
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr of user input for a message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
@@ -358,6 +382,8 @@ def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
         data = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top, got "
                           f"{type(data).__name__}")
@@ -381,7 +407,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     data = dict(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value "
+            raise ConfigError(f"override {_short(item)} is not of the form key=value "
                               "(e.g. ppo.kl_coef=0.05)")
         key, raw = item.split("=", 1)
         try:
@@ -417,7 +443,7 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
             valid = ", ".join(_known_keys(parent)) if parent else "?"
             lines.append(f"unknown config key {loc!r} (valid here: {valid})")
         else:
-            lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+            lines.append(f"{loc} = {_short(e.get('input'))}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

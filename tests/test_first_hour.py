@@ -69,3 +69,33 @@ def test_log_level_info_silences_library_bars_and_debug_keeps_them(tmp_path):
         proc = subprocess.run([sys.executable, "-c", code, level], cwd=tmp_path, env=clean_env(),
                               capture_output=True, text=True, timeout=120)
         assert proc.stdout.split() == expected.split(), proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------- hostile input
+_BOMB = """\
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+policy: {arch: {layers: *i}}
+"""
+
+
+@pytest.mark.parametrize("command", [["config"], ["train", "--dry-run"]])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, command):
+    (tmp_path / "bomb.yaml").write_text(_BOMB)
+    proc = ds_ppo([*command, "--config", "bomb.yaml"], cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2
+    assert "bomb.yaml" in proc.stderr and "aliases" in proc.stderr
+    assert len(proc.stderr) < 1000 and "Traceback" not in proc.stderr
+
+
+def test_config_errors_print_no_unbounded_repr_of_the_input(tmp_path):
+    proc = ds_ppo(["config", f"iterations=[{'1, ' * 5000}1]"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "iterations = [1, 1," in proc.stderr and len(proc.stderr) < 1000, proc.stderr[:2000]
