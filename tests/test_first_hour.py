@@ -99,3 +99,16 @@ def test_config_errors_print_no_unbounded_repr_of_the_input(tmp_path):
     proc = ds_ppo(["config", f"iterations=[{'1, ' * 5000}1]"], cwd=tmp_path)
     assert proc.returncode == 2
     assert "iterations = [1, 1," in proc.stderr and len(proc.stderr) < 1000, proc.stderr[:2000]
+
+
+# ------------------------------------------------------------------------ credentials
+def test_credentials_in_mlflow_tracking_uri_are_never_printed(tmp_path):
+    from conftest import SMALL, free_port
+
+    uri = f"http://alice:SECRET@127.0.0.1:{free_port()}/?token=TOKEN"  # nothing listens there
+    proc = ds_ppo(["train", *[a for a in SMALL if not a.startswith("tracking.")],
+                   "iterations=1", f"output_dir={tmp_path / 'out'}"], cwd=tmp_path,
+                  timeout=300, MLFLOW_TRACKING_URI=uri)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "cannot use MLflow at http://***@127.0.0.1:" in proc.stderr
+    assert "SECRET" not in proc.stdout + proc.stderr and "TOKEN" not in proc.stdout + proc.stderr
