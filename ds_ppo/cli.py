@@ -23,6 +23,12 @@ def _train(args: argparse.Namespace) -> int:
 
         load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     if args.dry_run:
+        from ds_ppo.errors import ConfigError
+        from ds_ppo.paths import missing_paths
+
+        missing = missing_paths(cfg)  # what a real start would trip over first
+        if missing:
+            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
         return 0
     from ds_ppo.preemption import Preempted

@@ -112,3 +112,32 @@ def test_credentials_in_mlflow_tracking_uri_are_never_printed(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "cannot use MLflow at http://***@127.0.0.1:" in proc.stderr
     assert "SECRET" not in proc.stdout + proc.stderr and "TOKEN" not in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------- dry-run paths
+def test_dry_run_names_local_paths_that_do_not_exist(tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    proc = ds_ppo(["train", "--dry-run", "data.path=prompts.jsonl", "policy.tokenizer=./tok",
+                   "reward.function=null", "reward.model=Org/reward-model"], cwd=tmp_path)  # a hub name: not checked
+    assert proc.returncode == 0, proc.stderr
+    proc = ds_ppo(["train", "--dry-run", "data.path=promts.jsonl", "policy.tokenizer=tok/",
+                   "reference.path=/nonexistent/llama", "reward.function=null",
+                   "reward.model=models/rm/v2",
+                   "data.eval_split=held_out.csv"], cwd=tmp_path)
+    assert proc.returncode == 2
+    for key in ("data.path = 'promts.jsonl'", "reference.path = '/nonexistent/llama'",
+                "reward.model = 'models/rm/v2'", "data.eval_split = 'held_out.csv'"):
+        assert f"{key}: no such file or directory" in proc.stderr, proc.stderr
+    assert "policy.tokenizer" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_hub_names_and_local_paths():
+    from ds_ppo.paths import is_hub_name, missing_local
+
+    for spec in ("gpt2", "Qwen/Qwen2.5-0.5B", "Dahoas/rm-static", "org/name.v2"):
+        assert is_hub_name(spec) and not missing_local(spec), spec
+    for spec in ("/abs/dir", "./rel", "~/nope", "a/b/c", "dir/", "p.jsonl", "sp.model",
+                 "../up", "org/../x"):
+        assert not is_hub_name(spec) and missing_local(spec), spec
+    assert not missing_local("builtin:tiny") and not missing_local(None)
