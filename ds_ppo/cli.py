@@ -7,6 +7,7 @@ with no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -146,10 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen below, not at exit
+        return rc
     except UserError as e:
         print(f"ds-ppo: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # `ds-ppo config --describe | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

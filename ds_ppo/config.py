@@ -571,5 +571,20 @@ def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
             lines.extend(describe(sub, key + "."))
         else:
             default = field.get_default(call_default_factory=True)
-            lines.append(f"{key} (default {default!r}): {field.description or ''}")
+            lines.append(f"{key} (default {yaml_value(default)}): {field.description or ''}")
     return lines
+
+
+def yaml_value(value: Any) -> str:
+    """A default as it is written in a config file: null, true, [0.9, 0.95], {}, auto."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return value if value.strip() and _load_yaml(value) == value else repr(value)
+    return repr(value)
