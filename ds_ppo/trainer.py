@@ -135,11 +135,14 @@ def _quiet_libraries(log_level: str) -> None:
     no per-save "Writing model shards" progress bars from transformers."""
     if log_level == "debug":
         return
-    logging.getLogger("DeepSpeed").addFilter(
-        lambda record: not record.getMessage().startswith("Setting accelerator to"))
+    logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def _no_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to")
 
 
 def _setup_logging(log_level: str = "info") -> None:
