@@ -144,36 +144,39 @@ def test_hub_names_and_local_paths():
 
 
 # --------------------------------------------------------------------------- tokenizers
-def _load_tokenizer(spec: str, cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+def _load_tokenizer(*specs: str, cwd: Path, **env: str
+                    ) -> tuple[subprocess.CompletedProcess, float]:
+    """load_tokenizer(spec) of each spec in one fresh process; each ConfigError on stderr."""
     import sys
     import time
 
     code = ("import sys\nfrom ds_ppo.data.tokenizer import load_tokenizer\n"
             "from ds_ppo.errors import ConfigError\n"
-            "try:\n    load_tokenizer(sys.argv[1], '.')\nexcept ConfigError as e:\n"
-            "    sys.exit(f'ConfigError: {e}')\n")
+            "for spec in sys.argv[1:]:\n    try:\n        load_tokenizer(spec, '.')\n"
+            "    except ConfigError as e:\n        print(f'ConfigError: {e}', file=sys.stderr)\n")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code, spec], cwd=cwd, env=clean_env(**env),
+    proc = subprocess.run([sys.executable, "-c", code, *specs], cwd=cwd, env=clean_env(**env),
                           capture_output=True, text=True, timeout=300)
     return proc, time.monotonic() - t0
 
 
 def test_a_missing_local_tokenizer_path_says_so(tmp_path):
-    for spec in ("./my_tok", str(tmp_path / "no" / "tok"), "tok/"):
-        proc, _ = _load_tokenizer(spec, tmp_path)
+    specs = ("./my_tok", str(tmp_path / "no" / "tok"), "tok/")
+    proc, _ = _load_tokenizer(*specs, cwd=tmp_path)
+    for spec in specs:
         assert f"ConfigError: tokenizer {spec!r}: no such directory or file" in proc.stderr, (
             proc.stderr[-2000:])
-        assert "Repo id" not in proc.stderr
+    assert "Repo id" not in proc.stderr
 
 
 def test_an_unreachable_hub_fails_fast_and_hf_hub_offline_is_honoured(tmp_path):
     from conftest import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    proc, seconds = _load_tokenizer("someorg/some-tokenizer", tmp_path, HF_ENDPOINT=dead)
+    proc, seconds = _load_tokenizer("someorg/some-tokenizer", cwd=tmp_path, HF_ENDPOINT=dead)
     assert f"the hub at {dead} does not answer" in proc.stderr, proc.stderr[-2000:]
     assert "(offline?)" in proc.stderr and seconds < 60
-    proc, seconds = _load_tokenizer("someorg/some-tokenizer", tmp_path, HF_ENDPOINT=dead,
+    proc, seconds = _load_tokenizer("someorg/some-tokenizer", cwd=tmp_path, HF_ENDPOINT=dead,
                                     HF_HUB_OFFLINE="1")
     assert "HF_HUB_OFFLINE is set: only the local cache is used" in proc.stderr, proc.stderr
     assert "does not answer" not in proc.stderr and seconds < 60
