@@ -164,8 +164,8 @@ def test_a_missing_local_tokenizer_path_says_so(tmp_path):
     specs = ("./my_tok", str(tmp_path / "no" / "tok"), "tok/")
     proc, _ = _load_tokenizer(*specs, cwd=tmp_path)
     for spec in specs:
-        assert f"ConfigError: tokenizer {spec!r}: no such directory or file" in proc.stderr, (
-            proc.stderr[-2000:])
+        expected = f"ConfigError: cannot load tokenizer {spec!r}: no such directory or file"
+        assert expected in proc.stderr, proc.stderr[-2000:]
     assert "Repo id" not in proc.stderr
 
 

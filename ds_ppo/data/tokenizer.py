@@ -221,8 +221,8 @@ def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     p = Path(path)
     if missing_local(path):
-        raise ConfigError(f"tokenizer {path!r}: no such directory or file (from {Path.cwd()}; "
-                          "a hub name reads as name or org/name)")
+        raise ConfigError(f"cannot load tokenizer {path!r}: no such directory or file (from "
+                          f"{Path.cwd()}; a hub name reads as name or org/name)")
     offline = _hub_offline()
     try:
         if p.is_file() and p.suffix == ".model":
