@@ -46,7 +46,8 @@ def test_train_names_a_stale_build_lock_instead_of_waiting_forever(tmp_path):
     exe = shutil.which("ds-ppo")
     assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
     t0 = time.time()
-    proc = subprocess.run([exe, "train", *SMALL, "iterations=1", f"output_dir={tmp_path / 'out'}"], cwd=tmp_path,
+    proc = subprocess.run([exe, "train", *SMALL, "iterations=1", f"output_dir={tmp_path / 'out'}"],
+                          cwd=tmp_path,
                           env=clean_env(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

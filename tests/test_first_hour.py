@@ -1,5 +1,6 @@
-"""What a new user meets first, through the installed `ds-ppo` console script: the README's reward
-function example, paths checked by `--dry-run`, config errors on hostile input, `config --describe`."""
+"""What a new user meets first, through the installed `ds-ppo` console script: the README's
+reward function example, paths checked by `--dry-run`, config errors on hostile input, progress
+and log noise, credentials in tracking URIs, tokenizer paths and an unreachable hub."""
 from __future__ import annotations
 
 import shutil
@@ -63,8 +64,8 @@ def test_log_level_info_silences_library_bars_and_debug_keeps_them(tmp_path):
 
     code = ("import logging, sys; from ds_ppo.trainer import _quiet_libraries; "
             "from transformers.utils import logging as hf; _quiet_libraries(sys.argv[1]); "
-            "r = logging.LogRecord('DeepSpeed', 30, '', 0, 'Setting accelerator to CPU.', (), None);"
-            " print(hf.is_progress_bar_enabled(), logging.getLogger('DeepSpeed').filter(r))")
+            "r = logging.LogRecord('DeepSpeed', 30, '', 0, 'Setting accelerator to CPU.', (), "
+            "None); print(hf.is_progress_bar_enabled(), logging.getLogger('DeepSpeed').filter(r))")
     for level, expected in (("info", "False False"), ("debug", "True True")):
         proc = subprocess.run([sys.executable, "-c", code, level], cwd=tmp_path, env=clean_env(),
                               capture_output=True, text=True, timeout=120)
@@ -119,7 +120,8 @@ def test_dry_run_names_local_paths_that_do_not_exist(tmp_path):
     (tmp_path / "tok").mkdir()
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     proc = ds_ppo(["train", "--dry-run", "data.path=prompts.jsonl", "policy.tokenizer=./tok",
-                   "reward.function=null", "reward.model=Org/reward-model"], cwd=tmp_path)  # a hub name: not checked
+                   "reward.function=null", "reward.model=Org/reward-model"],  # hub: unchecked
+                  cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     proc = ds_ppo(["train", "--dry-run", "data.path=promts.jsonl", "policy.tokenizer=tok/",
                    "reference.path=/nonexistent/llama", "reward.function=null",

@@ -129,4 +129,5 @@ def test_an_interrupt_outside_the_loop_is_one_line_and_exit_130(monkeypatch, cap
 
     monkeypatch.setattr(ds_ppo.trainer, "train", interrupted)
     assert main(["train"]) == 130
-    assert capsys.readouterr().err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"
+    err = capsys.readouterr().err
+    assert err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"
