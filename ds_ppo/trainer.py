@@ -29,6 +29,7 @@ from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
+from ds_ppo.progress import Eta, format_duration
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
 from ds_ppo.rundir import lock_output_dir, start_metrics_log
@@ -51,8 +52,9 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    _quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
-    _setup_logging()
+    _setup_logging(cfg.log_level)
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
@@ -134,13 +136,33 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+    path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
                                cfg.checkpoint.save_hf_weights))
+    if dist.is_main():
+        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
+    return path
 
 
 # ------------------------------------------------------------------------- start-up
-def _setup_logging() -> None:
+def _quiet_libraries(log_level: str) -> None:
+    """Before DeepSpeed is imported: unless log_level = debug, no DeepSpeed accelerator notice and
+    no per-save "Writing model shards" progress bars from transformers."""
+    if log_level == "debug":
+        return
+    logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _no_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to")
+
+
+def _setup_logging(log_level: str = "info") -> None:
     level = logging.INFO if dist.is_main() else logging.WARNING
+    if log_level == "debug":
+        level = logging.DEBUG
     logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
                         force=True)
     old_factory = logging.getLogRecordFactory()
@@ -153,12 +175,13 @@ def _setup_logging() -> None:
 
     logging.setLogRecordFactory(factory)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.INFO if log_level == "debug" else logging.WARNING)
     # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per call
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
     import transformers
 
-    transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
+    if log_level != "debug":
+        transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
 
 
 def _warn(message: str | None) -> None:
@@ -423,6 +446,7 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
         rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
     if not dist.is_main():
         return
+    _report.eta.tick(iteration, metrics["time/iteration_s"])
     if metrics.get("reward/input_cut_rate", 0.0) > 0 and not _report.warned_cut:
         _report.warned_cut = True
         log.warning("iteration %d: %.1f%% of the reward model's inputs were longer than "
@@ -442,10 +466,12 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
               + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
               f"| len {metrics['response/length_mean']:.1f} "
               f"| gen {metrics['time/generation_s']:.1f}s "
-              f"| iter {metrics['time/iteration_s']:.1f}s", flush=True)
+              f"| iter {metrics['time/iteration_s']:.1f}s "
+              f"| eta {format_duration(_report.eta.left(cfg.iterations - iteration))}", flush=True)
 
 
 _report.warned_cut = False  # the reward-input cut is reported once per process
+_report.eta = Eta()  # rank 0's time left, from the mean of recent iterations
 
 
 def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
