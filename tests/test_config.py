@@ -481,12 +481,16 @@ def test_kl_in_reward_default_follows_the_estimator():
     assert Config.model_validate(cfg.to_dict()) == cfg  # the resolved default round-trips
 
 
-def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys):
+def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys, tmp_path):
     assert main(["train", "--dry-run", *GRPO, "value.lr=1e-5"]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "value.lr" in err and "trains no value model" in err
     source = REPO / "ds_ppo" / "presets" / "grpo.yaml"
-    assert main(["train", "--dry-run", "--config", str(source)]) == 0
+    data, tok = tmp_path / "train.jsonl", tmp_path / "tok"  # the example's /path/to/... (checked)
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    tok.mkdir()
+    assert main(["train", "--dry-run", "--config", str(source), f"data.path={data}",
+                 f"data.eval_split={data}", f"policy.tokenizer={tok}"]) == 0
     assert "warning" not in capsys.readouterr().err  # the grpo example has no value section
     assert main(["train", "--dry-run", "ppo.advantage_estimator=gae", "value.lr=1e-5"]) == 0
     assert "warning" not in capsys.readouterr().err
