@@ -196,6 +196,20 @@ def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):
     assert "world size changed" not in caplog.text
 
 
+def test_out_of_memory_while_loading_is_not_called_a_corrupted_checkpoint(tmp_path):
+    """A checkpoint that fails to load for want of memory (or a failed collective) is intact:
+    the error stays what it is, it does not send the user back to an older checkpoint."""
+    _save(tmp_path, 1)
+    path = _save(tmp_path, 2)
+
+    class _OOM(_Engine):
+        def load_checkpoint(self, path, tag, **_):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        load_checkpoint(path, SimpleNamespace(policy=_OOM(), value=_Engine()))
+
+
 # ------------------------------------------------------------------------- 7. disk full
 def test_file_size_limit_during_save_keeps_previous_checkpoint(tmp_path):
     """torch.save under a file-size limit fails as on a full disk: with an errno-less
