@@ -279,6 +279,22 @@ def test_lock_live_holder_refused_stale_taken_over_released_at_exit(tmp_path, ca
     assert not lock.exists()
 
 
+def test_lock_left_by_an_earlier_process_with_this_pid_is_released_at_exit(tmp_path):
+    """A restarted container often gives rank 0 the pid of the killed run's rank 0: the lock
+    that run left names this very process. It is taken, and released at exit like any other
+    (else it outlives the run and stops the next one on another host)."""
+    from ds_ppo.rundir import LOCK_NAME
+
+    lock = tmp_path / LOCK_NAME
+    code = ("import json, os, socket; from pathlib import Path; "
+            "from ds_ppo.rundir import acquire_lock; "
+            f"lock = Path({str(lock)!r}); lock.write_text(json.dumps({{'host': "
+            "socket.gethostname(), 'pid': os.getpid(), 'started': 'before the kill'})); "
+            f"assert acquire_lock(Path({str(tmp_path)!r})) == lock")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert not lock.exists()
+
+
 def test_train_refuses_an_output_dir_in_use(tmp_path):
     """`ds-ppo train` on a directory whose lock a live process holds: exit 2, no training."""
     import socket
