@@ -658,6 +658,12 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"tracking.register_every = {t.register_every} registers checkpoints: "
                         "it needs tracking.register_model, checkpoint.save_hf_weights=true and a "
                         f"multiple of checkpoint.every = {c.every}")
+    if t.register_every and not t.register_copy:
+        problems.append(f"tracking.register_every = {t.register_every} with "
+                        "tracking.register_copy=false would register checkpoint directories by "
+                        "reference, which checkpoint.keep_last pruning deletes later: set "
+                        "tracking.register_copy=true, or tracking.register_every=0 (the final "
+                        "export, never pruned, is registered either way)")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")

@@ -142,15 +142,27 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
                          ) -> list[float]:
     """fn(prompts, responses, **columns) checked by `check_scores`.
 
-    With `timeout_s`, the call runs in a daemon worker thread and this thread waits at most that
-    long: a call still running raises RewardTimeout (the hung thread is left behind; being a
-    daemon, it does not keep the process alive). A function that raises becomes a
-    RewardFunctionError naming it, the exception and the line it came from."""
+    With `timeout_s`, the call runs in a daemon worker thread (with the caller's CUDA device and
+    grad mode) and this thread waits at most that long: a call still running raises
+    RewardTimeout (the hung thread is left behind; being a daemon, it does not keep the process
+    alive). A function that raises becomes a RewardFunctionError naming it, the exception and
+    the line it came from."""
+    import torch
+
     outcome: dict[str, Any] = {}
+    # torch's grad mode and current CUDA device are per thread: a new thread would run with
+    # gradients on and on cuda:0 (every rank's GPU work on one device); the worker gets the
+    # caller's
+    grad = torch.is_grad_enabled()
+    device = (torch.cuda.current_device()
+              if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def run() -> None:
         try:
-            outcome["value"] = fn(prompts, responses, **columns)
+            if device is not None and torch.cuda.current_device() != device:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = fn(prompts, responses, **columns)
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             outcome["error"] = e
 

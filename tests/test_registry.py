@@ -162,6 +162,16 @@ def test_register_config_rules():
     validate(load_config(None, ["tracking.register_model=m", "tracking.register_every=40"]), 1)
 
 
+def test_checkpoints_are_not_registered_by_a_reference_that_pruning_deletes():
+    """register_copy=false registers a directory by reference; a checkpoint's hf/ is deleted
+    by checkpoint.keep_last pruning, so register_every needs register_copy=true (the final
+    export, never pruned, may be registered by reference)."""
+    with pytest.raises(ConfigError, match="keep_last pruning deletes later"):
+        validate(load_config(None, ["tracking.register_model=m", "tracking.register_every=20",
+                                    "tracking.register_copy=false"]), 1)
+    validate(load_config(None, ["tracking.register_model=m", "tracking.register_copy=false"]), 1)
+
+
 def test_config_hash_ignores_url_credentials_but_not_settings():
     base = ["reward.function=null"]
     a = load_config(None, [*base, "reward.url=http://u:one@h/s"])

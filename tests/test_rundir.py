@@ -196,6 +196,20 @@ def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):
     assert "world size changed" not in caplog.text
 
 
+def test_out_of_memory_while_loading_is_not_called_a_corrupted_checkpoint(tmp_path):
+    """A checkpoint that fails to load for want of memory (or a failed collective) is intact:
+    the error stays what it is, it does not send the user back to an older checkpoint."""
+    _save(tmp_path, 1)
+    path = _save(tmp_path, 2)
+
+    class _OOM(_Engine):
+        def load_checkpoint(self, path, tag, **_):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        load_checkpoint(path, SimpleNamespace(policy=_OOM(), value=_Engine()))
+
+
 # ------------------------------------------------------------------------- 7. disk full
 def test_file_size_limit_during_save_keeps_previous_checkpoint(tmp_path):
     """torch.save under a file-size limit fails as on a full disk: with an errno-less
@@ -261,6 +275,22 @@ def test_lock_live_holder_refused_stale_taken_over_released_at_exit(tmp_path, ca
     release_lock(lock)
     code = f"from ds_ppo.rundir import acquire_lock; from pathlib import Path; " \
            f"acquire_lock(Path({str(tmp_path)!r})); assert Path({str(lock)!r}).exists()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert not lock.exists()
+
+
+def test_lock_left_by_an_earlier_process_with_this_pid_is_released_at_exit(tmp_path):
+    """A restarted container often gives rank 0 the pid of the killed run's rank 0: the lock
+    that run left names this very process. It is taken, and released at exit like any other
+    (else it outlives the run and stops the next one on another host)."""
+    from ds_ppo.rundir import LOCK_NAME
+
+    lock = tmp_path / LOCK_NAME
+    code = ("import json, os, socket; from pathlib import Path; "
+            "from ds_ppo.rundir import acquire_lock; "
+            f"lock = Path({str(lock)!r}); lock.write_text(json.dumps({{'host': "
+            "socket.gethostname(), 'pid': os.getpid(), 'started': 'before the kill'})); "
+            f"assert acquire_lock(Path({str(tmp_path)!r})) == lock")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert not lock.exists()
 

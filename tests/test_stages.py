@@ -223,6 +223,34 @@ def test_reward_function_that_hangs_is_stopped_after_timeout():
     assert where == [threading.main_thread()]
 
 
+def test_reward_function_worker_has_the_callers_grad_mode_and_cuda_device(monkeypatch):
+    """Grad mode and the current CUDA device are per thread: the worker thread that runs a
+    reward.function under reward.timeout_s gets the caller's (scoring runs under no_grad; a
+    rank's GPU is its current device, a new thread's would be cuda:0 on every rank). The CUDA
+    runtime's per-thread device is simulated: this test runs on CPU."""
+    import threading
+
+    per_thread = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(per_thread, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: setattr(per_thread, "device", int(d)))
+    torch.cuda.set_device(3)  # this rank's GPU, as init_distributed sets it
+    seen = []
+
+    def records(prompts, responses):
+        seen.append((threading.current_thread() is threading.main_thread(),
+                     torch.is_grad_enabled(), torch.cuda.current_device()))
+        return [1.0] * len(prompts)
+
+    engines = types.SimpleNamespace(reward_fn=records)
+    with torch.no_grad():
+        reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
+    reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
+    assert seen == [(False, False, 3), (False, True, 3)]
+
+
 def exact_match(prompts, responses, answer, *, weight=1.0):
     return [weight * float(r.strip() == a) for r, a in zip(responses, answer)]
 

@@ -497,6 +497,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
             loaded, _ = engine.load_checkpoint(str(path / role), tag=tag,
                                                load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
+        except (torch.OutOfMemoryError, torch.distributed.DistError):
+            raise  # RuntimeErrors that say nothing about the files: not "unusable"
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError,
                 zipfile.BadZipFile) as e:
             raise unusable(path, path / role / tag,
