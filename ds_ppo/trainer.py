@@ -502,7 +502,7 @@ def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines:
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             last_checkpoint: str | None):
     """Save the final state (unless the last iteration was just saved) and export the policy."""
-    from ds_ppo.export import DTYPES, export_engine
+    from ds_ppo.export import DTYPES, export_engine, write_marker
 
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
@@ -514,6 +514,9 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         export_dir = str(out / "final")
         export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
         if dist.is_main():
+            # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
+            write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
+                         with_value=False)
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)
     return last_checkpoint, export_dir

@@ -57,6 +57,8 @@ def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
     out, proc = default_run
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000040"
     assert (out / "final" / "model.safetensors").exists()
+    from ds_ppo.export import check_export_target
+    check_export_target(out / "final", overwrite=False)  # marked: `ds-ppo export` may replace it
     assert "mlflow ui --backend-store-uri" in proc.stdout + proc.stderr
     from mlflow.tracking import MlflowClient
 
