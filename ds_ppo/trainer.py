@@ -21,7 +21,8 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
                                       ensure_universal, find_resume, latest_checkpoint,
-                                      load_checkpoint, read_state, save_checkpoint)
+                                      load_checkpoint, read_state, rng_state, save_checkpoint,
+                                      set_rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
@@ -82,6 +83,7 @@ def train(cfg: Config) -> TrainResult:
         try:
             for iteration in range(state.iteration + 1, cfg.iterations + 1):
                 acc, t_iter = Accumulator(), time.perf_counter()
+                rng_at_start = rng_state()  # what a save of the previous iteration would hold
                 # step 1. generate the trajectory (this rank's shard of the global batch)
                 with _timed(acc, "time/generation_s"):
                     rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
@@ -126,7 +128,7 @@ def train(cfg: Config) -> TrainResult:
             status = "FINISHED"
         except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
             raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
-                                          result.last_checkpoint) from None
+                                          result.last_checkpoint, rng_at_start) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -483,12 +485,17 @@ def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
 
 
 def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
-                            state: TrainerState, tokenizer, last: str | None) -> RewardTimeout:
+                            state: TrainerState, tokenizer, last: str | None,
+                            rng_at_start: dict | None = None) -> RewardTimeout:
     """Checkpoint the last completed iteration (the weights still are its weights unless the
-    timeout came after this iteration's update, in evaluation), and the error to stop with."""
+    timeout came after this iteration's update, in evaluation), and the error to stop with.
+    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
+    so a resume samples that iteration again exactly as the uninterrupted run would have."""
     latest = latest_checkpoint(out)
     if (not err.after_update and state.iteration > 0 and
             (latest is None or latest.name != checkpoint_name(state.iteration))):
+        if rng_at_start is not None:
+            set_rng_state(rng_at_start)
         last = _checkpoint(cfg, out, engines, state, tokenizer)
     elif latest is not None:
         last = str(latest)

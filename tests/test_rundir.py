@@ -369,3 +369,25 @@ def test_export_writes_atomically(tmp_path):
     write_atomically(out, lambda tmp: (tmp / "model.safetensors").write_text("new"))
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_reward_timeout_saves_the_random_state_of_the_iterations_start(tmp_path):
+    """A hung reward function in iteration N: the checkpoint of N-1 it saves holds the random
+    state from N's start (not from after N's sampling), so the resume samples N exactly as the
+    uninterrupted run does."""
+    from ds_ppo.config import load_config
+    from ds_ppo.errors import RewardTimeout
+    from ds_ppo.trainer import _stop_on_reward_timeout
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"output_dir={out}", "checkpoint.save_hf_weights=false"])
+    torch.manual_seed(123)
+    at_start = ckpt.rng_state()
+    expected = torch.rand(4)  # what iteration N's sampling draws first
+    err = _stop_on_reward_timeout(RewardTimeout("hung"), cfg, out, _engines(),
+                                  TrainerState(iteration=3), _Saver(), None, at_start)
+    assert "checkpoint is" in str(err)
+    saved = torch.load(out / "checkpoints" / "iter_000003" / "rng" / "rank_00000.pt",
+                       weights_only=True)
+    ckpt.set_rng_state(saved)
+    assert torch.equal(torch.rand(4), expected)

@@ -277,6 +277,9 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+rng_state, set_rng_state = _rng_state, _set_rng_state  # this rank's streams, as a save holds them
+
+
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
                     keep_last: int, save_hf_weights: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory.
