@@ -109,7 +109,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         retries = engines.reward_fn.retries - retries
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values), entropy=zero(entropy), scores=scores,
-                      reward_cut=cut, reward_s=reward_s, reward_retries=retries)
+                      reward_cut=cut, reward_s=reward_s, reward_retries=retries,
+                      scoring_positions=rollout.positions(batches))
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
