@@ -285,9 +285,11 @@ def _all_agree(ok: bool, device: torch.device, group) -> bool:
 
 
 def _capture(fn, device: torch.device):
-    """Record one call of `fn` as a CUDA graph (nothing runs while recording; collectives in
-    `fn` are recorded on the capture stream). Returns (graph, None), or (None, the error) when
-    the step cannot be captured."""
+    """Record one call of `fn` as a CUDA graph (nothing runs while recording). An all-reduce in
+    `fn` is recorded too: torch's NCCL process group issues it on its own stream, which waits
+    on an event of the capture stream and is waited on by it, so it joins the capture (the
+    warm-up steps have already created the communicator). Returns (graph, None), or (None, the
+    error) when the step cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
