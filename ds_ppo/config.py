@@ -173,8 +173,9 @@ class GenerationConfig(Section):
         "always uses HF generate.")
     cuda_graph: bool = Field(
         True, description="loop=own on CUDA: capture the decoding step once per generate call "
-        "as a CUDA graph and replay it for every token (not in tensor_parallel mode with "
-        "tp_size > 1, whose steps hold all-reduces).")
+        "as a CUDA graph and replay it for every token. In tensor_parallel mode the graph "
+        "holds the step's all-reduces and the group's ranks capture together; if capture "
+        "fails on any of them, all decode eagerly (the reason is logged once).")
     stop_check_every: int = Field(
         16, gt=0, description="loop=own: decoding steps between checks whether every response "
         "has ended (each check waits for the device).")

@@ -114,7 +114,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         retries = engines.reward_fn.retries - retries
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None, entropy=zero(entropy),
-                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries)
+                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
+                      scoring_positions=rollout.positions(batches))
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

@@ -381,6 +381,22 @@ def test_micro_batches_group_similar_lengths():
     assert keep == 5 and ids.shape == am.shape == (2, 6)
 
 
+def test_positions_count_what_the_micro_batch_forwards_compute():
+    """Rollout.positions (the padding/* metrics): the positions of the micro-batches'
+    model_inputs and their real tokens, from host lengths."""
+    prompts = [[2] * n for n in (3, 1, 5, 2, 4)]
+    responses = [[1] * n for n in (1, 6, 2, 5, 6)]
+    rollout = _padded_rollout(prompts, responses, P=7, T=9)
+    batches = rollout.micro_batches(2)
+    inputs = [rollout.slice(rows).model_inputs() for rows in batches]
+    assert rollout.positions(batches) == (sum(ids.numel() for ids, _, _ in inputs),
+                                          sum(int(am.sum()) for _, am, _ in inputs))
+    assert batches == [[4, 1], [2, 3], [0]]
+    assert rollout.positions(batches) == (2 * (4 + 6) + 2 * (5 + 5) + 1 * (3 + 1), 35)
+    assert rollout.positions([list(range(5))]) == (5 * (5 + 6), 35)  # one micro-batch
+    assert rollout.positions([[0]]) == (4, 4)  # a row alone computes no padding
+
+
 def test_reward_inputs_cut_each_row_like_encode_for_reward():
     """Same tokenizer: each row keeps its last max_len real tokens (and a leading BOS), however
     long the other rows' responses are; a row within max_len is whole."""

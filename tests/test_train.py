@@ -40,8 +40,10 @@ def test_default_experiment_raises_reward(default_run):
     for key in ("loss/policy", "loss/value", "kl/sequence_mean", "policy/entropy",
                 "policy/clip_frac", "policy/approx_kl", "value/explained_variance",
                 "response/length_mean", "response/eos_rate", "kl_coef", "lr/policy",
-                "time/generation_s", "tokens_per_s/generation"):
+                "time/generation_s", "tokens_per_s/generation",
+                "padding/scoring_positions_per_token", "padding/update_positions_per_token"):
         assert key in rows[-1] and math.isfinite(rows[-1][key]), key
+    assert rows[-1]["padding/update_positions_per_token"] >= 1.0
 
 
 @pytest.mark.slow
