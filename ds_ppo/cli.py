@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--value", action="store_true", help="also export the value model")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA policy: write its PEFT adapter directory (load with "
+                   "PeftModel.from_pretrained(base, dir)) instead of the merged model")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")

@@ -65,8 +65,27 @@ class Optim(Section):
         1.0, description="Gradient clipping by global norm; null disables it.")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021, built with peft) trained on a frozen base."""
+
+    r: int = Field(8, gt=0, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0, description="The adapter's update is alpha / r x B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names that get adapters, or all-linear (peft's "
+        "spelling: every linear layer but the output head).")
+
+
+_LORA_DOC = ("Train low-rank adapters on the frozen base instead of all weights (null: full "
+             "fine-tuning): {{r (default 8), alpha (16; the update is alpha / r x B A), dropout "
+             "(0), target_modules (all-linear, or a list of module names)}}, e.g. "
+             "{role}.lora.r=8. Only the adapters{head} have gradients and optimizer state.")
+
+
 class PolicyConfig(ModelSource, Optim):
     """The trained policy (actor)."""
+
+    lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(role="policy", head=""))
 
 
 class ValueConfig(ModelSource, Optim):
@@ -79,6 +98,8 @@ class ValueConfig(ModelSource, Optim):
         "(backbone and score head, as DeepSpeed-Chat does), `policy` = the policy's backbone with "
         "a new head, `path` = this section's own path/arch; auto = reward when reward.model is "
         "set, else policy.")
+    lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(
+        role="value", head=" and the scalar head (always fully trained)"))
 
 
 class ReferenceConfig(Section):
@@ -86,6 +107,11 @@ class ReferenceConfig(Section):
 
     path: str | None = Field(
         None, description="Weights of the reference; default: the initial policy's.")
+    from_policy_base: Literal["auto"] | bool = Field(
+        "auto", description="With policy.lora: true = the reference log-probs come from the "
+        "policy engine with its adapters switched off (no reference engine is built, no second "
+        "copy of the base); false = a separate reference engine; auto = true unless "
+        "reference.path names another model.")
 
 
 class RewardConfig(Section):
@@ -438,6 +464,14 @@ def optimizer_steps(cfg: Config) -> int:
     return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size // p.mini_batch_size)
 
 
+def reference_from_policy_base(cfg: Config) -> bool:
+    """Whether the reference log-probs come from the LoRA policy's base (adapters off)."""
+    from_base = cfg.reference.from_policy_base
+    if cfg.policy.lora is None:
+        return False
+    return from_base is True or (from_base == "auto" and cfg.reference.path is None)
+
+
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches accumulated per optimizer step on each rank."""
     return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
@@ -496,6 +530,14 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
         problems.append("value.init_from = 'reward' needs reward.model")
+    ref = cfg.reference
+    if ref.from_policy_base is True and cfg.policy.lora is None:
+        problems.append("reference.from_policy_base = True needs policy.lora (a full fine-tuned "
+                        "policy has no frozen base to read): set policy.lora.r, or "
+                        "reference.from_policy_base=auto")
+    if ref.from_policy_base is True and ref.path is not None:
+        problems.append(f"reference.from_policy_base = True and reference.path = {ref.path!r}: "
+                        "the reference is either the policy's base or another model; drop one")
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "

@@ -17,7 +17,7 @@ import torch
 
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
-from ds_ppo.engine import dist
+from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
                                       ensure_universal, latest_checkpoint, load_checkpoint,
                                       read_state, resolve_checkpoint, save_checkpoint)
@@ -60,6 +60,7 @@ def train(cfg: Config) -> TrainResult:
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
                            reward_shares_tokenizer=reward_encode is None or reward_encode.same)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
+    tracker.log_params(lora.trainable_counts(engines))
     state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
     state.mlflow_run_id = tracker.run_id
     eos_ids = stop_token_ids(tokenizer, cfg)
@@ -222,10 +223,12 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
               if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
     if path is None:
-        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
+        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed,
+                             lora_bases=lora.base_record(engines.lora_bases))
         _seed_sampling(cfg.seed)
         _truncate_metrics_log(cfg, 0)
         return state, kl_ctl
+    lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
     for role in ("policy", "value"):
         changed = apply_optimizer_config(getattr(engines, role), getattr(cfg, role))
