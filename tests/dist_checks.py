@@ -191,6 +191,7 @@ def lora_roles(work: Path) -> dict:
                                 synced_gpus=dist.world_size() > 1, **kw).tolist()
     return {
         "trained": trained, "changed": changed,
+        "reference_engine_built": "reference" in engines.ds_configs,
         "reference_equal_base": bool(torch.equal(ref.masked_fill(~mask, 0),
                                                  plain.masked_fill(~mask, 0))),
         "reference_vs_base_max": diff(ref, plain),

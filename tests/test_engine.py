@@ -134,7 +134,9 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         assert head == ["base_model.model.score.weight"], head  # the scalar head, fully trained
         for role in ("policy", "value"):  # every trained tensor moved, no base tensor did
             assert changed[role] == trained[role], role
-        # the reference is the policy engine with its adapters off: the untouched base exactly
+        # the reference is the policy engine with its adapters off (no engine of its own): the
+        # untouched base, exactly
+        assert not res["reference_engine_built"]
         assert res["reference_equal_base"], res["reference_vs_base_max"]
         assert res["policy_vs_base_max"] > 1e-3  # while the adapted policy moved away from it
         # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
