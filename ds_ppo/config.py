@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -390,11 +391,16 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(model.model_fields)
 
 
-def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+def _section_type(model: type[BaseModel], key: str, optional: bool = False
+                  ) -> type[BaseModel] | None:
+    """The section class of `model.key`; with `optional`, also of a `Section | None` field
+    (policy.lora), whose keys are checked but which `describe` lists as one key."""
     field = model.model_fields.get(key)
     if field is None:
         return None
     ann = field.annotation
+    if optional:
+        ann = next((a for a in typing.get_args(ann) if a is not type(None)), ann)
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
@@ -424,7 +430,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = dict(child) if isinstance(child, dict) else {}
                 node[part] = child
                 node = child
-                model = _section_type(model, part) if model is not None else None
+                model = (_section_type(model, part, optional=True) if model is not None
+                         else None)
     return data
 
 
@@ -435,7 +442,7 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
         if e["type"] == "extra_forbidden":
             parent = Config
             for p in e["loc"][:-1]:
-                parent = _section_type(parent, str(p)) if parent else None
+                parent = _section_type(parent, str(p), optional=True) if parent else None
             valid = ", ".join(_known_keys(parent)) if parent else "?"
             lines.append(f"unknown config key {loc!r} (valid here: {valid})")
         else:

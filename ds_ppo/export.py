@@ -66,7 +66,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
             continue
         if role in lora_bases:
             model = _merged_lora(ckpt, src, lora_bases[role])
-        elif (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
+        elif ((src / "model.safetensors").exists()
+              or (src / "model.safetensors.index.json").exists()):
             model = _from_safetensors(src, role)
         else:
             log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "

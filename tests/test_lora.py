@@ -136,6 +136,11 @@ def test_lora_config_and_reference_from_base():
                                            "reference.path=x"]), 1)
     with pytest.raises(ConfigError, match="policy.lora.r"):
         load_config(None, ["policy.lora.r=0"])
+    # the optional section's keys are checked like any section's
+    with pytest.raises(ConfigError, match=r"policy.lora has no 'rank' \(valid: alpha, dropout,"):
+        load_config(None, ["policy.lora.rank=8"])
+    with pytest.raises(ConfigError, match=r"'value.lora.rank' \(valid here: alpha, dropout, r,"):
+        load_config(None, ["value.lora={rank: 8}"])
 
 
 # ----------------------------------------------------------------- one LoRA run, shared
