@@ -33,10 +33,13 @@ def _tiny_llama(seed: int = 0):
 
 
 def _adapted(seed: int = 0):
-    """A tiny llama with adapters whose B is random (the update is not zero)."""
+    """A tiny llama with adapters (every projection and the output head) whose B is random (the
+    update is not zero)."""
     from ds_ppo.engine.lora import add_adapters
 
-    cfg = load_config(None, LORA + ["policy.lora.alpha=4"]).policy.lora
+    targets = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+    cfg = load_config(None, LORA + ["policy.lora.alpha=4",
+                                    f"policy.lora.target_modules={targets}"]).policy.lora
     model = add_adapters(_tiny_llama(seed), cfg, seed=1)
     with torch.no_grad():
         for name, p in model.named_parameters():
