@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if it holds something other than a ds_ppo export")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA policy: write its PEFT adapter directory (load with "
+                   "PeftModel.from_pretrained(base, dir)) instead of the merged model")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")

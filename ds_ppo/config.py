@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,8 +70,27 @@ class Optim(Section):
         1.0, description="Gradient clipping by global norm; null disables it.")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021, built with peft) trained on a frozen base."""
+
+    r: int = Field(8, gt=0, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0, description="The adapter's update is alpha / r x B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names that get adapters, or all-linear (peft's "
+        "spelling: every linear layer but the output head).")
+
+
+_LORA_DOC = ("Train low-rank adapters on the frozen base instead of all weights (null: full "
+             "fine-tuning): {{r (default 8), alpha (16; the update is alpha / r x B A), dropout "
+             "(0), target_modules (all-linear, or a list of module names)}}, e.g. "
+             "{role}.lora.r=8. Only the adapters{head} have gradients and optimizer state.")
+
+
 class PolicyConfig(ModelSource, Optim):
     """The trained policy (actor)."""
+
+    lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(role="policy", head=""))
 
 
 class ValueConfig(ModelSource, Optim):
@@ -83,6 +103,8 @@ class ValueConfig(ModelSource, Optim):
         "(backbone and score head, as DeepSpeed-Chat does), `policy` = the policy's backbone with "
         "a new head, `path` = this section's own path/arch; auto = reward when reward.model is "
         "set, else policy.")
+    lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(
+        role="value", head=" and the scalar head (always fully trained)"))
 
 
 class ReferenceConfig(Section):
@@ -90,6 +112,11 @@ class ReferenceConfig(Section):
 
     path: str | None = Field(
         None, description="Weights of the reference; default: the initial policy's.")
+    from_policy_base: Literal["auto"] | bool = Field(
+        "auto", description="With policy.lora: true = the reference log-probs come from the "
+        "policy engine with its adapters switched off (no reference engine is built, no second "
+        "copy of the base); false = a separate reference engine; auto = true unless "
+        "reference.path names another model.")
 
 
 class RewardConfig(Section):
@@ -480,11 +507,16 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(model.model_fields)
 
 
-def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+def _section_type(model: type[BaseModel], key: str, optional: bool = False
+                  ) -> type[BaseModel] | None:
+    """The section class of `model.key`; with `optional`, also of a `Section | None` field
+    (policy.lora), whose keys are checked but which `describe` lists as one key."""
     field = model.model_fields.get(key)
     if field is None:
         return None
     ann = field.annotation
+    if optional:
+        ann = next((a for a in typing.get_args(ann) if a is not type(None)), ann)
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
@@ -514,7 +546,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = dict(child) if isinstance(child, dict) else {}
                 node[part] = child
                 node = child
-                model = _section_type(model, part) if model is not None else None
+                model = (_section_type(model, part, optional=True) if model is not None
+                         else None)
     return data
 
 
@@ -525,7 +558,7 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
         if e["type"] == "extra_forbidden":
             parent = Config
             for p in e["loc"][:-1]:
-                parent = _section_type(parent, str(p)) if parent else None
+                parent = _section_type(parent, str(p), optional=True) if parent else None
             valid = ", ".join(_known_keys(parent)) if parent else "?"
             lines.append(f"unknown config key {loc!r} (valid here: {valid})")
         else:
@@ -553,6 +586,14 @@ def optimizer_steps(cfg: Config) -> int:
     p = cfg.ppo
     return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt
                                             // p.mini_batch_size)
+
+
+def reference_from_policy_base(cfg: Config) -> bool:
+    """Whether the reference log-probs come from the LoRA policy's base (adapters off)."""
+    from_base = cfg.reference.from_policy_base
+    if cfg.policy.lora is None:
+        return False
+    return from_base is True or (from_base == "auto" and cfg.reference.path is None)
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
@@ -621,6 +662,14 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
         problems.append("value.init_from = 'reward' needs reward.model")
+    ref = cfg.reference
+    if ref.from_policy_base is True and cfg.policy.lora is None:
+        problems.append("reference.from_policy_base = True needs policy.lora (a full fine-tuned "
+                        "policy has no frozen base to read): set policy.lora.r, or "
+                        "reference.from_policy_base=auto")
+    if ref.from_policy_base is True and ref.path is not None:
+        problems.append(f"reference.from_policy_base = True and reference.path = {ref.path!r}: "
+                        "the reference is either the policy's base or another model; drop one")
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "

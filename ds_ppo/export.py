@@ -11,6 +11,10 @@ An offline export never overwrites what it did not write: `--out` must be new, e
 earlier ds_ppo export (it holds `ds_ppo_export.json`) unless `--overwrite`; the export is written
 into a temporary directory next to it and renamed into place, so a failed export leaves nothing
 half-written.
+
+A LoRA policy (policy.lora) exports merged (W + alpha / r x B A: a plain model, no peft needed to
+load it), from the checkpoint's adapter and the base model at its recorded path; or with
+`adapter_only` as the PEFT directory (`PeftModel.from_pretrained(base, dir)`).
 """
 from __future__ import annotations
 
@@ -33,12 +37,35 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
     safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
     tokenizer."""
     from ds_ppo.engine.hf_writer import save_module
+    from ds_ppo.engine.lora import is_lora
 
+    if is_lora(engine.module):
+        return _export_merged_replica(engine, tokenizer, out_dir, dtype)
     return save_module(engine.module, tokenizer, out_dir, dtype)
 
 
+def _export_merged_replica(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """A LoRA policy: its merged weights (W + alpha / r x B A, as the generation replica gets
+    them) gathered into one CPU model on rank 0 and saved there. Not streamed: rank 0 holds the
+    whole merged model once (see docs/SCALING.md)."""
+    from ds_ppo.engine import dist
+    from ds_ppo.engine.generation import build_replica
+
+    out_dir = Path(out_dir)
+    model = build_replica(engine.module, dtype, torch.device("cpu"),
+                          materialize=dist.is_main())
+    if dist.is_main():
+        model.config.use_cache = True
+        model.save_pretrained(out_dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+    return out_dir
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
-                      with_value: bool = False, overwrite: bool = False) -> list[Path]:
+                      with_value: bool = False, overwrite: bool = False,
+                      adapter_only: bool = False) -> list[Path]:
     """Offline export of a ds_ppo checkpoint (no process group, CPU).
 
     Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
@@ -48,7 +75,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     Raises:
         UserError: `out_dir` holds files of something else (and not `overwrite`).
     """
-    from ds_ppo.engine.checkpoint import resolve_checkpoint
+    from ds_ppo.engine.checkpoint import read_state, resolve_checkpoint
 
     out_dir = Path(out_dir)
     check_export_target(out_dir, overwrite)
@@ -58,7 +85,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
 
         raise UserError(f"--value: {ckpt} has no value model (trained with a critic-free "
                         "ppo.advantage_estimator); export without --value")
-    write_atomically(out_dir, lambda tmp: _export_into(ckpt, tmp, dtype, with_value))
+    lora_bases = read_state(ckpt).lora_bases
+    _check_lora_request(ckpt, lora_bases, with_value, adapter_only)
+    write_atomically(out_dir, lambda tmp: _export_into(ckpt, tmp, dtype, with_value, lora_bases,
+                                                       adapter_only))
     return [out_dir] + ([out_dir / "value"] if with_value else [])
 
 
@@ -96,7 +126,8 @@ def write_atomically(out_dir: Path, write) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool) -> None:
+def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
+                 lora_bases: dict, adapter_only: bool) -> None:
     from transformers import AutoTokenizer
 
     from ds_ppo.engine.hf_writer import save_module
@@ -105,7 +136,11 @@ def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
     for role, target in roles:
         src = ckpt / ("hf" if role == "policy" else "hf_value")
-        if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
+        if role in lora_bases and adapter_only:
+            _copy_adapter(src, target)
+        elif role in lora_bases:
+            save_module(_merged_lora(ckpt, src, lora_bases[role]), None, target, dtype)
+        elif (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
             _copy_safetensors(src, target, dtype)  # one tensor in memory at a time
         else:
             log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
@@ -121,6 +156,40 @@ def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: boo
     (out_dir / MARKER).write_text(json.dumps(
         {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
          "value": with_value}, indent=2) + "\n")
+
+
+def _check_lora_request(ckpt: Path, lora_bases: dict, with_value: bool,
+                        adapter_only: bool) -> None:
+    from ds_ppo.errors import UserError
+
+    if adapter_only and "policy" not in lora_bases:
+        raise UserError(f"--adapter-only: the policy in {ckpt} was not trained with LoRA "
+                        "(policy.lora); export it without --adapter-only")
+    if with_value and "value" in lora_bases:
+        raise UserError(f"--value: the value model in {ckpt} was trained with LoRA (value.lora); "
+                        "its adapters and head are in the DeepSpeed files only: export the "
+                        "policy without --value")
+
+
+def _copy_adapter(src: Path, target: Path) -> None:
+    """The checkpoint's PEFT directory (adapter config and weights, as trained)."""
+    import shutil
+
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(src / name, target / name)
+
+
+def _merged_lora(ckpt: Path, src: Path, base: dict):
+    """The policy with its adapters merged into the base it was trained on (fingerprint
+    checked), as a plain HF model."""
+    from peft import PeftModel
+
+    from ds_ppo.engine.lora import check_base
+
+    check_base({"policy": base}, {"policy": base["path"]}, ckpt)
+    model = _model_class("policy").from_pretrained(base["path"], dtype=torch.float32)
+    return PeftModel.from_pretrained(model, src).merge_and_unload()
 
 
 def _model_class(role: str):
@@ -166,6 +235,7 @@ def _from_zero_shards(ckpt: Path, role: str):
 
 def main(args: argparse.Namespace) -> int:
     for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value,
-                                  getattr(args, "overwrite", False)):
+                                  getattr(args, "overwrite", False),
+                                  getattr(args, "adapter_only", False)):
         print(f"exported {path}")
     return 0

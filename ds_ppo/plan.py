@@ -17,6 +17,10 @@ Sources of the formulas:
   Recomputation in Large Transformer Models", sec. 4.1, 34*s*b*h + 5*a*s^2*b bytes for GPT),
   redone for a Llama-style layer (see `layer_activation_bytes`).
 - KV cache: 2 (K and V) * layers * kv_heads * head_dim * tokens * batch * 2 bytes.
+- LoRA (policy.lora / value.lora): the frozen base as a frozen role's 16-bit weights, and the
+  trained-role formulas above applied to the adapter parameters (r x (in + out) per adapted
+  Llama projection) plus a value model's head; with the reference read from the policy's base
+  there is no reference role.
 
 Besides ds_ppo.config it imports only torch and transformers (lazily), never deepspeed.
 """
@@ -32,7 +36,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from ds_ppo.config import Config, apply_overrides, load_config, validate
+from ds_ppo.config import (Config, apply_overrides, load_config, reference_from_policy_base,
+                           validate)
 from ds_ppo.errors import ConfigError, UserError
 
 GiB = 2**30
@@ -170,10 +175,11 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
     else:
         value_hf, value_src = policy_hf, policy_src
 
+    from_base = reference_from_policy_base(cfg)  # LoRA: the policy engine, adapters off
     shapes = {
         "policy": model_shape(policy_hf, "causal", policy_src),
         "value": model_shape(value_hf, "token", value_src),
-        "reference": model_shape(ref_hf, "causal", ref_src),
+        "reference": None if from_base else model_shape(ref_hf, "causal", ref_src),
         "reward": model_shape(reward_hf, "sequence", reward_src) if reward_hf is not None else None,
     }
     return RoleShapes(shapes, tuple(notes))
@@ -345,7 +351,7 @@ class Cluster:
 @dataclass(frozen=True)
 class RolePlan:
     role: str
-    shape: ModelShape | None  # None: a reward function, no model
+    shape: ModelShape | None  # None: a reward function / the LoRA policy's base
     trained: bool
     zero_stage: int
     offload_optimizer: bool
@@ -407,11 +413,36 @@ class Plan:
         return self.fits_gpu and self.fits_cpu is not False
 
 
+def lora_params(shape: ModelShape, lora) -> int:
+    """Adapter parameters of a Llama-layout model: r x (in + out) for each adapted projection
+    (all-linear = q, k, v, o, gate, up, down of every layer; the output head never)."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
+        shape.intermediate
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+             "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+    names = sizes if lora.target_modules == "all-linear" else lora.target_modules
+    return shape.layers * lora.r * sum(sizes.get(n, 0) for n in names)
+
+
+def _lora_states(shape: ModelShape, adapters: int, cluster: Cluster, d) -> ModelStates:
+    """A LoRA role: the frozen 16-bit base (as a frozen role) + the trained adapters' states."""
+    base = inference_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
+                            cluster.nodes, d.zero_stage, d.offload_param)
+    ad = train_states(adapters, 0, cluster.gpus_per_node, cluster.nodes, d.zero_stage,
+                      d.offload_optimizer, d.offload_param)
+    return ModelStates(base.gpu_bytes_per_rank + ad.gpu_bytes_per_rank, base.gather_bytes,
+                       base.cpu_bytes_per_node + ad.cpu_bytes_per_node)
+
+
 def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
     d = getattr(cfg.deepspeed, role)
     trained = role in TRAINED_ROLES
+    lora = getattr(cfg, role).lora if trained else None
     if shape is None:
         states = ModelStates(0, 0, 0)
+    elif lora is not None:  # the value head (hidden x 1) is trained fully
+        states = _lora_states(shape, lora_params(shape, lora)
+                              + (shape.hidden if role == "value" else 0), cluster, d)
     elif trained:
         states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
                               cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
@@ -532,6 +563,16 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     if "value" not in roles:
         notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
                      "no value model (no weights, gradients or optimizer state for it)")
+    for role in (r for r in TRAINED_ROLES if r in roles):
+        lora, shape = getattr(cfg, role).lora, roles[role].shape
+        if lora is not None:
+            n = lora_params(shape, lora)
+            notes.append(f"{role}.lora r={lora.r} on {lora.target_modules}: {_params(n)} adapter "
+                         f"params ({100 * n / shape.params:.2f}%) with grads and optimizer "
+                         "state; the base is frozen 16-bit weights")
+    if reference_from_policy_base(cfg):
+        notes.append("reference: the policy's base with its adapters off (no reference role; "
+                     "its scoring forward costs what the policy's does)")
     for role in (r for r in TRAINED_ROLES if r in roles):
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and not d.offload_optimizer:
@@ -732,7 +773,9 @@ def format_plan(p: Plan, title: str) -> str:
     for name, rp in p.roles.items():
         s = rp.shape
         if s is None:
-            out.append(f"{name:<10} {'(reward function, no model)':<31}")
+            what = "(policy base, adapters off)" if name == "reference" else \
+                "(reward function, no model)"
+            out.append(f"{name:<10} {what:<31}")
             continue
         off = "+".join(x for x, on in (("optimizer", rp.offload_optimizer),
                                        ("params", rp.offload_param)) if on) or "-"

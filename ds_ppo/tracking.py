@@ -109,6 +109,7 @@ class Tracker(Protocol):
     def log_samples(self, rows: list[dict], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dict(self, obj: dict, artifact_file: str) -> None: ...
+    def log_params(self, params: dict[str, str]) -> None: ...
     def close(self, status: str = "FINISHED") -> None: ...
     def where(self) -> str: ...
 
@@ -129,6 +130,9 @@ class NullTracker:
         pass
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
+        pass
+
+    def log_params(self, params: dict[str, str]) -> None:
         pass
 
     def close(self, status: str = "FINISHED") -> None:
@@ -460,6 +464,16 @@ class MlflowTracker:
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
         self._guard(self.client.log_dict, self.run_id, obj, artifact_file)
+
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params known only once the models are built (e.g. trainable parameter counts); a
+        resumed run keeps those it has (MLflow params are write-once)."""
+        from mlflow.entities import Param
+
+        new = [Param(clean_key(k), v) for k, v in params.items()
+               if clean_key(k) not in self._old_params]
+        if new:
+            self._guard(self.client.log_batch, self.run_id, params=new)
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run with FINISHED, FAILED or KILLED; report lost calls. Idempotent."""

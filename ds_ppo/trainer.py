@@ -18,7 +18,7 @@ import torch
 from ds_ppo.algo import (AdaptiveKLController, FixedKLController, group_score_stats,
                          log_ratio_clamped)
 from ds_ppo.config import Config
-from ds_ppo.engine import dist
+from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
                                       ensure_universal, find_resume, latest_checkpoint,
                                       load_checkpoint, read_state, rng_state, save_checkpoint,
@@ -67,6 +67,7 @@ def train(cfg: Config) -> TrainResult:
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
                            reward_shares_tokenizer=reward_encode is None or reward_encode.same)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
+    tracker.log_params(lora.trainable_counts(engines))
     state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
     state.mlflow_run_id = tracker.run_id
     eos_ids = stop_token_ids(tokenizer, cfg)
@@ -259,10 +260,12 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
               if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed,
-                             advantage_estimator=p.advantage_estimator)
+                             advantage_estimator=p.advantage_estimator,
+                             lora_bases=lora.base_record(engines.lora_bases))
         _seed_sampling(cfg.seed)
         start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
         return state, kl_ctl
+    lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
     state.advantage_estimator = p.advantage_estimator
     for role in ("policy", "value") if p.uses_critic else ("policy",):

@@ -200,6 +200,63 @@ def replica_and_roles(work: Path) -> dict:
     }
 
 
+def lora_roles(work: Path) -> dict:
+    """LoRA policy and value on ZeRO-3, one iteration through the stages. Then: only adapters and
+    the value head changed; the reference (the policy engine, adapters off) still gives the
+    untouched base model's log-probs; the merged replica computes what the adapted policy does
+    and decodes as zero3 mode does through the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_ppo.data.prompts import left_pad
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.forward import response_logprobs
+
+    cfg = cfg_for(work, "lora", ["iterations=1", "policy.lora.r=8", "value.lora.r=8"])
+    tok = load_tokenizer("builtin:tiny", work / "lora")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    roles = {"policy": engines.policy.module, "value": engines.value.module}
+    trained = {r: sorted(n for n, p in m.named_parameters() if p.requires_grad)
+               for r, m in roles.items()}
+    before = {r: gathered(m) for r, m in roles.items()}
+    rollout = _stages(cfg, engines, tok, 0, "gathered")
+    after = {r: gathered(m) for r, m in roles.items()}
+    changed = {r: sorted(n for n in before[r] if not torch.equal(before[r][n], after[r][n]))
+               for r in roles}
+    temp, mask = cfg.generation.temperature, rollout.mask
+    base = AutoModelForCausalLM.from_pretrained(engines.policy_path, dtype=torch.float32)
+    replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
+
+    def diff(a, b) -> float:
+        return float((a - b).abs().masked_fill(~mask, 0).max())
+
+    with torch.no_grad():
+        ref = response_logprobs(engines.reference, rollout, temp)[0]
+        plain = response_logprobs(base, rollout, temp)[0]
+        policy = response_logprobs(engines.policy, rollout, temp)[0]
+        merged = response_logprobs(replica, rollout, temp)[0]
+    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id)
+    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
+    module = engines.policy.module
+    module.eval()
+    module.config.use_cache = True
+    zero3_out = module.generate(input_ids=ids, attention_mask=am,
+                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    return {
+        "trained": trained, "changed": changed,
+        "reference_engine_built": "reference" in engines.ds_configs,
+        "reference_equal_base": bool(torch.equal(ref.masked_fill(~mask, 0),
+                                                 plain.masked_fill(~mask, 0))),
+        "reference_vs_base_max": diff(ref, plain),
+        "policy_vs_base_max": diff(policy, plain),
+        "merged_replica_vs_policy_max": diff(merged, policy),
+        "replica_out": replica_out, "zero3_out": zero3_out,
+    }
+
+
 def tensor_parallel(work: Path) -> dict:
     """generation.mode=tensor_parallel over all ranks: training runs; greedy rows equal the
     gathered replica's for each rank's own prompts (ranks with different prompt counts and
@@ -284,6 +341,9 @@ def main() -> None:
         "varied_gathered": lambda: varied_lengths(work, "gathered"),
         "replica": lambda: replica_and_roles(work),
         "tensor_parallel": lambda: tensor_parallel(work),
+        "zero3_lora": lambda: first_update(work, "z3lora", [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"]),
+        "lora": lambda: lora_roles(work),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

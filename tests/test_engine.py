@@ -139,3 +139,32 @@ def test_critic_free_first_update_invariant_to_micro_batch_times_accumulation(on
 def test_critic_free_estimator_builds_no_value_engine(one_rank, two_ranks):
     for res in (one_rank["critic_free_engines"], two_ranks["critic_free_engines"]):
         assert res == {"value_is_none": True, "ds_configs": ["policy", "reference"]}
+
+
+# ------------------------------------------------------------------------------- LoRA
+def test_lora_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """policy.lora and value.lora on ZeRO-3: the adapters start at B = 0, so the policy is its
+    base and the first iteration's KL to the reference (the same base) is exactly 0; the update
+    is the same at any world size."""
+    for res in (one_rank["zero3_lora"], two_ranks["zero3_lora"]):
+        assert res["kl/sequence_mean"] == 0.0
+        assert res["policy/approx_kl"] > 0  # the second optimizer step saw the first one's update
+    assert not _close(one_rank["zero3_lora"], two_ranks["zero3_lora"])
+
+
+def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_rank, two_ranks):
+    for res in (one_rank["lora"], two_ranks["lora"]):
+        trained, changed = res["trained"], res["changed"]
+        assert trained["policy"] and all(".lora_" in n for n in trained["policy"])
+        head = [n for n in trained["value"] if ".lora_" not in n]
+        assert head == ["base_model.model.score.weight"], head  # the scalar head, fully trained
+        for role in ("policy", "value"):  # every trained tensor moved, no base tensor did
+            assert changed[role] == trained[role], role
+        # the reference is the policy engine with its adapters off (no engine of its own): the
+        # untouched base, exactly
+        assert not res["reference_engine_built"]
+        assert res["reference_equal_base"], res["reference_vs_base_max"]
+        assert res["policy_vs_base_max"] > 1e-3  # while the adapted policy moved away from it
+        # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
+        assert res["merged_replica_vs_policy_max"] < 1e-5
+        assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters

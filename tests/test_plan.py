@@ -337,7 +337,8 @@ def test_cli_json_object_and_no_deepspeed_import(tmp_path):
 
 
 # ------------------------------------------------------------------------------ presets
-@pytest.mark.parametrize("name,world_size", [("1b", 1), ("8b", 8), ("70b", 64)])
+@pytest.mark.parametrize("name,world_size", [("1b", 1), ("8b", 8), ("70b", 64),
+                                             ("70b-lora", 8)])
 def test_presets_validate_for_their_world_size(name, world_size):
     cfg = load_config(name)
     validate(cfg, world_size)
@@ -351,7 +352,7 @@ def test_smaller_presets_fit_their_cluster(name, nodes, gpus):
 
 
 def test_launch_preset_links_point_at_presets():
-    for name in ("1b", "8b", "70b"):
+    for name in ("1b", "8b", "70b", "70b-lora"):
         link = REPO / "launch" / f"{name}.yaml"
         assert link.resolve() == (REPO / "ds_ppo" / "presets" / f"{name}.yaml").resolve()
 
@@ -437,3 +438,37 @@ def test_critic_free_plan_drops_the_value_role(tmp_path):
     assert saved > 0 and grpo.resident_bytes == with_critic.resident_bytes - saved
     assert any("no value model" in n for n in grpo.notes)
     assert "value" not in P.format_plan(grpo, "small").split("Peak per GPU")[0]
+
+
+# ---------------------------------------------------------------------------------- LoRA
+def test_lora_adapter_count_matches_peft():
+    """lora_params counts what peft builds: r x (in + out) per adapted projection."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from peft import LoraConfig, get_peft_model
+
+    arch = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    cfg = load_config(None, ["policy.lora.r=4", f"policy.arch={json.dumps(arch)}"])
+    shape = P.model_shape(P._hf_config(None, cfg.policy.arch), "causal", "arch")
+    for targets in ("all-linear", ["q_proj", "down_proj"]):
+        fields = {k: v for k, v in arch.items() if k != "model_type"}
+        model = get_peft_model(LlamaForCausalLM(LlamaConfig(**fields)),
+                               LoraConfig(r=4, target_modules=targets))
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lora = cfg.policy.lora.model_copy(update={"target_modules": targets})
+        assert P.lora_params(shape, lora) == n, targets
+
+
+def test_70b_lora_fits_one_node_where_full_70b_does_not():
+    one_node = P.Cluster(1, 8, 80 * GiB)
+    lora = P.plan(load_config("70b-lora"), one_node)
+    assert lora.fits and lora.generation_mode == "tensor_parallel"
+    assert lora.roles["reference"].shape is None  # the policy's base, no reference role
+    full = P.plan(load_config("70b", ["ppo.rollout_batch_size=128", "ppo.mini_batch_size=32"]),
+                  one_node)
+    assert not full.fits
+    # the trained roles keep only the frozen 16-bit base resident (+ small adapter states)
+    base = 2 * lora.roles["policy"].shape.params / 8
+    assert base < lora.roles["policy"].states.resident_bytes < 1.05 * base
+    assert lora.roles["policy"].states.resident_bytes < \
+        full.roles["policy"].states.resident_bytes / 5

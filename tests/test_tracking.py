@@ -326,3 +326,27 @@ def test_server_killed_mid_run(mlflow_server, tmp_path, caplog):  # noqa: F811
     client = MlflowClient(tracking_uri=mlflow_server.db_uri)
     assert history_steps(client, tracker.run_id, "loss/policy") == [1]
     assert client.get_run(tracker.run_id).data.params["ppo.kl_coef"] == "0.1"
+
+
+def test_lora_settings_and_trainable_counts_are_params(tmp_path):
+    cfg = Config.model_validate({
+        "policy": {"arch": {"model_type": "llama", "hidden_size": 64},
+                   "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "reward": {"function": "ds_ppo.rewards:positive_words"},
+        "output_dir": str(tmp_path / "run")})
+    tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS)
+    tracker.log_params({"policy.trainable_params": "16384", "value.trainable_params": "123264"})
+    tracker.close()
+    # a resumed run keeps the params it has (MLflow refuses to change one)
+    again = open_tracker(cfg, is_main=True, run_id=tracker.run_id, tags=TAGS)
+    again.log_params({"policy.trainable_params": "1"})
+    again.close()
+    assert again.lost_calls == 0
+    store = (tmp_path / "run" / "mlruns").resolve()
+    params = MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}") \
+        .get_run(tracker.run_id).data.params
+    assert params["policy.lora.r"] == "8" and params["policy.lora.alpha"] == "16.0"
+    assert params["policy.lora.target_modules"] == "['q_proj', 'v_proj']"
+    assert params["value.lora"] == "None"
+    assert params["policy.trainable_params"] == "16384"
+    assert params["value.trainable_params"] == "123264"

@@ -8,6 +8,9 @@ Layout (output_dir/checkpoints/):
     iter_000010/hf/              the policy's HF config + tokenizer, and its weights as
                                  safetensors unless checkpoint.save_hf_weights=false
     iter_000010/hf_value/        the same for the value model
+    (LoRA roles, engine/lora.py: DeepSpeed's files hold only the trained parameters, adapters and
+    the value head, never the frozen base; hf/ holds the policy's PEFT adapter directory instead
+    of weights, and trainer_state.json a fingerprint of each base, checked on resume)
     iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
     iter_000010/rng/rank_00000.pt    RNG states of every rank (tensors only)
     latest                       the name of the newest COMPLETE checkpoint
@@ -64,6 +67,7 @@ class TrainerState:
     world_size: int = 1
     seed: int = 0
     advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
+    lora_bases: dict = field(default_factory=dict)  # LoRA role -> {path, fingerprint} of its base
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -298,17 +302,24 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
             tmp.mkdir(parents=True)
             (tmp / "rng").mkdir()
         dist.barrier()
-        engines.policy.save_checkpoint(str(tmp / "policy"), tag=TAG, save_latest=False)
+        # exclude_frozen_parameters: a LoRA role's frozen base is rebuilt from its path on resume
+        engines.policy.save_checkpoint(str(tmp / "policy"), tag=TAG, save_latest=False,
+                                       exclude_frozen_parameters=True)
         if engines.value is not None:  # critic-free estimators have no value model to save
-            engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
+            engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False,
+                                          exclude_frozen_parameters=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
         _fault_point("save", state.iteration, tmp)
-        if save_hf_weights:  # collective gathers; rank 0 writes safetensors
+        from ds_ppo.engine.lora import is_lora, save_adapters
+
+        save_adapters(engines.policy, tmp / "hf")  # a LoRA policy's adapters (small; collective)
+        if save_hf_weights:  # collective gathers; the ranks of node 0 write safetensors
             from ds_ppo.export import export_engine
 
-            export_engine(engines.policy, tokenizer, tmp / "hf", engines.dtype)
-            if engines.value is not None:
-                export_engine(engines.value, None, tmp / "hf_value", engines.dtype)
+            for engine, sub in ((engines.policy, "hf"), (engines.value, "hf_value")):
+                if engine is not None and not is_lora(engine.module):  # no copy of a LoRA base
+                    export_engine(engine, tokenizer if sub == "hf" else None, tmp / sub,
+                                  engines.dtype)
         if dist.is_main():
             engines.policy.module.config.save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
@@ -498,6 +509,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
         tag = UNIVERSAL_TAG if universal else TAG
         try:
             loaded, _ = engine.load_checkpoint(str(path / role), tag=tag,
+                                               # a LoRA role's file lacks the frozen base
+                                               load_module_strict=role not in state.lora_bases,
                                                load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
         except (torch.OutOfMemoryError, torch.distributed.DistError):

@@ -35,6 +35,7 @@ from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.decode import DecodeStats, decode
 from ds_ppo.engine.decode import unsupported as decode_unsupported
+from ds_ppo.engine.lora import plain_model, replica_weights
 from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group,
                                            unshardable)
@@ -59,8 +60,8 @@ def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) 
     """Bytes of one rank's replica: all weights, or with tp_size > 1 the sharded layers' share
     plus the replicated rest (embeddings, norms, output head)."""
     n = 0
-    for name, p in module.named_parameters():
-        numel = getattr(p, "ds_numel", p.numel())
+    for name, params, _ in replica_weights(module):  # a LoRA layer's merged size is its base's
+        numel = getattr(params[0], "ds_numel", params[0].numel())
         n += numel if split_dim(name) is None else numel // tp_size
     return n * torch.finfo(dtype).bits // 8
 
@@ -111,15 +112,16 @@ GATHER_CHUNK_NUMEL = 2**27  # elements per all-gather while copying weights (256
 
 
 def _param_chunks(module: torch.nn.Module, limit: int):
-    """Consecutive groups of (name, param) whose full sizes add up to at most `limit` elements
-    (a single larger parameter forms its own group). Tied parameters appear once."""
+    """Consecutive groups of `lora.replica_weights` entries (name in the plain model, parameters,
+    full tensor) whose parameters' full sizes add up to at most `limit` elements (a single larger
+    weight forms its own group). Tied parameters appear once."""
     chunk, size = [], 0
-    for name, p in module.named_parameters():
-        n = getattr(p, "ds_numel", p.numel())
+    for name, params, full in replica_weights(module):
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         if chunk and size + n > limit:
             yield chunk
             chunk, size = [], 0
-        chunk.append((name, p))
+        chunk.append((name, params, full))
         size += n
     if chunk:
         yield chunk
@@ -138,11 +140,13 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     collective: every rank must call this; with `materialize=False` a rank only takes part in
     them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
     call, refreshed in place (no new allocation, compiled graphs stay valid). `tp`: build this
-    rank's shard of a tensor-parallel replica (`engine/tensor_parallel.py`).
+    rank's shard of a tensor-parallel replica (`engine/tensor_parallel.py`). A LoRA policy's
+    replica is its plain HF model with the adapters merged into the weights (`engine/lora.py`).
     """
     import deepspeed
 
     replica = into
+    module = plain_model(module)  # a LoRA policy: the HF model inside, adapter layers and all
     if materialize and replica is None:
         with torch.device("meta"):
             replica = type(module)(module.config)
@@ -158,10 +162,12 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
             replica.generation_config = module.generation_config
     target = dict(replica.named_parameters()) if replica is not None else {}
     for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
-        with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-            for name, p in chunk:
+        with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
+                                               modifier_rank=None):
+            for name, _, full in chunk:
                 if name in target:
-                    target[name].data.copy_(p.data if tp is None else shard_of(name, p.data, tp))
+                    w = full()
+                    target[name].data.copy_(w if tp is None else shard_of(name, w, tp))
     if replica is None:
         return None
     target_buffers = dict(replica.named_buffers())

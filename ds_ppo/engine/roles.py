@@ -5,7 +5,8 @@ one `_init_<role>` per role).
 - value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
              trained; initialised from the reward model or the policy. Only for
              ppo.advantage_estimator = gae: critic-free estimators build none.
-- reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
+- reference: the initial policy, frozen, inference engine with parameters offloaded to CPU; with
+             LoRA, the policy engine with its adapters switched off (`engine/lora.py`).
 - reward:    an HF sequence-classification model wrapped so that its engine's forward returns
              the score at the last real token (inference engine), a Python function or an HTTP
              service (ds_ppo.reward_service).
@@ -21,14 +22,14 @@ import gc
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ds_ppo.config import Config, optimizer_steps
-from ds_ppo.engine import dist
+from ds_ppo.config import Config, optimizer_steps, reference_from_policy_base
+from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 
 log = logging.getLogger("ds_ppo")
@@ -44,7 +45,7 @@ class Engines:
     policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
     value: Any | None  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1);
     # None with a critic-free estimator (ppo.advantage_estimator other than gae)
-    reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM
+    reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM, or lora.AdaptersOff
     reward: Any | None  # DeepSpeedEngine (inference) around forward.LastTokenScorer
     reward_fn: RewardFn | None
     ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
@@ -52,6 +53,7 @@ class Engines:
     device: torch.device
     dtype: torch.dtype
     replica: Any | None = None  # the kept generation replica (generation.keep_replica)
+    lora_bases: dict[str, str] = field(default_factory=dict)  # LoRA role -> its frozen base's path
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -221,7 +223,9 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     if cfg.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    opt = _optimizer(model.parameters(), cfg.policy, device,
+    if cfg.policy.lora is not None:
+        model = lora.add_adapters(model, cfg.policy.lora, cfg.seed)
+    opt = _optimizer(lora.trainable(model), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
     return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, optimizer_steps(cfg))), ds
 
@@ -261,7 +265,11 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     if cfg.value.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    opt = _optimizer(model.parameters(), cfg.value, device, cfg.deepspeed.value.offload_optimizer)
+    if cfg.value.lora is not None:  # the scalar head (score or classifier) is trained fully
+        head = "score" if hasattr(model, "score") else "classifier"
+        model = lora.add_adapters(model, cfg.value.lora, cfg.seed + 1, head=head, causal_lm=False)
+    opt = _optimizer(lora.trainable(model), cfg.value, device,
+                     cfg.deepspeed.value.offload_optimizer)
     return _initialize(model, ds, opt, _lr_schedule(opt, cfg.value, optimizer_steps(cfg))), ds
 
 
@@ -314,15 +322,25 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
                                                 load_universal)
-    value = None  # a critic-free estimator (ppo.advantage_estimator) has no value model at all
+    value, value_src = None, None  # a critic-free estimator has no value model at all
     if cfg.ppo.uses_critic:
         value_src = _value_source(cfg, policy_path, value_arch, reward_shares_tokenizer)
         if dist.is_main():
             log.info("value model starts from %s", value_src)
         value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
                                                  resolve_dtype(cfg.value.dtype), load_universal)
-    reference, ds_configs["reference"] = _init_reference(
-        cfg, cfg.reference.path or policy_path, world, dtype)
+    if reference_from_policy_base(cfg):  # no reference engine: the policy without adapters
+        reference = lora.AdaptersOff(policy)
+    else:
+        reference, ds_configs["reference"] = _init_reference(
+            cfg, cfg.reference.path or policy_path, world, dtype)
+    lora_bases = {role: path for role, path, section in
+                  (("policy", policy_path, cfg.policy), ("value", value_src, cfg.value))
+                  if section.lora is not None and path is not None}
+    for role in lora_bases:
+        if dist.is_main():
+            engine = policy if role == "policy" else value
+            log.info("LoRA %s", lora.describe_trainable(role, engine.module))
     reward, reward_fn = None, None
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
@@ -334,7 +352,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     return Engines(policy=policy, value=value, reference=reference, reward=reward,
                    reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,
-                   device=device, dtype=dtype)
+                   device=device, dtype=dtype, lora_bases=lora_bases)
 
 
 def current_lr(engine) -> float:

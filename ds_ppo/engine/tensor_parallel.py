@@ -78,9 +78,12 @@ def unshardable(config, size: int, model: torch.nn.Module | None = None) -> str 
         return (f"model_type {model_type!r} is not one tensor_parallel has been checked on "
                 f"({', '.join(MODEL_TYPES)})")
     if model is not None:
-        others = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
-                         and name.rsplit(".", 1)[-1] not in COLUMN + ROW})
+        # a LoRA layer (engine/lora.py) counts as its base layer: the replica holds it merged
+        leaves = {name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+                  for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
+                  and ".lora_" not in name}
+        others = sorted(leaves - set(COLUMN + ROW))
         if others:
             return (f"linear layers {others[:4]} in the decoder layers (tensor_parallel splits "
                     f"only {', '.join(COLUMN + ROW)})")

@@ -1,0 +1,218 @@
+"""LoRA (Hu et al. 2021, built with peft) on the ZeRO-3 roles.
+
+- `add_adapters`: wraps a loaded (ZeRO-3-partitioned) HF model in a peft model. The base stays
+  frozen and sharded as before; the new adapter layers are ordinary parameters, which
+  `deepspeed.initialize` converts to ZeRO-3 parameters (broadcast from rank 0, then sharded).
+  Only the adapters (and a value model's scalar head) have `requires_grad`, so only they get
+  gradients and optimizer state.
+- `AdaptersOff`: the reference role read from the policy engine with its adapters switched off:
+  the untouched base, no second copy of it.
+- `replica_weights`: the weights of the plain HF model a generation replica or an export holds,
+  with every adapted layer merged (W + alpha / r x B A), so decoding runs on a hook-free model.
+- `save_adapters`: a checkpoint's PEFT directory (adapter_config.json + safetensors), which
+  `ds-ppo export` merges into the base or copies as it is (`--adapter-only`).
+- `base_fingerprint`: config and weight-file headers of a base model, recorded in the trainer
+  state; a resume whose base files changed stops (its adapters were trained on other weights).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ds_ppo.engine import dist
+
+log = logging.getLogger("ds_ppo")
+ADAPTER = "default"  # peft's adapter name; ds_ppo trains one adapter per role
+
+
+def add_adapters(model: torch.nn.Module, lora_cfg, seed: int, head: str | None = None,
+                 causal_lm: bool = True) -> torch.nn.Module:
+    """`model` with LoRA adapters on `lora_cfg.target_modules`, everything else frozen but the
+    `head` module (a value model's scalar head: trained fully, never adapted). The adapters start
+    at B = 0 (peft's default), so the wrapped model computes exactly what the base does; A's
+    random initialisation is drawn from `seed` alone, the same on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                        target_modules=lora_cfg.target_modules, bias="none",
+                        exclude_modules=[head] if head else None,
+                        task_type="CAUSAL_LM" if causal_lm else None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # autocast_adapter_dtype=False: adapters in the model's dtype, as the base (DeepSpeed
+        # keeps the fp32 master copy in its optimizer)
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    if head:
+        getattr(peft_model.get_base_model(), head).requires_grad_(True)
+    return peft_model
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def plain_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a peft wrapper (adapter layers still in it), else `module` itself."""
+    return module.get_base_model() if is_lora(module) else module
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def count_params(params) -> int:
+    """Elements of (possibly ZeRO-3-partitioned) parameters, full sizes."""
+    return int(sum(getattr(p, "ds_numel", p.numel()) for p in params))
+
+
+class AdaptersOff:
+    """The reference role when it is the LoRA policy's base: a forward of the policy engine with
+    its adapters switched off, so the log-probs are exactly those of the untouched base model.
+    Called like an engine: `AdaptersOff(policy)(input_ids=..., ...)`."""
+
+    def __init__(self, policy_engine):
+        self.engine = policy_engine
+
+    def __call__(self, **inputs):
+        with self.engine.module.disable_adapter():
+            return self.engine(**inputs)
+
+
+# ----------------------------------------------------------------------------- replica
+WeightSource = tuple[str, list[torch.nn.Parameter], Callable[[], torch.Tensor]]
+
+
+def _merged(layer, weight: torch.nn.Parameter) -> Callable[[], torch.Tensor]:
+    """W + scale x B A of a peft LoRA layer, in W's dtype (computed in fp32); read once the
+    three parameters are gathered."""
+    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    scale = layer.scaling[ADAPTER]
+
+    def merge() -> torch.Tensor:
+        delta = (b.data.float() @ a.data.float()) * scale  # (out, in)
+        if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D stores (in, out)
+            delta = delta.T
+        return (weight.data.float() + delta).to(weight.dtype)
+    return merge
+
+
+def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
+    """(name in the plain HF model, parameters to gather, the full tensor once gathered) for
+    every weight of `module` in module order; adapted layers merged, tied weights once."""
+    from peft.tuners.lora import LoraLayer
+
+    base = plain_model(module)
+    adapted = {f"{name}.base_layer.weight": m for name, m in base.named_modules()
+               if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue  # merged into their base layer's weight
+        plain = name.replace(".base_layer.", ".")
+        if name in adapted:
+            layer = adapted[name]
+            yield plain, [p, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight], \
+                _merged(layer, p)
+        else:
+            yield plain, [p], (lambda p=p: p.data)
+
+
+# -------------------------------------------------------------------------- checkpoints
+def save_adapters(engine, out_dir: Path) -> None:
+    """Collective: the engine's trainable parameters gathered to rank 0 and written as a PEFT
+    directory (adapter_config.json, adapter_model.safetensors). No-op without adapters."""
+    import deepspeed
+
+    module = engine.module
+    if not is_lora(module):
+        return
+    state = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if dist.is_main():
+                    state[name] = p.data.detach().clone().cpu()
+    if dist.is_main():
+        module.save_pretrained(out_dir, state_dict=state, safe_serialization=True,
+                               save_embedding_layers=False)
+    dist.barrier()
+
+
+def _local_dir(path: str) -> Path:
+    """The local directory of a model directory or hub name (the download cache)."""
+    from transformers.utils import cached_file
+
+    if Path(path).is_dir():
+        return Path(path)
+    return Path(cached_file(path, "config.json")).parent
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file: every tensor's name, dtype, shape and offsets."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return f.read(n)
+
+
+def base_fingerprint(path: str) -> str:
+    """sha256 of a base model's config.json, its weights index (if sharded) and every weight
+    file's name, size and safetensors header. Reads a few KB per file, not the weights, so it
+    catches another model, another shape, another file layout or re-saved weights of another
+    size; weights rewritten in place with identical sizes and headers are not caught."""
+    local = _local_dir(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (local / name).exists():
+            h.update(name.encode() + b"\0" + (local / name).read_bytes())
+    for f in sorted(local.glob("*.safetensors")):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode() + _safetensors_header(f))
+    for f in sorted(local.glob("*.bin")):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+    return h.hexdigest()
+
+
+def base_record(base_paths: dict[str, str]) -> dict[str, dict[str, str]]:
+    """role -> {path, fingerprint} of each LoRA role's frozen base, for the trainer state."""
+    return {role: {"path": p, "fingerprint": base_fingerprint(p)}
+            for role, p in base_paths.items()}
+
+
+def check_base(recorded: dict | None, base_paths: dict[str, str], checkpoint: Path) -> None:
+    """Stop a resume whose LoRA bases are not the ones the checkpoint's adapters were trained
+    on (the checkpoint holds no copy of a base: it is rebuilt from its original path)."""
+    from ds_ppo.errors import UserError
+
+    recorded = recorded or {}
+    if set(recorded) != set(base_paths):
+        raise UserError(f"{checkpoint} was saved with LoRA on {sorted(recorded) or 'no role'}, "
+                        f"the config asks for {sorted(base_paths) or 'none'} (policy.lora, "
+                        "value.lora): resume with the LoRA settings it was trained with, or "
+                        "start a new output_dir")
+    for role, path in base_paths.items():
+        if base_fingerprint(path) != recorded[role]["fingerprint"]:
+            raise UserError(
+                f"{role}.lora: the base model files at {path} changed since {checkpoint} was "
+                f"saved (config or weights fingerprint differs; recorded from "
+                f"{recorded[role]['path']}): its adapters were trained on other weights. "
+                "Restore the original base model files, or start a new output_dir")
+
+
+def describe_trainable(name: str, module: torch.nn.Module) -> str:
+    n, total = count_params(trainable(module)), count_params(module.parameters())
+    return f"{name}: {n:,} trainable of {total:,} parameters ({100 * n / max(total, 1):.2f}%)"
+
+
+def read_adapter_config(directory: Path) -> dict:
+    return json.loads((Path(directory) / "adapter_config.json").read_text())
+
+
+def trainable_counts(engines) -> dict[str, str]:
+    """MLflow params: trainable parameters of each trained role (all of them without LoRA)."""
+    return {f"{role}.trainable_params": str(count_params(trainable(getattr(engines, role).module)))
+            for role in ("policy", "value") if getattr(engines, role, None) is not None}
