@@ -86,6 +86,37 @@ def test_resume_continues_the_same_run(tracked):
     assert "resumed from" in resumed.stdout
 
 
+def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
+    """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
+    tracking.register_model, tagged with the run, iteration, eval score and config hash; the
+    latest loads back with the transformers flavour and generates the export's greedy tokens."""
+    import mlflow
+    import mlflow.transformers
+    from test_registry import export_greedy, greedy_tokens
+
+    uri, out, run_id, _, _ = tracked
+    client = _client(uri)
+    versions = sorted(client.search_model_versions("name='ds_ppo_e2e_policy'"),
+                      key=lambda v: int(v.version))
+    assert [v.tags["iteration"] for v in versions] == ["2", "4", "6"]
+    rows = {r["iteration"]: r for r in read_metrics(out)}
+    for v in versions:
+        assert v.run_id == run_id and v.tags["run_id"] == run_id
+        assert v.source == f"runs:/{run_id}/policy/iter_{int(v.tags['iteration']):06d}"
+        assert float(v.tags["eval_score"]) == pytest.approx(
+            rows[int(v.tags["iteration"])]["eval/score_mean"])
+        assert v.tags["flavor"] == "transformers" and len(v.tags["config_hash"]) == 16
+    assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
+    mlflow.set_tracking_uri(uri)
+    try:
+        parts = mlflow.transformers.load_model(f"models:/ds_ppo_e2e_policy/{versions[-1].version}",
+                                               return_type="components")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert greedy_tokens(parts["model"], parts["tokenizer"]) == export_greedy(out / "final")
+
+
+# (after the tests of the shared run: this one kills the session's server)
 def test_unreachable_server_fails_fast_before_models_load(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"
     t0 = time.time()
@@ -116,33 +147,3 @@ def test_server_killed_mid_run_training_continues(mlflow_server, tmp_path):  # n
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000006"
     assert "MLflow unreachable" in stdout and "log calls were lost" in stdout
-
-
-def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
-    """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
-    tracking.register_model, tagged with the run, iteration, eval score and config hash; the
-    latest loads back with the transformers flavour and generates the export's greedy tokens."""
-    import mlflow
-    import mlflow.transformers
-    from test_registry import export_greedy, greedy_tokens
-
-    uri, out, run_id, _, _ = tracked
-    client = _client(uri)
-    versions = sorted(client.search_model_versions("name='ds_ppo_e2e_policy'"),
-                      key=lambda v: int(v.version))
-    assert [v.tags["iteration"] for v in versions] == ["2", "4", "6"]
-    rows = {r["iteration"]: r for r in read_metrics(out)}
-    for v in versions:
-        assert v.run_id == run_id and v.tags["run_id"] == run_id
-        assert v.source == f"runs:/{run_id}/policy/iter_{int(v.tags['iteration']):06d}"
-        assert float(v.tags["eval_score"]) == pytest.approx(
-            rows[int(v.tags["iteration"])]["eval/score_mean"])
-        assert v.tags["flavor"] == "transformers" and len(v.tags["config_hash"]) == 16
-    assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
-    mlflow.set_tracking_uri(uri)
-    try:
-        parts = mlflow.transformers.load_model(f"models:/ds_ppo_e2e_policy/{versions[-1].version}",
-                                               return_type="components")
-    finally:
-        mlflow.set_tracking_uri(None)
-    assert greedy_tokens(parts["model"], parts["tokenizer"]) == export_greedy(out / "final")
