@@ -37,30 +37,8 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
     safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
     tokenizer."""
     from ds_ppo.engine.hf_writer import save_module
-    from ds_ppo.engine.lora import is_lora
 
-    if is_lora(engine.module):
-        return _export_merged_replica(engine, tokenizer, out_dir, dtype)
     return save_module(engine.module, tokenizer, out_dir, dtype)
-
-
-def _export_merged_replica(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
-    """A LoRA policy: its merged weights (W + alpha / r x B A, as the generation replica gets
-    them) gathered into one CPU model on rank 0 and saved there. Not streamed: rank 0 holds the
-    whole merged model once (see docs/SCALING.md)."""
-    from ds_ppo.engine import dist
-    from ds_ppo.engine.generation import build_replica
-
-    out_dir = Path(out_dir)
-    model = build_replica(engine.module, dtype, torch.device("cpu"),
-                          materialize=dist.is_main())
-    if dist.is_main():
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-    return out_dir
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,

@@ -216,18 +216,24 @@ def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: to
     import deepspeed
 
     from ds_ppo.engine.generation import GATHER_CHUNK_NUMEL, _param_chunks
+    from ds_ppo.engine.lora import plain_model
 
-    params = list(module.named_parameters())
-    buffers = list(_persistent_buffers(module))
-    entries = [Entry(n, tuple(getattr(p, "ds_shape", p.shape)), _export_dtype(p.dtype, dtype))
-               for n, p in params]
+    # (name in the plain HF model, parameters to gather, the full tensor once gathered): a LoRA
+    # model's adapted weights come merged (W + alpha / r x B A), tied weights once
+    chunks = list(_param_chunks(module, group_numel or GATHER_CHUNK_NUMEL))
+    buffers = [(n.replace(".base_layer.", "."), b)
+               for n, b in _persistent_buffers(plain_model(module))]
+    entries = [Entry(name, tuple(getattr(ps[0], "ds_shape", ps[0].shape)),
+                     _export_dtype(ps[0].dtype, dtype))
+               for chunk in chunks for name, ps, _ in chunk]
     entries += [Entry(n, tuple(b.shape), _export_dtype(b.dtype, dtype)) for n, b in buffers]
     writers = min(dist.local_world_size(), dist.world_size())
     writer = ShardedWriter(out_dir, entries, max_shard_size, dist.rank(), writers)
-    for chunk in _param_chunks(module, group_numel or GATHER_CHUNK_NUMEL):
-        with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-            for name, p in chunk:
-                writer.write(name, p.data)
+    for chunk in chunks:
+        with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
+                                               modifier_rank=None):
+            for name, _, full in chunk:
+                writer.write(name, full())
     for name, b in buffers:
         writer.write(name, b)
     writer.close()
@@ -245,15 +251,18 @@ def save_module(module: torch.nn.Module, tokenizer, out_dir: str | Path, dtype: 
     """Collective: a Hugging Face directory (config, generation config, tokenizer, streamed
     safetensors weights) of a (ZeRO-3) model, loadable with `from_pretrained`. Ends with a
     barrier, which waits only for the last shard of each writer."""
+    from ds_ppo.engine.lora import plain_model
+
     out_dir = Path(out_dir)
-    if _needs_conversion(module):
+    hf = plain_model(module)  # a LoRA model's weights are written merged, as a plain model's
+    if _needs_conversion(hf):
         _save_module_gathered(module, out_dir, dtype, max_shard_size)
     else:
         write_module_weights(module, out_dir, dtype, max_shard_size)
     if dist.is_main():
-        _hf_config_copy(module, dtype).save_pretrained(out_dir)
-        gen = getattr(module, "generation_config", None)
-        if gen is not None and getattr(module, "can_generate", lambda: False)():
+        _hf_config_copy(hf, dtype).save_pretrained(out_dir)
+        gen = getattr(hf, "generation_config", None)
+        if gen is not None and getattr(hf, "can_generate", lambda: False)():
             gen.save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
