@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ds_ppo.engine import dist
+from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
 TAG = "ds"  # DeepSpeed tag inside each role's folder
@@ -172,6 +173,13 @@ def read_state(path: Path) -> TrainerState:
 def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once),
     so it loads on a different data-parallel world size. Collective."""
+    for role in ("policy", "value"):  # every rank checks, so none waits at the barrier alone
+        if not any((path / role / TAG).glob("zero_pp_rank_*")):
+            raise ConfigError(
+                f"{path / role} was saved without ZeRO (stage 0: zero_stage auto or 0 on one "
+                f"rank), which DeepSpeed cannot convert for another world size: resume it on "
+                f"world size {read_state(path).world_size}, or train with "
+                f"deepspeed.policy.zero_stage=3 deepspeed.value.zero_stage=3 from the start")
     if dist.is_main():
         for role in ("policy", "value"):
             target = path / role / UNIVERSAL_TAG
