@@ -31,6 +31,10 @@ from pathlib import Path
 from ds_ppo.errors import UserError
 
 GRPO_KEYS = ("ppo.advantage_estimator=grpo", "ppo.samples_per_prompt={g}")
+# `ppo-z3`: every role on ZeRO-3 with the reference offloaded (the tiny preset before zero_stage auto)
+ZERO3 = tuple(f"deepspeed.{r}.zero_stage=3" for r in ("policy", "value", "reference", "reward")) \
+    + ("deepspeed.reference.offload_param=true",)
+RUNS = ("trl", "ppo", "grpo", "ppo-z3")
 PHASES = ("generation_s", "scoring_s", "update_s")
 
 
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--peer", choices=("trl",), default="trl")
     ap.add_argument("--runs", default="trl,ppo,grpo",
-                    help="comma-separated: trl, ppo, grpo (grpo: skipped where ds_ppo lacks it)")
+                    help="comma-separated: trl, ppo, grpo (skipped where ds_ppo lacks it), ppo-z3 "
+                    "(PPO with every role on ZeRO-3, the reference offloaded)")
     ap.add_argument("--iterations", type=int, default=None,
                     help="iterations of every run (default: the config's, 40 for the tiny one)")
     ap.add_argument("--num-generations", type=int, default=4,
@@ -212,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.iterations:
         overrides.append(f"iterations={args.iterations}")
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = set(runs) - {"trl", "ppo", "grpo"}
+    bad = set(runs) - set(RUNS)
     if bad:
-        raise UserError(f"bench --peer: --runs has {sorted(bad)}; choose from trl, ppo, grpo")
+        raise UserError(f"bench --peer: --runs has {sorted(bad)}; choose from {', '.join(RUNS)}")
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = prepare(out / "shared", overrides)
@@ -236,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_dsppo("dsppo_grpo", f"ds_ppo GRPO, G={g}", grpo, out, meta))
         else:
             notes.append("ds_ppo grpo: skipped, this ds_ppo has no ppo.advantage_estimator=grpo")
+    if "ppo-z3" in runs:
+        results.append(run_dsppo("dsppo_ppo_z3", "ds_ppo PPO, every role ZeRO-3",
+                                 overrides + list(ZERO3), out, meta))
     print(f"starting point {out / 'shared'} (policy sha256 {meta['policy_sha256'][:12]}); "
           f"threads {THREADS or 'default'}; means over iterations 2..N; overrides: {' '.join(overrides) or '(none)'}")
     print(table(results))
