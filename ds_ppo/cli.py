@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--value", action="store_true", help="also export the value model")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it holds something other than a ds_ppo export")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")

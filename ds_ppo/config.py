@@ -48,6 +48,10 @@ class ModelSource(Section):
         "sdpa", description="Attention kernel passed to transformers.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (trainable roles only).")
+    disable_dropout: bool = Field(
+        True, description="Set every dropout probability of the model's config to 0 before "
+        "loading (as DeepSpeed-Chat does for RLHF): with dropout, old and new log-probs (and "
+        "values) come from different masks and the PPO ratio is noise.")
 
 
 class Optim(Section):
@@ -115,8 +119,12 @@ class RewardConfig(Section):
     batch_size: int = Field(64, gt=0, description="reward.url: responses per request.")
     concurrency: int = Field(4, gt=0, description="reward.url: requests in flight at once, "
                              "per rank.")
-    timeout_s: float = Field(600.0, gt=0, description="Time limit of one reward call in "
-                             "seconds (reward.url: of one request).")
+    timeout_s: float | None = Field(
+        600.0, gt=0, description="Time limit of one reward call in seconds. reward.function: "
+        "the call runs in a worker thread; a call still running then stops the run with a "
+        "message, after a checkpoint of the last completed iteration (exit 2); null: call it in "
+        "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
+        "reward.url: the limit of one request (then retried); null: no limit.")
     retries: int = Field(3, ge=0, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")
@@ -142,9 +150,13 @@ class GenerationConfig(Section):
         "heads, KV heads and MLP width.")
     max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
     min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy. Scoring "
+                               "and the update divide the logits by it too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Log-probs are "
+                         "computed over the full softmax, so top_p < 1 makes the update "
+                         "slightly off-policy (a warning at start-up).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off. As with top_p, log-probs "
+                       "ignore the filter (a warning at start-up).")
     stop_tokens: list[str] = Field(
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
@@ -276,7 +288,7 @@ class CheckpointConfig(Section):
         True, description="Export the policy as a Hugging Face directory at output_dir/final.")
     save_hf_weights: bool = Field(
         True, description="Also write the policy's and value's weights as safetensors into each "
-        "checkpoint (gathered to rank 0's CPU; set false for very large models), so that "
+        "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
         "`ds-ppo export` reads no pickle.")
     export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Weight dtype of exported models (safetensors).")
@@ -347,8 +359,9 @@ class Config(Section):
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
     dist_timeout_minutes: float = Field(
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
-        "than this fails the job with an error instead of hanging it; raise it when rank 0 does "
-        "long solitary work (writing huge checkpoints, a universal-checkpoint conversion).")
+        "than this fails the job with an error instead of hanging it. Rank 0's solitary file work "
+        "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
+        "all ranks together.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -59,6 +59,9 @@ class Rollout:
     prompt_lens: list[int]  # B real prompt tokens per row (prompt_mask.sum(1))
     response_lens: list[int]  # B counted response tokens per row (mask.sum(1))
     extras: list[dict]  # B prompts' data.reward_keys values, for the reward function
+    # B prompts' chat messages (None for a plain-text prompt), or None when the data has no
+    # chats: a reward model with another tokenizer renders them with its own chat template
+    messages: list | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+T)

@@ -6,6 +6,7 @@ import logging
 from ds_ppo.config import Config
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine import dist
+from ds_ppo.errors import RewardTimeout
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rollout import make_rollout
 from ds_ppo.scoring import reward_scores
@@ -32,7 +33,11 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     greedy = cfg.model_copy(update={"generation": cfg.generation.model_copy(
         update={"temperature": 0.0})})
     rollout, _ = make_rollout(prompts, indices, engines, greedy, tokenizer, mode, eos_ids)
-    scores, _ = reward_scores(rollout, engines, cfg, reward_encode)
+    try:
+        scores, _ = reward_scores(rollout, engines, cfg, reward_encode)
+    except RewardTimeout as e:  # the iteration's update already ran: not its checkpoint
+        e.after_update = True
+        raise
     acc = Accumulator()
     n = float(len(rollout))
     acc.add_mean("eval/score_mean", float(scores.sum()), n)

@@ -1,69 +1,116 @@
 """Export the policy (and optionally the value model) as a Hugging Face model directory:
 safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
-Two paths: `export_engine` inside a running job (weights gathered module by module from ZeRO-3,
-written by rank 0), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
-(DeepSpeed's ZeRO checkpoint consolidation, one process, CPU only).
+Two paths: `export_engine` inside a running job (weights gathered a group at a time from ZeRO-3
+and streamed into safetensors shards by the ranks of node 0: engine/hf_writer.py), and
+`ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint (the checkpoint's safetensors
+copies re-written tensor by tensor, else DeepSpeed's ZeRO checkpoint consolidation; one process,
+CPU only).
+
+An offline export never overwrites what it did not write: `--out` must be new, empty or an
+earlier ds_ppo export (it holds `ds_ppo_export.json`) unless `--overwrite`; the export is written
+into a temporary directory next to it and renamed into place, so a failed export leaves nothing
+half-written.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from ds_ppo.engine import dist
-
 log = logging.getLogger("ds_ppo")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
-    """Collective: gather the engine's (ZeRO-3) weights into a CPU model on rank 0 and save it."""
-    from ds_ppo.engine.generation import build_replica
+    """Collective: stream the engine's (ZeRO-3) weights, gathered a group at a time, into
+    safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
+    tokenizer."""
+    from ds_ppo.engine.hf_writer import save_module
 
-    out_dir = Path(out_dir)
-    model = build_replica(engine.module, dtype, torch.device("cpu"),
-                          materialize=dist.is_main())
-    if dist.is_main():
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-    return out_dir
+    return save_module(engine.module, tokenizer, out_dir, dtype)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
-                      with_value: bool = False) -> list[Path]:
+                      with_value: bool = False, overwrite: bool = False) -> list[Path]:
     """Offline export of a ds_ppo checkpoint (no process group, CPU).
 
     Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
     saved without them is consolidated from DeepSpeed's ZeRO shards instead (pickles: only for
-    checkpoints you wrote yourself)."""
-    from transformers import AutoTokenizer
+    checkpoints you wrote yourself).
 
+    Raises:
+        UserError: `out_dir` holds files of something else (and not `overwrite`).
+    """
     from ds_ppo.engine.checkpoint import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
     out_dir = Path(out_dir)
+    check_export_target(out_dir, overwrite)
+    ckpt = resolve_checkpoint(checkpoint)
+    write_atomically(out_dir, lambda tmp: _export_into(ckpt, tmp, dtype, with_value))
+    return [out_dir] + ([out_dir / "value"] if with_value else [])
+
+
+def check_export_target(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an `--out` that holds anything but an earlier ds_ppo export (unless overwrite)."""
+    from ds_ppo.errors import UserError
+
+    if overwrite or not out_dir.exists() or (out_dir / MARKER).is_file():
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    raise UserError(f"--out {out_dir} is not empty and is not an earlier ds_ppo export (no "
+                    f"{MARKER}); choose a new or empty directory, or pass --overwrite to "
+                    "replace everything in it")
+
+
+def write_atomically(out_dir: Path, write) -> None:
+    """`write(tmp)` fills a temporary directory next to `out_dir`, which then replaces `out_dir`
+    (two renames); if `write` fails, the temporary directory is removed and `out_dir` is as it
+    was."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.is_dir() and not out_dir.is_symlink():
+        os.replace(out_dir, old)
+    elif out_dir.exists() or out_dir.is_symlink():
+        out_dir.unlink()
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from ds_ppo.engine.hf_writer import save_module
+
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
-    written = []
     for role, target in roles:
         src = ckpt / ("hf" if role == "policy" else "hf_value")
         if (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
-            model = _from_safetensors(src, role)
+            _copy_safetensors(src, target, dtype)  # one tensor in memory at a time
         else:
             log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
                         "consolidating DeepSpeed's ZeRO shards", src)
             model = _from_zero_shards(ckpt, role)
-        model.to(dtype)
-        model.save_pretrained(target, safe_serialization=True)
+            save_module(model, None, target, dtype)
         tokenizer.save_pretrained(target)
-        written.append(target)
-    return written
+    (out_dir / MARKER).write_text(json.dumps(
+        {"checkpoint": str(ckpt.resolve()), "dtype": str(dtype).removeprefix("torch."),
+         "value": with_value}, indent=2) + "\n")
 
 
 def _model_class(role: str):
@@ -72,8 +119,18 @@ def _model_class(role: str):
     return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
 
 
-def _from_safetensors(src: Path, role: str):
-    return _model_class(role).from_pretrained(src, dtype=torch.float32)
+def _copy_safetensors(src: Path, target: Path, dtype: torch.dtype) -> None:
+    """The weights re-written (streamed) in `dtype`; config and generation config copied."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from ds_ppo.engine.hf_writer import copy_safetensors_weights
+
+    copy_safetensors_weights(src, target, dtype)
+    config = AutoConfig.from_pretrained(src)
+    config.dtype = str(dtype).split(".")[1]
+    config.save_pretrained(target)
+    if (src / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(src).save_pretrained(target)
 
 
 def _from_zero_shards(ckpt: Path, role: str):
@@ -98,6 +155,7 @@ def _from_zero_shards(ckpt: Path, role: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value):
+    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value,
+                                  getattr(args, "overwrite", False)):
         print(f"exported {path}")
     return 0

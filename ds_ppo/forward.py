@@ -63,17 +63,35 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return L - 1 - attention_mask.long().flip(-1).argmax(-1)
 
 
-def sequence_scores(reward_model, input_ids: torch.Tensor,
-                    attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) float32 reward-model score read at each row's last real token.
+class LastTokenScorer(torch.nn.Module):
+    """The reward role's root module: an HF sequence-classification model whose score head is
+    read at each row's last real token.
 
     The backbone and score head are called directly (rather than the pooled HF forward, which
     finds the last token by comparing ids to pad_token_id and so misreads rows ending in EOS when
-    pad == eos).
+    pad == eos). They are called inside this module's forward, so the DeepSpeed engine wraps it
+    and the reward model runs through `engine.forward`: ZeRO-3 resets its parameter-fetch trace
+    in the root module's forward hooks; called through the engine's attribute forwarding instead,
+    its coordinator never completed a trace (no prefetch; measured in tests/test_reward_model.py).
     """
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
-    last = last_token_index(attention_mask)
-    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    return reward_model.score(picked).squeeze(-1).float()
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids and mask (any padding side) -> (B,) float32 scores."""
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids(attention_mask),
+                          use_cache=False).last_hidden_state
+        last = last_token_index(attention_mask)
+        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.model.score(picked).squeeze(-1).float()
+
+
+def sequence_scores(reward_engine, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) float32 reward-model score read at each row's last real token, by the reward engine's
+    own forward (its module is a `LastTokenScorer`)."""
+    return reward_engine(input_ids=input_ids, attention_mask=attention_mask)

@@ -294,6 +294,30 @@ def train_activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointin
     return shape.layers * layer
 
 
+def prefill_activation_bytes(shape: ModelShape, tokens: int, batch: int, eager: bool,
+                             tp: int = 1) -> int:
+    """Peak activations of a prefill through the generation replica (no grad, layers one after
+    another, so only one layer's tensors are alive besides the residual stream), per rank.
+    16-bit tensors, h = hidden, kv = kv_heads * head_dim, i = intermediate; the projections'
+    outputs are 1/tp wide under tensor parallelism, the residual stream is whole. Per token:
+
+      RMSNorm:   2h residual + 8h (its fp32 upcast and the fp32 normalised copy)        = 10h
+      attention: 2h residual + 2h normed + (2h q + 4kv k, v + 2h + 2kv rotated q, k
+                 + 2h attention output) / tp + 2h output projection     = 6h + (6h + 6kv)/tp
+      MLP:       2h residual + 2h normed + 6i/tp (act(gate), up, their product)  = 4h + 6i/tp
+
+    and the peak is the largest of the three; eager attention adds its scores and
+    probabilities, 4 * (heads/tp) * s^2 * b. The KV cache and the last position's logits (both
+    loops prefill with logits_to_keep=1) are separate terms of the plan."""
+    h, i = shape.hidden, shape.intermediate
+    kv = shape.kv_heads * shape.head_dim
+    per_token = max(10 * h, 6 * h + (6 * h + 6 * kv) // tp, 4 * h + 6 * i // tp)
+    total = tokens * batch * per_token
+    if eager:
+        total += 4 * (shape.heads // tp) * tokens * tokens * batch
+    return total
+
+
 def logits_bytes(shape: ModelShape, tokens: int, batch: int) -> int:
     """16-bit logits plus the fp32 log-softmax taken of them (computed in chunks or not, one
     fp32 copy is alive at the peak)."""
@@ -427,8 +451,9 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     seq = prompt + response
     micro = cfg.ppo.micro_batch_size
     score_micro = cfg.ppo.score_micro_batch_size or micro
-    gen_batch = cfg.generation.batch_size or max(1, math.ceil(cfg.ppo.rollout_batch_size
-                                                              / cluster.world_size))
+    per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size / cluster.world_size))
+    # a rank decodes at most its own prompts at once (a tensor-parallel group: tp x that)
+    gen_batch = min(cfg.generation.batch_size or per_rank, per_rank)
     pol = roles["policy"]
     ps = pol.shape
     phases: list[Phase] = []
@@ -458,8 +483,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         gen = {"layer gather (ZeRO-3 hooks)": gather}
     gen_common = {
         "KV cache": kv_cache_bytes(ps, seq, batch) // kv_share,
-        "prefill activations (one layer)": layer_activation_bytes(
-            ps, prompt, batch, cfg.policy.attn_implementation == "eager"),
+        "prefill activations (one layer)": prefill_activation_bytes(
+            ps, prompt, batch, cfg.policy.attn_implementation == "eager", kv_share),
         "fp32 logits of one step": batch * ps.vocab * 4,
     }
     phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))
@@ -552,9 +577,14 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
     if plan.score_micro_batch > 1:
         levers.append(Lever("halve the scoring micro batch",
                             (f"ppo.score_micro_batch_size={plan.score_micro_batch // 2}",)))
-    if plan.gen_batch > 1:
+    # prompts per decoding call: a rank's own, or a tensor-parallel group's together
+    group = ((cfg.generation.tp_size or plan.cluster.gpus_per_node)
+             if plan.generation_mode == "tensor_parallel" else 1)
+    decode_batch = min(cfg.generation.batch_size or group * plan.gen_batch,
+                       group * plan.gen_batch)
+    if decode_batch > 1:
         levers.append(Lever("halve the generation batch",
-                            (f"generation.batch_size={plan.gen_batch // 2}",)))
+                            (f"generation.batch_size={decode_batch // 2}",)))
     return levers
 
 
@@ -603,8 +633,13 @@ def find_levers(cfg: Config, shapes: RoleShapes, cluster: Cluster, plan: Plan,
 
 def min_nodes_that_fit(cfg: Config, shapes: RoleShapes, cluster: Cluster,
                        limit: int = 1024) -> int | None:
-    """Smallest node count (same GPUs per node) at which the config fits as it is."""
+    """Smallest node count (same GPUs per node) at which the config fits as it is and its
+    batch sizes divide the world size (config.validate), so the advice can be followed."""
     for nodes in range(cluster.nodes + 1, limit + 1):
+        try:
+            validate(cfg, nodes * cluster.gpus_per_node)
+        except ConfigError:
+            continue
         if compute_plan(cfg, shapes, replace(cluster, nodes=nodes)).fits:
             return nodes
     return None
@@ -744,7 +779,8 @@ def format_plan(p: Plan, title: str) -> str:
                        + (f"then it {fits_word}." if last.fits_after else "still does not fit."))
         if p.min_nodes:
             out.append(f"Or scale out: as configured it fits on {p.min_nodes} nodes of "
-                       f"{c.gpus_per_node} GPUs (the ppo batch sizes must divide that world size).")
+                       f"{c.gpus_per_node} GPUs (the fewest whose world size the ppo batch sizes "
+                       "divide).")
     if p.notes:
         out += ["", "Notes:"] + [f"- {n}" for n in p.notes]
     return "\n".join(out)

@@ -61,7 +61,7 @@ class RewardService:
     `reward/retries`); the calls themselves are made from this rank only."""
 
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
-                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 1.0) -> None:
+                 timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0) -> None:
         self.url, self.shown = url, redact_url(url)
         self.batch_size, self.concurrency, self.timeout_s = batch_size, concurrency, timeout_s
         self.max_retries, self.backoff_s = retries, backoff_s
@@ -145,7 +145,7 @@ class RewardService:
                 r = session.post(self.url, data=body, timeout=self.timeout_s,
                                  headers={"Content-Type": "application/json"})
             except requests.Timeout:
-                what = f"no answer within reward.timeout_s = {self.timeout_s:g} s"
+                what = f"no answer within reward.timeout_s = {self.timeout_s} s"
                 continue
             except requests.RequestException as err:
                 what = f"{type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import re
-from typing import Callable, Sequence
+import threading
+import traceback
+from typing import Any, Callable, Sequence
 
-from ds_ppo.errors import ConfigError
+from ds_ppo.errors import ConfigError, RewardFunctionError, RewardTimeout, UserError
 
 _WORD = re.compile(r"[a-z']+")
 
@@ -57,3 +60,78 @@ def load_reward_function(spec: str, keys: Sequence[str] = ()
                               f"{', '.join(missing)} (data.reward_keys); define it as "
                               f"def {attr}(prompts, responses, {', '.join(keys)}): ...")
     return fn
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_scores(raw: Any, spec: str, n: int) -> list[float]:
+    """`raw`, what reward.function `spec` returned for n responses, as n finite floats; else a
+    RewardFunctionError naming the function and what it returned. Strict: a string such as
+    "0.5", None, or a nested list is an error, never converted. Accepted: a list or tuple (or a
+    1-D tensor / array) of ints, floats or bools (numpy scalars and 0-dim tensors included)."""
+    fix = f"it must return a list of {n} floats, one per response"
+    if hasattr(raw, "tolist") and getattr(raw, "ndim", 1) == 1:  # a 1-D tensor or array
+        raw = raw.tolist()
+    if not isinstance(raw, (list, tuple)):
+        raise RewardFunctionError(f"reward.function = {spec!r} returned {type(raw).__name__} "
+                                  f"{_short(raw)}; {fix}")
+    if len(raw) != n:
+        raise RewardFunctionError(f"reward.function = {spec!r} returned {len(raw)} scores for "
+                                  f"{n} responses; {fix}")
+    scores, bad = [], []
+    for i, v in enumerate(raw):
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # numpy scalar, 0-dim tensor
+            v = v.item()
+        if not isinstance(v, numbers.Real):
+            bad.append(f"score {i} is {_short(v)} ({type(v).__name__})")
+            continue
+        v = float(v)
+        if v != v or v in (float("inf"), float("-inf")):
+            bad.append(f"score {i} is {v} (non-finite)")
+        scores.append(v)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise RewardFunctionError(f"reward.function = {spec!r} returned {'; '.join(bad[:3])}"
+                                  f"{more}; {fix} (finite numbers, not strings or None)")
+    return scores
+
+
+def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
+                         responses: list[str], columns: dict[str, list], timeout_s: float | None
+                         ) -> list[float]:
+    """fn(prompts, responses, **columns) checked by `check_scores`.
+
+    With `timeout_s`, the call runs in a daemon worker thread and this thread waits at most that
+    long: a call still running raises RewardTimeout (the hung thread is left behind; being a
+    daemon, it does not keep the process alive). A function that raises becomes a
+    RewardFunctionError naming it, the exception and the line it came from."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(prompts, responses, **columns)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            outcome["error"] = e
+
+    if timeout_s is None:
+        run()
+    else:
+        worker = threading.Thread(target=run, name=f"reward.function {spec}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise RewardTimeout(f"reward.function = {spec!r} did not return within "
+                                f"reward.timeout_s = {timeout_s:g} s (on {len(responses)} "
+                                "responses)")
+    if "error" in outcome:
+        e = outcome["error"]
+        if isinstance(e, (KeyboardInterrupt, UserError)):  # e.g. a reward service's own stop
+            raise e
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+        raise RewardFunctionError(f"reward.function = {spec!r} raised {type(e).__name__}: {e}"
+                                  f"{where}") from e
+    return check_scores(outcome["value"], spec, len(responses))

@@ -22,6 +22,21 @@ def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
     return sorted(set(ids))
 
 
+def sampling_mismatch(g) -> str | None:
+    """A warning when generation samples from a top-k / top-p filtered distribution: old
+    log-probs, the PPO ratio and the entropy are computed over the full softmax (at the same
+    temperature), so the first update is slightly off-policy (OpenRLHF and verl do the same and
+    say so). None when nothing is filtered (or decoding is greedy)."""
+    if g.temperature == 0 or (g.top_k == 0 and g.top_p >= 1.0):
+        return None
+    used = ", ".join(f"generation.{k} = {v}" for k, v in (("top_k", g.top_k), ("top_p", g.top_p))
+                     if (k == "top_k" and v > 0) or (k == "top_p" and v < 1.0))
+    return (f"{used}: responses are sampled from the filtered distribution, but log-probs (the "
+            "PPO ratio, the KL and the entropy) are computed over the full softmax at "
+            f"temperature {g.temperature:g}, so the update starts slightly off-policy; set "
+            "generation.top_k=0 and generation.top_p=1 for exact on-policy PPO")
+
+
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
                  mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch)."""
@@ -40,6 +55,8 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                       mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses,
                       prompt_lens=[len(p) for p in prompt_ids],
                       response_lens=[len(r) for r in counted],
-                      extras=[prompts.extra(i) for i in indices])
+                      extras=[prompts.extra(i) for i in indices],
+                      messages=([prompts.chat(i) for i in indices]
+                                if prompts.messages is not None else None))
     return rollout, gen
 

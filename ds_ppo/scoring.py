@@ -10,7 +10,11 @@ import torch
 from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
+from ds_ppo.engine import dist
+from ds_ppo.errors import RewardFunctionError, RewardTimeout
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
+from ds_ppo.reward_service import RewardServiceError, redact_url
+from ds_ppo.rewards import call_reward_function
 
 
 def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
@@ -18,6 +22,34 @@ def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list
     another (for `in_row_order`)."""
     batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
     return batches, [i for rows in batches for i in rows]
+
+
+def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
+    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout).
+    Collective: the ranks agree on the outcome, so a function that fails or hangs on one rank
+    stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+    columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+    error, scores = None, []
+    # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
+    # thread around it; its answers are checked like a function's
+    spec = cfg.reward.function or redact_url(cfg.reward.url)
+    timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
+    try:
+        scores = call_reward_function(fn, spec, list(rollout.prompts),
+                                      list(rollout.responses), columns, timeout_s)
+    except (RewardFunctionError, RewardTimeout, RewardServiceError) as e:
+        error = e
+    code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
+    worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
+    if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
+        raise error if isinstance(error, RewardTimeout) else RewardTimeout(
+            f"reward.function = {cfg.reward.function!r} did not return within "
+            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
+    if worst == 1.0:
+        what = "reward.function" if cfg.reward.function else "reward.url"
+        raise error if error is not None else RewardFunctionError(
+            f"{what} = {spec!r} failed on another rank (its message is in that rank's log)")
+    return scores
 
 
 def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
@@ -28,14 +60,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     device = rollout.prompt_ids.device
     cut = None
     if engines.reward_fn is not None:
-        columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
-        raw = engines.reward_fn(list(rollout.prompts), list(rollout.responses), **columns)
-        scores = torch.as_tensor([float(s) for s in raw], dtype=torch.float32, device=device)
-        if scores.shape != (len(rollout),):
-            raise ValueError(f"reward function {cfg.reward.function} returned {scores.shape[0]} "
-                             f"scores for {len(rollout)} responses")
-        if not torch.isfinite(scores).all():
-            raise ValueError(f"reward function {cfg.reward.function} returned non-finite scores")
+        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg),
+                              dtype=torch.float32, device=device)
     else:
         batches, order = _micro_batches(rollout, cfg)
         parts, cuts = [], []

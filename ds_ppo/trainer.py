@@ -15,21 +15,22 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.algo import AdaptiveKLController, FixedKLController, log_ratio_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
-from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, clean_partial,
-                                      ensure_universal, latest_checkpoint, load_checkpoint,
-                                      read_state, resolve_checkpoint, save_checkpoint)
+from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, ensure_universal,
+                                      find_resume, latest_checkpoint, load_checkpoint,
+                                      read_state, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
-from ds_ppo.errors import ConfigError, Diverged
+from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
-from ds_ppo.rollout import make_rollout, stop_token_ids
+from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
+from ds_ppo.rundir import lock_output_dir, start_metrics_log
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
 
@@ -53,6 +54,7 @@ def train(cfg: Config) -> TrainResult:
     _setup_logging()
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
+    lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
@@ -67,6 +69,7 @@ def train(cfg: Config) -> TrainResult:
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
     log.info("generation: mode %s, decoding loop %s", gen_mode,
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
+    _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
@@ -117,6 +120,9 @@ def train(cfg: Config) -> TrainResult:
             register_policy(cfg, tracker, result.export_dir, state.iteration,
                             last_eval_score(result.history))
             status = "FINISHED"
+        except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
+            raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
+                                          result.last_checkpoint) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -153,6 +159,11 @@ def _setup_logging() -> None:
     transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
 
 
+def _warn(message: str | None) -> None:
+    if message and dist.is_main():
+        log.warning("%s", message)
+
+
 def _seed_everything(seed: int) -> None:
     # Same seed on every rank for initialisation; sampling streams are made per rank below.
     random.seed(seed)
@@ -183,7 +194,7 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
     both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
     if cfg.reward.model is None:
         return None
-    from ds_ppo.data.reencode import encode_for_reward, rollout_for_reward, same_tokenizer
+    from ds_ppo.data.reencode import encode_rollout_for_reward, rollout_for_reward, same_tokenizer
     from ds_ppo.data.tokenizer import load_tokenizer
 
     reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
@@ -193,11 +204,11 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
             return rollout_for_reward(rollout, cfg.reward.max_len, reward_tok.bos_token_id)
     else:
         log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
-                 "and re-encoded for it")
+                 "and re-encoded for it (chat prompts with its own chat template%s)",
+                 "" if reward_tok.chat_template else ": it has none, so as plain text")
 
         def encode(rollout):
-            return encode_for_reward(reward_tok, rollout.prompts, rollout.responses,
-                                     cfg.reward.max_len)
+            return encode_rollout_for_reward(reward_tok, rollout, cfg.reward.max_len)
     encode.same = same
     return encode
 
@@ -205,16 +216,7 @@ def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
     DeepSpeed's universal format because the data-parallel world size changed."""
-    clean_partial(cfg.output_dir)
-    if cfg.resume == "auto":
-        path = latest_checkpoint(cfg.output_dir)
-    elif cfg.resume != "never":
-        path = resolve_checkpoint(cfg.resume)
-    else:
-        if latest_checkpoint(cfg.output_dir) is not None:
-            raise ConfigError(f"resume = never but {cfg.output_dir} already holds checkpoints; "
-                              "use resume=auto to continue, or a new output_dir")
-        path = None
+    path = find_resume(cfg.output_dir, cfg.resume)
     if path is None:
         return None, False
     universal = read_state(path).world_size != dist.world_size()
@@ -230,7 +232,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
         _seed_sampling(cfg.seed)
-        _truncate_metrics_log(cfg, 0)
+        start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
         return state, kl_ctl
     state = load_checkpoint(path, engines, universal)
     for role in ("policy", "value"):
@@ -238,7 +240,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
         if changed:
             log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
                      ", ".join(changed))
-    _truncate_metrics_log(cfg, state.iteration)
+    start_metrics_log(cfg.output_dir, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
     log.info("resumed from %s (iteration %d%s)", path, state.iteration,
              f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
@@ -248,18 +250,6 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
         log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
                  "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
     return state, kl_ctl
-
-
-def _truncate_metrics_log(cfg: Config, iteration: int) -> None:
-    """metrics.jsonl keeps each iteration once: rows after the resumed iteration (run before a
-    crash, about to be run again) are dropped."""
-    path = Path(cfg.output_dir) / "metrics.jsonl"
-    if dist.is_main() and path.exists():
-        rows = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["iteration"] <= iteration]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        tmp.replace(path)
 
 
 def _seed_sampling(seed: int) -> None:
@@ -361,6 +351,8 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     seq_kl = (exp.kl * mask).sum(1)
     acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
+    acc.add_tensor_mean("kl/clamped_frac",
+                        log_ratio_clamped(exp.old_logprobs - exp.ref_logprobs).float(), mask)
     acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)
     acc.add_mean("response/length_mean", float(lengths.sum()), n)
@@ -447,6 +439,22 @@ def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
     row = {"prompt": prompt, "response": response, "score": float(score)}
     row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
     return row
+
+
+def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
+                            state: TrainerState, tokenizer, last: str | None) -> RewardTimeout:
+    """Checkpoint the last completed iteration (the weights still are its weights unless the
+    timeout came after this iteration's update, in evaluation), and the error to stop with."""
+    latest = latest_checkpoint(out)
+    if (not err.after_update and state.iteration > 0 and
+            (latest is None or latest.name != checkpoint_name(state.iteration))):
+        last = _checkpoint(cfg, out, engines, state, tokenizer)
+    elif latest is not None:
+        last = str(latest)
+    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
+             "to resume from it" if last else "no checkpoint was saved")
+    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
+                         "raise reward.timeout_s.")
 
 
 # ------------------------------------------------------------------------------ end

@@ -20,10 +20,12 @@ from ds_ppo.algo import (
     entropy_from_logits,
     explained_variance,
     gae,
+    gae_blocked,
     gae_loop,
     gae_matmul,
     kl_estimate,
     last_valid_index,
+    LOG_RATIO_CLAMP,
     logprobs_from_logits,
     mask_from_lengths,
     masked_mean,
@@ -269,7 +271,7 @@ def test_shape_rewards_ignores_masked_positions(estimator, garbage):
 
 # --------------------------------------------------------------------------- GAE
 
-GAE_IMPLS = [gae, gae_loop, gae_matmul]
+GAE_IMPLS = [gae, gae_loop, gae_matmul, lambda *a, **k: gae_blocked(*a, **k, block=2)]
 
 
 @pytest.mark.parametrize("impl", GAE_IMPLS)
@@ -330,6 +332,54 @@ def test_gae_ignores_masked_positions(impl, garbage):
     for c, d in zip(clean, dirty):
         assert torch.equal(c, d)
         assert torch.equal(c[~mask], torch.zeros_like(c[~mask]))
+
+
+@pytest.mark.parametrize("T,block", [(1, 4), (5, 2), (37, 4), (37, 37), (37, 100), (700, 256)])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.95), (0.5, 0.1), (1.0, 1.0)])
+def test_gae_blocked_matches_loop(T, block, gamma, lam):
+    """The blocked scan against the textbook loop: blocks that divide T, a short first block,
+    one block longer than T."""
+    gen = torch.Generator().manual_seed(T)
+    mask = random_prefix_mask(4, T, gen)
+    rewards, values = torch.randn(4, T, generator=gen), torch.randn(4, T, generator=gen)
+    for got, want in zip(gae_blocked(rewards, values, mask, gamma, lam, block=block),
+                         gae_loop(rewards, values, mask, gamma, lam)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_above_threshold_is_blocked_and_equal():
+    from ds_ppo.algo import advantages
+
+    T = advantages.BLOCKED_ABOVE + 77
+    gen = torch.Generator().manual_seed(5)
+    mask = random_prefix_mask(3, T, gen)
+    rewards, values = torch.randn(3, T, generator=gen), torch.randn(3, T, generator=gen)
+    for got, want in zip(gae(rewards, values, mask), gae_matmul(rewards, values, mask)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+GAE_MEMORY = """
+import resource, sys, torch
+from ds_ppo.algo import gae
+B, T = 2, 32768
+rewards, values = torch.randn(B, T), torch.randn(B, T)
+mask = torch.ones(B, T, dtype=torch.bool)
+vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+limit = vm + 512 * 2**20  # half a GiB more address space; one (T, T) float64 matrix is 8 GiB
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+adv, ret = gae(rewards, values, mask)
+print(bool(torch.isfinite(adv).all()), adv.shape[1])
+"""
+
+
+def test_gae_at_32k_tokens_fits_in_half_a_gib():
+    """Long-reasoning lengths: GAE at T = 32768 under an address-space limit of +512 MiB (a
+    (T, T) float64 matrix would need 8 GiB)."""
+    proc = subprocess.run([sys.executable, "-c", GAE_MEMORY], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                                            "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "32768"]
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -413,6 +463,33 @@ def test_policy_loss_num_tokens_micro_batches_sum_to_full_batch_mean():
     assert not torch.allclose(naive, full)
     with pytest.raises(ValueError):
         policy_loss(lp, old, adv, mask, num_tokens=0)
+
+
+def test_adversarial_log_probs_keep_kl_loss_and_gradients_finite():
+    """A tail token 100 nats apart (e^100 overflows float32): the k2/k3 KL, the shaped reward,
+    the policy loss and its gradient stay finite, and the clamped tokens are counted."""
+    from ds_ppo.algo import log_ratio_clamped
+
+    logp = torch.tensor([[-0.5, -100.0, 0.0, -1.0]])
+    ref = torch.tensor([[-0.6, 0.0, -100.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    for estimator in ("k2", "k3"):
+        kl = kl_estimate(logp, ref, estimator)
+        assert torch.isfinite(kl).all(), (estimator, kl)
+        bound = LOG_RATIO_CLAMP
+        expected = 0.5 * bound ** 2 if estimator == "k2" else math.expm1(bound) - bound
+        assert kl[0, 1].item() == pytest.approx(expected, rel=1e-5)
+        assert torch.isfinite(shape_rewards(torch.ones(1), logp, ref, mask, 0.1,
+                                            estimator)).all()
+    assert log_ratio_clamped(logp - ref).tolist() == [[False, True, True, False]]
+    old = torch.tensor([[-0.5, -200.0, 0.0, -1.0]])
+    for adv in (torch.tensor([[1.0, -1.0, 1.0, 1.0]]), torch.tensor([[-1.0, 1.0, -1.0, 1.0]])):
+        logprobs = torch.tensor([[-0.4, 0.0, -150.0, -1.0]], requires_grad=True)
+        loss, stats = policy_loss(logprobs, old, adv, mask, clip_eps=0.2)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), (loss, logprobs.grad)
+        assert all(torch.isfinite(v) for v in stats.values())
+        assert stats["ratio_clamped_frac"].item() == pytest.approx(0.5)
 
 
 def test_policy_loss_empty_mask_is_zero():

@@ -141,6 +141,10 @@ def test_chat_messages_rendered_with_the_chat_template(tok, tmp_path):
         # the template writes the BOS; tokenising must not add a second one
         assert ids == tok(text, add_special_tokens=False)["input_ids"]
         assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
+    # the messages are kept, for a reward model that renders them with its own chat template
+    assert ps.messages == convs and ps.chat(1) == convs[1]
+    assert load_prompts(cfg(write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "hi"}])),
+                        tok).messages is None
     # TRL's conversational format: chat messages in the prompt column
     write_jsonl(tmp_path / "trl.jsonl", [{"prompt": m} for m in convs])
     assert load_prompts(cfg(tmp_path / "trl.jsonl"), tok).texts == rendered

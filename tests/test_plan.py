@@ -141,6 +141,23 @@ def test_activation_formulas_hand_worked():
     assert P.logits_bytes(shape, s, b) == b * s * 7 * 6
 
 
+def test_prefill_activations_hand_worked():
+    """One layer's working set of a no-grad prefill, not the training layer's saved tensors."""
+    s, b, h, kv, i = 10, 3, 8, 4, 20
+    shape = _shape(hidden=h, heads=2, kv_heads=2, head_dim=2, intermediate=i, layers=5, vocab=7)
+    # per token: max(norm 10h = 80, attention 6h + (6h + 6kv) = 120, MLP 4h + 6i = 152)
+    assert P.prefill_activation_bytes(shape, s, b, eager=False) == s * b * 152
+    # tp 2: max(80, 48 + 72 // 2 = 84, 32 + 120 // 2 = 92)
+    assert P.prefill_activation_bytes(shape, s, b, eager=False, tp=2) == s * b * 92
+    assert (P.prefill_activation_bytes(shape, s, b, eager=True, tp=2)
+            == s * b * 92 + 4 * 1 * s * s * b)
+    # Llama-3-70B, 16 prompts of 1024 tokens over 8 GPUs: the fp32 RMSNorm (10h per token)
+    # dominates, 1.25 GiB where the training layer formula says 5.56
+    big = _shape()
+    assert P.prefill_activation_bytes(big, 1024, 16, False, tp=8) == 1024 * 16 * 10 * 8192
+    assert P.layer_activation_bytes(big, 1024, 16, False) > 5.5 * GiB
+
+
 def test_inference_states():
     st = P.inference_states(1000, 100, 8, 2, 3, offload_param=True)
     assert (st.gpu_bytes_per_rank, st.resident_bytes, st.cpu_bytes_per_node) == (200, 0, 1500)
@@ -162,6 +179,31 @@ def test_70b_fits_on_8_nodes(plan_70b_8x8):
     assert 19 * GiB < shard < 21 * GiB  # SCALING.md: 19.9 GiB
     assert p.peak_gpu_bytes == max(ph.total(p.resident_bytes) for ph in p.phases)
     assert p.biggest_lever is None
+
+
+def test_70b_generation_batch_is_sized_by_the_plan(plan_70b_8x8):
+    """The preset's generation.batch_size is the largest power of two whose plan fits."""
+    cfg = load_config("70b")
+    batch = cfg.generation.batch_size
+    gen = plan_70b_8x8.phases[0]
+    assert gen.transient["prefill activations (one layer)"] == P.prefill_activation_bytes(
+        plan_70b_8x8.roles["policy"].shape, 1024, batch, False, tp=8)
+    assert batch >= 64 and plan_70b_8x8.fits
+    doubled = P.plan(load_config("70b", [f"generation.batch_size={2 * batch}"]),
+                     P.Cluster(8, 8, 80 * GiB))
+    assert not doubled.fits and doubled.peak_phase.startswith("generation")
+
+
+def test_scale_out_advice_respects_batch_divisibility():
+    """Memory alone fits 7 nodes of 8 GPUs, but 1024 prompts do not split over 56 ranks: the
+    advice is the next node count whose world size the batch sizes divide."""
+    cfg = load_config("70b")
+    assert P.compute_plan(cfg, P.resolve_shapes(cfg), P.Cluster(7, 8, 80 * GiB)).fits
+    with pytest.raises(ConfigError):
+        validate(cfg, 7 * 8)
+    p = P.plan(cfg, P.Cluster(1, 8, 80 * GiB))
+    assert p.min_nodes == 8
+    validate(cfg, p.min_nodes * 8)
 
 
 def test_70b_does_not_fit_on_one_node_and_names_a_lever(capsys):

@@ -74,3 +74,36 @@ def test_sigusr1_to_one_rank_stops_both_at_the_same_iteration(tmp_path):
     assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
     ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert len(list((ckpt / "rng").iterdir())) == 2  # both ranks wrote their part
+
+
+HANGS_ON_SECOND_CALL = '''
+import threading
+calls = []
+
+
+def score(prompts, responses):
+    calls.append(1)
+    if len(calls) == 2:
+        threading.Event().wait()  # never returns
+    return [float(len(r)) for r in responses]
+'''
+
+
+def test_hung_reward_function_stops_the_run_with_the_last_iteration_saved(tmp_path):
+    """A reward function that never returns (iteration 2): after reward.timeout_s the run saves
+    iteration 1, says so and exits 2, although the hung call never ends."""
+    (tmp_path / "hang_reward.py").write_text(HANGS_ON_SECOND_CALL)
+    out = tmp_path / "out"
+    t0 = time.time()
+    proc = run_cli(["train", *SMALL, f"output_dir={out}", "iterations=3",
+                    "reward.function=hang_reward:score", "reward.timeout_s=5"], cwd=tmp_path,
+                   env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"),
+                   check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "reward.function = 'hang_reward:score' did not return within reward.timeout_s = 5 s" \
+        in proc.stderr
+    assert "run the same command again to resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _saved_iteration(out) == 1
+    assert [r["iteration"] for r in read_metrics(out)] == [1]
+    assert time.time() - t0 < 250

@@ -53,10 +53,20 @@ eng = init_engines(cfg, tok, dev)
 def full(p):
     with deepspeed.zero.GatheredParameters([p]):
         return p.detach().clone()
-same = torch.equal(full(eng.value.module.score.weight), full(eng.reward.module.score.weight))
+rm = eng.reward.module.model  # the HF model inside forward.LastTokenScorer
+same = torch.equal(full(eng.value.module.score.weight), full(rm.score.weight))
 emb = torch.equal(full(eng.value.module.model.embed_tokens.weight),
-                  full(eng.reward.module.model.embed_tokens.weight))
-print(json.dumps({"head_from_reward": same, "backbone_from_reward": emb}))
+                  full(rm.model.embed_tokens.weight))
+# scoring runs through the engine's forward: ZeRO-3's coordinator completes its fetch trace
+# (through attribute forwarding it stayed INVALID for good, its step counter never reset)
+from ds_ppo.forward import sequence_scores
+coordinator = eng.reward.optimizer.get_param_coordinator()
+ids = torch.randint(3, 50, (2, 7))
+with torch.no_grad():
+    scores = [sequence_scores(eng.reward, ids, torch.ones_like(ids)) for _ in range(3)]
+print(json.dumps({"head_from_reward": same, "backbone_from_reward": emb,
+                  "trace_complete": coordinator.is_complete_trace(),
+                  "same_scores": all(torch.equal(scores[0], s) for s in scores)}))
 """
 
 
@@ -68,7 +78,8 @@ def test_value_model_starts_from_reward_model(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res == {"head_from_reward": True, "backbone_from_reward": True}
+    assert res == {"head_from_reward": True, "backbone_from_reward": True,
+                   "trace_complete": True, "same_scores": True}
     # prompts of up to 16 tokens + 6 response tokens: a reward.max_len of 12 cuts some inputs,
     # which is counted and reported, never silent
     proc = run_cli(["train", *args, "reward.max_len=12"], cwd=tmp_path)

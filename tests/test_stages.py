@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import pytest
@@ -19,7 +20,7 @@ from ds_ppo.forward import last_token_index, position_ids, response_logprobs, re
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.rewards import load_reward_function, positive_words
 from ds_ppo.scoring import reward_scores
-from ds_ppo.update import minibatch_rows
+from ds_ppo.update import minibatch_rows, ppo_update
 
 
 def _cfg(*overrides):
@@ -163,13 +164,63 @@ def test_reward_function_scores_and_missing_eos_penalty():
 
 
 def test_reward_function_must_return_one_finite_score_each():
+    from ds_ppo.errors import RewardFunctionError
+
     cfg = _cfg()
-    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0])
-    with pytest.raises(ValueError, match="returned 1 scores for 2"):
-        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
-    engines = types.SimpleNamespace(reward_fn=lambda p, r: [1.0, float("nan")])
-    with pytest.raises(ValueError, match="non-finite"):
-        reward_scores(_rollout(["a", "b"], [True, True]), engines, cfg, None)
+    two = _rollout(["a", "b"], [True, True])
+    for fn, message in [
+            (lambda p, r: [1.0], "returned 1 scores for 2 responses"),
+            (lambda p, r: [1.0, float("nan")], r"score 1 is nan \(non-finite\)"),
+            (lambda p, r: ["0.5", 1.0], r"score 0 is '0.5' \(str\)"),
+            (lambda p, r: [None, None], r"score 0 is None \(NoneType\); score 1 is None"),
+            (lambda p, r: None, "returned NoneType None; it must return a list of 2 floats"),
+            (lambda p, r: "0.5 0.5", "returned str '0.5 0.5'"),
+            (lambda p, r: [[1.0], [2.0]], r"score 0 is \[1.0\] \(list\)"),
+            (lambda p, r: 1 / 0, r"raised ZeroDivisionError: division by zero at .*test_stages"),
+    ]:
+        with pytest.raises(RewardFunctionError, match=r"reward.function = 'ds_ppo.rewards:"
+                           r"positive_words' (returned|raised)") as info:
+            reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+        assert re.search(message, str(info.value)), (message, str(info.value))
+        assert info.value.exit_code == 2
+    import numpy as np
+
+    ok = [lambda p, r: (1, 0.5), lambda p, r: [True, np.float32(0.5)],
+          lambda p, r: torch.tensor([1.0, 0.5]), lambda p, r: [torch.tensor(1.0), 0.5]]
+    for fn in ok:
+        scores, _ = reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+        assert scores.tolist() == [1.0, 0.5]
+
+
+def test_reward_function_that_hangs_is_stopped_after_timeout():
+    """A call still running after reward.timeout_s raises RewardTimeout in the caller's thread;
+    the hung call is left in a daemon thread."""
+    import threading
+    import time
+
+    from ds_ppo.errors import RewardTimeout
+
+    release = threading.Event()
+
+    def hangs(prompts, responses):
+        release.wait(60)
+        return [0.0] * len(prompts)
+
+    cfg = _cfg("reward.timeout_s=0.5")
+    t0 = time.perf_counter()
+    with pytest.raises(RewardTimeout, match=r"did not return within reward.timeout_s = 0.5 s"):
+        reward_scores(_rollout(["a", "b"], [True, True]), types.SimpleNamespace(reward_fn=hangs),
+                      cfg, None)
+    assert time.perf_counter() - t0 < 10
+    hung = [t for t in threading.enumerate() if t.name.startswith("reward.function")]
+    assert hung and all(t.daemon for t in hung)
+    release.set()
+    # null: the function runs in the calling thread (signal-based code inside it works)
+    where = []
+    cfg = _cfg("reward.timeout_s=null")
+    reward_scores(_rollout(["a"], [True]), types.SimpleNamespace(
+        reward_fn=lambda p, r: where.append(threading.current_thread()) or [1.0]), cfg, None)
+    assert where == [threading.main_thread()]
 
 
 def exact_match(prompts, responses, answer, *, weight=1.0):
@@ -323,22 +374,89 @@ def test_reward_inputs_cut_each_row_like_encode_for_reward():
         [p + s for p, s in zip(prompts, responses)]
 
 
+def _tiny_reward_model():
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(1)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1)).eval()
+
+
 def test_scoring_returns_rows_in_rollout_order():
     """Micro-batches run longest-first; the scores (and which inputs were cut to max_len) come
     back in the rollout's row order."""
-    model = _tiny_llama()
-    backbone_score = torch.nn.Linear(16, 1)
-    reward = types.SimpleNamespace(base_model_prefix="model", model=model.model,
-                                   score=backbone_score)
+    from ds_ppo.forward import LastTokenScorer
+
+    rm = _tiny_reward_model()
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
-    engines = types.SimpleNamespace(reward_fn=None, reward=reward)
+    engines = types.SimpleNamespace(reward_fn=None, reward=LastTokenScorer(rm))
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
         got, cut = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 6, None))
         assert cut.tolist() == [True, False, False]  # 7, 3 and 6 tokens; max_len 6
         for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
-            hidden = model.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]
-            torch.testing.assert_close(got[b], backbone_score(hidden)[0], atol=1e-5, rtol=1e-5)
+            hidden = rm.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]
+            torch.testing.assert_close(got[b], rm.score(hidden)[0], atol=1e-5, rtol=1e-5)
+
+
+class _CountingEngine(torch.nn.Module):
+    """Stands in for a DeepSpeedEngine: counts calls of its forward and, like DeepSpeed, passes
+    other attributes through to the wrapped module (so a bypass still runs, uncounted)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["module"], name)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def get_global_grad_norm(self):
+        return None
+
+
+def test_every_role_forward_goes_through_its_engine():
+    """Scoring and the update call each model role through its engine's own forward (ZeRO-3
+    resets its parameter-fetch trace in the root module's hooks; attribute forwarding skips
+    them). The reward engine wraps LastTokenScorer, as init_engines builds it."""
+    from transformers import LlamaForTokenClassification
+
+    from ds_ppo.forward import LastTokenScorer
+    from ds_ppo.scoring import add_advantages, score
+
+    value = LlamaForTokenClassification(LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1))
+    engines = types.SimpleNamespace(
+        policy=_CountingEngine(_tiny_llama()), reference=_CountingEngine(_tiny_llama()),
+        value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())),
+        reward_fn=None)
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
+               "ppo.ppo_epochs=1")
+    exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+    roles = ("policy", "reference", "value", "reward")
+    assert {role: getattr(engines, role).calls for role in roles} == dict.fromkeys(
+        roles, 2)  # 3 rows in micro-batches of 2
+    assert exp.scores.shape == (3,)
+    # the update: one mini-batch of 2 rows, one micro-batch, one forward of policy and value
+    ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, Accumulator())
+    assert {role: getattr(engines, role).calls for role in roles} == {
+        "policy": 3, "reference": 2, "value": 3, "reward": 2}
 
 
 def test_param_chunks_bound_each_gather():
@@ -460,3 +578,55 @@ def test_samples_table_rows_carry_the_reward_columns():
 
     assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
         "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}
+
+
+def test_trained_roles_load_without_dropout(tmp_path):
+    """policy/value.disable_dropout (default true): every dropout probability of the config is 0
+    before the model is built, so old and new log-probs come from the same network."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from ds_ppo.engine.roles import _model_config
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, resid_pdrop=0.1,
+                               embd_pdrop=0.2, attn_pdrop=0.3)).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, attention_dropout=0.4).save_pretrained(tmp_path / "llama")
+    cfg = _cfg()
+    assert cfg.policy.disable_dropout and cfg.value.disable_dropout
+
+    def dropouts(path, disable):
+        config = _model_config(str(path), disable)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config)
+        return sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)})
+
+    assert dropouts(tmp_path / "gpt2", False) == [0.1, 0.2, 0.3]  # the checkpoint's own
+    assert dropouts(tmp_path / "gpt2", True) == [0.0]
+    assert _model_config(str(tmp_path / "llama"), False).attention_dropout == 0.4
+    assert _model_config(str(tmp_path / "llama"), True).attention_dropout == 0.0
+    assert _model_config(str(tmp_path / "llama"), True, num_labels=1).num_labels == 1
+
+
+def test_temperature_in_sampling_and_scoring_and_a_filter_warning():
+    """Generation samples from softmax(logits / T) and scoring's log-probs are those of the same
+    distribution; top-k / top-p filters are not in the log-probs: a start-up warning says so."""
+    from ds_ppo.algo import filter_logits
+    from ds_ppo.engine.generation import _generate_kwargs
+    from ds_ppo.rollout import sampling_mismatch
+
+    model = _tiny_llama()
+    rollout = _padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
+    ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, 2:-1]  # (4, V): the positions predicting the response
+        for temp in (0.5, 1.0, 1.7):
+            sampled = torch.softmax(filter_logits(logits, temp), -1)  # own decoding loop
+            scored = response_logprobs(model, rollout, temp)[0][0].exp()
+            torch.testing.assert_close(scored, sampled.gather(-1, torch.tensor(RESPONSES[0])[:, None])[:, 0],
+                                       atol=1e-5, rtol=1e-5)
+    assert _generate_kwargs(_cfg("generation.temperature=0.5").generation, [2], 0)["temperature"] \
+        == 0.5  # HF generate
+    assert sampling_mismatch(_cfg().generation) is None
+    assert sampling_mismatch(_cfg("generation.top_k=5", "generation.temperature=0").generation) \
+        is None  # greedy
+    warning = sampling_mismatch(_cfg("generation.top_k=5", "generation.top_p=0.9").generation)
+    assert "generation.top_k = 5, generation.top_p = 0.9" in warning and "off-policy" in warning

@@ -257,3 +257,82 @@ def test_encode_for_reward_keeps_the_end(tiny):
     assert ids.shape == (1, 6) and mask.all() and cut.tolist() == [True]
     assert ids[0].tolist() == [tiny.bos_token_id] + (full + [tiny.eos_token_id])[-5:]
     assert tiny.decode(ids[0], skip_special_tokens=True).endswith("wonderful beach")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HEADERS = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+           "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+           "{% endif %}")
+
+
+def _chat_tokenizer(path: Path, specials: list[str], eos: str, template: str):
+    """A reward-model tokenizer of another family: its own special tokens and chat template."""
+    tok = load_tokenizer(str(path), path)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.add_special_tokens({"eos_token": eos})
+    tok.chat_template = template
+    return tok
+
+
+def test_reward_tokenizer_renders_chats_with_its_own_template(tiny, unigram_dir):
+    """Policy (builtin:tiny, `role: content` template) and reward tokenizers differ: a chat row
+    reaches the reward model in the reward tokenizer's own chat markup (its special tokens, not
+    the policy's markup as text), closed by its EOS like the same-tokenizer path's input; a
+    truncated response stays open; a plain-text row gets BOS ... EOS."""
+    from ds_ppo.containers import Rollout
+    from ds_ppo.data.reencode import encode_rollout_for_reward, rollout_for_reward
+
+    chat = [{"role": "user", "content": "what a day"}]
+    policy = tiny
+    rendered_prompt = policy.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    chat_ids = policy(rendered_prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = [chat_ids, policy("we had a")["input_ids"], chat_ids]
+    response_ids = [policy(" good day", add_special_tokens=False)["input_ids"] + [policy.eos_token_id],
+                    policy(" wonderful time", add_special_tokens=False)["input_ids"] + [policy.eos_token_id],
+                    policy(" a long", add_special_tokens=False)["input_ids"]]  # truncated
+    prompts, responses = decode_responses(policy, prompt_ids, response_ids)
+    P, T = max(map(len, prompt_ids)), max(map(len, response_ids))
+    pids = torch.tensor([[policy.pad_token_id] * (P - len(p)) + p for p in prompt_ids])
+    rids = torch.tensor([r + [policy.pad_token_id] * (T - len(r)) for r in response_ids])
+    rollout = Rollout(prompt_ids=pids, prompt_mask=pids != policy.pad_token_id,
+                      response_ids=rids, mask=torch.tensor([[i < len(r) for i in range(T)]
+                                                            for r in response_ids]),
+                      ended=torch.tensor([True, True, False]), prompts=prompts,
+                      responses=responses, prompt_lens=[len(p) for p in prompt_ids],
+                      response_lens=[len(r) for r in response_ids], extras=[{}] * 3,
+                      messages=[chat, None, chat])
+    # the same-tokenizer path: the policy's own ids, the last real token of an ended row is EOS
+    same, same_mask, _ = rollout_for_reward(rollout, 64, policy.bos_token_id)
+    assert same[0, last_token_index(same_mask)[0]] == policy.eos_token_id
+
+    chatml = _chat_tokenizer(unigram_dir, ["<|im_start|>", "<|im_end|>"], "<|im_end|>", CHATML)
+    headers = _chat_tokenizer(unigram_dir, ["<|start_header_id|>", "<|end_header_id|>",
+                                            "<|eot_id|>", "<|end_of_text|>"], "<|end_of_text|>",
+                              HEADERS)
+    for reward in (chatml, headers):
+        ids, mask, cut = encode_rollout_for_reward(reward, rollout, max_len=64)
+        assert not cut.any()
+        rows = [ids[b, :int(mask[b].sum())].tolist() for b in range(3)]
+        texts = [reward.decode(r) for r in rows]
+        full = [*chat, {"role": "assistant", "content": " good day"}]
+        rendered = reward.apply_chat_template(full, tokenize=False)
+        # row 0: the reward tokenizer's markup, its special tokens as single ids, EOS at the end
+        assert responses[0] == " good day"
+        if reward is chatml:  # the template's turn end is the EOS: not doubled
+            assert rows[0] == reward(rendered, add_special_tokens=False)["input_ids"]
+            assert texts[0].startswith("<|im_start|>user\nwhat a day<|im_end|>\n<|im_start|>"
+                                       "assistant\n")
+        else:  # the turn end is <|eot_id|>: the EOS is appended, as the policy's EOS ends its row
+            assert rows[0] == reward(rendered, add_special_tokens=False)["input_ids"] + [
+                reward.eos_token_id]
+            assert rows[0][-1] == reward.eos_token_id
+        opener = "<|im_start|>" if reward is chatml else "<|start_header_id|>"
+        assert reward.convert_tokens_to_ids(opener) in rows[0]  # one special id
+        assert "user:" not in texts[0] and "assistant:" not in texts[0]  # no policy markup
+        # row 1, plain text: BOS + prompt + response + EOS
+        assert rows[1] == reward("we had a wonderful time")["input_ids"] + [reward.eos_token_id]
+        # row 2, truncated: the assistant turn is left open, no EOS
+        assert rows[2][-1] != reward.eos_token_id
+        assert texts[2].endswith(("assistant\n a long", "<|end_header_id|>\n\n a long"))

@@ -12,8 +12,9 @@ Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 """
 
-from .advantages import gae, gae_loop, gae_matmul
-from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, KLEstimator, kl_estimate
+from .advantages import gae, gae_blocked, gae_loop, gae_matmul
+from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
+                 KLEstimator, kl_estimate, log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, mask_from_lengths, response_mask
@@ -26,16 +27,19 @@ __all__ = [
     "FixedKLController",
     "KLEstimator",
     "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
     "block_tokens",
     "decode_attention_mask",
     "entropy_from_logits",
     "explained_variance",
     "filter_logits",
     "gae",
+    "gae_blocked",
     "gae_loop",
     "gae_matmul",
     "kl_estimate",
     "last_valid_index",
+    "log_ratio_clamped",
     "logprobs_from_logits",
     "mask_from_lengths",
     "masked_mean",

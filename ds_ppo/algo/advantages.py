@@ -86,6 +86,55 @@ def gae_matmul(
     return _masked_outputs(advantages, values, mask)
 
 
+def gae_blocked(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    block: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE as a reverse scan over blocks of ``block`` steps, each block one small matmul.
+    Same contract as ``gae``.
+
+    For a block [s, e): A_t = sum_{s <= t <= j < e} c^(j - t) delta_j + c^(e - t) A_e,
+    c = gamma * lam: the in-block part is ``gae_matmul``'s (b, b) Hankel product, and the
+    accumulator A_e (the advantage at the next block's first step, 0 after the last block)
+    is carried from block to block. float64 throughout, like ``gae_matmul``. Memory
+    O(B T + block^2) (T = 32768: a few MiB, where one (T, T) matrix needs 8 GiB); cost
+    O(B T block) plus T / block sequential steps.
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    rewards, values, mask = _masked_inputs(rewards, values, mask)
+    deltas = _td_errors(rewards, values, gamma).double()
+    B, T = deltas.shape
+    device = deltas.device
+    c = gamma * lam
+    b = min(block, T)
+    exponents = torch.arange(b - 1, -1, -1, dtype=torch.float64, device=device)
+    powers = torch.full((b,), c, dtype=torch.float64, device=device).pow(exponents)
+    hankel = torch.cat([powers, torch.zeros(b - 1, dtype=torch.float64, device=device)]
+                       ).unfold(0, b, 1).contiguous()  # (b, b), as in gae_matmul
+    # carry[i] = c^(n - i) for a block of n steps: the weight of A_e at step s + i
+    carry_powers = torch.full((b,), c, dtype=torch.float64, device=device).pow(
+        torch.arange(b, 0, -1, dtype=torch.float64, device=device))
+    advantages = torch.empty_like(deltas)
+    carry = torch.zeros(B, dtype=torch.float64, device=device)  # A_e
+    for e in range(T, 0, -b):
+        s = max(0, e - b)
+        n = e - s
+        local = deltas[:, s:e].flip(-1) @ hankel[b - n:, :n]  # (B, n): the in-block sums
+        advantages[:, s:e] = local + carry.unsqueeze(-1) * carry_powers[b - n:]
+        carry = advantages[:, s]
+    return _masked_outputs(advantages.to(rewards.dtype), values, mask)
+
+
+# Above this many response tokens `gae` scans in blocks: the (T, T) matrix of gae_matmul
+# would take 8 * T^2 bytes (T = 16384: 2 GiB; T = 32768: 8 GiB).
+BLOCKED_ABOVE = 1024
+
+
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -107,7 +156,12 @@ def gae(
         values on valid tokens; both 0 outside the mask. Rewards and values at masked
         positions are ignored; the value after the last valid token is taken as 0
         (terminal). Not whitened: see ``masked_whiten``.
+
+    Up to BLOCKED_ABOVE tokens one (T, T) matmul (``gae_matmul``), above it the blocked scan
+    (``gae_blocked``): the same values, in O(B T) memory.
     """
+    if rewards.shape[-1] > BLOCKED_ABOVE:
+        return gae_blocked(rewards, values, mask, gamma, lam)
     return _GAE_IMPL(rewards, values, mask, gamma, lam)
 
 

@@ -10,6 +10,18 @@ import torch
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
+# Bound on a log-ratio before it is squared (k2) or exponentiated (k3, the PPO ratio): e^20 ~ 5e8
+# is far beyond any ratio a healthy update sees, yet exp and its gradient stay finite in float32
+# (e^88 overflows) and a reward of -kl_coef * e^20 cannot overflow an update. OpenRLHF and verl
+# clamp at +-10 to +-20. Tokens beyond it are counted (`log_ratio_clamped`; metrics
+# kl/clamped_frac, policy/ratio_clamped_frac).
+LOG_RATIO_CLAMP = 20.0
+
+
+def log_ratio_clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True where |log_ratio| exceeds LOG_RATIO_CLAMP (the value was clamped)."""
+    return log_ratio.abs() > LOG_RATIO_CLAMP
+
 
 def kl_estimate(
     logprobs: torch.Tensor,
@@ -25,6 +37,9 @@ def kl_estimate(
       k2 = 0.5 * (log r)^2                               (biased, low variance, >= 0)
       k3 = (r - 1) - log r = exp(ref - logp) - 1 - (ref - logp)   (unbiased, >= 0)
 
+    For k2 and k3 the log-ratio is first clamped to +-LOG_RATIO_CLAMP (20 nats), so a tail
+    token cannot put e^100 (inf in float32) into a reward; k1 is linear and left as it is.
+
     Args:
         logprobs: (B, T) float, log-prob of each sampled response token under the policy (nats).
         ref_logprobs: (B, T) float, the same tokens under the reference model (nats).
@@ -39,6 +54,7 @@ def kl_estimate(
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     # k3 with log r = -log_ratio: (r - 1) - log r

@@ -24,6 +24,7 @@ Imports only torch.
 
 import torch
 
+from .kl import LOG_RATIO_CLAMP, log_ratio_clamped
 from .stats import masked_mean, masked_sum
 
 
@@ -50,7 +51,7 @@ def policy_loss(
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", Eq. 7), negated to be minimised, per token:
 
-        r = exp(logprobs - old_logprobs)
+        r = exp(clamp(logprobs - old_logprobs, -20, 20))   (LOG_RATIO_CLAMP, see kl.py)
         loss_t = max(-A_t * r, -A_t * clip(r, 1 - clip_eps, 1 + clip_eps))
 
     Args:
@@ -67,13 +68,17 @@ def policy_loss(
           "clip_frac": fraction of tokens where the clipped term is the larger one
               (their gradient is cut), as in TRL's ``pg_clipfrac``;
           "approx_kl": (r - 1) - log r, the k3 estimate of KL(old || new) (Schulman 2020);
-          "ratio_mean": mean of r.
+          "ratio_mean": mean of r;
+          "ratio_clamped_frac": fraction of tokens whose log-ratio was clamped (there the
+              ratio, and so the loss, is finite but carries no gradient).
     """
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
     mask = mask.bool()
     # 0 log-ratio (r = 1) and 0 advantage outside the mask: no loss, no gradient there.
-    log_ratio = _zero_outside(logprobs - old_logprobs, mask)
+    raw_log_ratio = _zero_outside(logprobs - old_logprobs, mask)
+    # bounded before exp: an e^100 ratio would make the loss and its gradient inf
+    log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     advantages = _zero_outside(advantages, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -84,6 +89,7 @@ def policy_loss(
             "clip_frac": masked_mean((clipped > unclipped).float(), mask),
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
+            "ratio_clamped_frac": masked_mean(log_ratio_clamped(raw_log_ratio).float(), mask),
         }
     return loss, stats
 

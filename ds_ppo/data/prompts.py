@@ -83,6 +83,9 @@ class PromptSet:
     texts: list[str]
     stats: dict[str, int] = field(default_factory=dict)
     extras: list[dict[str, Any]] | None = None  # per prompt: its data.reward_keys values
+    # per prompt: its chat messages (None: a plain-text prompt), for a reward model that renders
+    # them with its own chat template; None when no row is a chat
+    messages: list[list[dict[str, str]] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -90,6 +93,10 @@ class PromptSet:
     def extra(self, i: int) -> dict[str, Any]:
         """Prompt i's data.reward_keys values ({} without any)."""
         return self.extras[i] if self.extras is not None else {}
+
+    def chat(self, i: int) -> list[dict[str, str]] | None:
+        """Prompt i's chat messages (None for a plain-text prompt)."""
+        return self.messages[i] if self.messages is not None else None
 
 
 # ------------------------------------------------------------------------------ builtin
@@ -471,6 +478,7 @@ class _Valid:
     chat: list[bool] = field(default_factory=list)  # rendered by the chat template
     where: list[str] = field(default_factory=list)  # "line 7": for messages
     extras: list[dict] = field(default_factory=list)  # data.reward_keys values
+    messages: list = field(default_factory=list)  # chat messages (None: plain text), if any
     skipped: int = 0                                # bad rows skipped
 
 
@@ -513,12 +521,14 @@ def _validate(table: _Table, rows: range, cfg: DataConfig, tokenizer: PreTrained
                 text, why = _render(tokenizer, messages, key)
                 if why is None:
                     out.texts.append(text)
+                    out.messages.append(messages)
                     out.chat.append(True)
                     out.where.append(table.where[i])
         elif why is None:
             why = _check_text(value, key)
             if why is None:
                 out.texts.append(value)
+                out.messages.append(None)
                 out.chat.append(False)
                 out.where.append(table.where[i])
         if why is not None:
@@ -642,12 +652,15 @@ def _apply_max_len(valid: _Valid, ids: list[list[int]], cfg: DataConfig,
     limit, bos = cfg.max_prompt_len, tokenizer.bos_token_id
     out = PromptSet(input_ids=[], texts=[], stats={}, extras=[] if cfg.reward_keys else None)
     extras = valid.extras if cfg.reward_keys else [{}] * len(valid.texts)
+    chats = valid.messages if any(m is not None for m in valid.messages) else None
+    if chats is not None:
+        out.messages = []
     truncated = dropped = 0
     # A tokenizer may normalise a whole text away (e.g. only zero-width characters).
     empty = [f"{w}: the prompt has no tokens after tokenising" for w, r in zip(valid.where, ids)
              if not r]
     skipped = _report_bad(source, empty, cfg.on_bad_row)
-    for text, row, extra in zip(valid.texts, ids, extras):
+    for n, (text, row, extra) in enumerate(zip(valid.texts, ids, extras)):
         if not row:
             continue
         if len(row) > limit:
@@ -661,6 +674,8 @@ def _apply_max_len(valid: _Valid, ids: list[list[int]], cfg: DataConfig,
         out.texts.append(text)
         if out.extras is not None:
             out.extras.append(extra)
+        if chats is not None:
+            out.messages.append(chats[n])
     out.stats = {"rows": 0, "used": len(out.input_ids), "truncated": truncated,
                  "dropped_too_long": dropped, "skipped_bad": skipped, "max_prompt_len": limit,
                  "longest": max((len(r) for r in out.input_ids), default=0)}

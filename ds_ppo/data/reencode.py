@@ -2,7 +2,8 @@
 
 When ``same_tokenizer(policy_tok, reward_tok)`` is False, the policy's prompt and response
 token ids are decoded to text (special tokens skipped) and the text is encoded again for the
-reward model by :func:`encode_for_reward`. When it is True the ids can be used as they are.
+reward model by :func:`encode_rollout_for_reward` (chat rows rendered with the reward
+tokenizer's own chat template). When it is True the ids can be used as they are.
 """
 from __future__ import annotations
 
@@ -110,9 +111,17 @@ def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
         raise ValueError("encode_for_reward needs at least one sequence")
     texts = [p + r for p, r in zip(prompts, responses)]
     rows = [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     if append_eos and eos is not None:
         rows = [r + [eos] for r in rows]
+    return _right_padded(tokenizer, rows, max_len)
+
+
+def _right_padded(tokenizer: PreTrainedTokenizerBase, rows: list[list[int]], max_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Id rows cut to max_len (keeping their end and a leading BOS) and right-padded; see
+    encode_for_reward."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     cut = torch.tensor([len(r) > max_len for r in rows], dtype=torch.bool)
     rows = [truncate_left(r, max_len, keep_first=bos is not None and bool(r) and r[0] == bos)
             for r in rows]
@@ -167,3 +176,46 @@ def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrain
     """
     prompts, responses = decode_responses(tokenizer_from, prompt_ids, response_ids)
     return encode_for_reward(tokenizer_to, prompts, responses, max_len, append_eos=append_eos)
+
+
+def _ends_with_eos(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
+    return bool(tokenizer.eos_token) and text.rstrip().endswith(tokenizer.eos_token)
+
+
+def encode_rollout_for_reward(tokenizer: PreTrainedTokenizerBase, rollout: Rollout, max_len: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rollout as input for a reward model with its own tokenizer, in the form it was trained
+    on, with the end of the response marked as the same-tokenizer path marks it:
+
+    - a chat row (``rollout.messages[i]``) when the tokenizer has a chat template: the row's
+      messages plus ``{"role": "assistant", "content": response}`` rendered with the reward
+      tokenizer's own template (its own special tokens, e.g. ``<|im_start|>`` or
+      ``<|start_header_id|>``, which decoding the policy's ids drops). A response that ended
+      (EOS or a stop token) closes its turn and gets the tokenizer's EOS unless the rendering
+      already ends with it; a truncated one is left open (``continue_final_message``).
+    - otherwise the decoded prompt + response text with the tokenizer's specials (BOS), and its
+      EOS when the response ended (the same-tokenizer path scores the policy's EOS then).
+
+    Returns ``input_ids`` (B, L), ``attention_mask`` (B, L) and ``cut`` (B,) as
+    ``encode_for_reward`` does.
+    """
+    if not len(rollout):
+        raise ValueError("encode_rollout_for_reward needs at least one sequence")
+    eos = tokenizer.eos_token_id
+    ended = rollout.ended.tolist()
+    rows = []
+    for i, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
+        chat = rollout.messages[i] if rollout.messages is not None else None
+        if chat is not None and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(
+                [*chat, {"role": "assistant", "content": response}], tokenize=False,
+                continue_final_message=not ended[i])
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            closed = _ends_with_eos(tokenizer, text)
+        else:
+            ids = list(tokenizer(prompt + response, add_special_tokens=True)["input_ids"])
+            closed = False
+        if ended[i] and eos is not None and not closed:
+            ids.append(eos)
+        rows.append(ids)
+    return _right_padded(tokenizer, rows, max_len)

@@ -1,14 +1,22 @@
 """Process-group set-up and the few collectives the trainer needs (all across the DP group)."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
-from datetime import timedelta
+import threading
+import time
+import uuid
 from contextlib import closing
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("ds_ppo")
+_timeout_minutes = 30.0  # dist_timeout_minutes of this job (init_distributed sets it)
 
 
 def _free_port() -> int:
@@ -47,6 +55,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    global _timeout_minutes
+    _timeout_minutes = timeout_minutes
     # MASTER_ADDR/PORT of such ranks come from the launcher's command line
     os.environ.update(launcher_rank_vars(os.environ))
     if "RANK" not in os.environ:
@@ -169,3 +179,111 @@ def local_world_size() -> int:
 
 def num_nodes() -> int:
     return max(1, world_size() // local_world_size())
+
+
+def on_rank0(fn, *args):
+    """`fn(*args)` on rank 0 only; its result on every rank. A `UserError` it raises is raised on
+    every rank alike (same class and message), so a rank-0 check stops the whole job instead of
+    leaving the other ranks waiting at the next collective."""
+    from ds_ppo import errors
+
+    verdict, error = None, None
+    if is_main():
+        try:
+            verdict = ("ok", fn(*args))
+        except errors.UserError as e:
+            verdict, error = ("error", type(e).__name__, str(e)), e
+    verdict = broadcast_object(verdict)
+    if error is not None:
+        raise error
+    if verdict[0] == "ok":
+        return verdict[1]
+    raise getattr(errors, verdict[1], errors.UserError)(verdict[2])
+
+
+HEARTBEAT_S = 10.0  # how often rank 0 shows it is alive while working alone
+POLL_S = 1.0
+
+
+def main_does(work, where: str | Path, what: str, stale_after_s: float | None = None):
+    """Rank 0 runs `work()` (file work of any length: a universal-checkpoint conversion, ...)
+    while the other ranks wait for it WITHOUT a collective, so no collective timeout can fire
+    however long it takes. Returns work()'s result on rank 0, None elsewhere. Collective.
+
+    The others poll a marker file in `where` (a directory every rank sees: the checkpoint
+    directory, which must be on a shared filesystem anyway). Rank 0 rewrites a heartbeat file
+    every HEARTBEAT_S seconds; a heartbeat unchanged for `stale_after_s` (default
+    dist_timeout_minutes) of a waiting rank's own clock means rank 0 died, and the wait fails.
+    A failure of work() on rank 0 is written to the marker and raised on every rank."""
+    token = broadcast_object(uuid.uuid4().hex if is_main() else None)
+    where = Path(where)
+    done, beat = where / f".ds_ppo_{token}.done", where / f".ds_ppo_{token}.alive"
+    if world_size() == 1:
+        return work()
+    if is_main():
+        where.mkdir(parents=True, exist_ok=True)
+        result = _run_with_heartbeat(work, done, beat, what)
+    else:
+        result = None
+        _wait_for(done, beat, what, stale_after_s or 60 * _timeout_minutes)
+    barrier()  # every rank is here now: a short wait
+    if is_main():
+        done.unlink(missing_ok=True)
+        beat.unlink(missing_ok=True)
+    return result
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _run_with_heartbeat(work, done: Path, beat: Path, what: str):
+    stop = threading.Event()
+
+    def heartbeat():
+        n = 0
+        while True:
+            _write_atomic(beat, str(n))
+            n += 1
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    thread = threading.Thread(target=heartbeat, daemon=True, name="ds_ppo-heartbeat")
+    thread.start()
+    try:
+        result = work()
+    except BaseException as err:
+        _write_atomic(done, f"failed: {type(err).__name__}: {err}"[:4000])
+        raise
+    finally:
+        stop.set()
+        thread.join()
+    _write_atomic(done, "ok")
+    return result
+
+
+def _wait_for(done: Path, beat: Path, what: str, stale_after_s: float) -> None:
+    start = last_change = time.monotonic()
+    last_beat, next_log = None, start + 300
+    while not done.exists():
+        now = time.monotonic()
+        try:
+            current = beat.read_text()
+        except OSError:
+            current = last_beat
+        if current != last_beat:
+            last_beat, last_change = current, now
+        elif now - last_change > stale_after_s:
+            raise RuntimeError(f"rank 0 stopped showing progress while {what} (no heartbeat in "
+                               f"{stale_after_s / 60:.1f} min, dist_timeout_minutes): it probably "
+                               "died; its log says why")
+        if now >= next_log:
+            log.info("rank %d: still waiting for rank 0 %s (%.0f min)", rank(), what,
+                     (now - start) / 60)
+            next_log = now + 300
+        time.sleep(POLL_S)
+    text = done.read_text()
+    if text != "ok":
+        raise RuntimeError(f"rank 0 failed while {what}: {text}")

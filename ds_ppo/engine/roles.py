@@ -5,8 +5,9 @@ one `_init_<role>` per role).
 - value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
              trained; initialised from the reward model or the policy.
 - reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
-- reward:    an HF sequence-classification model (inference engine), a Python function or an
-             HTTP service (ds_ppo.reward_service).
+- reward:    an HF sequence-classification model wrapped so that its engine's forward returns
+             the score at the last real token (inference engine), a Python function or an HTTP
+             service (ds_ppo.reward_service).
 
 Models load with `from_pretrained` while a `HfDeepSpeedConfig` for their role is alive, so under
 ZeRO-3 transformers builds them inside `deepspeed.zero.Init`: a large model is never whole on one
@@ -42,7 +43,7 @@ class Engines:
     policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
     value: Any  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1)
     reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM
-    reward: Any | None
+    reward: Any | None  # DeepSpeedEngine (inference) around forward.LastTokenScorer
     reward_fn: RewardFn | None
     ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
     policy_path: str  # where the initial policy weights came from (HF dir)
@@ -71,6 +72,36 @@ def _hidden_size(path: str) -> int:
 
     c = AutoConfig.from_pretrained(path)
     return int(getattr(c.get_text_config(), "hidden_size", 1024))
+
+
+def without_dropout(config) -> list[str]:
+    """Set every dropout probability of a Hugging Face config (and its sub-configs, e.g. a
+    multimodal model's text config) to 0 in place: the fields named *dropout* or *pdrop*
+    (attention_dropout, hidden_dropout_prob, resid_pdrop, classifier_dropout, ...). Returns the
+    names of the fields that were not 0."""
+    from transformers import PretrainedConfig
+
+    changed = []
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            changed += [f"{name}.{c}" for c in without_dropout(value)]
+        elif (("dropout" in name or name.endswith("pdrop")) and not isinstance(value, bool)
+              and isinstance(value, (int, float))):
+            if value:
+                changed.append(name)
+            setattr(config, name, 0.0)
+    return changed
+
+
+def _model_config(path: str, disable_dropout: bool, **kwargs):
+    """The HF config a trained role loads with: dropout off unless the role's
+    `disable_dropout` is false."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    if disable_dropout:
+        without_dropout(config)
+    return config
 
 
 def _load_kwargs(cfg_dtype: torch.dtype, attn: str) -> dict:
@@ -157,17 +188,22 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
         raise ConfigError(f"{key} = {arch!r}: transformers cannot build this config: {e}") \
             from None
     out_dir = Path(out_dir)
-    if dist.is_main() and not (out_dir / "config.json").exists():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+
+    def build():  # rank 0 alone; a large arch takes long, the others wait without a timeout
+        if (out_dir / "config.json").exists():
+            return
+        # a stream of its own: what follows (the value head's init) must not depend on whether
+        # this process built the model or found it on disk (a restart), nor on the rank
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out_dir)
         log.info("built random-init %s model (%.2fM params) at %s", model_type,
                  sum(p.numel() for p in model.parameters()) / 1e6, out_dir)
-        del model
-    dist.barrier()
+    dist.main_does(build, out_dir.parent, f"building the random-init {key} model")
     return str(out_dir)
 
 
@@ -176,9 +212,10 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     from transformers import AutoModelForCausalLM
 
     ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal)
+    config = _model_config(path, cfg.policy.disable_dropout)
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
-            path, **_load_kwargs(dtype, cfg.policy.attn_implementation))
+            path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))
     if cfg.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -208,9 +245,9 @@ def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
 
 
 def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(source, num_labels=1)
+    config = _model_config(source, cfg.value.disable_dropout, num_labels=1)
     # A value model must be deterministic (no dropout) and match the reward model's head (no bias)
     # so that initialising from a reward model copies its score head exactly.
     config.classifier_dropout = 0.0
@@ -241,13 +278,17 @@ def _init_reference(cfg: Config, path: str, world: int, dtype):
 def _init_reward(cfg: Config, world: int, dtype):
     from transformers import AutoModelForSequenceClassification
 
+    from ds_ppo.forward import LastTokenScorer
+
     path = cfg.reward.model
     ds = build_ds_config(cfg, "reward", world, dtype, _hidden_size(path))
     with _zero_init_for(ds):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     model.requires_grad_(False)
     model.eval()
-    return _initialize(model, ds), ds
+    # the engine's root module reads the score at the last real token: every scoring call goes
+    # through engine.forward (and ZeRO-3's root hooks)
+    return _initialize(LastTokenScorer(model).eval(), ds), ds
 
 
 def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
