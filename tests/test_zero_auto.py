@@ -15,18 +15,22 @@ from ds_ppo.errors import ConfigError
 
 
 def _cfg(*extra):
-    return load_config(None, ["deepspeed.policy.zero_stage=auto",
-                              "deepspeed.reference.zero_stage=auto", *extra])
+    return load_config(None, ["deepspeed.policy.zero_stage=auto", "deepspeed.value.zero_stage=3",
+                              "deepspeed.reference.zero_stage=auto",
+                              "deepspeed.reference.offload_param=true", *extra])
 
 
 def test_auto_stage_by_world_size_offload_and_universal():
     cfg = _cfg()
     d = cfg.deepspeed.policy
     assert d.stage(1) == 0 and d.stage(2) == 3 and d.stage(1, load_universal=True) == 3
-    assert cfg.deepspeed.reference.stage(1) == 3  # offload_param (the default) needs ZeRO-3
+    assert cfg.deepspeed.reference.stage(1) == 3  # offload_param needs ZeRO-3
     assert _cfg("deepspeed.reference.offload_param=false").deepspeed.reference.stage(1) == 0
     assert _cfg("deepspeed.policy.offload_optimizer=true").deepspeed.policy.stage(1) == 3
     assert cfg.deepspeed.value.stage(1) == 3  # an explicit stage stays as it is
+    tiny = load_config(None).deepspeed  # the tiny preset: auto everywhere, nothing offloaded
+    assert [getattr(tiny, r).stage(1) for r in ("policy", "value", "reference", "reward")] \
+        == [0, 0, 0, 0]
 
 
 def test_auto_stage_reaches_the_deepspeed_config():
