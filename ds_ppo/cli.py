@@ -7,16 +7,21 @@ with no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ds_ppo.errors import UserError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ds_ppo.config import load_config, validate, world_size_from_env
+    from ds_ppo.config import config_warnings, load_config, validate, world_size_from_env
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size_from_env())
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+        for warning in config_warnings(cfg):
+            print(f"ds-ppo: warning: {warning}", file=sys.stderr)
+    _check_resume_estimator(cfg)
     if cfg.reward.function is not None:  # importable, and takes data.reward_keys
         from ds_ppo.rewards import load_reward_function
 
@@ -33,6 +38,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
     return 0
+
+
+def _check_resume_estimator(cfg) -> None:
+    """The checkpoint a run would resume from must match its estimator family (with or without
+    a value model): found here, before any model code loads (train() checks it again)."""
+    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+
+    if cfg.resume == "never":
+        return
+    path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
+    if cfg.resume != "auto":
+        from ds_ppo.engine.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint(cfg.resume)
+    if path is not None:
+        check_estimator_family(path, cfg.ppo.advantage_estimator)
 
 
 def _config(args: argparse.Namespace) -> int:

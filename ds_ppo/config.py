@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ds_ppo.errors import ConfigError
 
@@ -161,8 +161,9 @@ class GenerationConfig(Section):
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
     batch_size: int | None = Field(
-        None, gt=0, description="Prompts per generate call on each rank; default: the rank's "
-        "whole share of the rollout batch.")
+        None, gt=0, description="Prompts per generate call on each rank (a prompt counts "
+        "ppo.samples_per_prompt times: one row per response); default: the rank's whole share "
+        "of the rollout batch.")
     loop: Literal["auto", "own", "hf"] = Field(
         "auto", description="Decoding loop on the gathered replica. own: ds_ppo's loop (static "
         "KV cache, sampling on the device, one CUDA graph per token on CUDA, no per-token host "
@@ -192,7 +193,8 @@ class PPOConfig(Section):
     rollout_batch_size: int = Field(
         64, gt=0, description="Prompts per iteration, over all data-parallel ranks together.")
     mini_batch_size: int = Field(
-        16, gt=0, description="Sequences per optimizer step, over all ranks together.")
+        16, gt=0, description="Sequences (responses, not prompts) per optimizer step, over all "
+        "ranks together.")
     micro_batch_size: int = Field(
         4, gt=0, description="Sequences per forward/backward on one rank; gradient accumulation "
         "= mini_batch_size / (micro_batch_size * world size).")
@@ -213,9 +215,56 @@ class PPOConfig(Section):
     kl_horizon: int = Field(10000, gt=0, description="Adaptive controller: horizon in sequences.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens "
+                                    "(gae; reinforce_pp always whitens, grpo/dr_grpo/rloo never).")
     whiten_across_ranks: bool = Field(
         True, description="Whitening statistics over all ranks' tokens (else per rank).")
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+        "gae", description="gae: PPO with a value model (critic) and GAE. Critic-free, no value "
+        "model at all: grpo (group-normalised scores, Shao et al. 2024), dr_grpo (group-centred, "
+        "Liu et al. 2025), rloo (leave-one-out baseline, Ahmadian et al. 2024), all three with "
+        "samples_per_prompt >= 2; reinforce_pp (discounted KL-shaped returns whitened over the "
+        "global batch, Hu 2025).")
+    samples_per_prompt: int = Field(
+        1, gt=0, description="Responses sampled per prompt (n); an iteration has "
+        "rollout_batch_size x n responses, a prompt's n next to each other on one rank. "
+        "mini_batch_size counts responses and must be a multiple of n.")
+    kl_in_reward: bool = Field(
+        True, description="KL penalty (kl_coef x per-token KL) in the reward. Default: true for "
+        "gae, reinforce_pp and rloo; false for grpo and dr_grpo (GRPO puts the KL in the loss: "
+        "kl_loss_coef).")
+    kl_loss_coef: float = Field(
+        0.0, description="Weight of a KL(policy || reference) loss term (estimator kl_estimator; "
+        "k3 is GRPO's), aggregated like the policy loss; 0 = off. Must be >= 0.")
+    clip_eps_high: float | None = Field(
+        None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
+        "2025); null = clip_eps.")
+    dual_clip: float | None = Field(
+        None, description="Dual clip c > 1 (Ye et al. 2020): the loss of a token with negative "
+        "advantage is at most -A x c; null = off.")
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = \
+        Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
+              "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "
+              "one's token mean (GRPO); seq_mean_token_sum_norm = mean over sequences of each "
+              "one's token sum / generation.max_new_tokens (Dr. GRPO). The value loss is always "
+              "a token mean.")
+    filter_zero_std_groups: bool = Field(
+        False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
+        "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_defaults(cls, data: Any) -> Any:
+        # kl_in_reward's default depends on the estimator (GRPO and Dr. GRPO: KL in the loss)
+        if isinstance(data, dict) and "kl_in_reward" not in data and \
+                data.get("advantage_estimator") in ("grpo", "dr_grpo"):
+            data = {**data, "kl_in_reward": False}
+        return data
+
+    @property
+    def uses_critic(self) -> bool:
+        """True when the estimator needs a value model (gae)."""
+        return self.advantage_estimator == "gae"
 
 
 # ------------------------------------------------------------------------------- data
@@ -486,7 +535,8 @@ def world_size_from_env() -> int:
 def optimizer_steps(cfg: Config) -> int:
     """Optimizer steps of the whole run (each role): iterations x epochs x mini-batches."""
     p = cfg.ppo
-    return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size // p.mini_batch_size)
+    return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt
+                                            // p.mini_batch_size)
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
@@ -501,10 +551,13 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(
             f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
             f"data-parallel world size {world_size} (e.g. {world_size * max(1, p.rollout_batch_size // world_size)})")
-    if p.rollout_batch_size % p.mini_batch_size:
+    n = p.samples_per_prompt
+    if (p.rollout_batch_size * n) % p.mini_batch_size:
         problems.append(
             f"ppo.mini_batch_size = {p.mini_batch_size} must divide ppo.rollout_batch_size = "
-            f"{p.rollout_batch_size}")
+            f"{p.rollout_batch_size}" + (f" x ppo.samples_per_prompt = {n} (responses per "
+                                         "iteration)" if n > 1 else ""))
+    problems += _estimator_problems(p, world_size)
     if p.mini_batch_size % (p.micro_batch_size * world_size):
         problems.append(
             f"ppo.mini_batch_size = {p.mini_batch_size} must be a multiple of "
@@ -595,6 +648,54 @@ def validate(cfg: Config, world_size: int) -> None:
                         "directory")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
+    """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
+    problems, n = [], p.samples_per_prompt
+    if p.advantage_estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+        problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
+                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
+                        "ppo.samples_per_prompt=4 (any n >= 2)")
+    if n > 1 and p.mini_batch_size % n:
+        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} counts responses and must "
+                        f"be a multiple of ppo.samples_per_prompt = {n} (e.g. {n * max(1, p.mini_batch_size // n)})")
+    elif n > 1 and (p.mini_batch_size // n) % world_size:
+        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} holds "
+                        f"{p.mini_batch_size // n} prompts of {n} responses; each of the "
+                        f"{world_size} ranks needs whole prompts: make mini_batch_size / "
+                        f"samples_per_prompt divisible by the world size (e.g. "
+                        f"ppo.mini_batch_size={n * world_size * max(1, p.mini_batch_size // (n * world_size))})")
+    if p.kl_loss_coef < 0:
+        problems.append(f"ppo.kl_loss_coef = {p.kl_loss_coef} must be >= 0 (0 = no KL loss term)")
+    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
+        problems.append(f"ppo.clip_eps_high = {p.clip_eps_high} must be > 0, or null for the "
+                        "same as ppo.clip_eps")
+    if p.dual_clip is not None and p.dual_clip <= 1:
+        problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
+                        "the dual clip off")
+    if p.filter_zero_std_groups and n < 2:
+        problems.append("ppo.filter_zero_std_groups = true needs groups: set "
+                        "ppo.samples_per_prompt >= 2")
+    return problems
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but do nothing for this config (printed, never fatal)."""
+    out = []
+    p = cfg.ppo
+    if not p.uses_critic:
+        given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
+            [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]
+        if given:
+            out.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} trains no value "
+                       f"model: {', '.join(given)} ignored (drop the value section, or use "
+                       "ppo.advantage_estimator=gae)")
+        gae_only = sorted({"vf_coef", "value_clip_eps", "lam"} & p.model_fields_set)
+        if gae_only:
+            out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
+                       f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
+    return out
 
 
 def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:

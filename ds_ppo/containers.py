@@ -104,7 +104,8 @@ class Experience:
     rollout: Rollout
     old_logprobs: torch.Tensor  # (B, T) float32, policy log-probs at sampling time
     ref_logprobs: torch.Tensor  # (B, T) float32, reference log-probs
-    old_values: torch.Tensor  # (B, T) float32, value estimates at sampling time
+    old_values: torch.Tensor | None  # (B, T) float32, value estimates at sampling time (None:
+    # a critic-free estimator, no value model)
     scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
     entropy: torch.Tensor  # (B, T) float32, policy entropy per position (metric only)
     reward_cut: torch.Tensor | None = None  # (B,) bool, reward-model input cut to reward.max_len
@@ -114,6 +115,9 @@ class Experience:
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured
     returns: torch.Tensor | None = None  # (B, T) float32, advantages + old_values (pre-whitening)
+    # B host flags: the row takes part in the update (False: its group's scores were all equal
+    # and ppo.filter_zero_std_groups drops it); None = every row
+    train_rows: list[bool] | None = None
 
     @property
     def mask(self) -> torch.Tensor:  # (B, T) bool

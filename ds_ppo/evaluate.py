@@ -30,8 +30,10 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     indices = eval_indices(len(prompts.input_ids), cfg)
     if not indices:
         return {}
-    greedy = cfg.model_copy(update={"generation": cfg.generation.model_copy(
-        update={"temperature": 0.0})})
+    # greedy, one response per prompt (n greedy samples of a prompt would all be the same)
+    greedy = cfg.model_copy(update={
+        "generation": cfg.generation.model_copy(update={"temperature": 0.0}),
+        "ppo": cfg.ppo.model_copy(update={"samples_per_prompt": 1})})
     rollout, _ = make_rollout(prompts, indices, engines, greedy, tokenizer, mode, eos_ids)
     try:
         scores, _ = reward_scores(rollout, engines, cfg, reward_encode)

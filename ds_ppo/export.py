@@ -53,6 +53,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     out_dir = Path(out_dir)
     check_export_target(out_dir, overwrite)
     ckpt = resolve_checkpoint(checkpoint)
+    if with_value and not (ckpt / "value").exists():
+        from ds_ppo.errors import UserError
+
+        raise UserError(f"--value: {ckpt} has no value model (trained with a critic-free "
+                        "ppo.advantage_estimator); export without --value")
     write_atomically(out_dir, lambda tmp: _export_into(ckpt, tmp, dtype, with_value))
     return [out_dir] + ([out_dir / "value"] if with_value else [])
 

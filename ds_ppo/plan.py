@@ -445,14 +445,18 @@ def _forward_gather(rp: RolePlan) -> int:
 
 def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     """Model states per role and the peak per GPU over generation, scoring and training."""
-    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES}
+    # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
+    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
+             if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
     prompt, response = cfg.data.max_prompt_len, cfg.generation.max_new_tokens
     seq = prompt + response
     micro = cfg.ppo.micro_batch_size
     score_micro = cfg.ppo.score_micro_batch_size or micro
-    per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size / cluster.world_size))
-    # a rank decodes at most its own prompts at once (a tensor-parallel group: tp x that)
+    # a rank's responses: its prompts x ppo.samples_per_prompt
+    per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
+                                / cluster.world_size))
+    # a rank decodes at most its own responses at once (a tensor-parallel group: tp x that)
     gen_batch = min(cfg.generation.batch_size or per_rank, per_rank)
     pol = roles["policy"]
     ps = pol.shape
@@ -491,8 +495,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
 
     # scoring: one forward per model role over the rollout, score_micro sequences at a time
     for role in ("reference", "policy", "value", "reward"):
-        rp = roles[role]
-        if rp.shape is None:
+        rp = roles.get(role)
+        if rp is None or rp.shape is None:
             continue
         tokens = min(seq, cfg.reward.max_len) if role == "reward" else seq
         eager = (cfg.policy.attn_implementation if role in ("policy", "reference")
@@ -506,7 +510,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         phases.append(Phase(f"scoring: {role}", t))
 
     # training: forward + backward of one micro-batch of each trained role
-    for role in TRAINED_ROLES:
+    for role in (r for r in TRAINED_ROLES if r in roles):
         rp, section = roles[role], getattr(cfg, role)
         gather = rp.states.gather_bytes
         t = {"layer gather (weights + grads)": gather,
@@ -520,13 +524,16 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     peak = max(phases, key=lambda p: p.total(resident))
     cpu = sum(rp.states.cpu_bytes_per_node for rp in roles.values())
     notes = list(shapes.notes)
-    for role in ROLES:
+    for role in roles:
         dtype = getattr(cfg, role).dtype if role in TRAINED_ROLES else cfg.policy.dtype
         if dtype == "fp32" and roles[role].shape is not None:
             notes.append(f"{role} dtype fp32: the plan assumes 16-bit weights and activations; "
                          "fp32 roughly doubles both")
             break
-    for role in TRAINED_ROLES:
+    if "value" not in roles:
+        notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
+                     "no value model (no weights, gradients or optimizer state for it)")
+    for role in (r for r in TRAINED_ROLES if r in roles):
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and not d.offload_optimizer:
             notes.append(f"deepspeed.{role}: offload_param without offload_optimizer keeps the "
@@ -550,7 +557,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
 def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
     """Config changes that lower the GPU peak, each as the overrides that make it."""
     levers = []
-    for role in ROLES:
+    for role in plan.roles:
         rp, d = plan.roles[role], getattr(cfg.deepspeed, role)
         if rp.shape is None:
             continue

@@ -34,6 +34,38 @@ def positive_words(prompts: list[str], responses: list[str]) -> list[float]:
     return scores
 
 
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _final_answer(text: str) -> str | None:
+    """The last \\boxed{...} of a response, else its last number; None when it has neither."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _normalise(answer: str) -> str:
+    a = answer.strip().strip("$").replace(",", "").rstrip(".")
+    try:
+        return repr(float(a))  # 3, 3.0 and 3.00 are the same answer
+    except ValueError:
+        return " ".join(a.lower().split())
+
+
+def final_answer_match(prompts: list[str], responses: list[str], answer: list) -> list[float]:
+    """A verifiable reward (data.reward_keys: [answer]): 1.0 when the response's final answer
+    (its last \\boxed{...}, else its last number) equals the row's reference answer (numbers
+    compared as numbers, text without case or extra spaces), else 0.0."""
+    scores = []
+    for response, reference in zip(responses, answer):
+        found = _final_answer(response)
+        scores.append(float(found is not None and _normalise(found) == _normalise(str(reference))))
+    return scores
+
+
 def load_reward_function(spec: str, keys: Sequence[str] = ()
                          ) -> Callable[..., list[float]]:
     """Import `module:function`; a clear ConfigError when it cannot be found or does not take

@@ -39,7 +39,11 @@ def sampling_mismatch(g) -> str | None:
 
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
                  mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
-    """Generate responses for the prompts at `indices` (this rank's shard of the batch)."""
+    """Generate responses for the prompts at `indices` (this rank's shard of the batch):
+    ppo.samples_per_prompt of each, next to each other (rows g*n .. g*n + n - 1 answer prompt
+    indices[g]), sampled in one batch from this rank's stream, so independently."""
+    n = cfg.ppo.samples_per_prompt
+    indices = [i for i in indices for _ in range(n)]
     prompt_ids = [prompts.input_ids[i] for i in indices]
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from ds_ppo.algo import gae, kl_estimate, masked_whiten, shape_rewards
+from ds_ppo.algo import (broadcast_to_tokens, discounted_returns, gae, group_advantages,
+                         group_score_stats, kl_estimate, masked_sum, masked_whiten, shape_rewards)
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
@@ -81,8 +82,10 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes)."""
     temp = cfg.generation.temperature
+    critic = engines.value  # None with a critic-free estimator
     engines.policy.eval()
-    engines.value.eval()
+    if critic is not None:
+        critic.eval()
     batches, order = _micro_batches(rollout, cfg)
     logp, ref_logp, values, entropy = [], [], [], []
     for rows in batches:
@@ -91,9 +94,11 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         logp.append(lp)
         entropy.append(ent)
         ref_logp.append(response_logprobs(engines.reference, mb, temp)[0])
-        values.append(response_values(engines.value, mb))
+        if critic is not None:
+            values.append(response_values(critic, mb))
     engines.policy.train()
-    engines.value.train()
+    if critic is not None:
+        critic.train()
     mask = rollout.mask
 
     def zero(parts):  # row order, 0 at masked positions
@@ -108,20 +113,42 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     if retries is not None:
         retries = engines.reward_fn.retries - retries
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
-                      old_values=zero(values), entropy=zero(entropy), scores=scores,
-                      reward_cut=cut, reward_s=reward_s, reward_retries=retries)
+                      old_values=zero(values) if values else None, entropy=zero(entropy),
+                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries)
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
-    """KL-shaped per-token rewards (score at the last valid token), GAE, and whitening of the
-    advantages (over all ranks' valid tokens when ppo.whiten_across_ranks)."""
+    """KL-shaped per-token rewards (score at the last valid token; the KL term only with
+    ppo.kl_in_reward), then the advantages of ppo.advantage_estimator:
+
+    - gae: GAE with the value model, whitened (over all ranks' valid tokens when
+      ppo.whiten_across_ranks) if ppo.whiten_advantages;
+    - grpo, dr_grpo, rloo: each response's summed reward against its group's
+      (`group_advantages`), on every token of the response; never whitened;
+    - reinforce_pp: discounted returns of the rewards, whitened over the global batch.
+    Critic-free estimators set returns = None (no value target)."""
     p = cfg.ppo
     mask = exp.mask
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
-    rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef,
-                            estimator=p.kl_estimator, score_clip=cfg.reward.score_clip)
-    advantages, returns = gae(rewards, exp.old_values, mask, p.gamma, p.lam)
-    if p.whiten_advantages:
-        advantages = masked_whiten(advantages, mask, shift_mean=True,
-                                   distributed=p.whiten_across_ranks)
-    return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+    rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask,
+                            kl_coef if p.kl_in_reward else 0.0, estimator=p.kl_estimator,
+                            score_clip=cfg.reward.score_clip)
+    returns, train_rows = None, None
+    if p.advantage_estimator == "gae":
+        advantages, returns = gae(rewards, exp.old_values, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, shift_mean=True,
+                                       distributed=p.whiten_across_ranks)
+    elif p.advantage_estimator == "reinforce_pp":
+        # Hu 2025: global-batch normalisation of the returns (all ranks), the estimator itself
+        advantages = masked_whiten(discounted_returns(rewards, mask, p.gamma), mask,
+                                   shift_mean=True, distributed=True)
+    else:  # a sequence-level group baseline; the group's rows sit next to each other
+        seq_rewards = masked_sum(rewards, mask, dim=-1)
+        advantages = broadcast_to_tokens(
+            group_advantages(seq_rewards, p.samples_per_prompt, p.advantage_estimator), mask)
+    if p.filter_zero_std_groups:
+        _, constant = group_score_stats(exp.scores, p.samples_per_prompt)
+        train_rows = (~constant).repeat_interleave(p.samples_per_prompt).tolist()
+    return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns,
+                   train_rows=train_rows)

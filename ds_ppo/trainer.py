@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.algo import AdaptiveKLController, FixedKLController, log_ratio_clamped
+from ds_ppo.algo import (AdaptiveKLController, FixedKLController, group_score_stats,
+                         log_ratio_clamped)
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
-from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, ensure_universal,
-                                      find_resume, latest_checkpoint, load_checkpoint,
-                                      read_state, save_checkpoint)
+from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
+                                      ensure_universal, find_resume, latest_checkpoint,
+                                      load_checkpoint, read_state, save_checkpoint)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
@@ -86,17 +87,18 @@ def train(cfg: Config) -> TrainResult:
                 # step 2. score it: log-probs, reference log-probs, values, reward scores
                 with _timed(acc, "time/scoring_s"):
                     exp = score(rollout, engines, cfg, reward_encode)
-                # step 3. KL-shaped rewards, GAE, whitened advantages
+                # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
                 exp = add_advantages(exp, cfg, kl_ctl.value)
-                # step 4. PPO epochs over mini-batches: policy and value updates
+                # step 4. PPO epochs over mini-batches: policy (and value) updates
                 with _timed(acc, "time/update_s"):
                     ppo_update(exp, engines, cfg, iteration, acc)
                 # step 5. metrics, reduced across ranks; KL controller; logging
-                metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter)
+                metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
+                                             cfg.ppo.samples_per_prompt)
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
                     metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
                                             eos_ids, reward_encode))
-                kl_ctl.update(metrics["kl/sequence_mean"], cfg.ppo.rollout_batch_size)
+                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
                 _report(cfg, tracker, metrics, iteration, exp, out)
                 result.history.append(metrics)
                 _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
@@ -219,6 +221,7 @@ def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
     path = find_resume(cfg.output_dir, cfg.resume)
     if path is None:
         return None, False
+    check_estimator_family(path, cfg.ppo.advantage_estimator)  # before any model loads
     universal = read_state(path).world_size != dist.world_size()
     if universal:
         ensure_universal(path)
@@ -230,12 +233,14 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
               if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
     if path is None:
-        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed)
+        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed,
+                             advantage_estimator=p.advantage_estimator)
         _seed_sampling(cfg.seed)
         start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
         return state, kl_ctl
     state = load_checkpoint(path, engines, universal)
-    for role in ("policy", "value"):
+    state.advantage_estimator = p.advantage_estimator
+    for role in ("policy", "value") if p.uses_critic else ("policy",):
         changed = apply_optimizer_config(getattr(engines, role), getattr(cfg, role))
         if changed:
             log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
@@ -263,8 +268,10 @@ def _sampler(cfg: Config, num_prompts: int):
     from ds_ppo.data.prompts import PromptSampler
 
     # grouped by PPO mini-batch, so each optimizer step sees the same prompts at any world size
+    # (mini_batch_size counts responses: samples_per_prompt of each prompt)
     return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.rank(), dist.world_size(),
-                         cfg.seed, shuffle=cfg.data.shuffle, group_size=cfg.ppo.mini_batch_size)
+                         cfg.seed, shuffle=cfg.data.shuffle,
+                         group_size=cfg.ppo.mini_batch_size // cfg.ppo.samples_per_prompt)
 
 
 def _open_tracker(cfg: Config, resume_from: Path | None):
@@ -338,7 +345,7 @@ def _timed(acc: Accumulator, name: str):
 
 
 def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
-                       t_iter: float) -> dict[str, float]:
+                       t_iter: float, group_size: int = 1) -> dict[str, float]:
     """Add this iteration's rollout statistics to `acc` and reduce everything across ranks."""
     mask = exp.mask.float()
     n = float(len(exp))
@@ -363,12 +370,17 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     acc.add_max("time/reward_s", exp.reward_s)
     if exp.reward_retries is not None:
         acc.add_sum("reward/retries", exp.reward_retries)
-    # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
-    ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
-    acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))
-    acc.add_mean("_ev/r2", float((ret ** 2).sum()), float(mask.sum()))
-    acc.add_mean("_ev/e", float(err.sum()), float(mask.sum()))
-    acc.add_mean("_ev/e2", float((err ** 2).sum()), float(mask.sum()))
+    if exp.old_values is not None:
+        # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
+        ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
+        acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))
+        acc.add_mean("_ev/r2", float((ret ** 2).sum()), float(mask.sum()))
+        acc.add_mean("_ev/e", float(err.sum()), float(mask.sum()))
+        acc.add_mean("_ev/e2", float((err ** 2).sum()), float(mask.sum()))
+    if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
+        std, constant = group_score_stats(exp.scores, group_size)
+        acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
+        acc.add_mean("group/zero_std_frac", float(constant.sum()), float(constant.numel()))
     acc.add_sum("response/tokens_total", float(mask.sum()))
     acc.add_max("time/iteration_s", time.perf_counter() - t_iter)
     if torch.cuda.is_available():
@@ -383,16 +395,18 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     total_tokens = m["response/tokens_total"]
     m["score/std"] = std_from_moments(m["score/mean"], m.pop("score/sq_mean"))
     m["reward/std"] = std_from_moments(m["reward/mean"], m.pop("reward/sq_mean"))
-    var_r = m.pop("_ev/r2") - m.pop("_ev/r") ** 2
-    var_e = m.pop("_ev/e2") - m.pop("_ev/e") ** 2
-    m["value/explained_variance"] = 1.0 - var_e / var_r if var_r > 0 else math.nan
+    if "_ev/r" in m:
+        var_r = m.pop("_ev/r2") - m.pop("_ev/r") ** 2
+        var_e = m.pop("_ev/e2") - m.pop("_ev/e") ** 2
+        m["value/explained_variance"] = 1.0 - var_e / var_r if var_r > 0 else math.nan
     # response tokens of the whole job per second of each phase (the slowest rank's time)
     for phase in ("generation", "scoring", "update"):
         m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)
     m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
     m["kl_coef"] = float(kl_ctl.value)
     m["lr/policy"] = current_lr(engines.policy)
-    m["lr/value"] = current_lr(engines.value)
+    if engines.value is not None:
+        m["lr/value"] = current_lr(engines.value)
     return m
 
 
@@ -424,7 +438,8 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
     if iteration % cfg.log_every == 0 or iteration == cfg.iterations:
         print(f"iter {iteration:>4}/{cfg.iterations} | score {metrics['score/mean']:+.4f} "
               f"| kl {metrics['kl/sequence_mean']:+.4f} | entropy {metrics['policy/entropy']:.3f} "
-              f"| pg {metrics['loss/policy']:+.4f} | vf {metrics['loss/value']:.4f} "
+              f"| pg {metrics['loss/policy']:+.4f} "
+              + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
               f"| len {metrics['response/length_mean']:.1f} "
               f"| gen {metrics['time/generation_s']:.1f}s "
               f"| iter {metrics['time/iteration_s']:.1f}s", flush=True)

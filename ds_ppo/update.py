@@ -1,17 +1,19 @@
 """The PPO update: `ppo_epochs` passes over mini-batches, each an optimizer step of the policy and
-the value model with gradient accumulation over micro-batches.
+(with ppo.advantage_estimator = gae) the value model, with gradient accumulation over
+micro-batches.
 
-Loss normalisation: every micro-batch loss is a masked SUM divided by the number of valid tokens in
-the whole global mini-batch (all micro-batches, all ranks), then multiplied by
+Loss normalisation: every micro-batch loss is a (weighted) masked SUM divided by one count of the
+whole global mini-batch (all micro-batches, all ranks): its valid tokens, or for the sequence
+modes of ppo.loss_aggregation its sequences (ds_ppo.algo.aggregation); then multiplied by
 (world size x accumulation steps) to undo DeepSpeed's averaging over both. The gradient of an
-optimizer step is therefore exactly the gradient of the token-mean loss over the global
+optimizer step is therefore exactly the gradient of the aggregated loss over the global
 mini-batch, whatever the micro-batch size or the number of ranks (tested).
 """
 from __future__ import annotations
 
 import torch
 
-from ds_ppo.algo import policy_loss, value_loss
+from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, value_loss
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
 from ds_ppo.engine import dist
@@ -45,56 +47,79 @@ def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
 
 
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
-    """Train policy and value on one rollout's experience; adds loss statistics to `acc`."""
+    """Train the policy (and the value model, if the estimator has one) on one rollout's
+    experience; adds loss statistics to `acc`."""
     p = cfg.ppo
     world = dist.world_size()
     accum = grad_accum_steps(cfg, world)
     per_rank_mini = p.mini_batch_size // world
     scale = float(world * accum)
+    critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.response_lens  # host: token counts without a device read
+    kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     engines.policy.train()
-    engines.value.train()
+    if critic is not None:
+        critic.train()
     for epoch in range(p.ppo_epochs):
         minibatches = minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
                                      iteration)
-        # valid tokens of each global mini-batch (sum over ranks): one all-reduce per epoch
-        counts = dist.all_reduce_sum(torch.tensor([float(sum(lens[i] for i in rows))
-                                                   for rows in minibatches], dtype=torch.float64))
-        for rows, n_tok in zip(minibatches, counts.tolist()):
-            n_tok = max(n_tok, 1.0)
+        # per global mini-batch (sum over ranks), one all-reduce per epoch: its valid tokens
+        # (the value loss's divisor) and the policy loss's divisor (ppo.loss_aggregation)
+        counts = dist.all_reduce_sum(torch.tensor(
+            [[float(sum(lens[i] for i in rows)),
+              loss_divisor([lens[i] for i in rows if kept[i]], p.loss_aggregation)]
+             for rows in minibatches], dtype=torch.float64))
+        for rows, (n_tok, pg_div) in zip(minibatches, counts.tolist()):
+            n_tok, pg_div = max(n_tok, 1.0), max(pg_div, 1.0)
             # device tensors, read once per mini-batch: no host sync between micro-batches
             losses, stats = [], {}
             # longest rows first; the order within a mini-batch does not change its gradient
-            # (each micro-batch loss is normalised by the whole mini-batch's tokens)
+            # (each micro-batch loss is normalised by the whole mini-batch's count)
             for mb_rows in exp.rollout.micro_batches(p.micro_batch_size, rows):
                 mb = exp.slice(mb_rows)
                 logprobs, _ = response_logprobs(engines.policy, mb.rollout,
                                                 cfg.generation.temperature)
+                pg_mask = mb.mask
+                if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
+                    pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
+                weights = None if p.loss_aggregation == "token_mean" else loss_token_weights(
+                    pg_mask, p.loss_aggregation, cfg.generation.max_new_tokens)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages,
-                                                mb.mask, clip_eps=p.clip_eps, num_tokens=n_tok)
+                                                pg_mask, clip_eps=p.clip_eps, num_tokens=pg_div,
+                                                clip_eps_high=p.clip_eps_high,
+                                                dual_clip=p.dual_clip, token_weights=weights)
+                step_losses = {"loss/policy": pg_loss.detach()}
+                if p.kl_loss_coef > 0:
+                    kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div,
+                                      weights)
+                    step_losses["loss/kl"] = kl_term.detach()
+                    pg_loss = pg_loss + p.kl_loss_coef * kl_term
                 backward_step(engines.policy, pg_loss * scale)
+                named = {f"policy/{k}": v for k, v in pg_stats.items()}
 
-                values = response_values(engines.value, mb.rollout)
-                vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
-                                               clip_eps=p.value_clip_eps, num_tokens=n_tok)
-                backward_step(engines.value, p.vf_coef * vf_loss * scale)
+                if critic is not None:
+                    values = response_values(critic, mb.rollout)
+                    vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
+                                                   clip_eps=p.value_clip_eps, num_tokens=n_tok)
+                    backward_step(critic, p.vf_coef * vf_loss * scale)
+                    step_losses["loss/value"] = vf_loss.detach()
+                    named.update({f"value/{k}": v for k, v in vf_stats.items()})
 
-                losses.append(torch.stack([pg_loss.detach(), vf_loss.detach()]).double())
+                losses.append(torch.stack(list(step_losses.values())).double())
                 # stats are per-micro-batch token means: weight them by tokens for a global mean
                 n_valid = mb.mask.sum().double()
-                named = {**{f"policy/{k}": v for k, v in pg_stats.items()},
-                         **{f"value/{k}": v for k, v in vf_stats.items()}}
                 for k, v in named.items():
                     stats.setdefault(k, []).append(torch.stack([v.double() * n_valid, n_valid]))
             sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
             for k, (total, count) in zip(stats, sums.tolist()):  # one read for all statistics
                 acc.add_mean(k, total, count)
-            # summed over ranks, this step's losses are token means over the global mini-batch
-            pg, vf = dist.all_reduce_sum(torch.stack(losses).sum(dim=0)).tolist()
-            acc.add_replicated("loss/policy", pg)
-            acc.add_replicated("loss/value", vf)
+            # summed over ranks, this step's losses are the global mini-batch's aggregates
+            totals = dist.all_reduce_sum(torch.stack(losses).sum(dim=0)).tolist()
+            for name, total in zip(step_losses, totals):
+                acc.add_replicated(name, total)
             # global gradient norms of the step just taken (before clipping; identical on ranks)
             for role in ("policy", "value"):
-                norm = global_grad_norm(getattr(engines, role))
+                engine = getattr(engines, role)
+                norm = global_grad_norm(engine) if engine is not None else None
                 if norm is not None:
                     acc.add_replicated(f"{role}/grad_norm", norm)

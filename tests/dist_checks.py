@@ -24,6 +24,9 @@ from ds_ppo.engine import dist  # noqa: E402
 from ds_ppo.engine.dist import init_distributed  # noqa: E402
 from ds_ppo.trainer import train  # noqa: E402
 
+# reward.function=dist_checks:group_reward must find this module when it runs as a script
+sys.modules.setdefault("dist_checks", sys.modules[__name__])
+
 BASE = [
     "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
     "checkpoint.export_at_end=false", "generation.max_new_tokens=8", "ppo.rollout_batch_size=16",
@@ -53,11 +56,64 @@ def gathered(module) -> dict[str, torch.Tensor]:
     return out
 
 
-def first_update(work: Path, name: str, extra: list[str]) -> dict:
+def first_update(work: Path, name: str, extra: list[str], keys=LOSS_KEYS) -> dict:
     """Losses of the first PPO update on greedy rollouts (identical inputs in every variant)."""
     cfg = cfg_for(work, name, ["iterations=1", "generation.temperature=0"] + extra)
     h = train(cfg).history[0]
-    return {k: h[k] for k in LOSS_KEYS}
+    return {k: h[k] for k in keys}
+
+
+GROUP = 4
+# critic-free: 4 prompts x 4 responses, two optimizer steps of 2 prompts (1 per rank on two)
+GROUP_BASE = ["ppo.rollout_batch_size=4", f"ppo.samples_per_prompt={GROUP}",
+              "reward.function=dist_checks:group_reward"]
+GROUP_KEYS = tuple(k for k in LOSS_KEYS if k != "loss/value") + (
+    "loss/kl", "score/group_std_mean", "group/zero_std_frac")
+
+
+def group_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """positive_words plus 0.1 x the response's place in its group (a rank's rows are whole
+    groups, in order); 0 for prompts starting with "you" (the first of the first iteration),
+    whose group is constant (ppo.filter_zero_std_groups drops it)."""
+    from ds_ppo.rewards import positive_words
+
+    return [0.0 if p.strip().startswith("you") else s + 0.1 * (i % GROUP)
+            for i, (p, s) in enumerate(zip(prompts, positive_words(prompts, responses)))]
+
+
+def group_update(work: Path, name: str, extra: list[str]) -> dict:
+    """`first_update` for a critic-free estimator. Identical greedy responses in a group would
+    cancel every group-centred advantage in the gradient, and sampling depends on the world
+    size; so the decoding loop picks argmax(logits + noise[k]) for the k-th response of each
+    group: different responses in a group, the same ones at any world size or micro-batch
+    split (generation keeps a rank's rows in group order: all prompts of a group are equal)."""
+    from ds_ppo.engine import decode
+
+    noise: dict[int, torch.Tensor] = {}
+
+    def next_tokens(logits, temperature, top_k=0, top_p=1.0, generator=None):
+        V = logits.shape[-1]
+        if V not in noise:
+            noise[V] = 4.0 * torch.randn(GROUP, V, generator=torch.Generator().manual_seed(0))
+        rows = torch.arange(logits.shape[0]) % GROUP
+        return (logits.float() + noise[V][rows].to(logits.device)).argmax(dim=-1)
+
+    original, decode.next_tokens = decode.next_tokens, next_tokens
+    try:
+        return first_update(work, name, extra, GROUP_KEYS)
+    finally:
+        decode.next_tokens = original
+
+
+def critic_free_engines(work: Path) -> dict:
+    """A critic-free estimator builds no value engine."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.roles import init_engines
+
+    cfg = cfg_for(work, "critic_free", GROUP_BASE + ["ppo.advantage_estimator=rloo"])
+    engines = init_engines(cfg, load_tokenizer("builtin:tiny", work / "critic_free"),
+                           torch.device("cpu"))
+    return {"value_is_none": engines.value is None, "ds_configs": sorted(engines.ds_configs)}
 
 
 def _stages(cfg, engines, tok, iteration: int, mode: str):
@@ -203,11 +259,22 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated scenarios (development)")
     args = parser.parse_args()
     work = Path(args.work)
     init_distributed()
     results: dict = {"world_size": dist.world_size()}
+    grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
+                         "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean"]
+    rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",
+                         "ppo.loss_aggregation=seq_mean_token_sum_norm",
+                         "ppo.filter_zero_std_groups=true", "ppo.clip_eps_high=0.28",
+                         "ppo.dual_clip=3"]
     scenarios = {
+        "grpo_micro4": lambda: group_update(work, "grpo4", grpo + ["ppo.micro_batch_size=4"]),
+        "grpo_micro2": lambda: group_update(work, "grpo2", grpo + ["ppo.micro_batch_size=2"]),
+        "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"]),
+        "critic_free_engines": lambda: critic_free_engines(work),
         "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
         "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),
         "zero2_micro4": lambda: first_update(work, "z2m4", [
@@ -219,6 +286,8 @@ def main() -> None:
         "tensor_parallel": lambda: tensor_parallel(work),
     }
     for name, fn in scenarios.items():
+        if args.only and name not in args.only.split(","):
+            continue
         t0 = time.time()
         try:
             results[name] = fn()

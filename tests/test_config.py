@@ -314,7 +314,8 @@ def test_world_size_from_env(monkeypatch):
 
 # --------------------------------------------------------------------------- presets
 # (preset, world size, accumulation, prompts per rank) as each preset's comments state them
-PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16)]
+PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16),
+           ("grpo", 8, 4, 8)]
 
 
 def test_presets_are_all_tested():
@@ -401,3 +402,72 @@ def test_config_doc_lists_every_key_with_its_description():
         described[key] = rest.split("): ", 1)[1]
     assert set(rows) == set(described)
     assert {k: v.replace("\\|", "|") for k, v in rows.items()} == described
+
+
+# --------------------------------------------------------------- advantage estimators
+GRPO = ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_need_two_samples_per_prompt(estimator, capsys):
+    assert main(["train", "--dry-run", f"ppo.advantage_estimator={estimator}"]) == 2
+    err = capsys.readouterr().err
+    assert f"ppo.advantage_estimator = '{estimator}'" in err
+    assert "ppo.samples_per_prompt = 1" in err and "set ppo.samples_per_prompt=4" in err
+    assert main(["train", "--dry-run", f"ppo.advantage_estimator={estimator}",
+                 "ppo.samples_per_prompt=2"]) == 0
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("ppo.kl_loss_coef=-0.1", "ppo.kl_loss_coef = -0.1 must be >= 0"),
+    ("ppo.dual_clip=1.0", "ppo.dual_clip = 1.0 must be > 1"),
+    ("ppo.dual_clip=0.5", "ppo.dual_clip = 0.5 must be > 1"),
+    ("ppo.clip_eps_high=0", "ppo.clip_eps_high = 0.0 must be > 0"),
+    ("ppo.mini_batch_size=6", "ppo.mini_batch_size = 6 counts responses and must be a "
+                              "multiple of ppo.samples_per_prompt = 4"),
+    ("ppo.filter_zero_std_groups=true", None),
+])
+def test_bad_estimator_settings_fail_the_dry_run_with_key_and_fix(override, fix, capsys):
+    extra = [] if fix is None else GRPO
+    assert main(["train", "--dry-run", *extra, override]) == 2
+    err = capsys.readouterr().err
+    assert (fix or "ppo.filter_zero_std_groups = true needs groups") in err, err
+    assert "Traceback" not in err
+
+
+def test_mini_batch_counts_responses_and_holds_whole_prompts_per_rank():
+    cfg = load_config(None, GRPO)  # tiny: 32 prompts x 4 = 128 responses, mini-batch 16
+    validate(cfg, 1)
+    validate(cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"micro_batch_size": 4})}),
+             4)  # 16 responses = 4 prompts: one per rank
+    line = problem_line(config_error(GRPO + ["ppo.micro_batch_size=2"], world_size=8),
+                        "ppo.mini_batch_size")
+    assert "4 prompts of 4 responses" in line and "ppo.mini_batch_size=32" in line
+    # rollout_batch_size x n responses must split into whole mini-batches
+    line = problem_line(config_error(GRPO + ["ppo.rollout_batch_size=2",
+                                             "ppo.mini_batch_size=16"]), "ppo.mini_batch_size")
+    assert "x ppo.samples_per_prompt = 4" in line
+    from ds_ppo.config import optimizer_steps
+    assert optimizer_steps(cfg) == cfg.iterations * 2 * (32 * 4 // 16)
+
+
+def test_kl_in_reward_default_follows_the_estimator():
+    for estimator, default in (("gae", True), ("reinforce_pp", True), ("rloo", True),
+                               ("grpo", False), ("dr_grpo", False)):
+        cfg = load_config(None, [f"ppo.advantage_estimator={estimator}"])
+        assert cfg.ppo.kl_in_reward is default, estimator
+        assert cfg.ppo.uses_critic is (estimator == "gae")
+    assert load_config(None, GRPO + ["ppo.kl_in_reward=true"]).ppo.kl_in_reward is True
+    cfg = load_config(None, GRPO)
+    assert Config.model_validate(cfg.to_dict()) == cfg  # the resolved default round-trips
+
+
+def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys):
+    assert main(["train", "--dry-run", *GRPO, "value.lr=1e-5"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "value.lr" in err and "trains no value model" in err
+    source = REPO / "ds_ppo" / "presets" / "grpo.yaml"
+    assert main(["train", "--dry-run", "--config", str(source)]) == 0
+    assert "warning" not in capsys.readouterr().err  # the grpo example has no value section
+    assert main(["train", "--dry-run", "ppo.advantage_estimator=gae", "value.lr=1e-5"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -48,12 +48,12 @@ def two_ranks(tmp_path_factory):
     return _run_checks(tmp_path_factory, 2)
 
 
-def _close(a: dict, b: dict, rel: float = 1e-3, abs_: float = 1e-6) -> list[str]:
+def _close(a: dict, b: dict, rel: float = 1e-3, abs_: float = 1e-6, keys=LOSS_KEYS) -> list[str]:
     """Differences beyond float noise. The tolerance is relative 1e-3: batching changes the order
     of float32 reductions (~1e-7 relative), and the second optimizer step's losses carry that
     through one AdamW step; a real bug (a wrong loss scale, a lost micro-batch) moves them by
     tens of percent."""
-    return [f"{k}: {a[k]} vs {b[k]}" for k in LOSS_KEYS
+    return [f"{k}: {a[k]} vs {b[k]}" for k in keys
             if abs(a[k] - b[k]) > abs_ + rel * abs(a[k])]
 
 
@@ -113,3 +113,29 @@ def test_tensor_parallel_generation(one_rank, two_ranks):
         assert res["rows"] == [3 + r for r in range(world)]  # every rank got its own rows back
         assert res["group_outputs_equal"]  # ranks of a group sampled the same tokens
         assert res["sampled_tokens"] > 0
+
+
+GROUP_KEYS = tuple(k for k in LOSS_KEYS if k != "loss/value") + (
+    "loss/kl", "score/group_std_mean", "group/zero_std_frac")
+
+
+@pytest.mark.parametrize("name", ["grpo_micro4", "rloo_micro4"])
+def test_critic_free_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks, name):
+    # grpo: seq_mean_token_mean + a k3 KL loss; rloo: seq_mean_token_sum_norm, a KL loss,
+    # clip-higher, dual clip and ppo.filter_zero_std_groups (one group of four dropped)
+    one, two = one_rank[name], two_ranks[name]
+    assert not _close(one, two, keys=GROUP_KEYS)
+    assert "loss/value" not in one  # no value model, no value loss
+    assert one["policy/approx_kl"] > 0 and one["loss/policy"] != 0 and one["loss/kl"] != 0
+    assert one["group/zero_std_frac"] == 0.25 and one["score/group_std_mean"] > 0
+
+
+def test_critic_free_first_update_invariant_to_micro_batch_times_accumulation(one_rank,
+                                                                              two_ranks):
+    assert not _close(one_rank["grpo_micro4"], one_rank["grpo_micro2"], keys=GROUP_KEYS)
+    assert not _close(two_ranks["grpo_micro4"], two_ranks["grpo_micro2"], keys=GROUP_KEYS)
+
+
+def test_critic_free_estimator_builds_no_value_engine(one_rank, two_ranks):
+    for res in (one_rank["critic_free_engines"], two_ranks["critic_free_engines"]):
+        assert res == {"value_is_none": True, "ds_configs": ["policy", "reference"]}

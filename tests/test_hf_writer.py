@@ -172,3 +172,20 @@ def test_models_that_rename_weights_on_load_still_export(tmp_path):
     ref = model.state_dict()
     assert loaded.state_dict().keys() == ref.keys()
     assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_llama_loaded_under_zero3_streams(tmp_path):
+    """Under ZeRO-3, transformers leaves every mapping it tried (legacy LayerNorm.gamma ->
+    weight renames included) in `model._weight_conversions`, even for a Llama whose names never
+    change: that must not send the export to the whole-model save_pretrained fallback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from ds_ppo.engine.hf_writer import _needs_conversion
+
+    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model._weight_conversions = get_model_conversion_mapping(model)  # as the ZeRO-3 load does
+    assert model._weight_conversions  # the legacy renames are there
+    assert not _needs_conversion(model)

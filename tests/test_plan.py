@@ -422,3 +422,18 @@ def test_every_role_and_stage_has_a_template():
         if par and stage != 3 or (opt and stage < 2 and role in ("policy", "value")):
             continue
         assert default_template(role, stage, opt, par).is_file()
+
+
+def test_critic_free_plan_drops_the_value_role(tmp_path):
+    cluster = P.Cluster(1, 1, 80 * GiB)
+    path = small_config(tmp_path)
+    with_critic = P.plan(load_config(path), cluster)
+    grpo = P.plan(load_config(path, ["ppo.advantage_estimator=grpo",
+                                     "ppo.samples_per_prompt=2"]), cluster)
+    assert "value" in with_critic.roles and "value" not in grpo.roles
+    assert set(P.to_json(grpo)["roles"]) == {"policy", "reference", "reward"}
+    assert not any("value" in ph.name for ph in grpo.phases)
+    saved = with_critic.roles["value"].states.resident_bytes
+    assert saved > 0 and grpo.resident_bytes == with_critic.resident_bytes - saved
+    assert any("no value model" in n for n in grpo.notes)
+    assert "value" not in P.format_plan(grpo, "small").split("Peak per GPU")[0]

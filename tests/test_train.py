@@ -215,3 +215,48 @@ def test_reward_function_gets_each_prompts_dataset_columns(tmp_path):
     dry = run_cli(["train", "--dry-run", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
                    "reward.function=my_reward:first_wrd"], cwd=tmp_path, check=False)
     assert dry.returncode == 2 and "has no callable 'first_wrd'" in dry.stderr
+
+
+# A critic-free estimator on the tiny task, smaller than the README's measurement (8 prompts x 4
+# responses per iteration, as many responses as the default's 32, and 20 iterations).
+GRPO_SMALL = ["ppo.samples_per_prompt=4", "ppo.rollout_batch_size=8", "iterations=20",
+              "tracking.enabled=false", "checkpoint.every=0", "checkpoint.export_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("grpo")
+    proc = run_cli(["train", f"output_dir={work / 'out'}", "ppo.advantage_estimator=grpo",
+                    *GRPO_SMALL], cwd=work, timeout=900)
+    return work / "out", proc
+
+
+@pytest.mark.slow
+def test_grpo_learns_without_a_value_model(grpo_run):
+    out, proc = grpo_run
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    first = sum(r["score/mean"] for r in rows[:5]) / 5
+    last = sum(r["score/mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    # no value model: no value loss, metrics, checkpoint or progress column
+    assert not [k for k in rows[-1] if k.startswith("value/") or k in ("loss/value", "lr/value")]
+    assert 0 <= rows[-1]["group/zero_std_frac"] <= 1 and rows[0]["score/group_std_mean"] > 0
+    ckpt = out / "checkpoints" / "iter_000020"
+    assert (ckpt / "policy").is_dir() and (ckpt / "hf").is_dir()
+    assert not (ckpt / "value").exists() and not (ckpt / "hf_value").exists()
+    assert "iter   20/20" in proc.stdout and "| vf " not in proc.stdout
+    assert "value model starts from" not in proc.stdout
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    assert set(rows[0]) - {"iteration"} <= documented
+
+
+def test_resume_into_an_estimator_with_a_value_model_is_refused(grpo_run):
+    out, _ = grpo_run
+    proc = run_cli(["train", "--dry-run", f"output_dir={out}", "ppo.advantage_estimator=gae",
+                    *GRPO_SMALL, "iterations=21"], cwd=out.parent, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "ppo.advantage_estimator = 'grpo' (without a value model)" in proc.stderr
+    assert "ppo.advantage_estimator = 'gae' (with a value model)" in proc.stderr
+    assert "Traceback" not in proc.stderr

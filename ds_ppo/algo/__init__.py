@@ -10,9 +10,15 @@ device, no host sync).
 
 Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
+Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
+discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 """
 
 from .advantages import gae, gae_blocked, gae_loop, gae_matmul
+from .aggregation import (LOSS_AGGREGATIONS, LossAggregation, kl_loss, loss_divisor,
+                          loss_token_weights)
+from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_returns,
+                    group_advantages, group_score_stats)
 from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
                  KLEstimator, kl_estimate, log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
@@ -23,6 +29,17 @@ from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logi
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
+    "GROUP_METHODS",
+    "GroupMethod",
+    "LOSS_AGGREGATIONS",
+    "LossAggregation",
+    "broadcast_to_tokens",
+    "discounted_returns",
+    "group_advantages",
+    "group_score_stats",
+    "kl_loss",
+    "loss_divisor",
+    "loss_token_weights",
     "AdaptiveKLController",
     "FixedKLController",
     "KLEstimator",

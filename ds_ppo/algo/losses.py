@@ -32,7 +32,10 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _reduce(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None) -> torch.Tensor:
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None,
+            token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    if token_weights is not None:  # ppo.loss_aggregation (ds_ppo.algo.aggregation)
+        per_token = per_token * token_weights
     if num_tokens is None:
         return masked_mean(per_token, mask)
     if num_tokens <= 0:
@@ -47,12 +50,22 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     num_tokens: float | None = None,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", Eq. 7), negated to be minimised, per token:
 
         r = exp(clamp(logprobs - old_logprobs, -20, 20))   (LOG_RATIO_CLAMP, see kl.py)
-        loss_t = max(-A_t * r, -A_t * clip(r, 1 - clip_eps, 1 + clip_eps))
+        loss_t = max(-A_t * r, -A_t * clip(r, 1 - clip_eps, 1 + clip_eps_high))
+        loss_t = min(loss_t, -A_t * dual_clip)      where A_t < 0, with dual_clip
+
+    clip_eps_high is DAPO's asymmetric "clip-higher" (Yu et al. 2025, Sec. 3.1; None = clip_eps):
+    a larger upper bound lets unlikely tokens with positive advantage gain more. dual_clip > 1
+    is the dual clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games with Deep RL",
+    Eq. 5): for a negative advantage the loss is capped at -A_t * dual_clip, so a huge ratio on
+    a bad token cannot blow the step up.
 
     Args:
         logprobs: (B, T) float, current policy log-probs of the sampled tokens (nats), with grad.
@@ -62,6 +75,10 @@ def policy_loss(
         clip_eps: ratio clip range, > 0.
         num_tokens: None for the token mean of this micro-batch, else the divisor of
             the masked sum (see module docstring).
+        clip_eps_high: upper ratio clip 1 + clip_eps_high (> 0); None = clip_eps.
+        dual_clip: the dual-clip constant c > 1; None = off.
+        token_weights: (B, T) weight of each token's loss in the masked sum
+            (``ds_ppo.algo.aggregation.loss_token_weights``); None = 1.
 
     Returns:
         (loss, stats): loss a 0-dim tensor; stats (detached, per-rank micro-batch masked means):
@@ -74,6 +91,10 @@ def policy_loss(
     """
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    if clip_eps_high is not None and clip_eps_high <= 0:
+        raise ValueError(f"clip_eps_high must be > 0 or None, got {clip_eps_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
     mask = mask.bool()
     # 0 log-ratio (r = 1) and 0 advantage outside the mask: no loss, no gradient there.
     raw_log_ratio = _zero_outside(logprobs - old_logprobs, mask)
@@ -82,8 +103,13 @@ def policy_loss(
     advantages = _zero_outside(advantages, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    loss = _reduce(torch.maximum(unclipped, clipped), mask, num_tokens)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + high)
+    per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip),
+                                per_token)
+    loss = _reduce(per_token, mask, num_tokens, token_weights)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask),

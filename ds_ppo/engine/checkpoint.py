@@ -63,6 +63,7 @@ class TrainerState:
     mlflow_run_id: str | None = None
     world_size: int = 1
     seed: int = 0
+    advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -201,7 +202,8 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     each role's DeepSpeed files are intact archives, and (same world size) every rank's RNG file
     is there. Raises CheckpointError naming the file."""
     state = read_state(path)
-    for role in ("policy", "value"):
+    # a critic-free run (grpo, rloo, ...) saved no value model
+    for role in ("policy", "value") if state.advantage_estimator == "gae" else ("policy",):
         files = sorted((path / role / TAG).rglob("*.pt"))
         if not files:
             raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
@@ -294,18 +296,21 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
             (tmp / "rng").mkdir()
         dist.barrier()
         engines.policy.save_checkpoint(str(tmp / "policy"), tag=TAG, save_latest=False)
-        engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
+        if engines.value is not None:  # critic-free estimators have no value model to save
+            engines.value.save_checkpoint(str(tmp / "value"), tag=TAG, save_latest=False)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
         _fault_point("save", state.iteration, tmp)
         if save_hf_weights:  # collective gathers; rank 0 writes safetensors
             from ds_ppo.export import export_engine
 
             export_engine(engines.policy, tokenizer, tmp / "hf", engines.dtype)
-            export_engine(engines.value, None, tmp / "hf_value", engines.dtype)
+            if engines.value is not None:
+                export_engine(engines.value, None, tmp / "hf_value", engines.dtype)
         if dist.is_main():
             engines.policy.module.config.save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
-            engines.value.module.config.save_pretrained(tmp / "hf_value")
+            if engines.value is not None:
+                engines.value.module.config.save_pretrained(tmp / "hf_value")
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         dist.barrier()  # every rank finished writing
         if dist.is_main():
@@ -415,6 +420,23 @@ def _clean_partial(root: Path) -> None:
             os.replace(old, final)
 
 
+def check_estimator_family(path: Path, estimator: str) -> None:
+    """Resuming must keep the value model or its absence: a UserError naming both estimators
+    when the checkpoint at `path` was trained with a value model and `estimator` has none, or
+    the other way round (other changes of estimator are allowed)."""
+    from ds_ppo.errors import UserError
+
+    saved = read_state(path).advantage_estimator
+    had_value = (path / "value").exists()
+    if had_value != (estimator == "gae"):
+        what = {True: "with a value model", False: "without a value model"}
+        raise UserError(
+            f"cannot resume from {path}: it was trained with ppo.advantage_estimator = "
+            f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
+            f"{estimator!r} ({what[estimator == 'gae']}); set ppo.advantage_estimator={saved} "
+            "to continue that run, or start a new run in another output_dir")
+
+
 def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
@@ -430,7 +452,7 @@ def ensure_universal(path: Path) -> None:
     def convert():
         for role in ("policy", "value"):
             target = path / role / UNIVERSAL_TAG
-            if target.exists():
+            if target.exists() or not (path / role).exists():  # no value: a critic-free run
                 continue
             log.info("converting %s to a universal checkpoint (world size changed)", path / role)
             tmp = path / role / (UNIVERSAL_TAG + ".tmp")
@@ -476,6 +498,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
     state = read_state(path)
     for role in ("policy", "value"):
         engine = getattr(engines, role)
+        if engine is None:  # a critic-free estimator (checked against the checkpoint before)
+            continue
         tag = UNIVERSAL_TAG if universal else TAG
         try:
             loaded, _ = engine.load_checkpoint(str(path / role), tag=tag,

@@ -190,9 +190,9 @@ def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
 def _needs_conversion(module: torch.nn.Module) -> bool:
     """True for models whose transformers class renames/merges weights on load (e.g. MoE experts
     in transformers 5): their saved names differ from the module's, so save_pretrained's reverse
-    conversion is needed. Tied weights appear once in named_parameters(), as in save_pretrained."""
-    if getattr(module, "_weight_conversions", None):
-        return True
+    conversion is needed. Tied weights appear once in named_parameters(), as in save_pretrained.
+    (Not `module._weight_conversions`: under ZeRO-3 transformers stores there every mapping it
+    tried, legacy renames included, even for models such as Llama whose names never change.)"""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange

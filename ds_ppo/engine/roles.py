@@ -3,7 +3,8 @@ one `_init_<role>` per role).
 
 - policy:    causal LM, trained (ZeRO-3 by default), AdamW + warm-up schedule, grad clipping.
 - value:     HF backbone + per-token scalar head (AutoModelForTokenClassification, 1 label),
-             trained; initialised from the reward model or the policy.
+             trained; initialised from the reward model or the policy. Only for
+             ppo.advantage_estimator = gae: critic-free estimators build none.
 - reference: the initial policy, frozen, inference engine with parameters offloaded to CPU.
 - reward:    an HF sequence-classification model wrapped so that its engine's forward returns
              the score at the last real token (inference engine), a Python function or an HTTP
@@ -41,7 +42,8 @@ class Engines:
     (or a `RewardService` for reward.url), `reward` (an engine) when it is a model."""
 
     policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
-    value: Any  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1)
+    value: Any | None  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1);
+    # None with a critic-free estimator (ppo.advantage_estimator other than gae)
     reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM
     reward: Any | None  # DeepSpeedEngine (inference) around forward.LastTokenScorer
     reward_fn: RewardFn | None
@@ -305,18 +307,20 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     else:
         policy_path = cfg.policy.path
     value_arch = None
-    if cfg.value.arch is not None:
+    if cfg.value.arch is not None and cfg.ppo.uses_critic:
         value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1,
                                       key="value.arch")
 
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
                                                 load_universal)
-    value_src = _value_source(cfg, policy_path, value_arch, reward_shares_tokenizer)
-    if dist.is_main():
-        log.info("value model starts from %s", value_src)
-    value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
-                                             resolve_dtype(cfg.value.dtype), load_universal)
+    value = None  # a critic-free estimator (ppo.advantage_estimator) has no value model at all
+    if cfg.ppo.uses_critic:
+        value_src = _value_source(cfg, policy_path, value_arch, reward_shares_tokenizer)
+        if dist.is_main():
+            log.info("value model starts from %s", value_src)
+        value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
+                                                 resolve_dtype(cfg.value.dtype), load_universal)
     reference, ds_configs["reference"] = _init_reference(
         cfg, cfg.reference.path or policy_path, world, dtype)
     reward, reward_fn = None, None
@@ -334,7 +338,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
 
 
 def current_lr(engine) -> float:
-    return float(engine.optimizer.param_groups[0]["lr"]) if engine.optimizer else math.nan
+    if engine is None or not engine.optimizer:
+        return math.nan
+    return float(engine.optimizer.param_groups[0]["lr"])
 
 
 def backward_step(engine, loss: torch.Tensor) -> None:
