@@ -10,7 +10,8 @@ plus any `key=value` overrides): the random-init policy and tokenizer built by d
 (reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes).
 Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.peer_trl`, `--schedule ppo`: ds_ppo's
 2 epochs x mini-batches), ds_ppo PPO (the config as given) and, where this ds_ppo has it, ds_ppo
-GRPO (`ppo.advantage_estimator=grpo ppo.samples_per_prompt=G`). Every ds_ppo run checks that it
+GRPO (`ppo.advantage_estimator=grpo ppo.samples_per_prompt=G`, mini/micro-batches x G, TRL's
+beta as `ppo.kl_loss_coef`). Every ds_ppo run checks that it
 started from byte-identical policy weights. Step 3 prints one table: seconds per iteration per
 phase, sequences/s, the score's first 5 -> last 5 iterations, and each run's ratio to TRL.
 Needs `pip install -e ".[peer]"` (trl) for the TRL run. CPU times on a shared machine are noisy:
@@ -30,7 +31,6 @@ from pathlib import Path
 
 from ds_ppo.errors import UserError
 
-GRPO_KEYS = ("ppo.advantage_estimator=grpo", "ppo.samples_per_prompt={g}")
 # `ppo-z3`: every role on ZeRO-3 with the reference offloaded (the tiny preset before zero_stage auto)
 ZERO3 = tuple(f"deepspeed.{r}.zero_stage=3" for r in ("policy", "value", "reference", "reward")) \
     + ("deepspeed.reference.offload_param=true",)
@@ -82,15 +82,21 @@ def _weights_hash(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
 
 
-def has_grpo(overrides: list[str], g: int) -> bool:
-    """Whether this ds_ppo has the critic-free estimator (the config accepts its keys)."""
+def grpo_overrides(overrides: list[str], g: int) -> list[str] | None:
+    """ds_ppo GRPO in TRL's shape: the same prompts, g responses each, mini- and micro-batches of
+    the same prompts' responses (mini_batch_size counts responses), the KL in the loss with TRL's
+    beta = kl_coef. None where this ds_ppo has no critic-free estimator."""
     from ds_ppo.config import load_config
 
+    p = load_config(None, overrides).ppo
+    keys = ["ppo.advantage_estimator=grpo", f"ppo.samples_per_prompt={g}",
+            f"ppo.mini_batch_size={p.mini_batch_size * g}",
+            f"ppo.micro_batch_size={p.micro_batch_size * g}", f"ppo.kl_loss_coef={p.kl_coef}"]
     try:
-        load_config(None, overrides + [k.format(g=g) for k in GRPO_KEYS])
+        load_config(None, overrides + keys)
     except Exception:  # noqa: BLE001 - unknown key or value: not on this version
-        return False
-    return True
+        return None
+    return overrides + keys
 
 
 THREADS: int | None = None  # --threads: OMP/torch threads of every child (None: their default)
@@ -158,7 +164,8 @@ def _opt_steps(overrides: list[str]) -> int:
     from ds_ppo.config import load_config
 
     p = load_config(None, overrides).ppo
-    return p.ppo_epochs * (p.rollout_batch_size // p.mini_batch_size)
+    return p.ppo_epochs * (p.rollout_batch_size * getattr(p, "samples_per_prompt", 1)
+                           // p.mini_batch_size)
 
 
 def _summary(label: str, steps: list[dict], total_key: str, wall: float, opt_steps: int) -> dict:
@@ -236,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_dsppo("dsppo_ppo", "ds_ppo PPO (config as given)", overrides, out,
                                  meta))
     if "grpo" in runs:
-        grpo = overrides + [k.format(g=g) for k in GRPO_KEYS]
-        if has_grpo(overrides, g):
+        grpo = grpo_overrides(overrides, g)
+        if grpo is not None:
             results.append(run_dsppo("dsppo_grpo", f"ds_ppo GRPO, G={g}", grpo, out, meta))
         else:
             notes.append("ds_ppo grpo: skipped, this ds_ppo has no ppo.advantage_estimator=grpo")
