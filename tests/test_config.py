@@ -224,7 +224,7 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
     (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
      "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),
-    (["deepspeed.reference.zero_stage=1"], 1,
+    (["deepspeed.reference.zero_stage=1", "deepspeed.reference.offload_param=true"], 1,
      "deepspeed.reference.offload_param", "deepspeed.reference.zero_stage = 3 (got 1)"),
     (["deepspeed.policy.config=/no/such/zero3.json"], 1, "deepspeed.policy.config",
      "'/no/such/zero3.json': file does not exist"),
