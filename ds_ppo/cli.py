@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from ds_ppo.errors import UserError
@@ -27,6 +28,12 @@ def _train(args: argparse.Namespace) -> int:
 
         load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     if args.dry_run:
+        from ds_ppo.errors import ConfigError
+        from ds_ppo.paths import missing_paths
+
+        missing = missing_paths(cfg)  # what a real start would trip over first
+        if missing:
+            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
         return 0
     from ds_ppo.preemption import Preempted
@@ -37,6 +44,9 @@ def _train(args: argparse.Namespace) -> int:
     except Preempted as e:  # checkpoint saved; 128 + signal tells the scheduler it did not finish
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the loop started, or a second one within it
+        print("ds-ppo: interrupted; nothing saved after the last checkpoint", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 
@@ -164,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen below, not at exit
+        return rc
     except UserError as e:
         print(f"ds-ppo: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # `ds-ppo config --describe | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -173,8 +173,9 @@ class GenerationConfig(Section):
         "always uses HF generate.")
     cuda_graph: bool = Field(
         True, description="loop=own on CUDA: capture the decoding step once per generate call "
-        "as a CUDA graph and replay it for every token (not in tensor_parallel mode with "
-        "tp_size > 1, whose steps hold all-reduces).")
+        "as a CUDA graph and replay it for every token. In tensor_parallel mode the graph "
+        "holds the step's all-reduces and the group's ranks capture together; if capture "
+        "fails on any of them, all decode eagerly (the reason is logged once).")
     stop_check_every: int = Field(
         16, gt=0, description="loop=own: decoding steps between checks whether every response "
         "has ended (each check waits for the device).")
@@ -343,7 +344,8 @@ class CheckpointConfig(Section):
         "bf16", description="Weight dtype of exported models (safetensors).")
     save_on_signal: bool = Field(
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
-        "--signal=USR1@300): finish the iteration, save a checkpoint, exit 128 + the signal.")
+        "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
+        "signal (a second Ctrl-C aborts at once).")
 
 
 # -------------------------------------------------------------------------- deepspeed
@@ -406,6 +408,9 @@ class Config(Section):
         "auto", description="auto: continue from output_dir's latest complete checkpoint if any; "
         "never: start fresh (refuses a non-empty checkpoint dir); or a checkpoint directory.")
     log_every: int = Field(1, gt=0, description="Print a progress line every N iterations.")
+    log_level: Literal["info", "debug"] = Field(
+        "info", description="debug: also DeepSpeed's and transformers' start-up messages and "
+        "progress bars (e.g. one per checkpoint save), and ds_ppo's debug lines.")
     dist_timeout_minutes: float = Field(
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
         "than this fails the job with an error instead of hanging it. Rank 0's solitary file work "
@@ -436,8 +441,32 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+# Aliases share one object, so a few hundred bytes of nested &anchors/*aliases (an "alias bomb")
+# stand for billions of values, which validation and error messages would walk.
+MAX_YAML_VALUES = 100_000
+
+
 def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    count, stack = 0, [data]
+    while stack:  # the values of the tree with every alias expanded, up to the limit
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(f"YAML input expands, through its *aliases, to more than "
+                              f"{MAX_YAML_VALUES:,} values; write the values out instead")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return data
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr of user input for a message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
@@ -454,6 +483,8 @@ def _read_yaml(source: str | os.PathLike | None) -> dict[str, Any]:
         data = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top, got "
                           f"{type(data).__name__}")
@@ -477,7 +508,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     data = dict(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value "
+            raise ConfigError(f"override {_short(item)} is not of the form key=value "
                               "(e.g. ppo.kl_coef=0.05)")
         key, raw = item.split("=", 1)
         try:
@@ -513,7 +544,7 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
             valid = ", ".join(_known_keys(parent)) if parent else "?"
             lines.append(f"unknown config key {loc!r} (valid here: {valid})")
         else:
-            lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+            lines.append(f"{loc} = {_short(e.get('input'))}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -643,6 +674,12 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"tracking.register_every = {t.register_every} registers checkpoints: "
                         "it needs tracking.register_model, checkpoint.save_hf_weights=true and a "
                         f"multiple of checkpoint.every = {c.every}")
+    if t.register_every and not t.register_copy:
+        problems.append(f"tracking.register_every = {t.register_every} with "
+                        "tracking.register_copy=false would register checkpoint directories by "
+                        "reference, which checkpoint.keep_last pruning deletes later: set "
+                        "tracking.register_copy=true, or tracking.register_every=0 (the final "
+                        "export, never pruned, is registered either way)")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
@@ -708,5 +745,20 @@ def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
             lines.extend(describe(sub, key + "."))
         else:
             default = field.get_default(call_default_factory=True)
-            lines.append(f"{key} (default {default!r}): {field.description or ''}")
+            lines.append(f"{key} (default {yaml_value(default)}): {field.description or ''}")
     return lines
+
+
+def yaml_value(value: Any) -> str:
+    """A default as it is written in a config file: null, true, [0.9, 0.95], {}, auto."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return value if value.strip() and _load_yaml(value) == value else repr(value)
+    return repr(value)

@@ -90,6 +90,19 @@ class Rollout:
         total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
         return longest_first(total, size, rows)
 
+    def positions(self, batches: list[list[int]]) -> tuple[int, int]:
+        """(token positions the forwards of these micro-batches compute, real tokens in them),
+        from the host lengths: a micro-batch's forward is as wide as its longest prompt plus
+        its longest counted response (`model_inputs`); the real tokens are each row's prompt
+        and counted response. Their ratio is the compute spent on padding (1 = none)."""
+        computed = real = 0
+        for rows in batches:
+            prompt = [self.prompt_lens[i] for i in rows]
+            response = [self.response_lens[i] for i in rows]
+            computed += len(rows) * (max(prompt, default=0) + max(response, default=0))
+            real += sum(prompt) + sum(response)
+        return computed, real
+
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
@@ -111,6 +124,8 @@ class Experience:
     reward_cut: torch.Tensor | None = None  # (B,) bool, reward-model input cut to reward.max_len
     reward_s: float = 0.0  # seconds this rank spent on the reward scores (metric only)
     reward_retries: int | None = None  # reward.url: requests retried for them (metric only)
+    # (positions computed, real tokens) by one scoring forward over the rollout (metric only)
+    scoring_positions: tuple[int, int] = (0, 0)
     rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured

@@ -38,6 +38,8 @@ class RewardTimeout(UserError):
     evaluation) and stops with the message."""
 
     after_update = False
+
+
 class CheckpointError(UserError):
     """A checkpoint cannot be used (a file is corrupted, cut off or missing) or cannot be written
     (disk full); the message names the checkpoint, the file and what to do."""

@@ -113,8 +113,13 @@ def _export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool
             model = _from_zero_shards(ckpt, role)
             save_module(model, None, target, dtype)
         tokenizer.save_pretrained(target)
+    write_marker(out_dir, str(ckpt.resolve()), dtype, with_value)
+
+
+def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool) -> None:
+    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it)."""
     (out_dir / MARKER).write_text(json.dumps(
-        {"checkpoint": str(ckpt.resolve()), "dtype": str(dtype).removeprefix("torch."),
+        {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
          "value": with_value}, indent=2) + "\n")
 
 

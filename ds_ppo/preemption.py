@@ -6,6 +6,9 @@ set a flag. After each iteration the ranks agree on it (one max all-reduce of on
 signal that reached only some ranks stops all of them together), save a checkpoint unless one
 was just saved, and the run ends with `Preempted`: the CLI exits 128 + the signal number (143
 for SIGTERM), so a scheduler does not take the run for finished. The same command resumes it.
+
+Ctrl-C (SIGINT) does the same (exit 130); a second Ctrl-C aborts at once (KeyboardInterrupt),
+for a user who does not want to wait for the iteration and the save.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from ds_ppo.engine import dist
 
 log = logging.getLogger("ds_ppo")
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):
@@ -34,8 +37,9 @@ class Preempted(Exception):
 
 
 class StopRequests:
-    """Records SIGTERM/SIGUSR1 while installed (a context manager; the previous handlers come
-    back on exit). Installs nothing off the main thread, where Python cannot take signals."""
+    """Records the first SIGTERM/SIGUSR1/SIGINT while installed (a context manager; the previous
+    handlers come back on exit). Installs nothing off the main thread, where Python cannot take
+    signals."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -43,10 +47,14 @@ class StopRequests:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
         if not self.signum:
             log.warning("received %s: finishing this iteration, then saving a checkpoint and "
-                        "stopping", signal.Signals(signum).name)
-        self.signum = signum
+                        "stopping%s", signal.Signals(signum).name,
+                        " (Ctrl-C again to abort now, without saving)"
+                        if signum == signal.SIGINT else "")
+            self.signum = signum
 
     def __enter__(self) -> "StopRequests":
         if self.enabled:

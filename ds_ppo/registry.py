@@ -57,8 +57,14 @@ def register_at_checkpoint(cfg: Config, tracker, checkpoint: str | Path, iterati
     if not every or iteration % every or (iteration == cfg.iterations
                                           and cfg.checkpoint.export_at_end):
         return None
-    return register_policy(cfg, tracker, Path(checkpoint) / "hf", iteration,
-                           last_eval_score(history))
+    from ds_ppo.engine import dist
+
+    # rank 0 alone loads, converts and uploads the model (minutes at 70B): the other ranks wait
+    # for it without a collective, whose timeout could fire (collective: every rank calls this)
+    return dist.main_does(
+        lambda: register_policy(cfg, tracker, Path(checkpoint) / "hf", iteration,
+                                last_eval_score(history)),
+        Path(checkpoint).parent, f"registering {checkpoint} in the MLflow model registry")
 
 
 def register_policy(cfg: Config, tracker, model_dir: str | Path | None, iteration: int,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import numbers
+import os
 import re
+import sys
 import threading
 import traceback
 from typing import Any, Callable, Sequence
@@ -69,13 +71,17 @@ def final_answer_match(prompts: list[str], responses: list[str], answer: list) -
 def load_reward_function(spec: str, keys: Sequence[str] = ()
                          ) -> Callable[..., list[float]]:
     """Import `module:function`; a clear ConfigError when it cannot be found or does not take
-    the keyword arguments `keys` (data.reward_keys)."""
+    the keyword arguments `keys` (data.reward_keys). The module is looked up in the directory
+    the job started in first, for every entry point (`ds-ppo`, `python -m ds_ppo`, each rank of
+    the `deepspeed` launcher, which starts every node's ranks in that same path)."""
     module_name, _, attr = spec.partition(":")
+    _put_cwd_on_path()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"reward.function = {spec!r}: cannot import module {module_name!r} "
-                          f"({e}); is it on PYTHONPATH?") from None
+                          f"({e}); put {module_name.replace('.', '/')}.py in the directory the job "
+                          f"starts in ({os.getcwd()}) or on PYTHONPATH") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"reward.function = {spec!r}: module {module_name!r} has no callable "
@@ -136,15 +142,27 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
                          ) -> list[float]:
     """fn(prompts, responses, **columns) checked by `check_scores`.
 
-    With `timeout_s`, the call runs in a daemon worker thread and this thread waits at most that
-    long: a call still running raises RewardTimeout (the hung thread is left behind; being a
-    daemon, it does not keep the process alive). A function that raises becomes a
-    RewardFunctionError naming it, the exception and the line it came from."""
+    With `timeout_s`, the call runs in a daemon worker thread (with the caller's CUDA device and
+    grad mode) and this thread waits at most that long: a call still running raises
+    RewardTimeout (the hung thread is left behind; being a daemon, it does not keep the process
+    alive). A function that raises becomes a RewardFunctionError naming it, the exception and
+    the line it came from."""
+    import torch
+
     outcome: dict[str, Any] = {}
+    # torch's grad mode and current CUDA device are per thread: a new thread would run with
+    # gradients on and on cuda:0 (every rank's GPU work on one device); the worker gets the
+    # caller's
+    grad = torch.is_grad_enabled()
+    device = (torch.cuda.current_device()
+              if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def run() -> None:
         try:
-            outcome["value"] = fn(prompts, responses, **columns)
+            if device is not None and torch.cuda.current_device() != device:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = fn(prompts, responses, **columns)
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             outcome["error"] = e
 
@@ -167,3 +185,11 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
         raise RewardFunctionError(f"reward.function = {spec!r} raised {type(e).__name__}: {e}"
                                   f"{where}") from e
     return check_scores(outcome["value"], spec, len(responses))
+
+
+def _put_cwd_on_path() -> None:
+    """What `python -m` does (the console script `ds-ppo` does not): the working directory
+    first on the import path, so `my_rewards.py` next to the job imports as `my_rewards`."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+        sys.path.insert(0, cwd)

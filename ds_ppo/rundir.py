@@ -52,7 +52,10 @@ def acquire_lock(output_dir: Path) -> Path:
         except FileExistsError:
             holder = _read_lock(lock)
             if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
-                return lock  # this process already holds it (train() called again)
+                # this process holds it (train() called again), or a killed run whose process
+                # had this pid (a restarted container) left it: released at exit either way
+                atexit.register(release_lock, lock)
+                return lock
             if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
                 log.warning("taking over the lock %s of process %s on %s, which no longer runs "
                             "(it was killed)", lock, holder.get("pid"), me["host"])

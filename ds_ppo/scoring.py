@@ -12,9 +12,9 @@ from ds_ppo.algo import (broadcast_to_tokens, discounted_returns, gae, group_adv
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
-from ds_ppo.errors import RewardFunctionError, RewardTimeout
+from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
-from ds_ppo.reward_service import RewardServiceError, redact_url
+from ds_ppo.reward_service import redact_url
 from ds_ppo.rewards import call_reward_function
 
 
@@ -38,7 +38,7 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
     try:
         scores = call_reward_function(fn, spec, list(rollout.prompts),
                                       list(rollout.responses), columns, timeout_s)
-    except (RewardFunctionError, RewardTimeout, RewardServiceError) as e:
+    except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
         error = e
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
     worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
@@ -114,7 +114,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         retries = engines.reward_fn.retries - retries
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None, entropy=zero(entropy),
-                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries)
+                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
+                      scoring_positions=rollout.positions(batches))
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

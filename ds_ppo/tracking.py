@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import yaml
 
 from ds_ppo.errors import UserError
+from ds_ppo.redaction import redact, redact_logs
 
 if TYPE_CHECKING:
     from ds_ppo.config import Config
@@ -219,10 +220,10 @@ def _bound_http_time() -> None:
 
 
 def _setup_failed(cfg: Config, uri: str, err: BaseException) -> NullTracker:
-    msg = (f"cannot use MLflow at {uri}: {type(err).__name__}: {err}\n"
-           "  fix: start the tracking server (or correct tracking.uri / $MLFLOW_TRACKING_URI), "
-           "or train without it: tracking.required=false (warn and continue) or "
-           "tracking.enabled=false (no MLflow at all)")
+    msg = redact(f"cannot use MLflow at {uri}: {type(err).__name__}: {err}\n"
+                 "  fix: start the tracking server (or correct tracking.uri / "
+                 "$MLFLOW_TRACKING_URI), or train without it: tracking.required=false (warn and "
+                 "continue) or tracking.enabled=false (no MLflow at all)")
     if cfg.tracking.required:
         raise TrackingError(msg) from err
     log.warning("%s; tracking.required=false: training without MLflow", msg.splitlines()[0])
@@ -241,6 +242,7 @@ def open_tracker(cfg: Config, *, is_main: bool, run_id: str | None,
     """
     if not is_main or not cfg.tracking.enabled:
         return NullTracker()
+    redact_logs()
     uri, embedded = resolve_uri(cfg)
     try:
         import mlflow  # noqa: F401  (deferred: disabled tracking never imports it)
@@ -342,9 +344,9 @@ class MlflowTracker:
         self.local_log = str(Path(cfg.output_dir) / "metrics.jsonl")
         config = cfg.to_dict()
         config["reward"]["url"] = redact_url(config["reward"].get("url"))  # no password logged
-        params = {clean_key(k): v[:self._limit("MAX_PARAM_VAL_LENGTH", _MAX_PARAM_VALUE)]
-                  for k, v in flatten(config).items()}
-        config_yaml = yaml.safe_dump(config, sort_keys=False)
+        limit = self._limit("MAX_PARAM_VAL_LENGTH", _MAX_PARAM_VALUE)
+        params = {clean_key(k): redact(v)[:limit] for k, v in flatten(config).items()}
+        config_yaml = redact(yaml.safe_dump(config, sort_keys=False))
         if self.resumed:
             changed = sorted(k for k, v in params.items()
                              if k in self._old_params and self._old_params[k] != v)
@@ -476,8 +478,8 @@ class MlflowTracker:
                         self.local_log)
 
     def where(self) -> str:
-        return (f"MLflow: run {self.run_id} in {self.uri}; view with: "
-                f"{ui_hint(self.uri, self.experiment_id, self.run_id)}")
+        return redact(f"MLflow: run {self.run_id} in {self.uri}; view with: "
+                      f"{ui_hint(self.uri, self.experiment_id, self.run_id)}")
 
 
 def _jsonable(v: Any) -> Any:

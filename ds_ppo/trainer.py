@@ -21,7 +21,8 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
                                       ensure_universal, find_resume, latest_checkpoint,
-                                      load_checkpoint, read_state, save_checkpoint)
+                                      load_checkpoint, read_state, rng_state, save_checkpoint,
+                                      set_rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
@@ -29,6 +30,7 @@ from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
+from ds_ppo.progress import Eta, format_duration
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
 from ds_ppo.rundir import lock_output_dir, start_metrics_log
@@ -51,8 +53,9 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    _quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
-    _setup_logging()
+    _setup_logging(cfg.log_level)
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
@@ -80,6 +83,7 @@ def train(cfg: Config) -> TrainResult:
         try:
             for iteration in range(state.iteration + 1, cfg.iterations + 1):
                 acc, t_iter = Accumulator(), time.perf_counter()
+                rng_at_start = rng_state()  # what a save of the previous iteration would hold
                 # step 1. generate the trajectory (this rank's shard of the global batch)
                 with _timed(acc, "time/generation_s"):
                     rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
@@ -124,7 +128,7 @@ def train(cfg: Config) -> TrainResult:
             status = "FINISHED"
         except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
             raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
-                                          result.last_checkpoint) from None
+                                          result.last_checkpoint, rng_at_start) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -134,13 +138,33 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+    path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
                                cfg.checkpoint.save_hf_weights))
+    if dist.is_main():
+        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
+    return path
 
 
 # ------------------------------------------------------------------------- start-up
-def _setup_logging() -> None:
+def _quiet_libraries(log_level: str) -> None:
+    """Before DeepSpeed is imported: unless log_level = debug, no DeepSpeed accelerator notice and
+    no per-save "Writing model shards" progress bars from transformers."""
+    if log_level == "debug":
+        return
+    logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _no_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to")
+
+
+def _setup_logging(log_level: str = "info") -> None:
     level = logging.INFO if dist.is_main() else logging.WARNING
+    if log_level == "debug":
+        level = logging.DEBUG
     logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
                         force=True)
     old_factory = logging.getLogRecordFactory()
@@ -153,12 +177,13 @@ def _setup_logging() -> None:
 
     logging.setLogRecordFactory(factory)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.INFO if log_level == "debug" else logging.WARNING)
     # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per call
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
     import transformers
 
-    transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
+    if log_level != "debug":
+        transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
 
 
 def _warn(message: str | None) -> None:
@@ -368,6 +393,7 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     if exp.reward_cut is not None:
         acc.add_mean("reward/input_cut_rate", float(exp.reward_cut.sum()), n)
     acc.add_max("time/reward_s", exp.reward_s)
+    acc.add_mean("padding/scoring_positions_per_token", *exp.scoring_positions)
     if exp.reward_retries is not None:
         acc.add_sum("reward/retries", exp.reward_retries)
     if exp.old_values is not None:
@@ -423,6 +449,7 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
         rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
     if not dist.is_main():
         return
+    _report.eta.tick(iteration, metrics["time/iteration_s"])
     if metrics.get("reward/input_cut_rate", 0.0) > 0 and not _report.warned_cut:
         _report.warned_cut = True
         log.warning("iteration %d: %.1f%% of the reward model's inputs were longer than "
@@ -442,10 +469,12 @@ def _report(cfg: Config, tracker, metrics: dict[str, float], iteration: int, exp
               + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
               f"| len {metrics['response/length_mean']:.1f} "
               f"| gen {metrics['time/generation_s']:.1f}s "
-              f"| iter {metrics['time/iteration_s']:.1f}s", flush=True)
+              f"| iter {metrics['time/iteration_s']:.1f}s "
+              f"| eta {format_duration(_report.eta.left(cfg.iterations - iteration))}", flush=True)
 
 
 _report.warned_cut = False  # the reward-input cut is reported once per process
+_report.eta = Eta()  # rank 0's time left, from the mean of recent iterations
 
 
 def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
@@ -457,12 +486,17 @@ def _sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
 
 
 def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
-                            state: TrainerState, tokenizer, last: str | None) -> RewardTimeout:
+                            state: TrainerState, tokenizer, last: str | None,
+                            rng_at_start: dict | None = None) -> RewardTimeout:
     """Checkpoint the last completed iteration (the weights still are its weights unless the
-    timeout came after this iteration's update, in evaluation), and the error to stop with."""
+    timeout came after this iteration's update, in evaluation), and the error to stop with.
+    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
+    so a resume samples that iteration again exactly as the uninterrupted run would have."""
     latest = latest_checkpoint(out)
     if (not err.after_update and state.iteration > 0 and
             (latest is None or latest.name != checkpoint_name(state.iteration))):
+        if rng_at_start is not None:
+            set_rng_state(rng_at_start)
         last = _checkpoint(cfg, out, engines, state, tokenizer)
     elif latest is not None:
         last = str(latest)
@@ -476,7 +510,7 @@ def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines:
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             last_checkpoint: str | None):
     """Save the final state (unless the last iteration was just saved) and export the policy."""
-    from ds_ppo.export import DTYPES, export_engine
+    from ds_ppo.export import DTYPES, export_engine, write_marker
 
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
@@ -488,6 +522,9 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         export_dir = str(out / "final")
         export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
         if dist.is_main():
+            # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
+            write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
+                         with_value=False)
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)
     return last_checkpoint, export_dir

@@ -75,7 +75,9 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             losses, stats = [], {}
             # longest rows first; the order within a mini-batch does not change its gradient
             # (each micro-batch loss is normalised by the whole mini-batch's count)
-            for mb_rows in exp.rollout.micro_batches(p.micro_batch_size, rows):
+            micro = exp.rollout.micro_batches(p.micro_batch_size, rows)
+            acc.add_mean("padding/update_positions_per_token", *exp.rollout.positions(micro))
+            for mb_rows in micro:
                 mb = exp.slice(mb_rows)
                 logprobs, _ = response_logprobs(engines.policy, mb.rollout,
                                                 cfg.generation.temperature)

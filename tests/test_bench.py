@@ -50,8 +50,10 @@ def tiny_run(tmp_path_factory):
     out, attempts = work / "out.json", work / "imports.json"
     args = ["--shape", "tiny", "--prompts", "4", "--prompt-len", "8", "--new-tokens", "8",
             "--iterations", "1", "--json", str(out)]
+    # a generous timeout: a test must never kill a process that may be JIT-building an extension
+    # (its lock would stall every later start); on CPU nothing is built (ds_ppo.engine.extensions)
     proc = subprocess.run([sys.executable, "-c", _AS_ON_GPU_IMAGE, str(attempts), *args],
-                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=120)
+                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), (
         f"bench exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout, json.loads(out.read_text()), json.loads(attempts.read_text())
@@ -132,7 +134,7 @@ def test_hf_generate_loop_runs(tmp_path):
         [sys.executable, "-m", "ds_ppo.bench", "--shape", "tiny", "--prompts", "2",
          "--prompt-len", "4", "--new-tokens", "4", "--iterations", "1", "--warmup", "0",
          "--gen-loop", "hf", "--skip-baselines", "--json", str(tmp_path / "r.json")],
-        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["settings"]["gen_loop"] == "hf"

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ValidationError
 from conftest import REPO, clean_env, run_cli
 from ds_ppo.cli import main
 from ds_ppo.config import (Config, apply_overrides, describe, grad_accum_steps, load_config,
-                           preset_names, validate, world_size_from_env)
+                           preset_names, validate, world_size_from_env, yaml_value)
+from ds_ppo.config import _load_yaml  # the reader of config files and overrides
 from ds_ppo.errors import ConfigError, UserError
 
 
@@ -291,10 +292,15 @@ def test_describe_covers_every_leaf_with_a_description_and_its_real_default():
     undocumented = [key for key, field, _ in expected if not (field.description or "").strip()]
     assert not undocumented, f"fields without a description: {undocumented}"
     for key, field, default in expected:
-        assert by_key[key] == f"{key} (default {default!r}): {field.description}"
+        assert by_key[key] == f"{key} (default {yaml_value(default)}): {field.description}"
+        if isinstance(default, (int, float, str, list, type(None))):  # as a config file reads
+            assert _load_yaml(f"v: {yaml_value(default)}")["v"] == default, key
+    # YAML, as in a config file and docs/CONFIG.md, not Python
+    assert by_key["policy.betas"].startswith("policy.betas (default [0.9, 0.95]): ")
+    assert by_key["policy.path"].startswith("policy.path (default null): ")
     # a section whose default differs from its class's defaults is described as it is
     assert by_key["deepspeed.reference.offload_param"].startswith(
-        "deepspeed.reference.offload_param (default True)")
+        "deepspeed.reference.offload_param (default true)")
 
 
 @pytest.mark.parametrize("mini, micro, world_size, accum", [
@@ -373,7 +379,19 @@ def test_cli_describe():
     proc = _cli(["config", "--describe"])
     assert proc.returncode == 0, proc.stderr
     assert "ppo.kl_coef (default 0.1): KL penalty coefficient" in proc.stdout
+    assert "policy.betas (default [0.9, 0.95]): " in proc.stdout
     assert len(proc.stdout.splitlines()) == len(describe())
+
+
+def test_cli_describe_into_a_closed_pipe_is_quiet():
+    """`ds-ppo config --describe | head`: the reader may leave before the output is written."""
+    import shutil
+
+    exe = shutil.which("ds-ppo")
+    assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
+    proc = subprocess.run(f"'{exe}' config --describe | true", shell=True, cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert "Error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_dry_run_loads_no_deepspeed_and_no_model_code():
@@ -395,13 +413,14 @@ def test_config_doc_lists_every_key_with_its_description():
     import re
 
     doc = (REPO / "docs" / "CONFIG.md").read_text()
-    rows = dict(re.findall(r"^\| `([\w.]+)` \| `.*?` \| (.*) \|$", doc, re.M))
+    rows = {key: (default, text) for key, default, text in
+            re.findall(r"^\| `([\w.]+)` \| `(.*?)` \| (.*) \|$", doc, re.M)}
     described = {}
     for line in describe():
         key, rest = line.split(" (default ", 1)
-        described[key] = rest.split("): ", 1)[1]
+        described[key] = tuple(rest.split("): ", 1))
     assert set(rows) == set(described)
-    assert {k: v.replace("\\|", "|") for k, v in rows.items()} == described
+    assert {k: (d, v.replace("\\|", "|")) for k, (d, v) in rows.items()} == described
 
 
 # --------------------------------------------------------------- advantage estimators
@@ -462,12 +481,16 @@ def test_kl_in_reward_default_follows_the_estimator():
     assert Config.model_validate(cfg.to_dict()) == cfg  # the resolved default round-trips
 
 
-def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys):
+def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys, tmp_path):
     assert main(["train", "--dry-run", *GRPO, "value.lr=1e-5"]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "value.lr" in err and "trains no value model" in err
     source = REPO / "ds_ppo" / "presets" / "grpo.yaml"
-    assert main(["train", "--dry-run", "--config", str(source)]) == 0
+    data, tok = tmp_path / "train.jsonl", tmp_path / "tok"  # the example's /path/to/... (checked)
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    tok.mkdir()
+    assert main(["train", "--dry-run", "--config", str(source), f"data.path={data}",
+                 f"data.eval_split={data}", f"policy.tokenizer={tok}"]) == 0
     assert "warning" not in capsys.readouterr().err  # the grpo example has no value section
     assert main(["train", "--dry-run", "ppo.advantage_estimator=gae", "value.lr=1e-5"]) == 0
     assert "warning" not in capsys.readouterr().err

@@ -206,8 +206,13 @@ def _bad_cases(d: Path) -> list[tuple[str, Path, dict, list[str]]]:
     case("empty file csv", "empty.csv", "", ["empty.csv", "empty"])
     case("header only csv", "header.csv", "prompt,chosen\n", ["header.csv", "no rows"])
     case("empty json list", "empty.json", "[]", ["empty.json", "empty"])
-    case("not utf-8", "latin1.jsonl", '{"prompt": "caf\xe9"}\n'.encode("latin-1"),
-         ["latin1.jsonl", "not UTF-8"])
+    case("not utf-8", "latin1.jsonl", (ok + '{"prompt": "caf\xe9"}\n').encode("latin-1"),
+         ["latin1.jsonl", "line 2", "not UTF-8", "byte 0xe9 at column 16"])
+    case("not utf-8 csv", "latin1.csv", 'prompt\nok\ncaf\xe9\n'.encode("latin-1"),
+         ["latin1.csv", "line 3", "not UTF-8", "byte 0xe9"])
+    case("not utf-8 json document", "latin1.json",
+         '[{"prompt": "a"},\n {"prompt": "caf\xe9"}]'.encode("latin-1"),
+         ["latin1.json", "line 2", "not UTF-8", "byte 0xe9 at column 17"])
     case("corrupt parquet", "bad.parquet", b"PAR1 this is not parquet",
          ["bad.parquet", "cannot read it as Parquet"])
     case("malformed JSON line", "broken.jsonl", ok + '{"prompt": "the dog\n' + ok,
@@ -280,6 +285,15 @@ def test_skip_counts_bad_rows(tok, tmp_path, caplog):
     assert ps.stats["rows"] == 7 and ps.stats["skipped_bad"] == 5 and ps.stats["used"] == 2
     assert "skipped 5 bad row(s)" in caplog.text and "line 4" in caplog.text
     assert "5 bad rows skipped" in caplog.text  # the one-line summary
+
+    # undecodable lines (not UTF-8) are bad rows like any other
+    (tmp_path / "latin1.jsonl").write_bytes(
+        b'{"prompt": "the cat sat"}\n' + '{"prompt": "caf\xe9 au lait"}\n'.encode("latin-1"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        ps = load_prompts(cfg(tmp_path / "latin1.jsonl", on_bad_row="skip"), tok)
+    assert ps.texts == ["the cat sat"] and ps.stats["skipped_bad"] == 1
+    assert "line 2: not UTF-8 text (byte 0xe9 at column 16" in caplog.text
 
     # CSV rows with a wrong number of fields are skipped too
     (tmp_path / "f.csv").write_text("prompt,x\nthe cat,1\nthe,dog,2\n,3\n")

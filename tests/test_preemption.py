@@ -1,8 +1,11 @@
 """A scheduler's stop request loses no finished iteration: SIGTERM / SIGUSR1 make `ds-ppo train`
-finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes."""
+finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes.
+Ctrl-C (SIGINT) does the same; a second Ctrl-C aborts at once."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,15 +13,17 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import SMALL as BASE
 from conftest import clean_env, deepspeed_cmd, free_port, read_metrics, run_cli
+from ds_ppo.preemption import StopRequests
 
 SMALL = [*BASE, "checkpoint.every=0"]  # only the stop request saves
 
 
-def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1"), text=True,
+def _start(cmd: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1", **env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -107,3 +112,55 @@ def test_hung_reward_function_stops_the_run_with_the_last_iteration_saved(tmp_pa
     assert _saved_iteration(out) == 1
     assert [r["iteration"] for r in read_metrics(out)] == [1]
     assert time.time() - t0 < 250
+
+
+def test_ctrl_c_saves_like_sigterm(tmp_path):
+    """Through the console script a user runs: the first Ctrl-C finishes the iteration, saves
+    and exits 130 with the SIGTERM message."""
+    exe = shutil.which("ds-ppo")
+    assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
+    out, extensions = tmp_path / "out", tmp_path / "torch_extensions"
+    proc = _start([exe, "train", *SMALL, f"output_dir={out}", "iterations=500"], tmp_path,
+                  TORCH_EXTENSIONS_DIR=str(extensions))
+    seen = _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    stdout = "".join(seen) + stdout
+    # the progress line: time left from recent iterations; a line per save; no library bars
+    assert "| eta " in seen[-1], seen[-1]
+    assert f"saved checkpoint {out / 'checkpoints'}" in stdout
+    assert "Writing model shards" not in stdout + stderr
+    assert "Setting accelerator" not in stdout + stderr
+    # a cold extension cache: nothing was built (DeepSpeed's CPU shm comm op is skipped)
+    assert not extensions.exists() or not any(extensions.iterdir())
+    assert proc.returncode == 130, stderr[-3000:]
+    n = _saved_iteration(out)
+    assert f"stopped by SIGINT after iteration {n}; checkpoint " in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+
+
+
+def test_a_second_ctrl_c_aborts_at_once():
+    """In-process (a subprocess would race the iteration's end): the first SIGINT only sets the
+    flag, the second raises KeyboardInterrupt; the previous handler comes back afterwards."""
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_an_interrupt_outside_the_loop_is_one_line_and_exit_130(monkeypatch, capsys):
+    import ds_ppo.trainer
+    from ds_ppo.cli import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ds_ppo.trainer, "train", interrupted)
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"

@@ -162,6 +162,16 @@ def test_register_config_rules():
     validate(load_config(None, ["tracking.register_model=m", "tracking.register_every=40"]), 1)
 
 
+def test_checkpoints_are_not_registered_by_a_reference_that_pruning_deletes():
+    """register_copy=false registers a directory by reference; a checkpoint's hf/ is deleted
+    by checkpoint.keep_last pruning, so register_every needs register_copy=true (the final
+    export, never pruned, may be registered by reference)."""
+    with pytest.raises(ConfigError, match="keep_last pruning deletes later"):
+        validate(load_config(None, ["tracking.register_model=m", "tracking.register_every=20",
+                                    "tracking.register_copy=false"]), 1)
+    validate(load_config(None, ["tracking.register_model=m", "tracking.register_copy=false"]), 1)
+
+
 def test_config_hash_ignores_url_credentials_but_not_settings():
     base = ["reward.function=null"]
     a = load_config(None, [*base, "reward.url=http://u:one@h/s"])
@@ -188,3 +198,23 @@ def test_reward_url_credentials_are_not_logged(mlflow_uri, tmp_path):
     logged += Path(client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path))
                    ).read_text()
     assert "hunter2" not in logged and "bob" not in logged
+
+
+def test_registering_a_checkpoint_does_not_hold_other_ranks_in_a_collective(monkeypatch, tmp_path):
+    """Rank 0 alone loads and uploads the checkpoint (minutes at 70B): the call goes through
+    dist.main_does (others wait on a marker file, no collective timeout), once per due save."""
+    import ds_ppo.registry as registry
+    from ds_ppo.engine import dist
+
+    calls, registered = [], []
+    monkeypatch.setattr(dist, "main_does",
+                        lambda work, where, what: calls.append((Path(where), what)) or work())
+    monkeypatch.setattr(registry, "register_policy",
+                        lambda cfg, tracker, model_dir, it, score: registered.append(it) or it)
+    cfg = load_config(None, ["tracking.register_model=m", "tracking.register_every=2",
+                             "checkpoint.every=2", "iterations=6"])
+    ckpt = tmp_path / "checkpoints" / "iter_000002"
+    assert registry.register_at_checkpoint(cfg, None, ckpt, 2, []) == 2
+    assert registry.register_at_checkpoint(cfg, None, ckpt, 3, []) is None  # not due
+    assert calls == [(ckpt.parent, f"registering {ckpt} in the MLflow model registry")]
+    assert registered == [2]

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
-from ds_ppo.errors import RewardFunctionError, RewardTimeout
+from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
 from ds_ppo.scoring import reward_scores
 
 
@@ -36,13 +36,18 @@ def hangs(prompts, responses):
     threading.Event().wait()
 
 
+def stops(prompts, responses):  # e.g. a reward service's own clear stop (a UserError)
+    raise UserError("the service said no")
+
+
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         cfg = load_config(None, ["reward.timeout_s=1"])
         # (rank 0's function, rank 1's function) -> what every rank raises
         for fns, expected in [((fine, raises), RewardFunctionError),
-                              ((fine, hangs), RewardTimeout), ((raises, hangs), RewardTimeout)]:
+                              ((fine, hangs), RewardTimeout), ((raises, hangs), RewardTimeout),
+                              ((fine, stops), UserError)]:
             with pytest.raises(expected):
                 reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fns[rank]), cfg, None)
         scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), cfg, None)

@@ -196,6 +196,20 @@ def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):
     assert "world size changed" not in caplog.text
 
 
+def test_out_of_memory_while_loading_is_not_called_a_corrupted_checkpoint(tmp_path):
+    """A checkpoint that fails to load for want of memory (or a failed collective) is intact:
+    the error stays what it is, it does not send the user back to an older checkpoint."""
+    _save(tmp_path, 1)
+    path = _save(tmp_path, 2)
+
+    class _OOM(_Engine):
+        def load_checkpoint(self, path, tag, **_):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        load_checkpoint(path, SimpleNamespace(policy=_OOM(), value=_Engine()))
+
+
 # ------------------------------------------------------------------------- 7. disk full
 def test_file_size_limit_during_save_keeps_previous_checkpoint(tmp_path):
     """torch.save under a file-size limit fails as on a full disk: with an errno-less
@@ -261,6 +275,22 @@ def test_lock_live_holder_refused_stale_taken_over_released_at_exit(tmp_path, ca
     release_lock(lock)
     code = f"from ds_ppo.rundir import acquire_lock; from pathlib import Path; " \
            f"acquire_lock(Path({str(tmp_path)!r})); assert Path({str(lock)!r}).exists()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert not lock.exists()
+
+
+def test_lock_left_by_an_earlier_process_with_this_pid_is_released_at_exit(tmp_path):
+    """A restarted container often gives rank 0 the pid of the killed run's rank 0: the lock
+    that run left names this very process. It is taken, and released at exit like any other
+    (else it outlives the run and stops the next one on another host)."""
+    from ds_ppo.rundir import LOCK_NAME
+
+    lock = tmp_path / LOCK_NAME
+    code = ("import json, os, socket; from pathlib import Path; "
+            "from ds_ppo.rundir import acquire_lock; "
+            f"lock = Path({str(lock)!r}); lock.write_text(json.dumps({{'host': "
+            "socket.gethostname(), 'pid': os.getpid(), 'started': 'before the kill'})); "
+            f"assert acquire_lock(Path({str(tmp_path)!r})) == lock")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert not lock.exists()
 
@@ -339,3 +369,25 @@ def test_export_writes_atomically(tmp_path):
     write_atomically(out, lambda tmp: (tmp / "model.safetensors").write_text("new"))
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_reward_timeout_saves_the_random_state_of_the_iterations_start(tmp_path):
+    """A hung reward function in iteration N: the checkpoint of N-1 it saves holds the random
+    state from N's start (not from after N's sampling), so the resume samples N exactly as the
+    uninterrupted run does."""
+    from ds_ppo.config import load_config
+    from ds_ppo.errors import RewardTimeout
+    from ds_ppo.trainer import _stop_on_reward_timeout
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"output_dir={out}", "checkpoint.save_hf_weights=false"])
+    torch.manual_seed(123)
+    at_start = ckpt.rng_state()
+    expected = torch.rand(4)  # what iteration N's sampling draws first
+    err = _stop_on_reward_timeout(RewardTimeout("hung"), cfg, out, _engines(),
+                                  TrainerState(iteration=3), _Saver(), None, at_start)
+    assert "checkpoint is" in str(err)
+    saved = torch.load(out / "checkpoints" / "iter_000003" / "rng" / "rank_00000.pt",
+                       weights_only=True)
+    ckpt.set_rng_state(saved)
+    assert torch.equal(torch.rand(4), expected)

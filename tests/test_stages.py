@@ -223,6 +223,34 @@ def test_reward_function_that_hangs_is_stopped_after_timeout():
     assert where == [threading.main_thread()]
 
 
+def test_reward_function_worker_has_the_callers_grad_mode_and_cuda_device(monkeypatch):
+    """Grad mode and the current CUDA device are per thread: the worker thread that runs a
+    reward.function under reward.timeout_s gets the caller's (scoring runs under no_grad; a
+    rank's GPU is its current device, a new thread's would be cuda:0 on every rank). The CUDA
+    runtime's per-thread device is simulated: this test runs on CPU."""
+    import threading
+
+    per_thread = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(per_thread, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: setattr(per_thread, "device", int(d)))
+    torch.cuda.set_device(3)  # this rank's GPU, as init_distributed sets it
+    seen = []
+
+    def records(prompts, responses):
+        seen.append((threading.current_thread() is threading.main_thread(),
+                     torch.is_grad_enabled(), torch.cuda.current_device()))
+        return [1.0] * len(prompts)
+
+    engines = types.SimpleNamespace(reward_fn=records)
+    with torch.no_grad():
+        reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
+    reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
+    assert seen == [(False, False, 3), (False, True, 3)]
+
+
 def exact_match(prompts, responses, answer, *, weight=1.0):
     return [weight * float(r.strip() == a) for r, a in zip(responses, answer)]
 
@@ -351,6 +379,22 @@ def test_micro_batches_group_similar_lengths():
     assert sub.response_lens == [5, 1] and sub.mask.sum(1).tolist() == [5, 1]
     ids, am, keep = sub.model_inputs()
     assert keep == 5 and ids.shape == am.shape == (2, 6)
+
+
+def test_positions_count_what_the_micro_batch_forwards_compute():
+    """Rollout.positions (the padding/* metrics): the positions of the micro-batches'
+    model_inputs and their real tokens, from host lengths."""
+    prompts = [[2] * n for n in (3, 1, 5, 2, 4)]
+    responses = [[1] * n for n in (1, 6, 2, 5, 6)]
+    rollout = _padded_rollout(prompts, responses, P=7, T=9)
+    batches = rollout.micro_batches(2)
+    inputs = [rollout.slice(rows).model_inputs() for rows in batches]
+    assert rollout.positions(batches) == (sum(ids.numel() for ids, _, _ in inputs),
+                                          sum(int(am.sum()) for _, am, _ in inputs))
+    assert batches == [[4, 1], [2, 3], [0]]
+    assert rollout.positions(batches) == (2 * (4 + 6) + 2 * (5 + 5) + 1 * (3 + 1), 35)
+    assert rollout.positions([list(range(5))]) == (5 * (5 + 6), 35)  # one micro-batch
+    assert rollout.positions([[0]]) == (4, 4)  # a row alone computes no padding
 
 
 def test_reward_inputs_cut_each_row_like_encode_for_reward():

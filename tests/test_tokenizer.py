@@ -336,3 +336,30 @@ def test_reward_tokenizer_renders_chats_with_its_own_template(tiny, unigram_dir)
         # row 2, truncated: the assistant turn is left open, no EOS
         assert rows[2][-1] != reward.eos_token_id
         assert texts[2].endswith(("assistant\n a long", "<|end_header_id|>\n\n a long"))
+
+
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+             "supported') }}{% endif %}" + CHATML)
+
+
+def test_reward_template_that_rejects_a_chat_is_a_clear_error(tiny, unigram_dir):
+    """A reward tokenizer whose chat template refuses the row's messages (e.g. Gemma's: no
+    system role, though the policy's template took it) stops with one message naming
+    reward.tokenizer, the row and the template's words, not a traceback from jinja."""
+    from ds_ppo.containers import Rollout
+    from ds_ppo.data.reencode import encode_rollout_for_reward
+
+    chat = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "what a day"}]
+    ids = torch.tensor([tiny(tiny.apply_chat_template(chat, add_generation_prompt=True,
+                                                      tokenize=False),
+                             add_special_tokens=False)["input_ids"]])
+    rollout = Rollout(prompt_ids=ids, prompt_mask=torch.ones_like(ids, dtype=torch.bool),
+                      response_ids=ids[:, :2], mask=torch.ones(1, 2, dtype=torch.bool),
+                      ended=torch.tensor([True]), prompts=["p"], responses=[" good day"],
+                      prompt_lens=[ids.shape[1]], response_lens=[2], extras=[{}],
+                      messages=[chat])
+    reward = _chat_tokenizer(unigram_dir, ["<|im_start|>", "<|im_end|>"], "<|im_end|>",
+                             NO_SYSTEM)
+    with pytest.raises(UserError, match=r"reward.tokenizer's chat template cannot render row 0's "
+                       r"messages \(roles system, user, assistant\): .*System role not supported"):
+        encode_rollout_for_reward(reward, rollout, max_len=64)

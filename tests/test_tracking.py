@@ -25,6 +25,7 @@ from ds_ppo.tracking import (
     clean_key,
     flatten,
     open_tracker,
+    redact,
     resolve_uri,
 )
 
@@ -110,8 +111,9 @@ def test_keys_and_flattening():
 # ------------------------------------------------------------------------ real server
 @pytest.fixture(scope="module")
 def server_run(mlflow_server, tmp_path_factory):  # noqa: F811
-    """A run of 3 iterations with samples at 2, logged to the server and closed."""
-    uri = mlflow_server.ensure_running()
+    """A run of 3 iterations with samples at 2, logged to the server and closed; its URI
+    carries credentials (which the server ignores), as a user's may."""
+    uri = mlflow_server.ensure_running().replace("http://", "http://alice:SECRET@")
     cfg = make_cfg(tmp_path_factory.mktemp("server_run"), uri=uri,
                    experiment="ds_ppo_test", tags={"team": "rl"})
     tracker = open_tracker(cfg, is_main=True, run_id=None, tags=TAGS)
@@ -132,7 +134,8 @@ def test_server_run_params_tags_status(server_run, mlflow_uri):  # noqa: F811
     params = run.data.params
     assert params["ppo.kl_coef"] == "0.1"
     assert params["policy.arch.hidden_size"] == "64"
-    assert params["tracking.uri"] == cfg.tracking.uri
+    assert params["tracking.uri"] == cfg.tracking.uri.replace("alice:SECRET", "***")
+    assert not [k for k, v in params.items() if "SECRET" in v]
     assert set(params) == set(flatten(cfg.to_dict()))  # every config field, > 100: batched
     tags = run.data.tags
     assert {k: tags[k] for k in TAGS} == TAGS
@@ -157,6 +160,8 @@ def test_server_run_artifacts(server_run, mlflow_uri, tmp_path):  # noqa: F811
         "config.yaml", "deepspeed/policy.json", "deepspeed/value.json", "samples/iter_000002.json"}
     local = Path(client.download_artifacts(tracker.run_id, "", str(tmp_path)))
     assert "kl_coef: 0.1" in (local / "config.yaml").read_text()
+    assert "uri: http://***@127.0.0.1:" in (local / "config.yaml").read_text()
+    assert "SECRET" not in (local / "config.yaml").read_text()
     assert json.loads((local / "deepspeed" / "value.json").read_text()) == DS_CONFIGS["value"]
     table = json.loads((local / "samples" / "iter_000002.json").read_text())
     assert table["columns"] == ["prompt", "response", "score"]
@@ -169,7 +174,8 @@ def test_server_run_artifacts(server_run, mlflow_uri, tmp_path):  # noqa: F811
 def test_where_names_run_and_server(server_run):
     cfg, tracker, _ = server_run
     line = tracker.where()
-    assert tracker.run_id in line and cfg.tracking.uri in line
+    assert tracker.run_id in line and cfg.tracking.uri.replace("alice:SECRET", "***") in line
+    assert "SECRET" not in line
 
 
 def test_resume_continues_same_run_without_duplicates(mlflow_uri, tmp_path, caplog):  # noqa: F811
@@ -256,6 +262,21 @@ def test_unreachable_server_not_required_warns(tmp_path, caplog):
                                run_id=None, tags={})
     assert isinstance(tracker, NullTracker) and tracker.run_id is None
     assert uri in caplog.text and "training without MLflow" in caplog.text
+
+
+def test_credentials_of_a_tracking_uri_are_in_no_message(tmp_path, caplog):
+    port = free_port()
+    uri = f"https://alice:SECRET@127.0.0.1:{port}/mlflow?token=TOKEN&x=1"
+    with caplog.at_level(logging.DEBUG):
+        open_tracker(make_cfg(tmp_path, uri=uri, required=False), is_main=True, run_id=None,
+                     tags={})
+        with pytest.raises(TrackingError) as err:
+            open_tracker(make_cfg(tmp_path, uri=uri), is_main=True, run_id=None, tags={})
+    assert f"https://***@127.0.0.1:{port}/mlflow?token=***&x=***" in str(err.value)
+    for text in (caplog.text, str(err.value)):
+        assert "SECRET" not in text and "TOKEN" not in text
+    assert redact("see http://u:p@h/x?a=b&c=d and /api?k=v or a?b=c") == (
+        "see http://***@h/x?a=***&c=*** and /api?k=*** or a?b=c")
 
 
 # --------------------------------------------------------------------------- disabled

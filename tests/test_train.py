@@ -40,8 +40,10 @@ def test_default_experiment_raises_reward(default_run):
     for key in ("loss/policy", "loss/value", "kl/sequence_mean", "policy/entropy",
                 "policy/clip_frac", "policy/approx_kl", "value/explained_variance",
                 "response/length_mean", "response/eos_rate", "kl_coef", "lr/policy",
-                "time/generation_s", "tokens_per_s/generation"):
+                "time/generation_s", "tokens_per_s/generation",
+                "padding/scoring_positions_per_token", "padding/update_positions_per_token"):
         assert key in rows[-1] and math.isfinite(rows[-1][key]), key
+    assert rows[-1]["padding/update_positions_per_token"] >= 1.0
 
 
 @pytest.mark.slow
@@ -57,6 +59,8 @@ def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
     out, proc = default_run
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000040"
     assert (out / "final" / "model.safetensors").exists()
+    from ds_ppo.export import check_export_target
+    check_export_target(out / "final", overwrite=False)  # marked: `ds-ppo export` may replace it
     assert "mlflow ui --backend-store-uri" in proc.stdout + proc.stderr
     from mlflow.tracking import MlflowClient
 

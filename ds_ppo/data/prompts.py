@@ -154,12 +154,23 @@ def _records_table(source: str, records: list[dict | None], where: list[str],
                   row_keys=lambda i: list(records[i] or ()))
 
 
+# bytes that are not UTF-8, as `errors="surrogateescape"` keeps them (U+DC80..U+DCFF)
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+
+
+def _undecodable(text: str) -> str | None:
+    """Why a row's text is unreadable (None: it is UTF-8): the first byte that is not."""
+    m = _UNDECODABLE.search(text)
+    return None if m is None else (f"not UTF-8 text (byte 0x{ord(m.group()) - 0xDC00:02x} at "
+                                   f"column {m.start() + 1}; re-save the file as UTF-8)")
+
+
 def _read_text_file(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 stay in it (as lone surrogates) for the
+    line-by-line readers to report as bad rows with their line number."""
     try:
         # utf-8-sig: a byte-order mark, as spreadsheet programs write, is not part of the data
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"file {path}: not UTF-8 text ({e})") from None
+        text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
     except OSError as e:
         raise DataError(f"file {path}: cannot read it ({e.strerror or e})") from None
     if not text.strip():
@@ -177,6 +188,10 @@ def _read_jsonl(path: Path, text: str | None = None) -> _Table:
         if not line.strip():
             continue  # blank lines are not rows (many writers end with one)
         where.append(f"line {n}")
+        if _undecodable(line):
+            broken[len(records)] = _undecodable(line)
+            records.append(None)
+            continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -193,17 +208,17 @@ def _read_jsonl(path: Path, text: str | None = None) -> _Table:
 
 def _read_json(path: Path) -> _Table:
     text = _read_text_file(path)
+    bad = _UNDECODABLE.search(text)
+    if bad and not _looks_like_json_lines(text):  # one document: no row to skip
+        line = text.count("\n", 0, bad.start()) + 1
+        raise DataError(f"file {path} line {line}: "
+                        f"{_undecodable(text[text.rfind(chr(10), 0, bad.start()) + 1:])}")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         # Many ".json" files are JSON lines (datasets reads them so too): a first line that is
         # an object on its own says so, and the line-by-line reader then names the bad line.
-        first = text.lstrip().split("\n")[0]
-        try:
-            is_lines = isinstance(json.loads(first), dict)
-        except json.JSONDecodeError:
-            is_lines = False
-        if is_lines:
+        if _looks_like_json_lines(text):
             return _read_jsonl(path, text)
         raise DataError(f"file {path} line {e.lineno} column {e.colno}: malformed JSON: "
                         f"{e.msg}") from None
@@ -229,6 +244,15 @@ def _read_json(path: Path) -> _Table:
                           broken)
 
 
+def _looks_like_json_lines(text: str) -> bool:
+    """A first line that is a JSON object on its own (and a document that is not one)."""
+    first = text.lstrip().split("\n")[0]
+    try:
+        return isinstance(json.loads(first), dict) and first.strip() != text.strip()
+    except json.JSONDecodeError:
+        return False
+
+
 def _read_csv(path: Path) -> _Table:
     text = _read_text_file(path)
     reader = csv.reader(io.StringIO(text, newline=""))
@@ -248,7 +272,10 @@ def _read_csv(path: Path) -> _Table:
     records: list[dict | None] = []
     broken: dict[int, str] = {}
     for i, (_, row) in enumerate(rows):
-        if len(row) != len(header):
+        if _undecodable(",".join(row)):
+            broken[i] = _undecodable(",".join(row))
+            records.append(None)
+        elif len(row) != len(header):
             broken[i] = (f"has {len(row)} fields, the header has {len(header)} "
                          f"({', '.join(header)})")
             records.append(None)

@@ -182,6 +182,25 @@ def _ends_with_eos(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
     return bool(tokenizer.eos_token) and text.rstrip().endswith(tokenizer.eos_token)
 
 
+def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: list[dict], open_end: bool,
+                 row: int) -> str:
+    """`chat` in the reward tokenizer's template; a template that refuses it (e.g. one without
+    a system role, or that needs alternating roles) is a ConfigError naming the roles."""
+    from jinja2 import TemplateError
+
+    from ds_ppo.errors import ConfigError
+
+    try:
+        return tokenizer.apply_chat_template(chat, tokenize=False,
+                                             continue_final_message=open_end)
+    except (TemplateError, ValueError, TypeError) as e:
+        roles = ", ".join(str(m.get("role")) for m in chat)
+        raise ConfigError(f"reward.tokenizer's chat template cannot render row {row}'s messages "
+                          f"(roles {roles}): {type(e).__name__}: {e}; use a reward model whose "
+                          "template accepts the policy's chats (reward.model / reward.tokenizer), "
+                          "or prompts without such messages") from None
+
+
 def encode_rollout_for_reward(tokenizer: PreTrainedTokenizerBase, rollout: Rollout, max_len: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A rollout as input for a reward model with its own tokenizer, in the form it was trained
@@ -207,9 +226,8 @@ def encode_rollout_for_reward(tokenizer: PreTrainedTokenizerBase, rollout: Rollo
     for i, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
         chat = rollout.messages[i] if rollout.messages is not None else None
         if chat is not None and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                [*chat, {"role": "assistant", "content": response}], tokenize=False,
-                continue_final_message=not ended[i])
+            text = _render_chat(tokenizer, [*chat, {"role": "assistant", "content": response}],
+                                not ended[i], i)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             closed = _ends_with_eos(tokenizer, text)
         else:

@@ -217,16 +217,52 @@ def load_tokenizer(spec: str, cache_dir: str | os.PathLike) -> PreTrainedTokeniz
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    from ds_ppo.paths import is_hub_name, missing_local
+
     p = Path(path)
+    if missing_local(path):
+        raise ConfigError(f"cannot load tokenizer {path!r}: no such directory or file (from "
+                          f"{Path.cwd()}; a hub name reads as name or org/name)")
+    offline = _hub_offline()
     try:
         if p.is_file() and p.suffix == ".model":
             return _from_spm_file(p)
         if p.is_dir() and (p / "tokenizer.model").is_file() and not any(
                 (p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return _from_spm_file(p / "tokenizer.model")
+        if is_hub_name(path) and not offline:
+            unreachable = _hub_unreachable()
+            if unreachable:  # the cached copy, if any, rather than a minute of retries
+                try:
+                    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+                except (OSError, ValueError) as e:
+                    raise ConfigError(
+                        f"tokenizer {path!r} is a hub name, but {unreachable} (offline?) and "
+                        f"it is not in the local cache ({type(e).__name__}); give a local "
+                        "tokenizer directory, or load it once while online") from None
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"cannot load tokenizer {path!r}: {e}") from None
+        note = " (HF_HUB_OFFLINE is set: only the local cache is used)" if offline else ""
+        raise ConfigError(f"cannot load tokenizer {path!r}{note}: {e}") from None
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE, as huggingface_hub reads it."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub (HF_ENDPOINT) does not answer within `timeout_s`; None when it
+    does (any HTTP answer). Through huggingface_hub's own session, so proxies apply."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    try:
+        get_session().head(endpoint, timeout=timeout_s)
+    except Exception as e:  # connection refused, DNS, timeout, TLS: all mean "cannot reach"
+        return f"the hub at {endpoint} does not answer ({type(e).__name__}: {e})"
+    return None
 
 
 def _from_spm_file(model_file: Path) -> PreTrainedTokenizerBase:

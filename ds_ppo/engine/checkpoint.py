@@ -277,6 +277,9 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+rng_state, set_rng_state = _rng_state, _set_rng_state  # this rank's streams, as a save holds them
+
+
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
                     keep_last: int, save_hf_weights: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory.
@@ -505,6 +508,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
             loaded, _ = engine.load_checkpoint(str(path / role), tag=tag,
                                                load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
+        except (torch.OutOfMemoryError, torch.distributed.DistError):
+            raise  # RuntimeErrors that say nothing about the files: not "unusable"
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError,
                 zipfile.BadZipFile) as e:
             raise unusable(path, path / role / tag,

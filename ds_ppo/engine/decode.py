@@ -12,6 +12,8 @@ bound. This loop instead:
   positions, a key mask that grows by one column, the step counter, the ended flags, the output),
   so the step has no host synchronisation and no value-dependent shape. On CUDA the step is
   captured once as a CUDA graph after two eager warm-up steps and replayed (one launch per token);
+  on a tensor-parallel replica the graph holds the step's NCCL all-reduces, and the ranks of the
+  group capture together and agree on the outcome (one failing rank sends all of them eager);
 - with the sdpa kernel, attends through `grouped_sdpa_attention`: one query token per sequence
   lets grouped-query heads share their K/V without HF's per-head copy of the cache;
 - processes logits and samples on the device (`ds_ppo.algo.sampling`, HF's processors in HF's
@@ -31,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
 
 from ds_ppo.algo.masks import decode_attention_mask, response_mask
 from ds_ppo.algo.sampling import block_tokens, next_tokens
@@ -136,13 +139,16 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            max_new_tokens: int, eos_ids: list[int], pad_id: int, min_new_tokens: int = 0,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-           stop_check_every: int = 16, trim: bool = True) -> tuple[torch.Tensor, DecodeStats]:
+           stop_check_every: int = 16, trim: bool = True, group=None
+           ) -> tuple[torch.Tensor, DecodeStats]:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (B, P).
 
     Returns (B, W) long response ids, W = the longest response (EOS included) <= max_new_tokens,
     pad after each row's first EOS (as HF generate), and the call's DecodeStats. `suppress_ids`
     are never generated; EOS is blocked before `min_new_tokens` tokens. temperature 0 = greedy.
     trim=False returns all the steps run, without the final host sync that finds W.
+    `group`: the tensor-parallel process group whose ranks decode these prompts together (the
+    step holds its all-reduces): they capture the step together and fall back together.
     """
     from transformers import StaticCache
 
@@ -195,7 +201,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         choose(prefill.logits[:, -1])
         del prefill
         stats = _run_steps(decode_step, done, T, min_new_tokens, device,
-                           cuda_graph=cuda_graph, stop_check_every=stop_check_every)
+                           cuda_graph=cuda_graph, stop_check_every=stop_check_every,
+                           group=group)
     if not trim:
         return out[:, :stats.steps], stats
     # as HF generate: as wide as the longest response (the loop may run up to
@@ -205,10 +212,13 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
 
 
 def _run_steps(decode_step, done: torch.Tensor, T: int, min_new_tokens: int,
-               device: torch.device, cuda_graph: bool, stop_check_every: int) -> DecodeStats:
+               device: torch.device, cuda_graph: bool, stop_check_every: int,
+               group=None) -> DecodeStats:
     """Run decoding steps until T tokens (the prefill chose the first) or until every row has
     ended (looked at every stop_check_every steps). With CUDA graphs: WARMUP_STEPS eager steps
-    on a side stream, one capture, then replays."""
+    on a side stream, one capture, then replays. The ranks of a tensor-parallel `group` run
+    the same schedule: same T, same `done` (they sample the same tokens), and an agreed
+    capture outcome, so no rank replays a graph while another runs eagerly."""
     stats = DecodeStats(steps=1, graph=False, graph_error=_CAPTURE_FAILED)
     use_graph = (cuda_graph and _graphs_available(device) and T - 1 > WARMUP_STEPS
                  and _CAPTURE_FAILED is None)
@@ -217,7 +227,7 @@ def _run_steps(decode_step, done: torch.Tensor, T: int, min_new_tokens: int,
         if graph is not None:
             graph.replay()
         elif use_graph and stats.steps == 1 + WARMUP_STEPS:
-            graph, stats.graph_error = _capture(decode_step, device)
+            graph, stats.graph_error = _capture_agreed(decode_step, device, group)
             stats.graph = graph is not None
             use_graph = graph is not None
             (graph.replay if graph is not None else decode_step)()
@@ -248,11 +258,38 @@ def _on_side_stream(fn, device: torch.device) -> None:
 _CAPTURE_FAILED: str | None = None  # set by the first failed capture: later calls do not retry
 
 
-def _capture(fn, device: torch.device):
-    """Record one call of `fn` as a CUDA graph (nothing runs while recording). Returns
-    (graph, None), or (None, the error) when the step cannot be captured; then this process
-    decodes eagerly from here on (one warning, no retry per rollout)."""
+def _capture_agreed(fn, device: torch.device, group=None):
+    """`_capture`, with the outcome agreed over a tensor-parallel `group` (None: this rank
+    alone): (graph, None) when every rank captured, else (None, the reason) on every rank, and
+    then this process decodes eagerly from here on (one warning, no retry per rollout)."""
     global _CAPTURE_FAILED
+    graph, error = _capture(fn, device)
+    if not _all_agree(graph is not None, device, group):
+        graph = None  # another rank failed: replaying here would wait on its all-reduces
+        error = error or "another rank of the tensor-parallel group could not capture its step"
+    if graph is None:
+        _CAPTURE_FAILED = error
+        log.warning("generation: capturing the decoding step as a CUDA graph failed (%s); "
+                    "decoding eagerly from now on (generation.cuda_graph=false silences this)",
+                    error)
+    return graph, error
+
+
+def _all_agree(ok: bool, device: torch.device, group) -> bool:
+    """True when `ok` holds on every rank of `group` (one all-reduce; no group: `ok`)."""
+    if group is None:
+        return ok
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    tdist.all_reduce(failed, op=tdist.ReduceOp.MAX, group=group)
+    return not bool(failed.item())
+
+
+def _capture(fn, device: torch.device):
+    """Record one call of `fn` as a CUDA graph (nothing runs while recording). An all-reduce in
+    `fn` is recorded too: torch's NCCL process group issues it on its own stream, which waits
+    on an event of the capture stream and is waited on by it, so it joins the capture (the
+    warm-up steps have already created the communicator). Returns (graph, None), or (None, the
+    error) when the step cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -261,9 +298,5 @@ def _capture(fn, device: torch.device):
         torch.cuda.synchronize(device)
         if isinstance(exc, torch.OutOfMemoryError):
             raise  # not the step's fault: the caller retries with fewer prompts, graphs stay on
-        _CAPTURE_FAILED = f"{type(exc).__name__}: {exc}"
-        log.warning("generation: capturing the decoding step as a CUDA graph failed (%s); "
-                    "decoding eagerly from now on (generation.cuda_graph=false silences this)",
-                    _CAPTURE_FAILED)
-        return None, _CAPTURE_FAILED
+        return None, f"{type(exc).__name__}: {exc}"
     return graph, None

@@ -64,6 +64,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     acc = get_accelerator()
+    from ds_ppo.engine.extensions import check_build_locks, skip_cpu_shm_comm
+
+    skip_cpu_shm_comm(acc.device_name())  # nothing to JIT-build on a CPU machine
+    check_build_locks()  # a killed build's lock: a message, not a silent wait forever
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)

@@ -224,8 +224,9 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
     return run
 
 
-def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int):
-    """A `(ids, mask) -> (response ids, DecodeStats)` function running our loop (loop=own)."""
+def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None):
+    """A `(ids, mask) -> (response ids, DecodeStats)` function running our loop (loop=own);
+    `group`: the tensor-parallel group decoding together (None: a whole replica)."""
     suppress = [] if pad_id in eos_ids else [pad_id]  # a sampled pad would read as padding
 
     def run(ids: torch.Tensor, am: torch.Tensor):
@@ -233,7 +234,7 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int):
                       pad_id=pad_id, min_new_tokens=cfg.min_new_tokens,
                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                       suppress_ids=suppress, cuda_graph=cfg.cuda_graph,
-                      stop_check_every=cfg.stop_check_every)
+                      stop_check_every=cfg.stop_check_every, group=group)
     return run
 
 
@@ -302,9 +303,9 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     rows, rows_mask, offset = prompt_ids, prompt_mask, 0
     if mode in REPLICA_MODES:
         model = build_replica(module, dtype, device, into=kept_replica, tp=tp)
-        if tp is not None and tp.size > 1:  # collectives are not captured in CUDA graphs
-            cfg = cfg.model_copy(update={"cuda_graph": False})
-        run = (_own_decode(model, cfg, eos_ids, pad_id) if loop == "own" else
+        # tensor_parallel: the group's ranks capture their steps (all-reduces inside) together
+        group = tp.group if tp is not None else None
+        run = (_own_decode(model, cfg, eos_ids, pad_id, group) if loop == "own" else
                _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
         if tp is not None:  # the group decodes all its ranks' prompts together
             rows, rows_mask, offset = gather_group_prompts(prompt_ids, prompt_mask, pad_id, tp)

@@ -1,0 +1,47 @@
+"""Local paths versus hub names in the config, and the dry run's check that local paths exist.
+
+A model, tokenizer or dataset spec is a hub name when it is not on disk and reads as one: `name`
+or `org/name` (letters, digits, `-`, `_`, `.`), not ending in a file ending (`.jsonl`, `.model`,
+...). Everything else (`/abs`, `./rel`, `~/x`, `a/b/c`, `dir/`, `prompts.jsonl`) is a local path,
+and one that does not exist is an error before anything loads.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ds_ppo.config import Config
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# file endings that make a spec a file, never a hub name
+FILE_ENDINGS = (".json", ".jsonl", ".ndjson", ".csv", ".parquet", ".pq", ".model", ".yaml",
+                ".yml", ".txt", ".bin", ".safetensors")
+
+
+def is_hub_name(spec: str) -> bool:
+    """True when `spec` names a hub repository (and no local file or directory)."""
+    return (not Path(spec).expanduser().exists() and _HUB_NAME.fullmatch(spec) is not None
+            and ".." not in spec and not spec.lower().endswith(FILE_ENDINGS))
+
+
+def missing_local(spec: str | None) -> bool:
+    """A spec that is a local path (not a hub name, not `builtin:...`) that does not exist."""
+    if spec is None or spec.startswith("builtin:"):
+        return False
+    return not Path(spec).expanduser().exists() and not is_hub_name(spec)
+
+
+def missing_paths(cfg: Config) -> list[str]:
+    """One problem per config key whose local path does not exist (hub names are not checked:
+    reaching the hub is the real start's business)."""
+    keys = {"data.path": cfg.data.path, "policy.path": cfg.policy.path,
+            "policy.tokenizer": cfg.policy.tokenizer, "value.path": cfg.value.path,
+            "value.tokenizer": cfg.value.tokenizer, "reference.path": cfg.reference.path,
+            "reward.model": cfg.reward.model, "reward.tokenizer": cfg.reward.tokenizer}
+    split = cfg.data.eval_split
+    if split and split.lower().endswith(FILE_ENDINGS):  # an evaluation file, not a split name
+        keys["data.eval_split"] = split
+    return [f"{key} = {spec!r}: no such file or directory (from {Path.cwd()}; a hub name reads "
+            "as name or org/name)" for key, spec in keys.items() if missing_local(spec)]
