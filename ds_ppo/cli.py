@@ -100,6 +100,10 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if any(a == "--peer" or a.startswith("--peer=") for a in args.bench_args):
+        from ds_ppo.bench_peer import main as peer_main  # ds_ppo beside TRL (bench_peer.py)
+
+        return peer_main(args.bench_args)
     from ds_ppo.bench import main as bench_main
 
     return bench_main(args.bench_args)
@@ -159,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_tokenizer_train)
 
     p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases "
-                       "(ds-ppo bench --help for its flags)", add_help=False)
+                       "(ds-ppo bench --help for its flags); --peer trl: ds_ppo beside TRL "
+                       "(ds-ppo bench --peer trl --help)", add_help=False)
     p.set_defaults(func=_bench)
     return parser
 

@@ -380,9 +380,24 @@ class RoleDeepSpeed(Section):
     config: str | None = Field(
         None, description="Path to the role's DeepSpeed JSON template (default: the one in "
         "ds_configs/ for its zero_stage/offload); batch-size keys are filled in by ds_ppo.")
-    zero_stage: Literal[0, 1, 2, 3] = Field(3, description="ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
+        3, description="ZeRO stage. auto: 3 on several ranks, with an offload, or when a universal "
+        "checkpoint (another world size) is loaded; else 0 (one rank: ZeRO-3's partitioning hooks "
+        "only cost time, docs/PERFORMANCE.md). The choice is logged. A stage-0 checkpoint resumes "
+        "on the same world size only.")
     offload_optimizer: bool = Field(False, description="Optimizer states on CPU (trained roles).")
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
+
+    def stage(self, world_size: int, load_universal: bool = False) -> int:
+        """The ZeRO stage; `auto`: 3 where it partitions something (several ranks), where an
+        offload needs it, or where a universal checkpoint is loaded (DeepSpeed converts ZeRO 1-3
+        checkpoints only); else 0: on one rank ZeRO-3's gather/release hooks and partitioned
+        optimizer only cost time (docs/PERFORMANCE.md)."""
+        if self.zero_stage != "auto":
+            return self.zero_stage
+        if world_size > 1 or self.offload_param or self.offload_optimizer or load_universal:
+            return 3
+        return 0
 
 
 class ReferenceDeepSpeed(RoleDeepSpeed):
@@ -692,7 +707,7 @@ def validate(cfg: Config, world_size: int) -> None:
                         "set generation.loop=auto (HF generate for this kernel)")
     for role in ("policy", "value", "reference", "reward"):
         d = getattr(cfg.deepspeed, role)
-        if d.offload_param and d.zero_stage != 3:
+        if d.offload_param and d.zero_stage not in (3, "auto"):
             problems.append(f"deepspeed.{role}.offload_param = True needs "
                             f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
                             f"deepspeed.{role}.offload_param=false")

@@ -196,7 +196,12 @@ def _from_zero_shards(ckpt: Path, role: str):
 
     from ds_ppo.engine.checkpoint import TAG
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
+    ds_dir = ckpt / role / TAG
+    if any(ds_dir.glob("zero_pp_rank_*")):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
+    else:  # saved without ZeRO (zero_stage auto/0 on one rank): the whole module in one file
+        state = torch.load(ds_dir / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
     config = AutoConfig.from_pretrained(ckpt / ("hf" if role == "policy" else "hf_value"))
     with torch.device("meta"):
         model = _model_class(role).from_config(config)

@@ -436,6 +436,7 @@ def _lora_states(shape: ModelShape, adapters: int, cluster: Cluster, d) -> Model
 
 def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
     d = getattr(cfg.deepspeed, role)
+    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})  # resolve auto
     trained = role in TRAINED_ROLES
     lora = getattr(cfg, role).lora if trained else None
     if shape is None:
@@ -601,7 +602,7 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
         rp, d = plan.roles[role], getattr(cfg.deepspeed, role)
         if rp.shape is None:
             continue
-        if d.zero_stage < 3:
+        if rp.zero_stage < 3:
             levers.append(Lever(f"ZeRO-3 for the {role}", (f"deepspeed.{role}.zero_stage=3",)))
         elif rp.trained and not d.offload_optimizer:
             levers.append(Lever(f"offload the {role}'s optimizer to CPU",

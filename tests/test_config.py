@@ -171,7 +171,7 @@ def test_unknown_keys_in_the_yaml_file_are_all_named(tmp_path):
     ("iterations=0", "iterations", "0", "greater than 0"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last", "0", "greater than 0"),
     ("ppo.micro_batch_size=-2", "ppo.micro_batch_size", "-2", "greater than 0"),
-    ("deepspeed.policy.zero_stage=4", "deepspeed.policy.zero_stage", "4", "0, 1, 2 or 3"),
+    ("deepspeed.policy.zero_stage=4", "deepspeed.policy.zero_stage", "4", "0, 1, 2, 3 or 'auto'"),
     ("generation.mode=fast", "generation.mode", "'fast'", "'auto', 'gathered', 'tensor_parallel' or 'zero3'"),
     ("ppo.kl_coef=abc", "ppo.kl_coef", "'abc'", "valid number"),
 ])
@@ -225,7 +225,7 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
     (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
      "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),
-    (["deepspeed.reference.zero_stage=1"], 1,
+    (["deepspeed.reference.zero_stage=1", "deepspeed.reference.offload_param=true"], 1,
      "deepspeed.reference.offload_param", "deepspeed.reference.zero_stage = 3 (got 1)"),
     (["deepspeed.policy.config=/no/such/zero3.json"], 1, "deepspeed.policy.config",
      "'/no/such/zero3.json': file does not exist"),

@@ -73,7 +73,9 @@ print(json.dumps({"head_from_reward": same, "backbone_from_reward": emb,
 def test_value_model_starts_from_reward_model(tmp_path):
     rm = tmp_path / "rm"
     _make_reward_model(rm, "builtin:tiny", tmp_path)
-    args = SMALL + [f"reward.model={rm}", f"output_dir={tmp_path / 'out'}"]
+    args = SMALL + [f"reward.model={rm}", f"output_dir={tmp_path / 'out'}",
+                    # the ZeRO-3 fetch trace is the point (the tiny preset's auto is 0 on one rank)
+                    "deepspeed.reward.zero_stage=3", "deepspeed.value.zero_stage=3"]
     proc = subprocess.run([sys.executable, "-c", CHECK, *args], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -455,6 +455,14 @@ def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
     world size. Collective; the other ranks wait without a collective timeout (dist.main_does)."""
+    for role in ("policy", "value"):  # every rank checks, so none waits at the barrier alone
+        if not any((path / role / TAG).glob("zero_pp_rank_*")):
+            raise ConfigError(
+                f"{path / role} was saved without ZeRO (stage 0: zero_stage auto or 0 on one "
+                f"rank), which DeepSpeed cannot convert for another world size: resume it on "
+                f"world size {read_state(path).world_size}, or train with "
+                f"deepspeed.policy.zero_stage=3 deepspeed.value.zero_stage=3 from the start")
+
     def convert():
         for role in ("policy", "value"):
             target = path / role / UNIVERSAL_TAG

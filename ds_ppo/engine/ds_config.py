@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +13,7 @@ import torch
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.errors import ConfigError
 
+log = logging.getLogger("ds_ppo")
 Role = Literal["policy", "value", "reference", "reward"]
 TRAINED: tuple[Role, ...] = ("policy", "value")
 
@@ -39,20 +41,22 @@ def _resolve_auto(zero: dict[str, Any], hidden_size: int) -> None:
         del zero[key]  # DeepSpeed's own default
 
 
-def template_path(cfg: Config, role: Role) -> Path:
+def template_path(cfg: Config, role: Role, world_size: int = 1, load_universal: bool = False
+                  ) -> Path:
     from ds_ppo.ds_templates import default_template
 
     d = getattr(cfg.deepspeed, role)
     if d.config is not None:
         return Path(d.config)
-    return default_template(role, d.zero_stage, d.offload_optimizer, d.offload_param)
+    return default_template(role, d.stage(world_size, load_universal), d.offload_optimizer,
+                            d.offload_param)
 
 
 def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype,
                     hidden_size: int, load_universal: bool = False) -> dict[str, Any]:
     """The filled DeepSpeed config dict for `role` (train roles get optimizer-step batch sizes,
     inference roles the scoring micro-batch)."""
-    path = template_path(cfg, role)
+    path = template_path(cfg, role, world_size, load_universal)
     try:
         ds = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -73,7 +77,11 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     ds["fp16"] = {"enabled": dtype == torch.float16}
     zero = ds.setdefault("zero_optimization", {})
     # a frozen role under ZeRO 1/2 has nothing to partition: it runs as a plain replica (stage 0)
-    zero["stage"] = d.zero_stage if role in TRAINED or d.zero_stage == 3 else 0
+    stage = d.stage(world_size, load_universal)
+    if d.zero_stage == "auto":
+        log.info("deepspeed.%s.zero_stage auto -> %d (world size %d%s)", role, stage, world_size,
+                 ", universal checkpoint" if load_universal else "")
+    zero["stage"] = stage if role in TRAINED or stage == 3 else 0
     if d.offload_optimizer and role in TRAINED:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     elif "offload_optimizer" in zero and not d.offload_optimizer and d.config is None:

@@ -1,0 +1,172 @@
+"""The peer side of `ds-ppo bench --peer trl`: Hugging Face TRL's GRPOTrainer on the starting
+point `ds_ppo.bench_peer` prepared (run in its own process, never imported by ds_ppo's trainer).
+
+    python -m ds_ppo.peer_trl --shared DIR --out FILE.jsonl [--steps N] [--schedule ppo|brief]
+
+DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`),
+`prompts.jsonl` (ds_ppo's prompts in ds_ppo's sampling order) and `meta.json` (the ds_ppo config
+numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes). The
+reward is ds_ppo's own `reward.function`, called on the decoded completions.
+
+One step = one rollout of `rollout_batch_size` prompts x `--num-generations` completions, then
+  --schedule ppo (default): ds_ppo's update shape, `ppo_epochs` passes x (rollout / mini_batch)
+      optimizer steps of `mini_batch_size` prompts' completions;
+  --schedule brief: one optimizer step on the whole rollout (TRL's plain on-policy GRPO).
+Each step is timed per phase: generation (`_generate`), scoring (the rest of
+`_generate_and_score_completions`: rewards, reference and old log-probs) and update (the rest of
+the step). One JSON row per step, then a summary row, go to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+class _PhaseClock:
+    """Wraps a trainer's bound methods and adds up the seconds spent inside them."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+
+    def wrap(self, obj, method: str, name: str) -> None:
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, method, timed)
+
+
+def _optimizer(model, meta: dict):
+    """ds_ppo's policy optimizer (engine/roles.py): AdamW without weight decay, lr x (step+1)/warmup
+    for the first warm-up steps, then constant (the tiny default's schedule)."""
+    import torch
+
+    warm = max(1, meta["warmup_steps"])
+    opt = torch.optim.AdamW(model.parameters(), lr=meta["lr"], betas=tuple(meta["betas"]),
+                            eps=meta["eps"], weight_decay=meta["weight_decay"], foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else 1.0)
+    return opt, sched
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ds_ppo.peer_trl", description=__doc__.split("\n")[0])
+    ap.add_argument("--shared", required=True, help="the directory ds_ppo.bench_peer prepared")
+    ap.add_argument("--out", required=True, help="JSONL: one row per step, then a summary row")
+    ap.add_argument("--steps", type=int, default=None, help="rollouts (default: meta iterations)")
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per forward/backward (default: ds_ppo's micro x generations)")
+    ap.add_argument("--schedule", choices=("ppo", "brief"), default="ppo")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ds_ppo.rewards import load_reward_function
+
+    shared = Path(args.shared)
+    meta = json.loads((shared / "meta.json").read_text())
+    steps = args.steps or meta["iterations"]
+    g = args.num_generations
+    prompts_per_step = meta["rollout_batch_size"]
+    seqs = prompts_per_step * g
+    tok = AutoTokenizer.from_pretrained(shared / "policy")
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(shared / "policy", dtype=torch.float32)
+    rows = [json.loads(line) for line in (shared / "prompts.jsonl").read_text().splitlines()]
+    bad = [r for r in rows[:64] if tok(r["prompt"])["input_ids"] != r["prompt_ids"]]
+    if bad:  # TRL tokenises the text itself: it must see the ids ds_ppo sees
+        sys.exit(f"peer_trl: tokenizer differs from ds_ppo's on {len(bad)} prompts, e.g. {bad[0]}")
+    need = steps * prompts_per_step
+    if len(rows) < need:
+        sys.exit(f"peer_trl: {shared}/prompts.jsonl has {len(rows)} rows, {need} needed")
+    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows[:need]]})
+
+    if args.schedule == "brief":
+        per_opt, num_iterations, opt_per_step = seqs, 1, 1
+    else:
+        per_opt = meta["mini_batch_size"] * g
+        num_iterations = meta["ppo_epochs"]
+        opt_per_step = num_iterations * (seqs // per_opt)
+    micro = args.micro_batch or min(per_opt, meta["micro_batch_size"] * g)
+    if per_opt % micro:
+        sys.exit(f"peer_trl: --micro-batch {micro} must divide {per_opt}")
+
+    score_fn = load_reward_function(meta["reward"])
+    reward_log: list[float] = []
+
+    def reward(prompts, completions, **kwargs):
+        scores = [float(s) for s in score_fn(list(prompts), list(completions))]
+        reward_log.append(statistics.fmean(scores))
+        return scores
+
+    reward.__name__ = "ds_ppo_reward"
+    config = GRPOConfig(
+        output_dir=str(Path(args.out).with_suffix("")) + "_trl",
+        max_steps=steps * opt_per_step, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_opt // micro, generation_batch_size=seqs,
+        num_generations=g, num_iterations=num_iterations,
+        max_completion_length=meta["max_new_tokens"], temperature=meta["temperature"],
+        top_p=meta["top_p"], top_k=meta["top_k"] or 0,
+        generation_kwargs={"suppress_tokens": [meta["pad_token_id"]]},  # as ds_ppo samples
+        learning_rate=meta["lr"], max_grad_norm=meta["grad_clip"], beta=meta["kl_coef"],
+        shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
+        seed=meta["seed"], dataloader_num_workers=0)
+
+    clock, marks, out_rows = _PhaseClock(), [], []
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            marks.append((time.perf_counter(), dict(clock.total)))
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step % opt_per_step:
+                return  # the rollout's updates are not all done yet
+            now, totals = time.perf_counter(), dict(clock.total)
+            t0, before = marks[-1]
+            marks.append((now, totals))
+            gen = totals.get("gen", 0.0) - before.get("gen", 0.0)
+            both = totals.get("gen_score", 0.0) - before.get("gen_score", 0.0)
+            secs = now - t0
+            out_rows.append({"step": len(out_rows) + 1, "score": reward_log[-1],
+                             "seconds": secs, "generation_s": gen, "scoring_s": both - gen,
+                             "update_s": secs - both, "sequences": seqs,
+                             "optimizer_steps": opt_per_step})
+
+    opt, sched = _optimizer(model, meta)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[StepTimer()], optimizers=(opt, sched))
+    clock.wrap(trainer, "_generate", "gen")
+    clock.wrap(trainer, "_generate_and_score_completions", "gen_score")
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    with open(args.out, "w") as f:
+        for r in out_rows:
+            f.write(json.dumps(r) + "\n")
+        f.write(json.dumps({"summary": True, "train_s": total, "schedule": args.schedule,
+                            "num_generations": g, "micro_batch": micro,
+                            "optimizer_steps_per_step": opt_per_step, "trl": trl.__version__,
+                            "transformers": transformers.__version__,
+                            "torch": torch.__version__, "threads": torch.get_num_threads()})
+                + "\n")
+    print(f"peer_trl: {len(out_rows)} steps in {total:.1f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

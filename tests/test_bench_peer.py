@@ -1,0 +1,63 @@
+"""`ds-ppo bench --peer trl` at a very small size: TRL's GRPOTrainer and ds_ppo from the same
+prepared starting point, one table with per-phase seconds, sequences/s, scores and ratios. Needs
+trl (the `[peer]` extra, installed by .ci/run); no absolute times are asserted. Plus the table's
+arithmetic on made-up numbers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env
+from ds_ppo.bench_peer import PHASES, _summary, table
+
+try:
+    import trl  # noqa: F401
+    HAVE_TRL = True
+except ImportError:
+    HAVE_TRL = False
+
+
+def test_summary_and_ratios():
+    steps = [{"score": 0.1 * i, "seconds": 10.0 if i == 0 else 2.0, "sequences": 8,
+              "generation_s": 0.5, "scoring_s": 0.5, "update_s": 1.0} for i in range(7)]
+    trl_row = _summary("TRL x", steps, "seconds", 30.0, 4)
+    assert trl_row["s_per_iter"] == 2.0  # the first (warm-up) iteration is left out
+    assert trl_row["seq_per_s"] == 4.0
+    assert trl_row["score_first5"] == pytest.approx(0.2)
+    assert trl_row["score_last5"] == pytest.approx(0.4)
+    ours = dict(trl_row, label="ds_ppo y", s_per_iter=3.0, seq_per_s=2.0)
+    lines = table([trl_row, ours]).splitlines()
+    assert lines[2].split("|")[10:12] == [" 1.00x ", " 1.00x "]
+    assert lines[3].split("|")[10:12] == [" 1.50x ", " 0.50x "]
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason='trl is not installed: pip install -e ".[peer]" '
+                    "(the CI install line includes it)")
+def test_peer_bench_tiny(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "ds_ppo", "bench", "--peer", "trl", "--runs", "trl,ppo",
+           "--iterations", "2", "--out-dir", str(out), "--json", str(tmp_path / "r.json"),
+           "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
+           "generation.max_new_tokens=6"]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    trl_row, ours = results
+    assert trl_row["label"].startswith("TRL") and ours["label"].startswith("ds_ppo PPO")
+    assert trl_row["sequences"] == 4 * 4 and ours["sequences"] == 4  # G=4 vs one per prompt
+    for r in results:
+        assert r["iterations"] == 2 and r["optimizer_steps"] == 2  # 2 epochs x 1 mini-batch
+        assert all(r[p] >= 0 for p in PHASES) and r["s_per_iter"] > 0
+        assert r["s_per_iter"] >= r["generation_s"] + r["scoring_s"] - 1e-9
+        assert 0.0 <= r["score_first5"] <= 1.0 and 0.0 <= r["score_last5"] <= 1.0
+    # the table printed both rows with their ratios to TRL
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3 and "s/iter vs TRL" in rows[0]
+    ratio = ours["s_per_iter"] / trl_row["s_per_iter"]
+    assert f"{ratio:.2f}x" in rows[2]
+    # both sides started from the prepared weights (ds_ppo checks its own copy byte for byte)
+    meta = json.loads((out / "shared" / "meta.json").read_text())
+    assert meta["policy_sha256"] and meta["reward"] == "ds_ppo.rewards:positive_words"

@@ -1,0 +1,53 @@
+"""`deepspeed.<role>.zero_stage: auto`: ZeRO-3 where it partitions something, stage 0 on one rank
+(where ZeRO-3's hooks only cost time), 3 whenever a universal checkpoint is loaded; and a clear
+error, not DeepSpeed's, for a stage-0 checkpoint resumed on another world size."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_ppo.config import load_config
+from ds_ppo.engine.checkpoint import TAG, ensure_universal
+from ds_ppo.engine.ds_config import build_ds_config, template_path
+from ds_ppo.errors import ConfigError
+
+
+def _cfg(*extra):
+    return load_config(None, ["deepspeed.policy.zero_stage=auto", "deepspeed.value.zero_stage=3",
+                              "deepspeed.reference.zero_stage=auto",
+                              "deepspeed.reference.offload_param=true", *extra])
+
+
+def test_auto_stage_by_world_size_offload_and_universal():
+    cfg = _cfg()
+    d = cfg.deepspeed.policy
+    assert d.stage(1) == 0 and d.stage(2) == 3 and d.stage(1, load_universal=True) == 3
+    assert cfg.deepspeed.reference.stage(1) == 3  # offload_param needs ZeRO-3
+    assert _cfg("deepspeed.reference.offload_param=false").deepspeed.reference.stage(1) == 0
+    assert _cfg("deepspeed.policy.offload_optimizer=true").deepspeed.policy.stage(1) == 3
+    assert cfg.deepspeed.value.stage(1) == 3  # an explicit stage stays as it is
+    tiny = load_config(None).deepspeed  # the tiny preset: auto everywhere, nothing offloaded
+    assert [getattr(tiny, r).stage(1) for r in ("policy", "value", "reference", "reward")] \
+        == [0, 0, 0, 0]
+
+
+def test_auto_stage_reaches_the_deepspeed_config():
+    cfg = _cfg()
+    one = build_ds_config(cfg, "policy", 1, torch.float32, 64)
+    two = build_ds_config(cfg, "policy", 2, torch.float32, 64)
+    uni = build_ds_config(cfg, "policy", 1, torch.float32, 64, load_universal=True)
+    assert one["zero_optimization"]["stage"] == 0 and template_path(cfg, "policy").name == \
+        "zero0_train.json"
+    assert two["zero_optimization"]["stage"] == 3 and uni["zero_optimization"]["stage"] == 3
+
+
+def test_stage0_checkpoint_on_another_world_size_is_a_config_error(tmp_path):
+    ckpt = tmp_path / "iter_000002"
+    for role in ("policy", "value"):
+        (ckpt / role / TAG).mkdir(parents=True)
+        (ckpt / role / TAG / "mp_rank_00_model_states.pt").write_bytes(b"")  # stage 0's only file
+    (ckpt / "trainer_state.json").write_text(json.dumps({"iteration": 2, "world_size": 1}))
+    with pytest.raises(ConfigError, match="resume it on world size 1"):
+        ensure_universal(ckpt)
