@@ -39,7 +39,7 @@ class _Engine:
     def __init__(self, numel: int = 16):
         self.numel, self.module = numel, SimpleNamespace(config=_Saver())
 
-    def save_checkpoint(self, path, tag, save_latest):
+    def save_checkpoint(self, path, tag, save_latest, **_):
         (Path(path) / tag).mkdir(parents=True)
         torch.save({"w": torch.zeros(self.numel)}, Path(path) / tag / "mp_rank_00_model_states.pt")
 

@@ -138,7 +138,8 @@ def test_auto_mode_chooses_by_memory():
     g = _cfg("generation.mode=auto").generation
     assert choose_mode(g, model, torch.bfloat16, torch.device("cpu")) == "gathered"
     huge = types.SimpleNamespace(ds_numel=10**15, numel=lambda: 0)  # a ZeRO-3 partitioned param
-    big = types.SimpleNamespace(named_parameters=lambda: iter([("w", huge)]))
+    big = types.SimpleNamespace(named_parameters=lambda: iter([("w", huge)]),
+                                named_modules=lambda: iter([]))
     assert choose_mode(g, big, torch.bfloat16, torch.device("cpu")) == "zero3"
     assert choose_mode(_cfg("generation.mode=zero3").generation, model, torch.bfloat16,
                        torch.device("cpu")) == "zero3"
@@ -509,8 +510,8 @@ def test_param_chunks_bound_each_gather():
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 30),
                                 torch.nn.Linear(30, 2))  # 110, 330, 62 elements
     chunks = list(_param_chunks(model, limit=150))
-    sizes = [sum(p.numel() for _, p in c) for c in chunks]
-    assert [n for c in chunks for n, _ in c] == [n for n, _ in model.named_parameters()]
+    sizes = [sum(p.numel() for _, ps, _ in c for p in ps) for c in chunks]
+    assert [n for c in chunks for n, _, _ in c] == [n for n, _ in model.named_parameters()]
     assert sizes == [110, 300, 30 + 62]  # a too-large parameter stands alone
     assert len(list(_param_chunks(model, limit=10**9))) == 1
 
