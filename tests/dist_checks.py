@@ -157,7 +157,6 @@ def varied_lengths(work: Path, mode: str) -> dict:
 def replica_and_roles(work: Path) -> dict:
     """One iteration through the public stages; then: reference unchanged, policy changed, and
     the generation replica built after the update equals the trained policy."""
-    from ds_ppo.data.prompts import left_pad
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine.generation import build_replica
     from ds_ppo.engine.roles import init_engines
@@ -178,16 +177,8 @@ def replica_and_roles(work: Path) -> dict:
     kept_ok = engines.replica is kept and all(
         torch.equal(p.detach().float(), pol1[n]) for n, p in kept.named_parameters())
 
-    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
-              eos_token_id=tok.eos_token_id)
     replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
-    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
-    module = engines.policy.module
-    module.eval()
-    module.config.use_cache = True
-    zero3_out = module.generate(input_ids=ids, attention_mask=am,
-                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    replica_out, zero3_out = _greedy_replica_and_zero3(tok, replica, engines)
     return {
         "reference_unchanged": all(torch.equal(ref0[k], ref1[k]) for k in ref0),
         "policy_changed": any(not torch.equal(pol0[k], pol1[k]) for k in pol0),
@@ -207,7 +198,6 @@ def lora_roles(work: Path) -> dict:
     and decodes as zero3 mode does through the adapters."""
     from transformers import AutoModelForCausalLM
 
-    from ds_ppo.data.prompts import left_pad
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine.generation import build_replica
     from ds_ppo.engine.roles import init_engines
@@ -236,15 +226,7 @@ def lora_roles(work: Path) -> dict:
         plain = response_logprobs(base, rollout, temp)[0]
         policy = response_logprobs(engines.policy, rollout, temp)[0]
         merged = response_logprobs(replica, rollout, temp)[0]
-    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
-              eos_token_id=tok.eos_token_id)
-    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
-    module = engines.policy.module
-    module.eval()
-    module.config.use_cache = True
-    zero3_out = module.generate(input_ids=ids, attention_mask=am,
-                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    replica_out, zero3_out = _greedy_replica_and_zero3(tok, replica, engines)
     return {
         "trained": trained, "changed": changed,
         "reference_engine_built": "reference" in engines.ds_configs,
@@ -309,6 +291,22 @@ def tensor_parallel(work: Path) -> dict:
         == 1,
         "sampled_tokens": int(sampled.mask.sum()),
     }
+
+
+def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
+    """Greedy tokens of two prompts from the replica and through the ZeRO-3 hooks (synced)."""
+    from ds_ppo.data.prompts import left_pad
+
+    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id)
+    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
+    module = engines.policy.module
+    module.eval()
+    module.config.use_cache = True
+    zero3_out = module.generate(input_ids=ids, attention_mask=am,
+                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    return replica_out, zero3_out
 
 
 def main() -> None:

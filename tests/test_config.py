@@ -44,6 +44,14 @@ def leaves(model: BaseModel, prefix: str = ""):
             yield f"{prefix}{name}", field, value
 
 
+@pytest.fixture(autouse=True)
+def _outside_the_repo(tmp_path, monkeypatch):
+    """In-process dry runs resolve the tiny default's output_dir (outputs/tiny) against the
+    working directory: run them elsewhere, so a README run left in the checkout (its
+    checkpoints, e.g. of another estimator) does not decide them."""
+    monkeypatch.chdir(tmp_path)
+
+
 # ---------------------------------------------------------------------------- loading
 def test_default_is_the_tiny_preset_and_launch_tiny_is_a_link_to_it(monkeypatch):
     link = REPO / "launch" / "tiny.yaml"
