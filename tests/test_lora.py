@@ -247,3 +247,17 @@ def test_resume_on_a_changed_base_fails_clearly(lora_run):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "policy.lora: the base model files at" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_lora_with_a_critic_free_estimator(tmp_path):
+    """policy.lora with grpo: no value engine and no reference engine (the policy's base), two
+    iterations train, the checkpoint holds the adapters and no value model."""
+    out = tmp_path / "run"
+    run_cli(["train", *SMALL, *LORA, "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=2",
+             "iterations=2", f"output_dir={out}"], cwd=tmp_path)
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[0]["kl/sequence_mean"] == 0.0  # zero-init adapters: the policy is its base
+    assert "loss/value" not in rows[0] and "score/group_std_mean" in rows[0]
+    ckpt = out / "checkpoints" / "iter_000002"
+    assert not (ckpt / "value").exists() and (ckpt / "hf" / "adapter_config.json").is_file()
