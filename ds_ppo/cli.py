@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size_from_env())
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for warning in config_warnings(cfg):
+        for warning in config_warnings(cfg, world_size_from_env()):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
     if cfg.reward.function is not None:  # importable, and takes data.reward_keys

@@ -766,10 +766,23 @@ def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     return problems
 
 
-def config_warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but do nothing for this config (printed, never fatal)."""
+def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
+    """Settings that are valid but do nothing for this config, or that can hang a multi-rank job
+    (printed, never fatal)."""
     out = []
     p = cfg.ppo
+    r = cfg.reward
+    if r.url is not None and r.timeout_s is not None and world_size > 1:
+        # one request's worst case: every attempt times out, with the back-off between them
+        # (1, 2, 4... s, at most 30: ds_ppo.reward_service)
+        worst = r.timeout_s * (r.retries + 1) + sum(min(2.0 ** k, 30.0) for k in range(r.retries))
+        if worst > 60 * cfg.dist_timeout_minutes:
+            out.append(f"reward.url: a request that never answers is given up after {worst:.0f} s "
+                       f"(reward.timeout_s = {r.timeout_s:g} x {r.retries + 1} attempts + "
+                       f"back-off), longer than dist_timeout_minutes = "
+                       f"{cfg.dist_timeout_minutes:g}: if one rank's requests hang, the other "
+                       "ranks fail on the collective timeout first, without the service's error. "
+                       "Lower reward.timeout_s / reward.retries or raise dist_timeout_minutes")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]
