@@ -637,7 +637,7 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
-    from ds_ppo.reward_service import redact_url  # stdlib only: no heavy import
+    from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
 
     r = cfg.reward
     if sum(x is not None for x in (r.function, r.model, r.url)) != 1:

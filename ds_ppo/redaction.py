@@ -20,6 +20,12 @@ def redact(text: str) -> str:
     return _URL.sub(one, text)
 
 
+def redact_url(url: str | None) -> str | None:
+    """One URL (e.g. reward.url) as `redact` shows it: http://user:secret@host/x ->
+    http://***@host/x; None and "" unchanged."""
+    return redact(url) if url else url
+
+
 def redact_logs() -> None:
     """Every log record of this process, ours and MLflow's and its HTTP stack's (which name
     request URLs), is redacted as it is made (a record factory: logger filters miss records of

@@ -36,7 +36,7 @@ log = logging.getLogger("ds_ppo")
 def config_hash(cfg: Config) -> str:
     """16 hex digits of the SHA-256 of the resolved config (JSON, sorted keys, reward.url
     without credentials): equal configs give equal hashes."""
-    from ds_ppo.reward_service import redact_url
+    from ds_ppo.redaction import redact_url
 
     data = cfg.to_dict()
     data["reward"]["url"] = redact_url(data["reward"].get("url"))

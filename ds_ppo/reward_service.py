@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_ppo.errors import UserError
+from ds_ppo.redaction import redact_url
 
 BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
 MAX_BACKOFF_S = 30.0
@@ -32,17 +33,6 @@ MAX_BACKOFF_S = 30.0
 
 class RewardServiceError(UserError):
     """The reward service failed for good (retries spent, a 4xx, a malformed answer)."""
-
-
-def redact_url(url: str | None) -> str | None:
-    """`url` without its password (and user): http://user:secret@host/x -> http://***@host/x."""
-    if not url:
-        return url
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
 from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
 from ds_ppo.forward import response_logprobs, response_values, sequence_scores
-from ds_ppo.reward_service import redact_url
+from ds_ppo.redaction import redact_url
 from ds_ppo.rewards import call_reward_function
 
 

@@ -343,11 +343,8 @@ class MlflowTracker:
         """Tags, params and config of a new run; resume notes of an old one."""
         from mlflow.entities import Param, RunTag
 
-        from ds_ppo.reward_service import redact_url
-
         self.local_log = str(Path(cfg.output_dir) / "metrics.jsonl")
-        config = cfg.to_dict()
-        config["reward"]["url"] = redact_url(config["reward"].get("url"))  # no password logged
+        config = cfg.to_dict()  # every param and the yaml pass through `redact` (credentials)
         limit = self._limit("MAX_PARAM_VAL_LENGTH", _MAX_PARAM_VALUE)
         params = {clean_key(k): redact(v)[:limit] for k, v in flatten(config).items()}
         config_yaml = redact(yaml.safe_dump(config, sort_keys=False))

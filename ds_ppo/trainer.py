@@ -306,7 +306,7 @@ def _open_tracker(cfg: Config, resume_from: Path | None):
     """MLflow on rank 0 (continuing the checkpoint's run on resume); no-ops elsewhere."""
     import importlib.metadata as md
 
-    from ds_ppo.reward_service import redact_url
+    from ds_ppo.redaction import redact_url
     from ds_ppo.tracking import TrackingError, open_tracker
 
     tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
