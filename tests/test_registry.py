@@ -52,6 +52,21 @@ def greedy_tokens(model, tokenizer, prompt: str = PROMPT, n: int = 8) -> list[in
     return out[0, ids.shape[1]:].tolist()
 
 
+def registered_greedy(uri: str, name: str, version) -> list[int]:
+    """Greedy tokens of registered model `name` version `version`, loaded back through MLflow's
+    transformers flavour from the server at `uri`."""
+    import mlflow
+    import mlflow.transformers
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        parts = mlflow.transformers.load_model(f"models:/{name}/{version}",
+                                               return_type="components")
+    finally:
+        mlflow.set_tracking_uri(None)
+    return greedy_tokens(parts["model"], parts["tokenizer"])
+
+
 def export_greedy(path) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,8 +82,6 @@ def _tracker(uri, tmp_path, *overrides):
 
 def test_copied_version_loads_back_and_generates_the_exports_tokens(mlflow_uri, model_dir,
                                                                     tmp_path):
-    import mlflow
-    import mlflow.transformers
     from mlflow import MlflowClient
 
     cfg, tracker = _tracker(mlflow_uri, tmp_path, "tracking.register_model=registry_copy")
@@ -79,13 +92,7 @@ def test_copied_version_loads_back_and_generates_the_exports_tokens(mlflow_uri, 
     assert mv.run_id == tracker.run_id and mv.source == f"runs:/{tracker.run_id}/policy/iter_000007"
     assert mv.tags == {"run_id": tracker.run_id, "iteration": "7", "eval_score": "0.25",
                        "config_hash": config_hash(cfg), "flavor": "transformers"}
-    mlflow.set_tracking_uri(mlflow_uri)
-    try:
-        parts = mlflow.transformers.load_model(f"models:/registry_copy/{mv.version}",
-                                               return_type="components")
-    finally:
-        mlflow.set_tracking_uri(None)
-    assert greedy_tokens(parts["model"], parts["tokenizer"]) == export_greedy(model_dir)
+    assert registered_greedy(mlflow_uri, "registry_copy", mv.version) == export_greedy(model_dir)
 
 
 def test_by_reference_version_copies_nothing(mlflow_uri, model_dir, tmp_path):

@@ -90,9 +90,7 @@ def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
     """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
     tracking.register_model, tagged with the run, iteration, eval score and config hash; the
     latest loads back with the transformers flavour and generates the export's greedy tokens."""
-    import mlflow
-    import mlflow.transformers
-    from test_registry import export_greedy, greedy_tokens
+    from test_registry import export_greedy, registered_greedy
 
     uri, out, run_id, _, _ = tracked
     client = _client(uri)
@@ -107,13 +105,8 @@ def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
             rows[int(v.tags["iteration"])]["eval/score_mean"])
         assert v.tags["flavor"] == "transformers" and len(v.tags["config_hash"]) == 16
     assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
-    mlflow.set_tracking_uri(uri)
-    try:
-        parts = mlflow.transformers.load_model(f"models:/ds_ppo_e2e_policy/{versions[-1].version}",
-                                               return_type="components")
-    finally:
-        mlflow.set_tracking_uri(None)
-    assert greedy_tokens(parts["model"], parts["tokenizer"]) == export_greedy(out / "final")
+    assert registered_greedy(uri, "ds_ppo_e2e_policy", versions[-1].version) == \
+        export_greedy(out / "final")
 
 
 # (after the tests of the shared run: this one kills the session's server)

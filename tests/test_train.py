@@ -20,6 +20,12 @@ import pytest
 
 from conftest import REPO, SMALL, clean_env, read_metrics, run_cli
 
+def _first_and_last_mean_score(rows: list[dict]) -> tuple[float, float]:
+    """Mean score/mean of the first 5 and of the last 5 iterations."""
+    return (sum(r["score/mean"] for r in rows[:5]) / 5,
+            sum(r["score/mean"] for r in rows[-5:]) / 5)
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The README's main command: `ds-ppo train` with no config (the tiny default)."""
@@ -33,8 +39,7 @@ def test_default_experiment_raises_reward(default_run):
     out, proc = default_run
     rows = read_metrics(out)
     assert [r["iteration"] for r in rows] == list(range(1, 41))
-    first = sum(r["score/mean"] for r in rows[:5]) / 5
-    last = sum(r["score/mean"] for r in rows[-5:]) / 5
+    first, last = _first_and_last_mean_score(rows)
     assert last > first + 0.25, (first, last)
     assert "iter   40/40" in proc.stdout  # the per-iteration progress line
     for key in ("loss/policy", "loss/value", "kl/sequence_mean", "policy/entropy",
@@ -240,8 +245,7 @@ def test_grpo_learns_without_a_value_model(grpo_run):
     out, proc = grpo_run
     rows = read_metrics(out)
     assert [r["iteration"] for r in rows] == list(range(1, 21))
-    first = sum(r["score/mean"] for r in rows[:5]) / 5
-    last = sum(r["score/mean"] for r in rows[-5:]) / 5
+    first, last = _first_and_last_mean_score(rows)
     assert last > first + 0.2, (first, last)
     # no value model: no value loss, metrics, checkpoint or progress column
     assert not [k for k in rows[-1] if k.startswith("value/") or k in ("loss/value", "lr/value")]
