@@ -30,6 +30,19 @@ def _worker(rank: int, init_file: str, where: str, mode: str) -> None:
                 raise ValueError("disk full")
             return "converted"
 
+        if mode == "on_rank0":  # an OSError of rank 0's file work reaches the other rank
+            def write(path):
+                raise OSError(28, "No space left on device", path)
+            try:
+                dist.on_rank0(write, where)
+            except (OSError, RuntimeError) as err:
+                assert "No space left" in str(err), err
+                assert isinstance(err, OSError) == (rank == 0), err
+                assert rank == 0 or "rank 0 failed in write" in str(err), err
+            else:
+                raise AssertionError("rank 0's OSError did not reach every rank")
+            assert dist.on_rank0(lambda: 7) == 7  # the group still works afterwards
+            return
         if mode == "barrier":  # what ensure_universal did: the waiting rank's barrier times out
             if rank == 0:
                 work(False)
@@ -55,6 +68,12 @@ def test_other_ranks_outwait_the_collective_timeout(tmp_path):
     start = time.monotonic()
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "main_does"), nprocs=2)
     assert time.monotonic() - start >= 2 * WORK_S
+
+
+def test_a_rank_0_crash_in_on_rank0_stops_every_rank(tmp_path):
+    """Without the broadcast of rank 0's failure, rank 1 would wait out the 2 s timeout and
+    fail on it instead (the spawn would still raise, but not with this message)."""
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "on_rank0"), nprocs=2)
 
 
 def test_a_plain_barrier_times_out_there(tmp_path):

@@ -188,7 +188,9 @@ def num_nodes() -> int:
 def on_rank0(fn, *args):
     """`fn(*args)` on rank 0 only; its result on every rank. A `UserError` it raises is raised on
     every rank alike (same class and message), so a rank-0 check stops the whole job instead of
-    leaving the other ranks waiting at the next collective."""
+    leaving the other ranks waiting at the next collective. Any other exception (an OSError of
+    the file work, ...) is raised on rank 0 as it is and on the others as a RuntimeError naming
+    it: no rank is left waiting for a broadcast that never comes."""
     from ds_ppo import errors
 
     verdict, error = None, None
@@ -197,11 +199,17 @@ def on_rank0(fn, *args):
             verdict = ("ok", fn(*args))
         except errors.UserError as e:
             verdict, error = ("error", type(e).__name__, str(e)), e
+        except Exception as e:  # noqa: BLE001  (re-raised below, after the others heard of it)
+            verdict, error = ("crash", type(e).__name__, str(e)), e
     verdict = broadcast_object(verdict)
     if error is not None:
         raise error
     if verdict[0] == "ok":
         return verdict[1]
+    if verdict[0] == "crash":
+        name = getattr(fn, "__name__", "its work")
+        raise RuntimeError(f"rank 0 failed in {name}: {verdict[1]}: {verdict[2]} "
+                           "(the full traceback is in rank 0's log)")
     raise getattr(errors, verdict[1], errors.UserError)(verdict[2])
 
 
