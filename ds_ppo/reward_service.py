@@ -13,6 +13,11 @@ A connection error, a timeout (`reward.timeout_s` per request) or a 5xx answer i
 URL and what came back; a 4xx answer or a malformed body (not JSON, no `scores`, the wrong
 count, a non-number) stops it at once, quoting the body's start. User and password in the URL
 are sent (HTTP basic auth, by requests) but never printed or logged: see `redact_url`.
+
+On several ranks a call also has a deadline (`deadline_s`, set from dist_timeout_minutes): the
+ranks agree on the scores' outcome with a collective, so a rank whose requests keep failing
+gives up (with the service's error) before the other ranks, waiting in that collective, would
+fail on its timeout without it. Attempts and back-off are shortened to fit the deadline.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import json
 import math
 import queue
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +57,10 @@ class RewardService:
     `reward/retries`); the calls themselves are made from this rank only."""
 
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
-                 timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0) -> None:
+                 timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0,
+                 deadline_s: float | None = None) -> None:
         self.url, self.shown = url, redact_url(url)
+        self.deadline_s = deadline_s
         self.batch_size, self.concurrency, self.timeout_s = batch_size, concurrency, timeout_s
         self.max_retries, self.backoff_s = retries, backoff_s
         self.retries = 0
@@ -60,10 +68,10 @@ class RewardService:
         self._sessions: queue.SimpleQueue = queue.SimpleQueue()  # keep-alive, reused per call
 
     @classmethod
-    def from_config(cls, reward) -> RewardService:
-        """From the `reward` config section."""
+    def from_config(cls, reward, deadline_s: float | None = None) -> RewardService:
+        """From the `reward` config section (`deadline_s`: see `call_deadline`)."""
         return cls(reward.url, reward.batch_size, reward.concurrency, reward.timeout_s,
-                   reward.retries)
+                   reward.retries, deadline_s=deadline_s)
 
     def __call__(self, prompts: list[str], responses: list[str], **columns: list) -> list[float]:
         n, size = len(responses), self.batch_size
@@ -71,11 +79,12 @@ class RewardService:
                      "responses": list(responses[i:i + size]),
                      **{k: list(v[i:i + size]) for k, v in columns.items()}}
                     for i in range(0, n, size)]
-        answers = self._post_all(payloads)
+        end = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+        answers = self._post_all(payloads, end)
         self.retries += sum(a.retries for a in answers)
         return [s for a in answers for s in a.scores]
 
-    def _post_all(self, payloads: list[dict]) -> list[Answer]:
+    def _post_all(self, payloads: list[dict], end: float | None) -> list[Answer]:
         """The answers in payload order, `concurrency` requests at a time. The first failure
         returns at once (no waiting for requests still in flight: their daemon threads stop
         retrying and are abandoned, so they hold up neither the error nor the exit)."""
@@ -92,7 +101,7 @@ class RewardService:
                 if i is None:
                     break
                 try:
-                    results[i] = self._post(payloads[i], session, failed)
+                    results[i] = self._post(payloads[i], session, failed, end)
                 except BaseException as err:  # noqa: BLE001  (handed to the caller)
                     with lock:
                         if not failed.is_set():  # the first failure is the one reported
@@ -121,21 +130,35 @@ class RewardService:
         except queue.Empty:
             return requests.Session()
 
-    def _post(self, payload: dict[str, Any], session, failed: threading.Event) -> Answer:
-        """One request with its retries (none once another request of the call `failed`)."""
+    def _post(self, payload: dict[str, Any], session, failed: threading.Event,
+              end: float | None = None) -> Answer:
+        """One request with its retries (none once another request of the call `failed`, none
+        past the call's deadline `end`, a time.monotonic() value)."""
         import requests
 
         body = json.dumps(payload, default=str).encode()
         expected = len(payload["responses"])
+        what = "no attempt fitted in the call's deadline"
         for attempt in range(self.max_retries + 1):
             if attempt:
-                if failed.wait(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)):
+                pause = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                if end is not None and time.monotonic() + pause >= end:
+                    raise self._out_of_time(what)
+                if failed.wait(pause):
                     break  # the call has failed already: no more tries
+            timeout = self.timeout_s
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise self._out_of_time(what)
+                timeout = left if timeout is None else min(timeout, left)
             try:
-                r = session.post(self.url, data=body, timeout=self.timeout_s,
+                r = session.post(self.url, data=body, timeout=timeout,
                                  headers={"Content-Type": "application/json"})
             except requests.Timeout:
-                what = f"no answer within reward.timeout_s = {self.timeout_s} s"
+                what = (f"no answer within reward.timeout_s = {self.timeout_s} s"
+                        if timeout == self.timeout_s else
+                        f"no answer within the {timeout:.1f} s left before the deadline")
                 continue
             except requests.RequestException as err:
                 what = f"{type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
@@ -152,6 +175,13 @@ class RewardService:
                           f"{self.max_retries}); last: {what}",
                           "check that the service is up and answers within reward.timeout_s, "
                           "or raise reward.retries / reward.timeout_s")
+
+    def _out_of_time(self, what: str) -> RewardServiceError:
+        return self._error(f"did not answer within the call's deadline of {self.deadline_s:.0f} s "
+                          f"(dist_timeout_minutes, less a margin: the other ranks wait for this "
+                          f"rank's scores in a collective); last: {what}",
+                          "check that the service is up and answers in time, or raise "
+                          "dist_timeout_minutes")
 
     def _parse(self, text: str, expected: int) -> list[float]:
         try:
@@ -181,3 +211,14 @@ class RewardService:
 
     def _error(self, what: str, fix: str) -> RewardServiceError:
         return RewardServiceError(f"reward.url = {self.shown}: the reward service {what}; {fix}")
+
+
+def call_deadline(dist_timeout_minutes: float, world_size: int) -> float | None:
+    """The deadline of one reward-service call on `world_size` ranks: none on one rank (no
+    collective waits for it); else the collective timeout less a margin for the rest of the
+    scoring (10%, at least 30 s and at most 5 min), so a failing rank reports the service's error
+    before the others time out."""
+    if world_size <= 1:
+        return None
+    timeout_s = 60.0 * dist_timeout_minutes
+    return max(timeout_s - min(max(0.1 * timeout_s, 30.0), 300.0), 0.5 * timeout_s)

@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL, free_port, read_metrics, run_cli
 from ds_ppo.config import load_config, validate
 from ds_ppo.errors import ConfigError
-from ds_ppo.reward_service import RewardService, RewardServiceError, redact_url
+from ds_ppo.reward_service import RewardService, RewardServiceError, call_deadline, redact_url
 from ds_ppo.rewards import positive_words
 
 
@@ -142,6 +142,27 @@ def test_slow_server_times_out_after_retries(server):
     assert time.monotonic() - t0 < 0.95  # two 0.2 s attempts, not a 1 s answer
     assert srv.count == 2
     assert "reward.timeout_s = 0.2 s" in str(e.value) and srv.url in str(e.value)
+
+
+def test_a_call_gives_up_at_its_deadline_with_the_services_error(server):
+    """10 attempts of 1 s each would take 10 s; the call's 1.5 s deadline (on several ranks: the
+    collective timeout less a margin) stops it in time, naming the deadline and the last error."""
+    srv = server(positive_words_service, delay_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError) as e:
+        _service(srv.url, timeout_s=1.0, retries=9, deadline_s=1.5)(["p"], ["good"])
+    took = time.monotonic() - t0
+    assert took < 2.5, took
+    assert "deadline of 2 s" in str(e.value) and "no answer within" in str(e.value)
+    assert srv.url in str(e.value)
+
+
+def test_the_deadline_follows_the_collective_timeout():
+    assert call_deadline(30, 1) is None  # one rank: nothing waits in a collective
+    assert call_deadline(30, 8) == 30 * 60 - 180  # 10% margin
+    assert call_deadline(1, 2) == 30  # at least 30 s margin, never under half the timeout
+    assert call_deadline(0.5, 2) == 15
+    assert call_deadline(600, 2) == 600 * 60 - 300  # at most a 5 min margin
 
 
 def test_wrong_count_stops_at_once_quoting_the_body(server):

@@ -345,9 +345,10 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
     elif cfg.reward.url is not None:
-        from ds_ppo.reward_service import RewardService
+        from ds_ppo.reward_service import RewardService, call_deadline
 
-        reward_fn = RewardService.from_config(cfg.reward)
+        reward_fn = RewardService.from_config(
+            cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
     else:
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     return Engines(policy=policy, value=value, reference=reference, reward=reward,
