@@ -105,6 +105,13 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _source(spec: str) -> str:
+    """How errors name the reward: `reward.function = 'mod:fn'`, or for a service (its redacted
+    URL), `reward.url = 'http://...'`."""
+    key = "reward.url" if spec.startswith(("http://", "https://")) else "reward.function"
+    return f"{key} = {spec!r}"
+
+
 def check_scores(raw: Any, spec: str, n: int) -> list[float]:
     """`raw`, what reward.function `spec` returned for n responses, as n finite floats; else a
     RewardFunctionError naming the function and what it returned. Strict: a string such as
@@ -114,10 +121,10 @@ def check_scores(raw: Any, spec: str, n: int) -> list[float]:
     if hasattr(raw, "tolist") and getattr(raw, "ndim", 1) == 1:  # a 1-D tensor or array
         raw = raw.tolist()
     if not isinstance(raw, (list, tuple)):
-        raise RewardFunctionError(f"reward.function = {spec!r} returned {type(raw).__name__} "
+        raise RewardFunctionError(f"{_source(spec)} returned {type(raw).__name__} "
                                   f"{_short(raw)}; {fix}")
     if len(raw) != n:
-        raise RewardFunctionError(f"reward.function = {spec!r} returned {len(raw)} scores for "
+        raise RewardFunctionError(f"{_source(spec)} returned {len(raw)} scores for "
                                   f"{n} responses; {fix}")
     scores, bad = [], []
     for i, v in enumerate(raw):
@@ -132,7 +139,7 @@ def check_scores(raw: Any, spec: str, n: int) -> list[float]:
         scores.append(v)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise RewardFunctionError(f"reward.function = {spec!r} returned {'; '.join(bad[:3])}"
+        raise RewardFunctionError(f"{_source(spec)} returned {'; '.join(bad[:3])}"
                                   f"{more}; {fix} (finite numbers, not strings or None)")
     return scores
 
@@ -173,7 +180,7 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            raise RewardTimeout(f"reward.function = {spec!r} did not return within "
+            raise RewardTimeout(f"{_source(spec)} did not return within "
                                 f"reward.timeout_s = {timeout_s:g} s (on {len(responses)} "
                                 "responses)")
     if "error" in outcome:
@@ -182,7 +189,7 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
             raise e
         frames = traceback.extract_tb(e.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
-        raise RewardFunctionError(f"reward.function = {spec!r} raised {type(e).__name__}: {e}"
+        raise RewardFunctionError(f"{_source(spec)} raised {type(e).__name__}: {e}"
                                   f"{where}") from e
     return check_scores(outcome["value"], spec, len(responses))
 

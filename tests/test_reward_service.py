@@ -256,3 +256,13 @@ def test_training_scored_by_a_service(server, tmp_path):
     means = [sum(answered[16 * i:16 * (i + 1)]) / 16 for i in range(3)]
     assert [r["score/mean"] for r in rows] == pytest.approx(means, abs=1e-6)
 
+
+
+def test_score_checks_name_the_service_by_its_key():
+    from ds_ppo.errors import RewardFunctionError
+    from ds_ppo.rewards import check_scores
+
+    with pytest.raises(RewardFunctionError, match=r"^reward.url = 'http://\*\*\*@h/s' returned 1"):
+        check_scores([1.0], "http://***@h/s", 2)
+    with pytest.raises(RewardFunctionError, match=r"^reward.function = 'm:f' returned 1"):
+        check_scores([1.0], "m:f", 2)
