@@ -7,7 +7,7 @@ import logging
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -19,6 +19,9 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.rollout import make_rollout
 from ds_ppo.scoring import add_advantages, score
 from ds_ppo.update import ppo_update
+
+if TYPE_CHECKING:
+    from ds_ppo.engine.roles import Engines
 
 log = logging.getLogger("ds_ppo")
 
@@ -32,7 +35,7 @@ class IterationInputs:
     """What every iteration of a run reads, built once at start-up."""
 
     cfg: Config
-    engines: Any  # ds_ppo.engine.roles.Engines
+    engines: Engines
     tokenizer: Any  # the policy's
     prompts: PromptSet  # the training prompts (every rank holds all of them)
     gen_mode: str  # generation mode (engine.generation.choose_mode)
