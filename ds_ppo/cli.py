@@ -101,7 +101,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if any(a == "--peer" or a.startswith("--peer=") for a in args.bench_args):
-        from ds_ppo.bench_peer import main as peer_main  # ds_ppo beside TRL (bench_peer.py)
+        from ds_ppo.bench.peer import main as peer_main  # ds_ppo beside TRL (bench/peer.py)
 
         return peer_main(args.bench_args)
     from ds_ppo.bench import main as bench_main

@@ -6,10 +6,7 @@ import json
 import logging
 import math
 import random
-import sys
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +25,14 @@ from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
 from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
+from ds_ppo.iteration import IterationInputs, metric_timer, reward_encoder, run_iteration
+from ds_ppo.log_setup import quiet_libraries, setup_logging
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.progress import Eta, format_duration
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
-from ds_ppo.rollout import make_rollout, sampling_mismatch, stop_token_ids
+from ds_ppo.rollout import sampling_mismatch, stop_token_ids
 from ds_ppo.rundir import lock_output_dir, start_metrics_log
-from ds_ppo.scoring import add_advantages, score
-from ds_ppo.update import ppo_update
 
 log = logging.getLogger("ds_ppo")
 
@@ -53,9 +50,9 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
-    _quiet_libraries(cfg.log_level)
+    quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
@@ -76,6 +73,7 @@ def train(cfg: Config) -> TrainResult:
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
+    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode)
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     status = "FAILED"
@@ -85,18 +83,9 @@ def train(cfg: Config) -> TrainResult:
             for iteration in range(state.iteration + 1, cfg.iterations + 1):
                 acc, t_iter = Accumulator(), time.perf_counter()
                 rng_at_start = rng_state()  # what a save of the previous iteration would hold
-                # step 1. generate the trajectory (this rank's shard of the global batch)
-                with _timed(acc, "time/generation_s"):
-                    rollout, _ = make_rollout(prompts, sampler.indices(iteration - 1), engines,
-                                              cfg, tokenizer, gen_mode, eos_ids)
-                # step 2. score it: log-probs, reference log-probs, values, reward scores
-                with _timed(acc, "time/scoring_s"):
-                    exp = score(rollout, engines, cfg, reward_encode)
-                # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
-                exp = add_advantages(exp, cfg, kl_ctl.value)
-                # step 4. PPO epochs over mini-batches: policy (and value) updates
-                with _timed(acc, "time/update_s"):
-                    ppo_update(exp, engines, cfg, iteration, acc)
+                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
+                exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
+                                       kl_ctl.value, acc, metric_timer(acc))
                 # step 5. metrics, reduced across ranks; KL controller; logging
                 metrics = _iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                              cfg.ppo.samples_per_prompt)
@@ -147,46 +136,6 @@ def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, t
 
 
 # ------------------------------------------------------------------------- start-up
-def _quiet_libraries(log_level: str) -> None:
-    """Before DeepSpeed is imported: unless log_level = debug, no DeepSpeed accelerator notice and
-    no per-save "Writing model shards" progress bars from transformers."""
-    if log_level == "debug":
-        return
-    logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def _no_accelerator_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Setting accelerator to")
-
-
-def _setup_logging(log_level: str = "info") -> None:
-    level = logging.INFO if dist.is_main() else logging.WARNING
-    if log_level == "debug":
-        level = logging.DEBUG
-    logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
-                        force=True)
-    old_factory = logging.getLogRecordFactory()
-    rank = dist.rank()
-
-    def factory(*args, **kwargs):
-        record = old_factory(*args, **kwargs)
-        record.rank = rank
-        return record
-
-    logging.setLogRecordFactory(factory)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.INFO if log_level == "debug" else logging.WARNING)
-    # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per call
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
-    import transformers
-
-    if log_level != "debug":
-        transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
-
-
 def _warn(message: str | None) -> None:
     if message and dist.is_main():
         log.warning("%s", message)
@@ -214,31 +163,11 @@ def _load_data(cfg: Config, out: Path):
     eval_prompts = None
     if cfg.data.eval_split is not None and cfg.data.eval_every > 0:
         eval_prompts = load_prompts(cfg.data, tokenizer, split=cfg.data.eval_split)
-    return tokenizer, prompts, eval_prompts, _reward_encoder(cfg, tokenizer, out)
-
-
-def _reward_encoder(cfg: Config, policy_tokenizer, out: Path):
-    """rollout -> (input_ids, attention_mask) for the reward model: the rollout's own tokens when
-    both share a tokenizer, else decoded text re-encoded with the reward tokenizer."""
-    if cfg.reward.model is None:
-        return None
-    from ds_ppo.data.reencode import encode_rollout_for_reward, rollout_for_reward, same_tokenizer
-    from ds_ppo.data.tokenizer import load_tokenizer
-
-    reward_tok = load_tokenizer(cfg.reward.tokenizer or cfg.reward.model, out)
-    same = same_tokenizer(policy_tokenizer, reward_tok)
-    if same:
-        def encode(rollout):
-            return rollout_for_reward(rollout, cfg.reward.max_len, reward_tok.bos_token_id)
-    else:
-        log.info("the reward model's tokenizer differs from the policy's: responses are decoded "
-                 "and re-encoded for it (chat prompts with its own chat template%s)",
-                 "" if reward_tok.chat_template else ": it has none, so as plain text")
-
-        def encode(rollout):
-            return encode_rollout_for_reward(reward_tok, rollout, cfg.reward.max_len)
-    encode.same = same
-    return encode
+    reward_encode = None
+    if cfg.reward.model is not None:
+        reward_encode = reward_encoder(cfg, tokenizer, load_tokenizer(
+            cfg.reward.tokenizer or cfg.reward.model, out))
+    return tokenizer, prompts, eval_prompts, reward_encode
 
 
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
@@ -361,15 +290,6 @@ def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint
                        f": training diverged and this iteration's weights are not saved; {where}. "
                        "Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
                        "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
-
-
-@contextmanager
-def _timed(acc: Accumulator, name: str):
-    t0 = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    acc.add_max(name, time.perf_counter() - t0)
 
 
 def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,

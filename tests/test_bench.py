@@ -208,3 +208,26 @@ def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_pa
                          env=dict(env, BENCH_RUNS="nonsense"), capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "unknown run nonsense" in bad.stdout
+
+
+def test_bench_and_trainer_run_one_iteration_function():
+    """The benchmark times the code `ds-ppo train` runs: the iteration's stages (and the reward
+    model's input encoder) are called from ds_ppo/iteration.py only, which both call."""
+    import ast
+
+    from conftest import REPO
+
+    stages = {"make_rollout", "score", "add_advantages", "ppo_update", "rollout_for_reward",
+              "encode_rollout_for_reward"}
+    allowed = {"iteration.py": stages, "evaluate.py": {"make_rollout"}}  # evaluation generates
+    calls = {}
+    for path in sorted((REPO / "ds_ppo").rglob("*.py")):
+        rel = str(path.relative_to(REPO / "ds_ppo"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                calls.setdefault(rel, set()).add(node.func.id)
+    strays = {rel: sorted(names & stages - allowed.get(rel, set()))
+              for rel, names in calls.items() if names & stages - allowed.get(rel, set())}
+    assert not strays, strays
+    assert {"run_iteration", "reward_encoder"} <= calls["bench/run.py"]
+    assert "run_iteration" in calls["trainer.py"]

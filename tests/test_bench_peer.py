@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import clean_env
-from ds_ppo.bench_peer import PHASES, _summary, table
+from ds_ppo.bench.peer import PHASES, _summary, table
 
 try:
     import trl  # noqa: F401

@@ -62,8 +62,8 @@ def test_eta_is_the_mean_of_recent_iterations_times_those_left():
 def test_log_level_info_silences_library_bars_and_debug_keeps_them(tmp_path):
     import sys
 
-    code = ("import logging, sys; from ds_ppo.trainer import _quiet_libraries; "
-            "from transformers.utils import logging as hf; _quiet_libraries(sys.argv[1]); "
+    code = ("import logging, sys; from ds_ppo.log_setup import quiet_libraries; "
+            "from transformers.utils import logging as hf; quiet_libraries(sys.argv[1]); "
             "r = logging.LogRecord('DeepSpeed', 30, '', 0, 'Setting accelerator to CPU.', (), "
             "None); print(hf.is_progress_bar_enabled(), logging.getLogger('DeepSpeed').filter(r))")
     for level, expected in (("info", "False False"), ("debug", "True True")):

@@ -2,14 +2,14 @@
 
     ds-ppo bench --peer trl                       # the tiny default, 40 iterations (CPU, minutes)
     ds-ppo bench --peer trl --iterations 3 --runs trl,ppo   # a quick look
-    python -m ds_ppo.bench_peer --help
+    python -m ds_ppo.bench.peer --help
 
 Step 1 prepares one starting point in `--out-dir/shared` from ds_ppo's own config (the tiny default
 plus any `key=value` overrides): the random-init policy and tokenizer built by ds_ppo's
 `materialize_arch`, ds_ppo's prompts in ds_ppo's sampling order, and the numbers the peer mirrors
 (reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes).
-Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.peer_trl`, `--schedule ppo`: ds_ppo's
-2 epochs x mini-batches), ds_ppo PPO (the config as given) and, where this ds_ppo has it, ds_ppo
+Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.bench.peer_trl`, `--schedule ppo`:
+ds_ppo's 2 epochs x mini-batches), ds_ppo PPO (the config as given) and, where this ds_ppo has it, ds_ppo
 GRPO (`ppo.advantage_estimator=grpo ppo.samples_per_prompt=G`, mini/micro-batches x G, TRL's
 beta as `ppo.kl_loss_coef`). Every ds_ppo run checks that it
 started from byte-identical policy weights. Step 3 prints one table: seconds per iteration per
@@ -123,7 +123,7 @@ def _run(cmd: list[str], log: Path) -> float:
 
 def run_trl(shared: Path, out: Path, meta: dict, g: int) -> dict:
     rows_file = out / "trl.jsonl"
-    wall = _run([sys.executable, "-m", "ds_ppo.peer_trl", "--shared", str(shared), "--out",
+    wall = _run([sys.executable, "-m", "ds_ppo.bench.peer_trl", "--shared", str(shared), "--out",
                  str(rows_file), "--num-generations", str(g)], out / "trl.log")
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     steps = [r for r in rows if not r.get("summary")]

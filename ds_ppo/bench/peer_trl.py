@@ -1,7 +1,7 @@
 """The peer side of `ds-ppo bench --peer trl`: Hugging Face TRL's GRPOTrainer on the starting
-point `ds_ppo.bench_peer` prepared (run in its own process, never imported by ds_ppo's trainer).
+point `ds_ppo.bench.peer` prepared (run in its own process, never imported by ds_ppo's trainer).
 
-    python -m ds_ppo.peer_trl --shared DIR --out FILE.jsonl [--steps N] [--schedule ppo|brief]
+    python -m ds_ppo.bench.peer_trl --shared DIR --out FILE.jsonl [--steps N] [--schedule ppo|brief]
 
 DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`),
 `prompts.jsonl` (ds_ppo's prompts in ds_ppo's sampling order) and `meta.json` (the ds_ppo config
@@ -58,8 +58,8 @@ def _optimizer(model, meta: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds_ppo.peer_trl", description=__doc__.split("\n")[0])
-    ap.add_argument("--shared", required=True, help="the directory ds_ppo.bench_peer prepared")
+    ap = argparse.ArgumentParser(prog="python -m ds_ppo.bench.peer_trl", description=__doc__.split("\n")[0])
+    ap.add_argument("--shared", required=True, help="the directory ds_ppo.bench.peer prepared")
     ap.add_argument("--out", required=True, help="JSONL: one row per step, then a summary row")
     ap.add_argument("--steps", type=int, default=None, help="rollouts (default: meta iterations)")
     ap.add_argument("--num-generations", type=int, default=4)

@@ -1,0 +1,52 @@
+"""Logging of a training run: rank-tagged lines on stdout, the libraries' notices and progress
+bars quiet unless log_level = debug."""
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+from ds_ppo.engine import dist
+
+
+def quiet_libraries(log_level: str) -> None:
+    """Before DeepSpeed is imported: unless log_level = debug, no DeepSpeed accelerator notice and
+    no per-save "Writing model shards" progress bars from transformers."""
+    if log_level == "debug":
+        return
+    logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _no_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to")
+
+
+def setup_logging(log_level: str = "info") -> None:
+    """Every record as `[ds_ppo rank R] message` on stdout: INFO on rank 0, WARNING elsewhere, DEBUG
+    everywhere with log_level = debug."""
+    level = logging.INFO if dist.is_main() else logging.WARNING
+    if log_level == "debug":
+        level = logging.DEBUG
+    logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
+                        force=True)
+    old_factory = logging.getLogRecordFactory()
+    rank = dist.rank()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.INFO if log_level == "debug" else logging.WARNING)
+    # DeepSpeed 0.19 calls collectives that torch 2.13 marks deprecated, once per call
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated")
+    import transformers
+
+    if log_level != "debug":
+        transformers.logging.set_verbosity_error()  # e.g. the value head "MISSING" load report
+
