@@ -39,14 +39,14 @@ from pydantic import ValidationError
 from ds_ppo.config import (Config, apply_overrides, load_config, reference_from_policy_base,
                            validate)
 from ds_ppo.errors import ConfigError, UserError
+from ds_ppo.generation_choice import choose_generation, decoder_linears
+from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
 GiB = 2**30
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory
 # CUDA context, NCCL communicators, DeepSpeed's bucket buffers and allocator fragmentation: a
 # fixed per-GPU allowance, since none of them scale with the model in a way worth modelling.
 RUNTIME_OVERHEAD_BYTES = 2 * GiB
-ROLES = ("policy", "value", "reference", "reward")
-TRAINED_ROLES = ("policy", "value")
 Head = Literal["causal", "token", "sequence"]
 
 
@@ -66,6 +66,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     source: str  # where the shape came from, for the table
+    decoder_linears: frozenset[str] = frozenset()  # generation_choice.decoder_linears
 
 
 def _hf_config(path: str | None, arch: dict[str, Any] | None):
@@ -86,12 +87,12 @@ def _hf_config(path: str | None, arch: dict[str, Any] | None):
         return None
 
 
-_COUNTS: dict[tuple[str, str], tuple[str, int, int]] = {}
+_COUNTS: dict[tuple[str, str], tuple[str, int, int, frozenset[str]]] = {}
 
 
-def _meta_counts(hf_config, head: Head) -> tuple[str, int, int]:
-    """(class name, params, largest-layer params) of a model built on the meta device; cached
-    per config and head, since the greedy lever search replans many times."""
+def _meta_counts(hf_config, head: Head) -> tuple[str, int, int, frozenset[str]]:
+    """(class name, params, largest-layer params, decoder linear layers) of a model built on the
+    meta device; cached per config and head, since the greedy lever search replans many times."""
     key = (hf_config.to_json_string(use_diff=False), head)
     if key in _COUNTS:
         return _COUNTS[key]
@@ -114,13 +115,13 @@ def _meta_counts(hf_config, head: Head) -> tuple[str, int, int]:
         transformers.logging.set_verbosity(verbosity)
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    _COUNTS[key] = (type(model).__name__, params, largest)
+    _COUNTS[key] = (type(model).__name__, params, largest, decoder_linears(model))
     return _COUNTS[key]
 
 
 def model_shape(hf_config, head: Head, source: str) -> ModelShape:
     """Count a model's parameters on the meta device and read its layer dimensions."""
-    cls, params, largest = _meta_counts(hf_config, head)
+    cls, params, largest, linears = _meta_counts(hf_config, head)
     text = hf_config.get_text_config()
     hidden = int(text.hidden_size)
     heads = int(text.num_attention_heads)
@@ -128,13 +129,14 @@ def model_shape(hf_config, head: Head, source: str) -> ModelShape:
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     return ModelShape(cls, params, largest, hidden, int(text.num_hidden_layers), heads, kv_heads,
-                      head_dim, int(inter), int(text.vocab_size), source)
+                      head_dim, int(inter), int(text.vocab_size), source, linears)
 
 
 @dataclass(frozen=True)
 class RoleShapes:
     shapes: dict[str, ModelShape | None]  # role -> shape; reward None when it is a function
     notes: tuple[str, ...] = ()
+    policy_config: Any = None  # the policy's HF config as the engine loads it (attention kernel)
 
 
 def resolve_shapes(cfg: Config) -> RoleShapes:
@@ -182,7 +184,9 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
         "reference": None if from_base else model_shape(ref_hf, "causal", ref_src),
         "reward": model_shape(reward_hf, "sequence", reward_src) if reward_hf is not None else None,
     }
-    return RoleShapes(shapes, tuple(notes))
+    policy_config = copy.deepcopy(policy_hf)
+    policy_config._attn_implementation = cfg.policy.attn_implementation  # as roles.py loads it
+    return RoleShapes(shapes, tuple(notes), policy_config)
 
 
 # ------------------------------------------------------------------------- model states
@@ -396,6 +400,9 @@ class Plan:
     score_micro_batch: int
     gen_batch: int
     generation_mode: str  # resolved: gathered | tensor_parallel | zero3
+    generation_loop: str  # resolved: own | hf
+    tp_size: int  # ranks per tensor-parallel group
+    tp_unsupported: str | None  # why tensor_parallel cannot split the policy (None: it can)
     resident_bytes: int
     phases: list[Phase]
     peak_gpu_bytes: int
@@ -455,11 +462,6 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
                     d.offload_param, states)
 
 
-def tp_splits(shape: ModelShape, tp: int) -> bool:
-    """The engine's tensor_parallel.unshardable rule: heads, KV heads and MLP width divide."""
-    return not (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)
-
-
 def tp_shard_params(shape: ModelShape, tp: int) -> int:
     """Parameters of one rank's tensor-parallel replica: the attention and MLP projections of
     every layer split tp ways (Llama layout: q, k, v, o and gate, up, down), the rest whole."""
@@ -495,16 +497,14 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
 
     # generation: the policy decodes gen_batch prompts with a KV cache
     replica = 2 * ps.params
-    tp = cfg.generation.tp_size or cluster.gpus_per_node
+    # the engine's decision (generation_choice), on the free memory of this plan
+    choice = choose_generation(
+        cfg.generation, shapes.policy_config, cfg.generation.tp_size or cluster.gpus_per_node,
+        replica_bytes=lambda n: 2 * tp_shard_params(ps, n),
+        free_bytes=lambda: cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES,
+        linears=ps.decoder_linears)
+    mode, tp = choice.mode, choice.tp_size
     shard = 2 * tp_shard_params(ps, tp)
-    # The same rule as the engine's generation.choose_mode, on the free memory of this plan.
-    mode = cfg.generation.mode
-    if mode == "auto":
-        budget = cfg.generation.replica_memory_fraction * (
-            cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES)
-        mode = ("gathered" if replica <= budget else
-                "tensor_parallel" if tp > 1 and tp_splits(ps, tp) and shard <= budget else
-                "zero3")
     gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
     batch, kv_share = gen_batch, 1
     if mode == "gathered":
@@ -587,6 +587,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     return Plan(
         cluster=cluster, roles=roles, seq_prompt=prompt, seq_response=response, micro_batch=micro,
         score_micro_batch=score_micro, gen_batch=gen_batch, generation_mode=mode,
+        generation_loop=choice.loop, tp_size=tp, tp_unsupported=choice.tp_unsupported,
         resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
         peak_phase=peak.name, cpu_bytes_per_node=cpu,
         fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
@@ -613,7 +614,7 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
         if rp.trained and not getattr(cfg, role).gradient_checkpointing:
             levers.append(Lever(f"gradient checkpointing for the {role}",
                                 (f"{role}.gradient_checkpointing=true",)))
-    if plan.generation_mode == "gathered":
+    if plan.generation_mode == "gathered" and plan.tp_unsupported is None:
         levers.append(Lever("split the generation replica over the GPUs of a node",
                             ("generation.mode=tensor_parallel",)))
     if plan.generation_mode in ("gathered", "tensor_parallel"):
@@ -700,8 +701,12 @@ def plan(cfg: Config, cluster: Cluster, shapes: RoleShapes | None = None) -> Pla
     if result.fits:
         return result
     steps = find_levers(cfg, shapes, cluster, result)
+    notes = result.notes
+    if result.tp_unsupported and result.tp_size > 1:  # why the lever list lacks it
+        notes = notes + [f"generation.mode=tensor_parallel (tp_size {result.tp_size}) is no "
+                         f"option for this policy: {result.tp_unsupported}"]
     return replace(result, biggest_lever=steps[0] if steps else None, lever_path=steps,
-                   min_nodes=min_nodes_that_fit(cfg, shapes, cluster))
+                   min_nodes=min_nodes_that_fit(cfg, shapes, cluster), notes=notes)
 
 
 # ------------------------------------------------------------------------------ output
