@@ -308,6 +308,7 @@ def test_plan_and_engine_choose_the_same_generation(tmp_path, monkeypatch, model
     tight = P.plan(gathered, P.Cluster(1, 2, int(0.001 * GiB)))
     levers = [o for lever in P.candidate_levers(gathered, tight) for o in lever.overrides]
     assert ("generation.mode=tensor_parallel" in levers) == splits
+    assert any("tensor_parallel (tp_size 2) is no option" in n for n in tight.notes) != splits
     asked = load_config(cfg_path, ["generation.mode=tensor_parallel"])
     if splits:
         assert P.plan(asked, cluster).generation_mode == engine_mode(asked) == "tensor_parallel"
