@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ds_ppo.errors import ConfigError
+from ds_ppo.role_names import INFERENCE_ROLES, TRAINED_ROLES
 
-TRAINED_ROLES = ("policy", "value")
-INFERENCE_ROLES = ("reference", "reward")
 
 
 def templates_dir() -> Path:

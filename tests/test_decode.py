@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
 
 from ds_ppo.algo import response_mask
-from ds_ppo.engine.decode import decode, unsupported
+from ds_ppo.engine.decode import decode
+from ds_ppo.generation_choice import own_loop_unsupported as unsupported
 
 V, PAD, EOS = 300, 0, 1
 

@@ -20,6 +20,7 @@ from ds_ppo import plan as P
 from ds_ppo.config import load_config, validate
 from ds_ppo.ds_templates import auto_keys, default_template, load_template, templates_dir
 from ds_ppo.errors import ConfigError
+from ds_ppo.generation_choice import unshardable
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -254,7 +255,8 @@ def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
     # SMALL_ARCH per layer: q 64x64, k and v 64x32, o 64x64 (attention: 64*16*(2*4+2*2)
     # = 12,288), gate/up/down 3x64x128 = 24,576; 2 layers = 73,728 split parameters
     assert shape.params - P.tp_shard_params(shape, 2) == 73_728 // 2
-    assert P.tp_splits(shape, 2) and not P.tp_splits(shape, 4)  # 2 KV heads
+    hf = P._hf_config(None, SMALL_ARCH)
+    assert unshardable(hf, 2) is None and "tp_size=4" in unshardable(hf, 4)  # 2 KV heads
     replica, shard = 2 * shape.params, 2 * P.tp_shard_params(shape, 2)
 
     def mode_at(gpu_bytes, gpus=2, *extra):
@@ -268,6 +270,54 @@ def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
     assert mode_at((replica + shard) // 2) == "tensor_parallel"
     assert mode_at((replica + shard) // 2, 1) == "zero3"  # one GPU: nothing to split over
     assert mode_at(shard - 1) == "zero3"
+
+
+@pytest.mark.parametrize("model_type,splits", [("llama", True), ("phi3", False)])
+def test_plan_and_engine_choose_the_same_generation(tmp_path, monkeypatch, model_type, splits):
+    """`ds-ppo plan` and the engine resolve generation.mode by one function. phi3 divides as
+    SMALL_ARCH does (4 heads, 2 KV heads, width 128 over 2 GPUs) but tensor_parallel refuses it
+    (fused qkv_proj / gate_up_proj, not a checked family): the plan neither picks tensor_parallel
+    where the engine picks zero3, nor offers it as a lever, nor plans it when it is asked for."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_ppo.engine import generation
+
+    arch = {**SMALL_ARCH, "model_type": model_type, "pad_token_id": 0}
+    cfg_path = small_config(tmp_path, policy={"arch": arch})
+    cfg = load_config(cfg_path, ["generation.mode=auto"])
+    shape = P.plan(cfg, P.Cluster(1, 2, 80 * GiB)).roles["policy"].shape
+    replica, shard = 2 * shape.params, 2 * P.tp_shard_params(shape, 2)
+    free = replica + shard  # x fraction 0.5: the shard fits, the whole replica does not
+    base = P.plan(cfg, P.Cluster(1, 2, 80 * GiB))
+    cluster = P.Cluster(1, 2, base.resident_bytes + P.RUNTIME_OVERHEAD_BYTES + free)
+    planned = P.plan(cfg, cluster)
+
+    model = AutoModelForCausalLM.from_config(P._hf_config(None, arch))  # the plan's HF config
+    monkeypatch.setattr(generation.dist, "local_world_size", lambda: 2)
+    monkeypatch.setattr(generation, "_least_free_bytes", lambda device: float(free))
+
+    def engine_mode(c):
+        return generation.choose_mode(c.generation, model, torch.bfloat16, torch.device("cpu"))
+
+    assert generation._param_bytes(model, torch.bfloat16) == replica  # same memory, both sides
+    mode = engine_mode(cfg)
+    assert planned.generation_mode == mode == ("tensor_parallel" if splits else "zero3")
+    assert planned.generation_loop == generation.choose_loop(cfg.generation, mode, model.config)
+    gathered = load_config(cfg_path, ["generation.mode=gathered"])
+    tight = P.plan(gathered, P.Cluster(1, 2, int(0.001 * GiB)))
+    levers = [o for lever in P.candidate_levers(gathered, tight) for o in lever.overrides]
+    assert ("generation.mode=tensor_parallel" in levers) == splits
+    assert any("tensor_parallel (tp_size 2) is no option" in n for n in tight.notes) != splits
+    asked = load_config(cfg_path, ["generation.mode=tensor_parallel"])
+    if splits:
+        assert P.plan(asked, cluster).generation_mode == engine_mode(asked) == "tensor_parallel"
+    else:
+        with pytest.raises(ConfigError, match="model_type 'phi3'") as refused:
+            engine_mode(asked)
+        with pytest.raises(ConfigError) as planned_refusal:
+            P.plan(asked, cluster)
+        assert str(planned_refusal.value) == str(refused.value)
 
 
 def test_tiny_gpu_names_a_lever_from_the_config(tmp_path):

@@ -23,7 +23,8 @@ bound. This loop instead:
 The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
 every layer attends to the full causal context, with the sdpa or eager attention kernel;
-`unsupported()` says why a model is not served and `generation.loop=auto` then uses HF generate.
+`ds_ppo.generation_choice.own_loop_unsupported()` says why a model is not served and
+`generation.loop=auto` then uses HF generate.
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ from ds_ppo.forward import position_ids
 
 log = logging.getLogger("ds_ppo")
 
-ATTENTION_KERNELS = ("sdpa", "eager")  # the kernels that take our 4D masks
 GROUPED_SDPA = "ds_ppo_grouped_sdpa"  # our attention function for sdpa models (registered lazily)
 WARMUP_STEPS = 2  # eager steps before capture (lazy allocations, cuBLAS workspaces)
 
@@ -53,23 +53,6 @@ class DecodeStats:
     steps: int  # decoding steps run (tokens per sequence, the prefill's one included)
     graph: bool  # the steps after the warm-up were replayed from a CUDA graph
     graph_error: str | None = None  # why capturing failed (the loop went on eagerly)
-
-
-def unsupported(config) -> str | None:
-    """Why our loop cannot serve a model with this HF config, or None when it can."""
-    attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn not in ATTENTION_KERNELS:
-        return (f"attention kernel {attn!r} does not take a 4D mask (supported: "
-                f"{', '.join(ATTENTION_KERNELS)})")
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported"
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        return f"layer types {other} (only full causal attention is supported)"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"sliding-window attention (sliding_window={config.sliding_window})"
-    return None
 
 
 def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

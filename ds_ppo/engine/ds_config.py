@@ -6,16 +6,15 @@ import copy
 import json
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.errors import ConfigError
+from ds_ppo.role_names import TRAINED_ROLES, Role
 
 log = logging.getLogger("ds_ppo")
-Role = Literal["policy", "value", "reference", "reward"]
-TRAINED: tuple[Role, ...] = ("policy", "value")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -63,7 +62,7 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
         raise ConfigError(f"deepspeed.{role}.config = {str(path)!r}: cannot read it: {e}") from None
     ds = copy.deepcopy(ds)
     d = getattr(cfg.deepspeed, role)
-    if role in TRAINED:
+    if role in TRAINED_ROLES:
         micro, accum = cfg.ppo.micro_batch_size, grad_accum_steps(cfg, world_size)
         clip = getattr(cfg, role).max_grad_norm
         ds["gradient_clipping"] = float(clip) if clip is not None else 0.0
@@ -81,8 +80,8 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     if d.zero_stage == "auto":
         log.info("deepspeed.%s.zero_stage auto -> %d (world size %d%s)", role, stage, world_size,
                  ", universal checkpoint" if load_universal else "")
-    zero["stage"] = stage if role in TRAINED or stage == 3 else 0
-    if d.offload_optimizer and role in TRAINED:
+    zero["stage"] = stage if role in TRAINED_ROLES or stage == 3 else 0
+    if d.offload_optimizer and role in TRAINED_ROLES:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     elif "offload_optimizer" in zero and not d.offload_optimizer and d.config is None:
         zero.pop("offload_optimizer")
@@ -91,7 +90,7 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     elif "offload_param" in zero and d.config is None:
         zero.pop("offload_param")
     _resolve_auto(zero, hidden_size)
-    if load_universal and role in TRAINED:
+    if load_universal and role in TRAINED_ROLES:
         ds.setdefault("checkpoint", {})["load_universal"] = True
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)

@@ -34,12 +34,11 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.decode import DecodeStats, decode
-from ds_ppo.engine.decode import unsupported as decode_unsupported
 from ds_ppo.engine.lora import plain_model, replica_weights
 from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
-                                           shard_modules, shard_of, split_dim, tp_group,
-                                           unshardable)
-from ds_ppo.errors import ConfigError
+                                           shard_modules, shard_of, split_dim, tp_group)
+from ds_ppo.generation_choice import (REPLICA_MODES, choose_generation, choose_loop,
+                                      decoder_linears)
 
 log = logging.getLogger("ds_ppo")
 
@@ -66,48 +65,36 @@ def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) 
     return n * torch.finfo(dtype).bits // 8
 
 
-def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dtype,
-                device: torch.device) -> str:
-    """Resolve `auto` by a memory estimate: `gathered` when the whole replica fits in
-    generation.replica_memory_fraction of free device memory, else `tensor_parallel` when a
-    1/tp_size shard does (and the model splits), else `zero3`. Free memory is the least over
-    all ranks, so every rank picks the same mode (different modes would hang)."""
-    if cfg.mode in ("gathered", "zero3"):
-        return cfg.mode
-    tp = cfg.tp_size or dist.local_world_size()
-    config = getattr(module, "config", None)
-    why_not_tp = unshardable(config, tp, module) if config is not None else "no HF config"
-    if cfg.mode == "tensor_parallel":
-        if why_not_tp:
-            raise ConfigError(f"generation.mode=tensor_parallel: {why_not_tp}; set "
-                              "generation.tp_size to a divisor of them, or generation.mode=auto")
-        return cfg.mode
+def _least_free_bytes(device: torch.device) -> float:
+    """Free device memory (host memory on CPU), the least over all ranks (a collective), so
+    every rank picks the same mode (different modes would hang)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         import psutil
 
         free = psutil.virtual_memory().available
-    free = -float(dist.all_reduce_max(
+    return -float(dist.all_reduce_max(
         torch.tensor([-float(free)], dtype=torch.float64, device=device)).item())
-    budget = cfg.replica_memory_fraction * free
-    need = _param_bytes(module, dtype)
-    shard = _param_bytes(module, dtype, tp) if tp > 1 and not why_not_tp else None
-    if need <= budget:
-        mode = "gathered"
-    elif shard is not None and shard <= budget:
-        mode, need = "tensor_parallel", shard
-    else:
-        mode = "zero3"
-    if dist.is_main():
+
+
+def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dtype,
+                device: torch.device) -> str:
+    """Resolve generation.mode for this policy module by `generation_choice.choose_generation`
+    (the rule `ds-ppo plan` applies too): `auto` weighs the module's replica bytes against the
+    least free memory over all ranks."""
+    choice = choose_generation(
+        cfg, getattr(module, "config", None), cfg.tp_size or dist.local_world_size(),
+        replica_bytes=lambda tp: _param_bytes(module, dtype, tp),
+        free_bytes=lambda: _least_free_bytes(device), linears=decoder_linears(module))
+    if cfg.mode == "auto" and dist.is_main():
         log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
-                 "fraction %.2f)", mode, need / 2**30,
-                 f" per rank, tp_size {tp}" if mode == "tensor_parallel" else "",
-                 free / 2**30, cfg.replica_memory_fraction)
-    return mode
+                 "fraction %.2f)", choice.mode, choice.replica_bytes / 2**30,
+                 f" per rank, tp_size {choice.tp_size}" if choice.mode == "tensor_parallel"
+                 else "", choice.free_bytes / 2**30, cfg.replica_memory_fraction)
+    return choice.mode
 
 
-REPLICA_MODES = ("gathered", "tensor_parallel")  # the modes that decode on a hook-free replica
 GATHER_CHUNK_NUMEL = 2**27  # elements per all-gather while copying weights (256 MiB in 16-bit)
 
 
@@ -177,23 +164,6 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     replica.config.use_cache = True
     replica.eval()
     return replica
-
-
-def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> str:
-    """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.decode) or
-    `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus). The trainer
-    calls it once at start-up, so an unusable loop=own fails before the first rollout."""
-    if mode not in REPLICA_MODES or cfg.loop == "hf":
-        return "hf"
-    reason = decode_unsupported(model_config)
-    if cfg.loop == "own":
-        if reason:
-            raise ConfigError(f"generation.loop=own cannot serve this policy: {reason}; set "
-                              "generation.loop=auto (or hf) to use HF generate")
-        return "own"
-    if reason or cfg.cache_implementation != "dynamic" or cfg.compile:
-        return "hf"
-    return "own"
 
 
 def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> dict:

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-# Families whose sharded replica was checked to decode exactly as the whole one (two gloo ranks,
-# float32). Others may hold layers that mix heads (e.g. OLMo-2 normalises q over all heads)
-# and would silently compute something else.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite")
+from ds_ppo.generation_choice import COLUMN, ROW  # the layers split, and which way
 
 
 @dataclass(frozen=True)
@@ -66,38 +61,6 @@ def tp_group(size: int) -> TPGroup:
             group = g
     _GROUPS[size] = TPGroup(group=group, size=size, rank=rank - first, first=first)
     return _GROUPS[size]
-
-
-def unshardable(config, size: int, model: torch.nn.Module | None = None) -> str | None:
-    """Why a model with this HF config (and, when given, these modules) cannot be split over
-    `size` ranks, or None. The modules must be Llama-shaped: every linear layer inside the
-    decoder layers is one of COLUMN + ROW (fused qkv_proj / gate_up_proj or MoE experts are
-    not split)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        return (f"model_type {model_type!r} is not one tensor_parallel has been checked on "
-                f"({', '.join(MODEL_TYPES)})")
-    if model is not None:
-        # a LoRA layer (engine/lora.py) counts as its base layer: the replica holds it merged
-        leaves = {name.removesuffix(".base_layer").rsplit(".", 1)[-1]
-                  for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
-                  and ".lora_" not in name}
-        others = sorted(leaves - set(COLUMN + ROW))
-        if others:
-            return (f"linear layers {others[:4]} in the decoder layers (tensor_parallel splits "
-                    f"only {', '.join(COLUMN + ROW)})")
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    width = getattr(config, "intermediate_size", None)
-    if heads is None or width is None:
-        return f"{type(config).__name__} has no num_attention_heads / intermediate_size"
-    bad = [f"{name}={n}" for name, n in (("num_attention_heads", heads),
-                                         ("num_key_value_heads", kv_heads),
-                                         ("intermediate_size", width)) if n % size]
-    if bad:
-        return f"{', '.join(bad)} not divisible by tp_size={size}"
-    return None
 
 
 class RowParallelLinear(torch.nn.Module):

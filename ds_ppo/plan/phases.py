@@ -1,0 +1,254 @@
+"""The plan of one config on one cluster: model states per role and the peak per GPU over the
+phases of an iteration (generation, scoring, training)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ds_ppo.config import Config, reference_from_policy_base, validate
+from ds_ppo.errors import ConfigError
+from ds_ppo.generation_choice import choose_generation
+from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
+                                     prefill_activation_bytes, train_activation_bytes)
+from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params
+from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
+from ds_ppo.role_names import ROLES, TRAINED_ROLES
+
+# CUDA context, NCCL communicators, DeepSpeed's bucket buffers and allocator fragmentation: a
+# fixed per-GPU allowance, since none of them scale with the model in a way worth modelling.
+RUNTIME_OVERHEAD_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_bytes: int
+    cpu_mem_bytes: int | None = None  # per node; None = unchecked
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str
+    shape: ModelShape | None  # None: a reward function / the LoRA policy's base
+    trained: bool
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    states: ModelStates
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One moment of an iteration: the resident model states of every role plus what this
+    moment adds on each GPU."""
+
+    name: str
+    transient: dict[str, int]  # term -> bytes per GPU
+
+    def total(self, resident: int) -> int:
+        return resident + RUNTIME_OVERHEAD_BYTES + sum(self.transient.values())
+
+
+@dataclass(frozen=True)
+class Lever:
+    description: str
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LeverEffect:
+    lever: Lever
+    saves_bytes: int  # peak GPU bytes per rank before minus after
+    peak_after_bytes: int
+    cpu_after_bytes: int  # CPU bytes per node after it (offloading moves memory there)
+    fits_after: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: Cluster
+    roles: dict[str, RolePlan]
+    seq_prompt: int
+    seq_response: int
+    micro_batch: int
+    score_micro_batch: int
+    gen_batch: int
+    generation_mode: str  # resolved: gathered | tensor_parallel | zero3
+    generation_loop: str  # resolved: own | hf
+    tp_size: int  # ranks per tensor-parallel group
+    tp_unsupported: str | None  # why tensor_parallel cannot split the policy (None: it can)
+    resident_bytes: int
+    phases: list[Phase]
+    peak_gpu_bytes: int
+    peak_phase: str
+    cpu_bytes_per_node: int
+    fits_gpu: bool
+    fits_cpu: bool | None
+    notes: list[str] = field(default_factory=list)
+    biggest_lever: LeverEffect | None = None
+    lever_path: list[LeverEffect] = field(default_factory=list)  # greedy, biggest first
+    min_nodes: int | None = None  # smallest node count that fits as configured
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_cpu is not False
+
+
+def _lora_states(shape: ModelShape, adapters: int, cluster: Cluster, d) -> ModelStates:
+    """A LoRA role: the frozen 16-bit base (as a frozen role) + the trained adapters' states."""
+    base = inference_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
+                            cluster.nodes, d.zero_stage, d.offload_param)
+    ad = train_states(adapters, 0, cluster.gpus_per_node, cluster.nodes, d.zero_stage,
+                      d.offload_optimizer, d.offload_param)
+    return ModelStates(base.gpu_bytes_per_rank + ad.gpu_bytes_per_rank, base.gather_bytes,
+                       base.cpu_bytes_per_node + ad.cpu_bytes_per_node)
+
+
+def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
+    d = getattr(cfg.deepspeed, role)
+    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})  # resolve auto
+    trained = role in TRAINED_ROLES
+    lora = getattr(cfg, role).lora if trained else None
+    if shape is None:
+        states = ModelStates(0, 0, 0)
+    elif lora is not None:  # the value head (hidden x 1) is trained fully
+        states = _lora_states(shape, lora_params(shape, lora)
+                              + (shape.hidden if role == "value" else 0), cluster, d)
+    elif trained:
+        states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
+                              cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
+    else:
+        states = inference_states(shape.params, shape.largest_layer_params,
+                                  cluster.gpus_per_node, cluster.nodes, d.zero_stage,
+                                  d.offload_param)
+    return RolePlan(role, shape, trained, d.zero_stage, d.offload_optimizer and trained,
+                    d.offload_param, states)
+
+
+def _forward_gather(rp: RolePlan) -> int:
+    """A forward-only pass gathers 16-bit weights: 2 bytes per param of the largest layer."""
+    return 2 * rp.shape.largest_layer_params if rp.zero_stage == 3 else 0
+
+
+def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
+    """Model states per role and the peak per GPU over generation, scoring and training."""
+    # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
+    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
+             if r != "value" or cfg.ppo.uses_critic}
+    resident = sum(rp.states.resident_bytes for rp in roles.values())
+    prompt, response = cfg.data.max_prompt_len, cfg.generation.max_new_tokens
+    seq = prompt + response
+    micro = cfg.ppo.micro_batch_size
+    score_micro = cfg.ppo.score_micro_batch_size or micro
+    # a rank's responses: its prompts x ppo.samples_per_prompt
+    per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
+                                / cluster.world_size))
+    # a rank decodes at most its own responses at once (a tensor-parallel group: tp x that)
+    gen_batch = min(cfg.generation.batch_size or per_rank, per_rank)
+    pol = roles["policy"]
+    ps = pol.shape
+    phases: list[Phase] = []
+
+    # generation: the policy decodes gen_batch prompts with a KV cache
+    replica = 2 * ps.params
+    # the engine's decision (generation_choice), on the free memory of this plan
+    choice = choose_generation(
+        cfg.generation, shapes.policy_config, cfg.generation.tp_size or cluster.gpus_per_node,
+        replica_bytes=lambda n: 2 * tp_shard_params(ps, n),
+        free_bytes=lambda: cluster.gpu_mem_bytes - resident - RUNTIME_OVERHEAD_BYTES,
+        linears=ps.decoder_linears)
+    mode, tp = choice.mode, choice.tp_size
+    shard = 2 * tp_shard_params(ps, tp)
+    gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
+    batch, kv_share = gen_batch, 1
+    if mode == "gathered":
+        gen = {"16-bit policy replica": replica, "layer gather while copying": gather}
+    elif mode == "tensor_parallel":  # the group decodes its ranks' prompts together
+        batch = min(cfg.generation.batch_size or tp * gen_batch, tp * gen_batch)
+        kv_share = tp
+        gen = {f"16-bit policy replica shard (1/{tp} of each layer)": shard,
+               "layer gather while copying": gather}
+    else:
+        gen = {"layer gather (ZeRO-3 hooks)": gather}
+    gen_common = {
+        "KV cache": kv_cache_bytes(ps, seq, batch) // kv_share,
+        "prefill activations (one layer)": prefill_activation_bytes(
+            ps, prompt, batch, cfg.policy.attn_implementation == "eager", kv_share),
+        "fp32 logits of one step": batch * ps.vocab * 4,
+    }
+    phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))
+
+    # scoring: one forward per model role over the rollout, score_micro sequences at a time
+    for role in ("reference", "policy", "value", "reward"):
+        rp = roles.get(role)
+        if rp is None or rp.shape is None:
+            continue
+        tokens = min(seq, cfg.reward.max_len) if role == "reward" else seq
+        eager = (cfg.policy.attn_implementation if role in ("policy", "reference")
+                 else cfg.value.attn_implementation if role == "value"
+                 else "sdpa") == "eager"
+        t = {"layer gather": _forward_gather(rp),
+             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, score_micro,
+                                                               eager)}
+        if role in ("policy", "reference"):
+            t["logits"] = logits_bytes(rp.shape, tokens, score_micro)
+        phases.append(Phase(f"scoring: {role}", t))
+
+    # training: forward + backward of one micro-batch of each trained role
+    for role in (r for r in TRAINED_ROLES if r in roles):
+        rp, section = roles[role], getattr(cfg, role)
+        gather = rp.states.gather_bytes
+        t = {"layer gather (weights + grads)": gather,
+             "activations" + (" (checkpointed)" if section.gradient_checkpointing else ""):
+                 train_activation_bytes(rp.shape, seq, micro, section.gradient_checkpointing,
+                                        section.attn_implementation == "eager")}
+        if role == "policy":
+            t["logits"] = logits_bytes(rp.shape, seq, micro)
+        phases.append(Phase(f"training: {role}", t))
+
+    peak = max(phases, key=lambda p: p.total(resident))
+    cpu = sum(rp.states.cpu_bytes_per_node for rp in roles.values())
+    notes = list(shapes.notes)
+    for role in roles:
+        dtype = getattr(cfg, role).dtype if role in TRAINED_ROLES else cfg.policy.dtype
+        if dtype == "fp32" and roles[role].shape is not None:
+            notes.append(f"{role} dtype fp32: the plan assumes 16-bit weights and activations; "
+                         "fp32 roughly doubles both")
+            break
+    if "value" not in roles:
+        notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
+                     "no value model (no weights, gradients or optimizer state for it)")
+    for role in (r for r in TRAINED_ROLES if r in roles):
+        lora, shape = getattr(cfg, role).lora, roles[role].shape
+        if lora is not None:
+            n = lora_params(shape, lora)
+            notes.append(f"{role}.lora r={lora.r} on {lora.target_modules}: {_params(n)} adapter "
+                         f"params ({100 * n / shape.params:.2f}%) with grads and optimizer "
+                         "state; the base is frozen 16-bit weights")
+    if reference_from_policy_base(cfg):
+        notes.append("reference: the policy's base with its adapters off (no reference role; "
+                     "its scoring forward costs what the policy's does)")
+    for role in (r for r in TRAINED_ROLES if r in roles):
+        d = getattr(cfg.deepspeed, role)
+        if d.offload_param and not d.offload_optimizer:
+            notes.append(f"deepspeed.{role}: offload_param without offload_optimizer keeps the "
+                         "optimizer state on the GPU")
+    try:
+        validate(cfg, cluster.world_size)
+    except ConfigError as e:
+        notes.append(f"the config does not validate for world size {cluster.world_size}: "
+                     + str(e).replace("invalid config:\n  ", "").replace("\n  ", "; "))
+    return Plan(
+        cluster=cluster, roles=roles, seq_prompt=prompt, seq_response=response, micro_batch=micro,
+        score_micro_batch=score_micro, gen_batch=gen_batch, generation_mode=mode,
+        generation_loop=choice.loop, tp_size=tp, tp_unsupported=choice.tp_unsupported,
+        resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
+        peak_phase=peak.name, cpu_bytes_per_node=cpu,
+        fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
+        fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
+        notes=notes)
