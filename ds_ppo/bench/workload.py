@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ds_ppo.role_names import ROLES
+
 # Per shape: the architecture and the default batch. `1b` is the 0.85B model the device notes
 # measured (untied embeddings); `tiny` runs in seconds on a CPU.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -24,7 +26,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         prompts=64, prompt_len=256, new_tokens=256, iterations=3, micro_batch=16,
         score_micro_batch=32),
 }
-ROLES = ("policy", "value", "reference", "reward")
 
 
 class BenchTokenizer:
