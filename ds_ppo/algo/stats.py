@@ -6,7 +6,8 @@ read: they are replaced by 0 with ``torch.where`` before any arithmetic, so NaN/
 garbage there cannot leak into results or gradients.
 
 Every reduction here is per-rank (this process's tensor only), except
-``masked_whiten(..., distributed=True)``, which reduces across the data-parallel group.
+``masked_whiten(..., distributed=True)`` and ``explained_variance(..., distributed=True)``,
+which reduce across the data-parallel group.
 
 Imports only torch.
 """
