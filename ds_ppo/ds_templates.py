@@ -3,8 +3,10 @@
 The templates hold everything about ZeRO and offload; the keys that depend on the run
 (batch sizes, precision, clipping) are the string "auto" in every template and are filled in
 by the engine from the one config, so no number lives in two places. ``auto_keys`` lists
-what is still "auto", so the engine can assert that it filled everything: DeepSpeed itself
-accepts some "auto" strings silently (``bf16.enabled = "auto"`` reads as true).
+what is still "auto"; the engine (``build_ds_config``) refuses a config in which anything is
+left after filling (a key of the user's own ``deepspeed.<role>.config`` that ds_ppo does not
+fill), because DeepSpeed itself accepts some "auto" strings silently (``bf16.enabled =
+"auto"`` reads as true).
 
 Imports only the standard library.
 """

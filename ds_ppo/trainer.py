@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.algo import (AdaptiveKLController, FixedKLController, group_score_stats,
-                         log_ratio_clamped)
+from ds_ppo.algo import (AdaptiveKLController, FixedKLController, explained_variance,
+                         group_score_stats, log_ratio_clamped)
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
@@ -320,12 +320,9 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     if exp.reward_retries is not None:
         acc.add_sum("reward/retries", exp.reward_retries)
     if exp.old_values is not None:
-        # explained variance over all ranks' valid tokens: 1 - Var[R - V] / Var[R]
-        ret, err = exp.returns * mask, (exp.returns - exp.old_values) * mask
-        acc.add_mean("_ev/r", float(ret.sum()), float(mask.sum()))
-        acc.add_mean("_ev/r2", float((ret ** 2).sum()), float(mask.sum()))
-        acc.add_mean("_ev/e", float(err.sum()), float(mask.sum()))
-        acc.add_mean("_ev/e2", float((err ** 2).sum()), float(mask.sum()))
+        # over all ranks' valid tokens (its own all-reduces): the same value on every rank
+        acc.add_replicated("value/explained_variance",
+                           float(explained_variance(exp.old_values, exp.returns, exp.mask)))
     if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
         std, constant = group_score_stats(exp.scores, group_size)
         acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
@@ -344,10 +341,6 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     total_tokens = m["response/tokens_total"]
     m["score/std"] = std_from_moments(m["score/mean"], m.pop("score/sq_mean"))
     m["reward/std"] = std_from_moments(m["reward/mean"], m.pop("reward/sq_mean"))
-    if "_ev/r" in m:
-        var_r = m.pop("_ev/r2") - m.pop("_ev/r") ** 2
-        var_e = m.pop("_ev/e2") - m.pop("_ev/e") ** 2
-        m["value/explained_variance"] = 1.0 - var_e / var_r if var_r > 0 else math.nan
     # response tokens of the whole job per second of each phase (the slowest rank's time)
     for phase in ("generation", "scoring", "update"):
         m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)

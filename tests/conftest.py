@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,6 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
          "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.keep_last=2",
          "checkpoint.export_at_end=false"]
+
+
+def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """(B,) long response lengths (tokens that count, EOS included) -> (B, T) bool prefix mask,
+    the shape of every mask ds_ppo.algo.response_mask derives (a test helper)."""
+    positions = torch.arange(T, device=lengths.device)
+    return positions.unsqueeze(0) < lengths.unsqueeze(-1)
 
 
 def free_port() -> int:

@@ -27,7 +27,6 @@ from ds_ppo.algo import (
     last_valid_index,
     LOG_RATIO_CLAMP,
     logprobs_from_logits,
-    mask_from_lengths,
     masked_mean,
     masked_sum,
     masked_var,
@@ -37,6 +36,7 @@ from ds_ppo.algo import (
     shape_rewards,
     value_loss,
 )
+from conftest import mask_from_lengths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GARBAGE = (float("nan"), float("inf"), -float("inf"), 1e30)
@@ -161,6 +161,28 @@ def test_explained_variance():
     assert explained_variance(values, returns, mask).item() == pytest.approx(0.75)
     assert explained_variance(fill_outside(values, mask, float("nan")), returns, mask).item() == pytest.approx(0.75)
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask).item())
+
+
+def test_explained_variance_large_mean_small_variance_float32():
+    # Returns near 1e4 that vary by 0.01, in float32 as the trainer holds them: E[x^2] - E[x]^2
+    # (the formula the trainer's metric used) loses every digit; the two-pass one does not.
+    g = torch.Generator().manual_seed(0)
+    mask = random_prefix_mask(8, 64, g, min_len=8)
+    returns = 1e4 + 0.01 * torch.randn(8, 64, generator=g)
+    values = returns - 0.005 * torch.randn(8, 64, generator=g)  # error std 0.005: about 0.75
+    r, v = returns[mask].double(), values[mask].double()
+    expected = (1.0 - (r - v).var(unbiased=False) / r.var(unbiased=False)).item()
+    assert 0.6 < expected < 0.9
+    assert explained_variance(values, returns, mask).item() == pytest.approx(expected, abs=1e-6)
+
+    m, n = mask.float(), float(mask.sum())
+
+    def var_from_moments(x: torch.Tensor) -> float:  # float32 sums, then E[x^2] - E[x]^2
+        return float((x * x * m).sum()) / n - (float((x * m).sum()) / n) ** 2
+
+    assert abs(var_from_moments(returns) - r.var(unbiased=False).item()) > 1.0  # var ~ 1e-4
+    naive = 1.0 - var_from_moments(returns - values) / var_from_moments(returns)
+    assert not abs(naive - expected) < 0.2  # badly off (or NaN)
 
 
 # --------------------------------------------------------------------------- KL

@@ -1,15 +1,16 @@
-"""Data-parallel invariance of masked_whiten on two gloo ranks (CPU).
+"""Data-parallel invariance of masked_whiten and explained_variance on two gloo ranks (CPU).
 
 Two ranks holding different numbers of rows and different masks must whiten with
-the statistics of the concatenated batch, as one process would; distributed=False
-must give each rank its own statistics.
+the statistics of the concatenated batch, as one process would, and report its explained
+variance; distributed=False must give each rank its own statistics.
 """
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds_ppo.algo import mask_from_lengths, masked_whiten
+from ds_ppo.algo import explained_variance, masked_whiten
+from conftest import mask_from_lengths
 
 WORLD_SIZE = 2
 T = 6
@@ -22,6 +23,13 @@ def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask = mask_from_lengths(LENGTHS[rank], T)
     x = 3.0 + (rank + 1) * torch.randn(len(LENGTHS[rank]), T, generator=gen)  # ranks differ in mean and scale
     return torch.where(mask, x, torch.full_like(x, float("nan"))), mask
+
+
+def _values(rank: int) -> torch.Tensor:
+    """A critic's guess of rank's _batch: off by noise, NaN outside the mask."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    x = _batch(rank)[0]
+    return x + 0.5 * torch.randn(x.shape, generator=gen)
 
 
 def _reference(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -52,6 +60,13 @@ def _worker(rank: int, init_file: str) -> None:
             local = masked_whiten(x, mask, shift_mean=shift_mean, distributed=False)
             torch.testing.assert_close(local, _reference(x, mask, shift_mean))
             assert not torch.allclose(local, global_ref)  # the two scopes really differ here
+
+        everywhere = explained_variance(torch.cat([_values(r) for r in range(WORLD_SIZE)]),
+                                        x_all, mask_all)
+        values = _values(rank)
+        torch.testing.assert_close(explained_variance(values, x, mask), everywhere)
+        local = explained_variance(values, x, mask, distributed=False)
+        assert not torch.allclose(local, everywhere)
     finally:
         dist.destroy_process_group()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ds_ppo.algo import (discounted_returns, group_advantages, group_score_stats, kl_estimate,
-                         kl_loss, loss_divisor, loss_token_weights, mask_from_lengths,
-                         policy_loss)
+                         kl_loss, loss_divisor, loss_token_weights, policy_loss)
+from conftest import mask_from_lengths
 
 
 def _loop_group_advantages(scores: list[float], n: int, method: str, eps: float = 1e-6):

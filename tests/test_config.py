@@ -16,7 +16,7 @@ from conftest import REPO, clean_env, run_cli
 from ds_ppo.cli import main
 from ds_ppo.config import (Config, apply_overrides, describe, grad_accum_steps, load_config,
                            preset_names, validate, world_size_from_env, yaml_value)
-from ds_ppo.config import _load_yaml  # the reader of config files and overrides
+from ds_ppo.config.load import _load_yaml  # the reader of config files and overrides
 from ds_ppo.errors import ConfigError, UserError
 
 
@@ -417,7 +417,7 @@ def test_dry_run_loads_no_deepspeed_and_no_model_code():
 
 def test_config_doc_lists_every_key_with_its_description():
     """docs/CONFIG.md's tables are generated from `ds-ppo config --describe`; a key added or
-    re-described in config.py without regenerating them fails here."""
+    re-described in config/sections.py without regenerating them fails here."""
     import re
 
     doc = (REPO / "docs" / "CONFIG.md").read_text()

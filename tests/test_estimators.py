@@ -9,14 +9,14 @@ import types
 import pytest
 import torch
 
-from ds_ppo.algo import (discounted_returns, group_advantages, kl_estimate, mask_from_lengths,
-                         masked_whiten)
+from ds_ppo.algo import discounted_returns, group_advantages, kl_estimate, masked_whiten
 from ds_ppo.config import load_config
 from ds_ppo.containers import Experience, Rollout
 from ds_ppo.data.prompts import PromptSampler
 from ds_ppo.errors import UserError
 from ds_ppo.scoring import add_advantages
 from ds_ppo.update import minibatch_rows
+from conftest import mask_from_lengths
 
 
 @pytest.mark.parametrize("epoch", [0, 1])

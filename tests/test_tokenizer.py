@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from ds_ppo.data import POSITIVE_WORDS
-from ds_ppo.data.reencode import (decode_responses, encode_for_reward,
-                                  reencode_for, same_tokenizer)
+from ds_ppo.data.reencode import decode_responses, encode_for_reward, same_tokenizer
 from ds_ppo.data.tokenizer import (CHAT_TEMPLATE, load_tokenizer, tiny_corpus_path,
                                    train_tokenizer)
 from ds_ppo.errors import ConfigError, DataError, UserError
@@ -236,7 +235,7 @@ def test_reencode_between_different_tokenizers(bpe_dir, tiny):
     got_prompts, got_responses = decode_responses(policy, prompt_ids, response_ids)
     assert got_prompts == prompts and got_responses == responses  # spaces kept at the seam
 
-    ids, mask, cut = reencode_for(policy, reward, prompt_ids, response_ids, max_len=64)
+    ids, mask, cut = encode_for_reward(reward, got_prompts, got_responses, max_len=64)
     assert ids.dtype == mask.dtype == torch.long and ids.shape == mask.shape
     assert not cut.any()
     last = last_token_index(mask)

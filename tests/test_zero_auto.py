@@ -43,6 +43,25 @@ def test_auto_stage_reaches_the_deepspeed_config():
     assert two["zero_optimization"]["stage"] == 3 and uni["zero_optimization"]["stage"] == 3
 
 
+def test_an_auto_key_ds_ppo_does_not_fill_is_a_config_error(tmp_path):
+    own = tmp_path / "own.json"  # as written for HF's Trainer, which fills these
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                                     "sub_group_size": "auto"},
+                               "bf16": {"enabled": "auto"}, "train_batch_size": "auto",
+                               "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    cfg = load_config(None, [f"deepspeed.policy.config={own}"])
+    with pytest.raises(ConfigError, match=r"deepspeed.policy.config = .*own.json.*: "
+                                          r"optimizer.params.lr still \"auto\""):
+        build_ds_config(cfg, "policy", 1, torch.float32, 64)
+    (ds := json.loads(own.read_text()))["optimizer"]["params"]["lr"] = 1e-5
+    own.write_text(json.dumps(ds))
+    filled = build_ds_config(cfg, "policy", 1, torch.float32, 64)  # the rest ds_ppo fills
+    assert filled["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert "sub_group_size" not in filled["zero_optimization"]  # DeepSpeed's default
+    assert filled["bf16"] == {"enabled": False}
+    assert filled["train_batch_size"] == cfg.ppo.mini_batch_size
+
+
 def test_stage0_checkpoint_on_another_world_size_is_a_config_error(tmp_path):
     ckpt = tmp_path / "iter_000002"
     for role in ("policy", "value"):

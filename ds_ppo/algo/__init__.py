@@ -23,7 +23,7 @@ from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLCo
                  KLEstimator, kl_estimate, log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
-from .masks import decode_attention_mask, last_valid_index, mask_from_lengths, response_mask
+from .masks import decode_attention_mask, last_valid_index, response_mask
 from .rewards import shape_rewards
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
@@ -58,7 +58,6 @@ __all__ = [
     "last_valid_index",
     "log_ratio_clamped",
     "logprobs_from_logits",
-    "mask_from_lengths",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -37,12 +37,6 @@ def response_mask(tokens: torch.Tensor, eos_token_ids: int | Sequence[int]) -> t
     return eos_before == 0
 
 
-def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
-    """(B,) long response lengths (tokens that count, EOS included) -> (B, T) bool prefix mask."""
-    positions = torch.arange(T, device=lengths.device)
-    return positions.unsqueeze(0) < lengths.unsqueeze(-1)
-
-
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """(B, T) mask -> (B,) long index of the last True position of each row; -1 for empty rows.
 

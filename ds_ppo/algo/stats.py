@@ -6,7 +6,8 @@ read: they are replaced by 0 with ``torch.where`` before any arithmetic, so NaN/
 garbage there cannot leak into results or gradients.
 
 Every reduction here is per-rank (this process's tensor only), except
-``masked_whiten(..., distributed=True)``, which reduces across the data-parallel group.
+``masked_whiten(..., distributed=True)`` and ``explained_variance(..., distributed=True)``,
+which reduce across the data-parallel group.
 
 Imports only torch.
 """
@@ -128,16 +129,24 @@ def masked_whiten(
     return torch.where(mask, whitened, torch.zeros((), dtype=whitened.dtype, device=x.device))
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var[returns - values] / Var[returns] over valid tokens (per-rank), a metric.
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       distributed: bool = True,
+                       group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+    """1 - Var[returns - values] / Var[returns] over valid tokens, a metric.
 
-    values, returns: (B, T); -> detached 0-dim float tensor. 1 is a perfect critic, 0
+    values, returns: (B, T); -> detached 0-dim float64 tensor. 1 is a perfect critic, 0
     is no better than predicting the mean, negative is worse. NaN when returns have no
     variance (CleanRL's ppo.py convention: explained variance is undefined there).
+
+    Reduction scope as in masked_whiten: over the valid tokens of all ranks in ``group`` when
+    a process group of more than one rank is active and distributed=True (a collective: every
+    rank must call it), else per-rank. The variances are two-pass in float64
+    (``_masked_moments``): E[x^2] - E[x]^2 loses every digit when |mean| >> std.
     """
+    across_ranks = distributed and _dist_active(group)
     with torch.no_grad():
-        var_returns = masked_var(returns, mask, unbiased=False)
-        var_error = masked_var(returns - values, mask, unbiased=False)
+        _, var_returns = _masked_moments(returns, mask, False, group, across_ranks)
+        _, var_error = _masked_moments(returns - values, mask, False, group, across_ranks)
         # where, not `if`, so no host sync for a metric.
         nan = torch.full_like(var_returns, float("nan"))
         return torch.where(var_returns == 0, nan, 1.0 - var_error / var_returns)

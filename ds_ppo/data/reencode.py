@@ -165,19 +165,6 @@ def rollout_for_reward(rollout: Rollout, max_len: int, bos_id: int | None
     return ids.gather(1, order), keep.gather(1, order).long(), too_long.squeeze(1)
 
 
-def reencode_for(tokenizer_from: PreTrainedTokenizerBase, tokenizer_to: PreTrainedTokenizerBase,
-                 prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                 max_len: int, append_eos: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Policy ids -> text -> reward-model ids: decode_responses then encode_for_reward.
-
-    Returns ``input_ids`` (B, L) and ``attention_mask`` (B, L), right-padded, for the
-    reward model's tokenizer ``tokenizer_to``, and the (B,) rows cut to max_len.
-    """
-    prompts, responses = decode_responses(tokenizer_from, prompt_ids, response_ids)
-    return encode_for_reward(tokenizer_to, prompts, responses, max_len, append_eos=append_eos)
-
-
 def _ends_with_eos(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
     return bool(tokenizer.eos_token) and text.rstrip().endswith(tokenizer.eos_token)
 

@@ -95,4 +95,11 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
+    from ds_ppo.ds_templates import auto_keys
+
+    if left := auto_keys(ds):  # DeepSpeed reads some "auto" strings silently ("auto" is truthy)
+        raise ConfigError(f"deepspeed.{role}.config = {str(path)!r}: {', '.join(left)} "
+                          "still \"auto\" after ds_ppo filled the keys it knows (batch sizes, "
+                          "precision, clipping, ZeRO bucket sizes): give them values in the "
+                          "file, or remove them for DeepSpeed's defaults")
     return ds

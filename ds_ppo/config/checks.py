@@ -1,0 +1,216 @@
+"""Cross-field rules of a parsed config that need the world size (``validate``, fatal, every
+problem listed with the key and the fix), warnings for settings that do nothing, and the
+numbers derived from several keys (optimizer steps, gradient accumulation).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ds_ppo.config.sections import Config, PPOConfig
+from ds_ppo.errors import ConfigError
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """Optimizer steps of the whole run (each role): iterations x epochs x mini-batches."""
+    p = cfg.ppo
+    return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt
+                                            // p.mini_batch_size)
+
+
+def reference_from_policy_base(cfg: Config) -> bool:
+    """Whether the reference log-probs come from the LoRA policy's base (adapters off)."""
+    from_base = cfg.reference.from_policy_base
+    if cfg.policy.lora is None:
+        return False
+    return from_base is True or (from_base == "auto" and cfg.reference.path is None)
+
+
+def grad_accum_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches accumulated per optimizer step on each rank."""
+    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Cross-field checks that need the world size; raises ConfigError listing every problem."""
+    p, problems = cfg.ppo, []
+    if p.rollout_batch_size % world_size:
+        problems.append(
+            f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
+            f"data-parallel world size {world_size} (e.g. {world_size * max(1, p.rollout_batch_size // world_size)})")
+    n = p.samples_per_prompt
+    if (p.rollout_batch_size * n) % p.mini_batch_size:
+        problems.append(
+            f"ppo.mini_batch_size = {p.mini_batch_size} must divide ppo.rollout_batch_size = "
+            f"{p.rollout_batch_size}" + (f" x ppo.samples_per_prompt = {n} (responses per "
+                                         "iteration)" if n > 1 else ""))
+    problems += _estimator_problems(p, world_size)
+    if p.mini_batch_size % (p.micro_batch_size * world_size):
+        problems.append(
+            f"ppo.mini_batch_size = {p.mini_batch_size} must be a multiple of "
+            f"ppo.micro_batch_size * world size = {p.micro_batch_size} * {world_size} = "
+            f"{p.micro_batch_size * world_size}")
+    if p.value_clip_eps is not None and p.value_clip_eps <= 0:
+        problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
+
+    r = cfg.reward
+    if sum(x is not None for x in (r.function, r.model, r.url)) != 1:
+        problems.append("reward: set exactly one of reward.function (module:function), "
+                        "reward.model and reward.url (got function="
+                        f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r})")
+    if r.url is not None and not r.url.startswith(("http://", "https://")):
+        problems.append(f"reward.url = {redact_url(r.url)!r} must start with http:// or https://")
+    if r.function is not None and ":" not in r.function:
+        problems.append(f"reward.function = {r.function!r} must look like module:function")
+    keys = cfg.data.reward_keys
+    if keys and r.function is None and r.url is None:
+        problems.append(f"data.reward_keys = {keys}: only a reward.function or reward.url "
+                        "takes dataset columns (a reward model reads the text)")
+    if keys and cfg.data.path is None:
+        problems.append(f"data.reward_keys = {keys}: the builtin prompts (data.path = null) "
+                        "have no other columns")
+    if len(set(keys)) != len(keys) or {"prompts", "responses"} & set(keys):
+        problems.append(f"data.reward_keys = {keys}: names must be distinct and not prompts "
+                        "or responses (the function's first two arguments)")
+    if r.score_clip is not None and r.score_clip <= 0:
+        problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
+    for name in ("policy", "value"):
+        m = getattr(cfg, name)
+        if m.path is not None and m.arch is not None:
+            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
+                            "(path loads weights, arch builds a randomly initialised model)")
+        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
+            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
+        if m.arch is not None and "model_type" not in m.arch:
+            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
+                            f"{name}.arch.model_type=llama)")
+    if cfg.policy.path is None and cfg.policy.arch is None:
+        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
+                        "or policy.arch (a random-init shape)")
+    if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
+        problems.append("value.init_from = 'path' needs value.path or value.arch")
+    if cfg.value.init_from == "reward" and cfg.reward.model is None:
+        problems.append("value.init_from = 'reward' needs reward.model")
+    ref = cfg.reference
+    if ref.from_policy_base is True and cfg.policy.lora is None:
+        problems.append("reference.from_policy_base = True needs policy.lora (a full fine-tuned "
+                        "policy has no frozen base to read): set policy.lora.r, or "
+                        "reference.from_policy_base=auto")
+    if ref.from_policy_base is True and ref.path is not None:
+        problems.append(f"reference.from_policy_base = True and reference.path = {ref.path!r}: "
+                        "the reference is either the policy's base or another model; drop one")
+    g = cfg.generation
+    if g.min_new_tokens > g.max_new_tokens:
+        problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
+                        f"generation.max_new_tokens = {g.max_new_tokens}")
+    if g.tp_size is not None and world_size % g.tp_size:
+        problems.append(f"generation.tp_size = {g.tp_size} must divide the world size "
+                        f"{world_size}: set generation.tp_size to the GPUs per node")
+    if g.loop == "own" and g.mode == "zero3":
+        problems.append("generation.loop = 'own' runs on the gathered replica, but "
+                        "generation.mode = 'zero3' generates through the ZeRO-3 hooks: set "
+                        "generation.loop=auto (or hf), or generation.mode=gathered")
+    if g.loop == "own" and (g.cache_implementation != "dynamic" or g.compile):
+        problems.append("generation.cache_implementation / generation.compile are options of "
+                        "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
+                        "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
+                        "set generation.loop=hf")
+    if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
+        problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
+                        f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
+                        "set generation.loop=auto (HF generate for this kernel)")
+    for role in ("policy", "value", "reference", "reward"):
+        d = getattr(cfg.deepspeed, role)
+        if d.offload_param and d.zero_stage not in (3, "auto"):
+            problems.append(f"deepspeed.{role}.offload_param = True needs "
+                            f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
+                            f"deepspeed.{role}.offload_param=false")
+        if d.config is not None and not Path(d.config).exists():
+            problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    t, c = cfg.tracking, cfg.checkpoint
+    if t.register_model is not None and not (t.enabled and c.export_at_end):
+        problems.append(f"tracking.register_model = {t.register_model!r} registers the export "
+                        "at the end: it needs tracking.enabled=true and "
+                        "checkpoint.export_at_end=true")
+    if t.register_every and (t.register_model is None or not c.every or not c.save_hf_weights
+                             or t.register_every % c.every):
+        problems.append(f"tracking.register_every = {t.register_every} registers checkpoints: "
+                        "it needs tracking.register_model, checkpoint.save_hf_weights=true and a "
+                        f"multiple of checkpoint.every = {c.every}")
+    if t.register_every and not t.register_copy:
+        problems.append(f"tracking.register_every = {t.register_every} with "
+                        "tracking.register_copy=false would register checkpoint directories by "
+                        "reference, which checkpoint.keep_last pruning deletes later: set "
+                        "tracking.register_copy=true, or tracking.register_every=0 (the final "
+                        "export, never pruned, is registered either way)")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
+                        "directory")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
+    """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
+    problems, n = [], p.samples_per_prompt
+    if p.advantage_estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+        problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
+                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
+                        "ppo.samples_per_prompt=4 (any n >= 2)")
+    if n > 1 and p.mini_batch_size % n:
+        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} counts responses and must "
+                        f"be a multiple of ppo.samples_per_prompt = {n} (e.g. {n * max(1, p.mini_batch_size // n)})")
+    elif n > 1 and (p.mini_batch_size // n) % world_size:
+        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} holds "
+                        f"{p.mini_batch_size // n} prompts of {n} responses; each of the "
+                        f"{world_size} ranks needs whole prompts: make mini_batch_size / "
+                        f"samples_per_prompt divisible by the world size (e.g. "
+                        f"ppo.mini_batch_size={n * world_size * max(1, p.mini_batch_size // (n * world_size))})")
+    if p.kl_loss_coef < 0:
+        problems.append(f"ppo.kl_loss_coef = {p.kl_loss_coef} must be >= 0 (0 = no KL loss term)")
+    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
+        problems.append(f"ppo.clip_eps_high = {p.clip_eps_high} must be > 0, or null for the "
+                        "same as ppo.clip_eps")
+    if p.dual_clip is not None and p.dual_clip <= 1:
+        problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
+                        "the dual clip off")
+    if p.filter_zero_std_groups and n < 2:
+        problems.append("ppo.filter_zero_std_groups = true needs groups: set "
+                        "ppo.samples_per_prompt >= 2")
+    return problems
+
+
+def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
+    """Settings that are valid but do nothing for this config, or that can hang a multi-rank job
+    (printed, never fatal)."""
+    out = []
+    p = cfg.ppo
+    r = cfg.reward
+    if r.url is not None and r.timeout_s is not None and world_size > 1:
+        # one request's worst case: every attempt times out, with the back-off between them
+        # (1, 2, 4... s, at most 30: ds_ppo.reward_service)
+        worst = r.timeout_s * (r.retries + 1) + sum(min(2.0 ** k, 30.0) for k in range(r.retries))
+        if worst > 60 * cfg.dist_timeout_minutes:
+            out.append(f"reward.url: a request that never answers is given up after {worst:.0f} s "
+                       f"(reward.timeout_s = {r.timeout_s:g} x {r.retries + 1} attempts + "
+                       f"back-off), longer than dist_timeout_minutes = "
+                       f"{cfg.dist_timeout_minutes:g}: if one rank's requests hang, the other "
+                       "ranks fail on the collective timeout first, without the service's error. "
+                       "Lower reward.timeout_s / reward.retries or raise dist_timeout_minutes")
+    if not p.uses_critic:
+        given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
+            [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]
+        if given:
+            out.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} trains no value "
+                       f"model: {', '.join(given)} ignored (drop the value section, or use "
+                       "ppo.advantage_estimator=gae)")
+        gae_only = sorted({"vf_coef", "value_clip_eps", "lam"} & p.model_fields_set)
+        if gae_only:
+            out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
+                       f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
+    return out
