@@ -504,13 +504,14 @@ def test_value_section_given_to_a_critic_free_run_is_warned_about(capsys, tmp_pa
     assert "warning" not in capsys.readouterr().err
 
 
-def test_reward_service_retries_longer_than_the_collective_timeout_are_warned_about():
+def test_reward_service_retries_longer_than_the_call_deadline_are_warned_about():
     from ds_ppo.config import config_warnings
 
     url = ["reward.function=null", "reward.url=http://h:8000/s"]
     cfg = load_config(None, url)  # 600 s x 4 attempts + 7 s back-off > 30 min
     (warning,) = config_warnings(cfg, world_size=2)
-    assert "2407 s" in warning and "dist_timeout_minutes = 30" in warning
+    assert "2407 s" in warning and "deadline of 1620 s" in warning
+    assert "dist_timeout_minutes = 30" in warning
     assert config_warnings(cfg, world_size=1) == []  # no other rank to wait
     assert config_warnings(load_config(None, url + ["reward.timeout_s=60"]), world_size=2) == []
     assert config_warnings(load_config(None, url + ["dist_timeout_minutes=60"]), 2) == []

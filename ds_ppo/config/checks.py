@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
+from ds_ppo.reward_service import call_deadline
 
 
 def world_size_from_env() -> int:
@@ -195,13 +196,15 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
         # one request's worst case: every attempt times out, with the back-off between them
         # (1, 2, 4... s, at most 30: ds_ppo.reward_service)
         worst = r.timeout_s * (r.retries + 1) + sum(min(2.0 ** k, 30.0) for k in range(r.retries))
-        if worst > 60 * cfg.dist_timeout_minutes:
-            out.append(f"reward.url: a request that never answers is given up after {worst:.0f} s "
-                       f"(reward.timeout_s = {r.timeout_s:g} x {r.retries + 1} attempts + "
-                       f"back-off), longer than dist_timeout_minutes = "
-                       f"{cfg.dist_timeout_minutes:g}: if one rank's requests hang, the other "
-                       "ranks fail on the collective timeout first, without the service's error. "
-                       "Lower reward.timeout_s / reward.retries or raise dist_timeout_minutes")
+        deadline = call_deadline(cfg.dist_timeout_minutes, world_size)
+        if worst > deadline:
+            out.append(f"reward.url: a request that never answers would be given up after "
+                       f"{worst:.0f} s (reward.timeout_s = {r.timeout_s:g} x {r.retries + 1} "
+                       f"attempts + back-off), but each call stops at its deadline of "
+                       f"{deadline:.0f} s (dist_timeout_minutes = {cfg.dist_timeout_minutes:g} "
+                       "less a margin: the other ranks wait for the scores in a collective), so "
+                       "the last attempts are cut short. Lower reward.timeout_s / reward.retries "
+                       "or raise dist_timeout_minutes")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

@@ -432,7 +432,8 @@ class Config(Section):
         30.0, gt=0, description="A collective (all-reduce, barrier, ZeRO gather) waiting longer "
         "than this fails the job with an error instead of hanging it. Rank 0's solitary file work "
         "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
-        "all ranks together.")
+        "all ranks together. On several ranks a reward.url call stops at this less a margin "
+        "(10%, 30 s to 5 min), so a failing service is reported before a collective times out.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
