@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 
 from ds_ppo.errors import UserError
+from ds_ppo.role_names import ROLES
 
 # `ppo-z3`: every role on ZeRO-3 with the reference offloaded (the tiny preset before zero_stage auto)
-ZERO3 = tuple(f"deepspeed.{r}.zero_stage=3" for r in ("policy", "value", "reference", "reward")) \
+ZERO3 = tuple(f"deepspeed.{r}.zero_stage=3" for r in ROLES) \
     + ("deepspeed.reference.offload_param=true",)
 RUNS = ("trl", "ppo", "grpo", "ppo-z3")
 PHASES = ("generation_s", "scoring_s", "update_s")

@@ -10,6 +10,7 @@ from pathlib import Path
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
 from ds_ppo.reward_service import call_deadline
+from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
 
 def world_size_from_env() -> int:
@@ -80,7 +81,7 @@ def validate(cfg: Config, world_size: int) -> None:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
-    for name in ("policy", "value"):
+    for name in TRAINED_ROLES:
         m = getattr(cfg, name)
         if m.path is not None and m.arch is not None:
             problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
@@ -125,7 +126,7 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
                         "set generation.loop=auto (HF generate for this kernel)")
-    for role in ("policy", "value", "reference", "reward"):
+    for role in ROLES:
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage not in (3, "auto"):
             problems.append(f"deepspeed.{role}.offload_param = True needs "
