@@ -110,7 +110,7 @@ def test_no_import_cycle_inside_ds_ppo():
     still makes one module depend on the other, and a cycle through one works only because of
     the order in which the functions happen to be called (e.g. engine/checkpoint.py exporting
     through ds_ppo/export.py, which read engine/checkpoint.py back). Imports under
-    `if TYPE_CHECKING:` would count too; ds_ppo has none."""
+    `if TYPE_CHECKING:` count as well: a cycle of type-only imports is still a tangle."""
     assert import_cycles(import_graph()) == []
 
 
