@@ -130,8 +130,7 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     p = cfg.ppo
     mask = exp.mask
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
-    rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask,
-                            kl_coef if p.kl_in_reward else 0.0, estimator=p.kl_estimator,
+    rewards = shape_rewards(exp.scores, kl, mask, kl_coef if p.kl_in_reward else 0.0,
                             score_clip=cfg.reward.score_clip)
     returns, train_rows = None, None
     if p.advantage_estimator == "gae":
