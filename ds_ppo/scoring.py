@@ -13,7 +13,6 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
 from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
-from ds_ppo.forward import response_logprobs, response_values, sequence_scores
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards import call_reward_function
 
@@ -68,7 +67,7 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
         parts, cuts = [], []
         for rows in batches:
             ids, am, part_cut = reward_encode(rollout.slice(rows))
-            parts.append(sequence_scores(engines.reward, ids.to(device), am.to(device)))
+            parts.append(engines.reward.scores(ids.to(device), am.to(device)))
             cuts.append(part_cut.to(device))
         scores = in_row_order(torch.cat(parts), order)
         cut = in_row_order(torch.cat(cuts), order)
@@ -90,12 +89,12 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     logp, ref_logp, values, entropy = [], [], [], []
     for rows in batches:
         mb = rollout.slice(rows)
-        lp, ent = response_logprobs(engines.policy, mb, temp, with_entropy=True)
+        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True)
         logp.append(lp)
         entropy.append(ent)
-        ref_logp.append(response_logprobs(engines.reference, mb, temp)[0])
+        ref_logp.append(engines.reference.logprobs(mb, temp)[0])
         if critic is not None:
-            values.append(response_values(critic, mb))
+            values.append(critic.values(mb))
     engines.policy.train()
     if critic is not None:
         critic.train()
@@ -131,8 +130,7 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     p = cfg.ppo
     mask = exp.mask
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
-    rewards = shape_rewards(exp.scores, exp.old_logprobs, exp.ref_logprobs, mask,
-                            kl_coef if p.kl_in_reward else 0.0, estimator=p.kl_estimator,
+    rewards = shape_rewards(exp.scores, kl, mask, kl_coef if p.kl_in_reward else 0.0,
                             score_clip=cfg.reward.score_clip)
     returns, train_rows = None, None
     if p.advantage_estimator == "gae":

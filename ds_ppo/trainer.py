@@ -22,7 +22,7 @@ from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, chec
                                       set_rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
-from ds_ppo.engine.roles import Engines, apply_optimizer_config, current_lr, init_engines
+from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
 from ds_ppo.evaluate import evaluate
 from ds_ppo.iteration import IterationInputs, metric_timer, reward_encoder, run_iteration
@@ -198,7 +198,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     state = load_checkpoint(path, engines, universal)
     state.advantage_estimator = p.advantage_estimator
     for role in ("policy", "value") if p.uses_critic else ("policy",):
-        changed = apply_optimizer_config(getattr(engines, role), getattr(cfg, role))
+        changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
         if changed:
             log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
                      ", ".join(changed))
@@ -346,9 +346,9 @@ def _iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
         m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)
     m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
     m["kl_coef"] = float(kl_ctl.value)
-    m["lr/policy"] = current_lr(engines.policy)
+    m["lr/policy"] = engines.policy.lr()
     if engines.value is not None:
-        m["lr/value"] = current_lr(engines.value)
+        m["lr/value"] = engines.value.lr()
     return m
 
 

@@ -17,8 +17,6 @@ from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, 
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
 from ds_ppo.engine import dist
-from ds_ppo.engine.roles import backward_step, global_grad_norm
-from ds_ppo.forward import response_logprobs, response_values
 from ds_ppo.metrics import Accumulator
 
 
@@ -79,8 +77,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             acc.add_mean("padding/update_positions_per_token", *exp.rollout.positions(micro))
             for mb_rows in micro:
                 mb = exp.slice(mb_rows)
-                logprobs, _ = response_logprobs(engines.policy, mb.rollout,
-                                                cfg.generation.temperature)
+                logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature)
                 pg_mask = mb.mask
                 if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
                     pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
@@ -96,14 +93,14 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                                       weights)
                     step_losses["loss/kl"] = kl_term.detach()
                     pg_loss = pg_loss + p.kl_loss_coef * kl_term
-                backward_step(engines.policy, pg_loss * scale)
+                engines.policy.backward_step(pg_loss * scale)
                 named = {f"policy/{k}": v for k, v in pg_stats.items()}
 
                 if critic is not None:
-                    values = response_values(critic, mb.rollout)
+                    values = critic.values(mb.rollout)
                     vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
                                                    clip_eps=p.value_clip_eps, num_tokens=n_tok)
-                    backward_step(critic, p.vf_coef * vf_loss * scale)
+                    critic.backward_step(p.vf_coef * vf_loss * scale)
                     step_losses["loss/value"] = vf_loss.detach()
                     named.update({f"value/{k}": v for k, v in vf_stats.items()})
 
@@ -122,6 +119,6 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             # global gradient norms of the step just taken (before clipping; identical on ranks)
             for role in ("policy", "value"):
                 engine = getattr(engines, role)
-                norm = global_grad_norm(engine) if engine is not None else None
+                norm = engine.grad_norm() if engine is not None else None
                 if norm is not None:
                     acc.add_replicated(f"{role}/grad_norm", norm)

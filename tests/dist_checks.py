@@ -222,9 +222,9 @@ def lora_roles(work: Path) -> dict:
         return float((a - b).abs().masked_fill(~mask, 0).max())
 
     with torch.no_grad():
-        ref = response_logprobs(engines.reference, rollout, temp)[0]
+        ref = engines.reference.logprobs(rollout, temp)[0]
         plain = response_logprobs(base, rollout, temp)[0]
-        policy = response_logprobs(engines.policy, rollout, temp)[0]
+        policy = engines.policy.logprobs(rollout, temp)[0]
         merged = response_logprobs(replica, rollout, temp)[0]
     replica_out, zero3_out = _greedy_replica_and_zero3(tok, replica, engines)
     return {

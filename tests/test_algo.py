@@ -253,7 +253,7 @@ def test_shape_rewards_hand_worked():
     ref = torch.tensor([[-1.5, -1.0, g, g], [-1.0, -1.0, -1.0, -2.0], [g, g, g, g]])
     mask = mask_from_lengths(torch.tensor([2, 4, 0]), 4)
     scores = torch.tensor([1.0, -2.0, 5.0])
-    rewards = shape_rewards(scores, logprobs, ref, mask, kl_coef=0.1, estimator="k1", score_clip=1.5)
+    rewards = shape_rewards(scores, kl_estimate(logprobs, ref, "k1"), mask, kl_coef=0.1, score_clip=1.5)
     expected = torch.tensor(
         [
             # k1 = [0.5, -1.0] -> -0.1 * k1 = [-0.05, 0.1]; score 1.0 at t=1 -> 1.1
@@ -271,7 +271,7 @@ def test_shape_rewards_score_on_last_valid_token_for_every_length():
     T = 6
     for length in range(1, T + 1):
         mask = mask_from_lengths(torch.tensor([length]), T)
-        rewards = shape_rewards(torch.tensor([3.0]), torch.zeros(1, T), torch.zeros(1, T), mask, kl_coef=0.1)
+        rewards = shape_rewards(torch.tensor([3.0]), kl_estimate(torch.zeros(1, T), torch.zeros(1, T)), mask, kl_coef=0.1)
         expected = torch.zeros(1, T)
         expected[0, length - 1] = 3.0  # never at T-1 unless the row fills T
         assert torch.equal(rewards, expected), length
@@ -285,8 +285,8 @@ def test_shape_rewards_ignores_masked_positions(estimator, garbage):
     mask = random_prefix_mask(B, T, gen)
     scores = torch.randn(B, generator=gen)
     lp, ref = -torch.rand(B, T, generator=gen), -torch.rand(B, T, generator=gen)
-    clean = shape_rewards(scores, lp, ref, mask, kl_coef=0.2, estimator=estimator)
-    dirty = shape_rewards(scores, fill_outside(lp, mask, garbage), fill_outside(ref, mask, -garbage), mask, 0.2, estimator)
+    clean = shape_rewards(scores, kl_estimate(lp, ref, estimator), mask, kl_coef=0.2)
+    dirty = shape_rewards(scores, kl_estimate(fill_outside(lp, mask, garbage), fill_outside(ref, mask, -garbage), estimator), mask, 0.2)
     assert torch.equal(clean, dirty)
     assert torch.equal(clean[~mask], torch.zeros_like(clean[~mask]))
 
@@ -501,8 +501,7 @@ def test_adversarial_log_probs_keep_kl_loss_and_gradients_finite():
         bound = LOG_RATIO_CLAMP
         expected = 0.5 * bound ** 2 if estimator == "k2" else math.expm1(bound) - bound
         assert kl[0, 1].item() == pytest.approx(expected, rel=1e-5)
-        assert torch.isfinite(shape_rewards(torch.ones(1), logp, ref, mask, 0.1,
-                                            estimator)).all()
+        assert torch.isfinite(shape_rewards(torch.ones(1), kl, mask, 0.1)).all()
     assert log_ratio_clamped(logp - ref).tolist() == [[False, True, True, False]]
     old = torch.tensor([[-0.5, -200.0, 0.0, -1.0]])
     for adv in (torch.tensor([[1.0, -1.0, 1.0, 1.0]]), torch.tensor([[-1.0, 1.0, -1.0, 1.0]])):

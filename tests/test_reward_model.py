@@ -59,11 +59,10 @@ emb = torch.equal(full(eng.value.module.model.embed_tokens.weight),
                   full(rm.model.embed_tokens.weight))
 # scoring runs through the engine's forward: ZeRO-3's coordinator completes its fetch trace
 # (through attribute forwarding it stayed INVALID for good, its step counter never reset)
-from ds_ppo.forward import sequence_scores
-coordinator = eng.reward.optimizer.get_param_coordinator()
+coordinator = eng.reward.engine.optimizer.get_param_coordinator()
 ids = torch.randint(3, 50, (2, 7))
 with torch.no_grad():
-    scores = [sequence_scores(eng.reward, ids, torch.ones_like(ids)) for _ in range(3)]
+    scores = [eng.reward.scores(ids, torch.ones_like(ids)) for _ in range(3)]
 print(json.dumps({"head_from_reward": same, "backbone_from_reward": emb,
                   "trace_complete": coordinator.is_complete_trace(),
                   "same_scores": all(torch.equal(scores[0], s) for s in scores)}))

@@ -20,6 +20,7 @@ import torch
 from ds_ppo.engine import checkpoint as ckpt
 from ds_ppo.engine.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint,
                                       read_state, save_checkpoint)
+from ds_ppo.engine.role_objects import PolicyRole, ValueRole
 from ds_ppo.errors import UserError
 
 
@@ -49,7 +50,8 @@ class _Engine:
 
 
 def _engines(numel: int = 16):
-    return SimpleNamespace(policy=_Engine(numel), value=_Engine(numel), dtype=torch.float32)
+    return SimpleNamespace(policy=PolicyRole(_Engine(numel)), value=ValueRole(_Engine(numel)),
+                           dtype=torch.float32)
 
 
 def _save(out: Path, iteration: int, keep_last: int = 2, numel: int = 16) -> Path:
@@ -207,7 +209,8 @@ def test_out_of_memory_while_loading_is_not_called_a_corrupted_checkpoint(tmp_pa
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
-        load_checkpoint(path, SimpleNamespace(policy=_OOM(), value=_Engine()))
+        load_checkpoint(path, SimpleNamespace(policy=PolicyRole(_OOM()),
+                                              value=ValueRole(_Engine())))
 
 
 # ------------------------------------------------------------------------- 7. disk full

@@ -431,11 +431,12 @@ def _tiny_reward_model():
 def test_scoring_returns_rows_in_rollout_order():
     """Micro-batches run longest-first; the scores (and which inputs were cut to max_len) come
     back in the rollout's row order."""
+    from ds_ppo.engine.role_objects import RewardRole
     from ds_ppo.forward import LastTokenScorer
 
     rm = _tiny_reward_model()
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
-    engines = types.SimpleNamespace(reward_fn=None, reward=LastTokenScorer(rm))
+    engines = types.SimpleNamespace(reward_fn=None, reward=RewardRole(LastTokenScorer(rm)))
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
         got, cut = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 6, None))
@@ -480,28 +481,76 @@ def test_every_role_forward_goes_through_its_engine():
     them). The reward engine wraps LastTokenScorer, as init_engines builds it."""
     from transformers import LlamaForTokenClassification
 
+    from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
     from ds_ppo.forward import LastTokenScorer
     from ds_ppo.scoring import add_advantages, score
 
     value = LlamaForTokenClassification(LlamaConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_labels=1))
-    engines = types.SimpleNamespace(
+    fakes = dict(
         policy=_CountingEngine(_tiny_llama()), reference=_CountingEngine(_tiny_llama()),
-        value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())),
-        reward_fn=None)
+        value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())))
+    engines = types.SimpleNamespace(
+        policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
+        value=ValueRole(fakes["value"]), reward=RewardRole(fakes["reward"]), reward_fn=None)
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
     exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
     roles = ("policy", "reference", "value", "reward")
-    assert {role: getattr(engines, role).calls for role in roles} == dict.fromkeys(
+    assert {role: fakes[role].calls for role in roles} == dict.fromkeys(
         roles, 2)  # 3 rows in micro-batches of 2
     assert exp.scores.shape == (3,)
     # the update: one mini-batch of 2 rows, one micro-batch, one forward of policy and value
     ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, Accumulator())
-    assert {role: getattr(engines, role).calls for role in roles} == {
+    assert {role: fakes[role].calls for role in roles} == {
         "policy": 3, "reference": 2, "value": 3, "reward": 2}
+
+
+class _RoleInterface:
+    """A role reduced to its public methods: no engine, no module, not callable. Stages that
+    reach past the role (call the engine, read its optimizer) fail on it."""
+
+    def __init__(self, role):
+        for name in dir(type(role)):
+            if not name.startswith("_") and name not in ("engine", "module"):
+                setattr(self, name, getattr(role, name))
+
+
+def test_scoring_and_the_update_use_only_the_role_methods():
+    """engine/role_objects.py is the whole seam between the stages and the engines: scoring and
+    the update run on roles that expose nothing else, and they step each trained role once per
+    micro-batch and read its lr and gradient norm through it."""
+    from transformers import LlamaForTokenClassification
+
+    from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
+    from ds_ppo.forward import LastTokenScorer
+    from ds_ppo.scoring import add_advantages, score
+
+    value = LlamaForTokenClassification(LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1))
+    fakes = dict(policy=_CountingEngine(_tiny_llama()), value=_CountingEngine(value))
+    steps = {"policy": 0, "value": 0}
+    for role, fake in fakes.items():
+        fake.step = lambda role=role: steps.__setitem__(role, steps[role] + 1)
+        fake.optimizer = None
+    engines = types.SimpleNamespace(
+        policy=_RoleInterface(PolicyRole(fakes["policy"])),
+        reference=_RoleInterface(ReferenceRole(_CountingEngine(_tiny_llama()))),
+        value=_RoleInterface(ValueRole(fakes["value"])),
+        reward=_RoleInterface(RewardRole(_CountingEngine(LastTokenScorer(_tiny_reward_model())))),
+        reward_fn=None)
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    cfg = _cfg("ppo.micro_batch_size=1", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
+               "ppo.ppo_epochs=1")
+    exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+    acc = Accumulator()
+    ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, acc)
+    assert steps == {"policy": 2, "value": 2}  # one mini-batch of 2 rows, micro-batches of 1
+    assert math.isnan(engines.policy.lr())  # the stand-in engine has no optimizer
+    assert "policy/grad_norm" not in acc.reduce()  # DeepSpeed computed none
 
 
 def test_param_chunks_bound_each_gather():

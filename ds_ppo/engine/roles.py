@@ -31,6 +31,7 @@ import torch
 from ds_ppo.config import Config, optimizer_steps, reference_from_policy_base
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
+from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
 
 log = logging.getLogger("ds_ppo")
 
@@ -39,14 +40,16 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 
 @dataclass
 class Engines:
-    """Everything the PPO loop calls into. `reward_fn` is set when the reward is a function
-    (or a `RewardService` for reward.url), `reward` (an engine) when it is a model."""
+    """Everything the PPO loop calls into: each model role behind the operations the stages
+    use (engine/role_objects.py). `reward_fn` is set when the reward is a function (or a
+    `RewardService` for reward.url), `reward` when it is a model."""
 
-    policy: Any  # deepspeed.DeepSpeedEngine around AutoModelForCausalLM
-    value: Any | None  # DeepSpeedEngine around AutoModelForTokenClassification (num_labels=1);
+    policy: PolicyRole  # a DeepSpeedEngine around AutoModelForCausalLM
+    value: ValueRole | None  # around AutoModelForTokenClassification (num_labels=1);
     # None with a critic-free estimator (ppo.advantage_estimator other than gae)
-    reference: Any  # DeepSpeedEngine (inference) around AutoModelForCausalLM, or lora.AdaptersOff
-    reward: Any | None  # DeepSpeedEngine (inference) around forward.LastTokenScorer
+    reference: ReferenceRole  # an inference engine around AutoModelForCausalLM, or
+    # lora.AdaptersOff (the LoRA policy's engine with its adapters off)
+    reward: RewardRole | None  # an inference engine around forward.LastTokenScorer
     reward_fn: RewardFn | None
     ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
     policy_path: str  # where the initial policy weights came from (HF dir)
@@ -129,24 +132,6 @@ def _lr_schedule(optimizer, section, total_steps: int):
         return floor + (1.0 - floor) * decay
 
     return LambdaLR(optimizer, factor)
-
-
-def apply_optimizer_config(engine, section) -> list[str]:
-    """After a checkpoint load: the config's lr, betas, eps and weight decay replace those the
-    checkpoint restored (its param groups and the scheduler's base lr), so a resumed run can
-    lower the learning rate; the schedule keeps its step count and uses the current config's
-    shape. Returns `key: old -> new` for each setting that changed."""
-    sched, groups = engine.lr_scheduler, engine.optimizer.param_groups
-    new = {"lr": section.lr, "betas": tuple(section.betas), "eps": section.eps,
-           "weight_decay": section.weight_decay}
-    old = {"lr": sched.base_lrs[0], **{k: groups[0][k] for k in new if k != "lr"}}
-    old["betas"] = tuple(old["betas"])
-    for group, factor in zip(groups, sched.lr_lambdas):
-        group.update(betas=new["betas"], eps=new["eps"], weight_decay=new["weight_decay"],
-                     initial_lr=new["lr"], lr=new["lr"] * factor(sched.last_epoch))
-    sched.base_lrs = [new["lr"]] * len(groups)
-    sched._last_lr = [g["lr"] for g in groups]
-    return [f"{k}: {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
 
 
 def _optimizer(params, section, device: torch.device, offload: bool):
@@ -351,25 +336,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
     else:
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
-    return Engines(policy=policy, value=value, reference=reference, reward=reward,
+    return Engines(policy=PolicyRole(policy),
+                   value=ValueRole(value) if value is not None else None,
+                   reference=ReferenceRole(reference),
+                   reward=RewardRole(reward) if reward is not None else None,
                    reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,
                    device=device, dtype=dtype, lora_bases=lora_bases)
-
-
-def current_lr(engine) -> float:
-    if engine is None or not engine.optimizer:
-        return math.nan
-    return float(engine.optimizer.param_groups[0]["lr"])
-
-
-def backward_step(engine, loss: torch.Tensor) -> None:
-    """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
-    engine.backward(loss)
-    engine.step()
-
-
-def global_grad_norm(engine) -> float | None:
-    """The global gradient norm of the step just taken (before clipping), None if DeepSpeed
-    did not compute one."""
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else None

@@ -1,0 +1,280 @@
+"""The checkpoint directory: its layout, which checkpoint a run continues from, and whether a
+checkpoint is whole. Nothing here loads weights (writing and loading them: engine/checkpoint.py).
+
+Layout (output_dir/checkpoints/):
+    iter_000010/policy/ds/...    DeepSpeed checkpoint of the policy (weights, optimizer, LR schedule)
+    iter_000010/value/ds/...     the same for the value model
+    iter_000010/*/ds_universal/  made on demand: DeepSpeed's universal format, for resuming on
+                                 another data-parallel world size (e.g. 2 ranks -> 1)
+    iter_000010/hf/              the policy's HF config + tokenizer, and its weights as
+                                 safetensors unless checkpoint.save_hf_weights=false
+    iter_000010/hf_value/        the same for the value model
+    (LoRA roles, engine/lora.py: DeepSpeed's files hold only the trained parameters, adapters and
+    the value head, never the frozen base; hf/ holds the policy's PEFT adapter directory instead
+    of weights, and trainer_state.json a fingerprint of each base, checked on resume)
+    iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
+    iter_000010/rng/rank_00000.pt    RNG states of every rank (tensors only)
+    latest                       the name of the newest COMPLETE checkpoint
+
+Choosing the checkpoint to resume from (`find_resume`, rank 0) never falls back to a fresh start
+while checkpoints exist: an unusable `latest` falls back to the newest complete checkpoint (by
+the iteration in its trainer_state.json), a corrupted checkpoint is an error naming the file and
+the previous checkpoint, and checkpoints newer than the resumed one are renamed aside, not
+overwritten or pruned. Stale `.tmp` directories of interrupted saves are removed then.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ds_ppo.engine import dist
+from ds_ppo.errors import CheckpointError, ConfigError, UserError
+
+log = logging.getLogger("ds_ppo")
+TAG = "ds"  # DeepSpeed tag inside each role's folder
+UNIVERSAL_TAG = "ds_universal"  # the same, converted for another world size
+_NAME = re.compile(r"iter_(\d+)")  # a checkpoint's directory name (fullmatch)
+
+
+@dataclass
+class TrainerState:
+    iteration: int = 0  # iterations completed
+    kl_controller: dict = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    world_size: int = 1
+    seed: int = 0
+    advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
+    lora_bases: dict = field(default_factory=dict)  # LoRA role -> {path, fingerprint} of its base
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:06d}"
+
+
+def named_by_latest(root: Path) -> Path | None:
+    """The directory `latest` names, or None when `latest` is missing, unreadable or garbled."""
+    try:
+        name = (root / "latest").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _NAME.fullmatch(name) else None
+
+
+def _iteration(path: Path) -> int | None:
+    """The iteration recorded in a checkpoint's trainer_state.json; None if it cannot be read."""
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text())["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
+        return None
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(iteration, directory) of every checkpoint in `root` whose trainer_state.json reads,
+    oldest first (ordered by the recorded iteration, not by name)."""
+    found = []
+    for p in root.glob("iter_*"):
+        if p.is_dir() and _NAME.fullmatch(p.name) and (it := _iteration(p)) is not None:
+            found.append((it, p))
+    return sorted(found, key=lambda x: (x[0], x[1].name))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint a run continues from: the one `latest` names; when `latest` is missing,
+    garbled or names no directory, the newest complete checkpoint (with a warning). None when
+    the run has no checkpoints at all.
+
+    Raises:
+        CheckpointError: checkpoint directories exist but none of them is complete.
+    """
+    root = checkpoints_dir(output_dir)
+    named = named_by_latest(root)
+    if named is not None and named.is_dir():
+        return named
+    done = complete_checkpoints(root)
+    pointer = root / "latest"
+    if done:
+        why = ("is missing" if not pointer.exists() else
+               f"names {named.name}, which does not exist" if named is not None else
+               "is unreadable")
+        log.warning("%s %s: continuing from the newest complete checkpoint, %s", pointer, why,
+                    done[-1][1])
+        return done[-1][1]
+    if pointer.exists() or any(_NAME.fullmatch(p.name) for p in root.glob("iter_*")):
+        raise CheckpointError(f"{root} holds no usable checkpoint (no iter_* directory with a "
+                              "readable trainer_state.json, and `latest` names none): resume from "
+                              "another checkpoint (resume=PATH), or move the directory away to "
+                              "start fresh")
+    return None
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A checkpoint directory itself, or a run's output_dir or checkpoints/ dir (-> its latest)."""
+    p = Path(spec)
+    if (p / "trainer_state.json").exists():
+        return p
+    found = None
+    for out in (p, p.parent) if p.name == "checkpoints" else (p,):
+        if checkpoints_dir(out).is_dir():
+            found = latest_checkpoint(out)
+            break
+    if found is None:
+        raise UserError(f"{p} holds no complete ds_ppo checkpoint (neither trainer_state.json "
+                        "nor checkpoints/latest)")
+    return found
+
+
+def _previous(path: Path) -> Path | None:
+    """The newest complete checkpoint older than `path` in the same directory."""
+    it = _iteration(path)
+    if it is None:
+        m = _NAME.fullmatch(path.name)
+        it = int(m.group(1)) if m else None
+    older = [p for i, p in complete_checkpoints(path.parent) if p != path and
+             (it is None or i < it)]
+    return older[-1] if older else None
+
+
+def unusable(path: Path, file: Path, what: str) -> CheckpointError:
+    """The error for a checkpoint that cannot be loaded: names the checkpoint, the file, and the
+    checkpoint to resume from instead."""
+    prev = _previous(path)
+    fix = (f"resume from the previous checkpoint: resume={prev}" if prev is not None else
+           f"there is no earlier checkpoint: move {path} away to start fresh")
+    return CheckpointError(f"checkpoint {path} is unusable: {file} {what}. To continue, {fix}")
+
+
+def read_state(path: Path) -> TrainerState:
+    file = path / "trainer_state.json"
+    try:
+        return TrainerState(**json.loads(file.read_text()))
+    except FileNotFoundError:
+        raise unusable(path, file, "is missing") from None
+    except (OSError, ValueError, TypeError) as e:  # cut, garbled, not a trainer state
+        raise unusable(path, file, f"cannot be read ({type(e).__name__}: {e})") from None
+
+
+# the start of a file torch.save wrote in its legacy format (DeepSpeed's
+# "checkpoint": {"checkpoint_serialization": false}): a pickled magic number
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def _check_torch_file(path: Path, file: Path) -> None:
+    """torch.save writes a zip archive: a cut or garbled file has no readable zip directory.
+    (A legacy-format file is only checked for its magic number.)"""
+    try:
+        with open(file, "rb") as f:
+            if f.read(len(_LEGACY_TORCH_MAGIC)) == _LEGACY_TORCH_MAGIC:
+                return
+        with zipfile.ZipFile(file) as z:
+            if not z.namelist():
+                raise zipfile.BadZipFile("empty archive")
+    except FileNotFoundError:
+        raise unusable(path, file, "is missing") from None
+    except (OSError, zipfile.BadZipFile) as e:
+        raise unusable(path, file, f"is corrupted or cut off ({e})") from None
+
+
+def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
+    """Check, without loading any weights, that a checkpoint is whole: trainer_state.json reads,
+    each role's DeepSpeed files are intact archives, and (same world size) every rank's RNG file
+    is there. Raises CheckpointError naming the file."""
+    state = read_state(path)
+    # a critic-free run (grpo, rloo, ...) saved no value model
+    for role in ("policy", "value") if state.advantage_estimator == "gae" else ("policy",):
+        files = sorted((path / role / TAG).rglob("*.pt"))
+        if not files:
+            raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
+        for f in files:
+            _check_torch_file(path, f)
+    if state.world_size == world_size:
+        for r in range(world_size):
+            _check_torch_file(path, path / "rng" / f"rank_{r:05d}.pt")
+    return state
+
+
+def find_resume(output_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint a run continues from (None: a fresh start), checked whole. Collective:
+    rank 0 decides (and removes interrupted saves, renames newer checkpoints aside), every rank
+    gets its answer or its error."""
+    def decide() -> str | None:
+        _clean_partial(checkpoints_dir(output_dir))
+        if resume == "never":
+            root = checkpoints_dir(output_dir)
+            if (root / "latest").exists() or complete_checkpoints(root):
+                raise ConfigError(f"resume = never but {output_dir} already holds checkpoints; "
+                                  "use resume=auto to continue, or a new output_dir")
+            return None
+        path = latest_checkpoint(output_dir) if resume == "auto" else resolve_checkpoint(resume)
+        if path is None:
+            return None
+        state = verify_checkpoint(path, dist.world_size())
+        _set_aside_newer(checkpoints_dir(output_dir), path, state.iteration)
+        return str(path)
+
+    found = dist.on_rank0(decide)
+    return Path(found) if found is not None else None
+
+
+def _aside_name(root: Path, name: str, suffix: str) -> Path:
+    target, n = root / f"{name}.{suffix}", 1
+    while target.exists():
+        n += 1
+        target = root / f"{name}.{suffix}{n}"
+    return target
+
+
+def _set_aside_newer(root: Path, resumed: Path, iteration: int) -> None:
+    """Rename (never delete) this run's checkpoints newer than the one it resumes from, so the
+    saves that follow neither overwrite them nor get pruned in their favour."""
+    for p in sorted(root.glob("iter_*")):
+        m = _NAME.fullmatch(p.name)
+        if not (m and p.is_dir()) or p.resolve() == resumed.resolve():
+            continue
+        it = _iteration(p)
+        if (it if it is not None else int(m.group(1))) > iteration:
+            target = _aside_name(root, p.name, "aside")
+            os.replace(p, target)
+            log.warning("moved %s aside to %s: it is newer than %s, which this run continues "
+                        "from (delete it when you no longer need it)", p, target.name, resumed)
+
+
+def _clean_partial(root: Path) -> None:
+    """Rank 0: remove saves that were killed before completing; put back a checkpoint a killed
+    save had renamed aside to replace it (`_commit`)."""
+    for tmp in root.glob("iter_*.tmp"):
+        log.warning("removing incomplete checkpoint %s (a save was interrupted)", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in root.glob("iter_*.replaced"):
+        final = root / old.name[:-len(".replaced")]
+        if final.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            log.warning("restoring %s (a save that was replacing it was interrupted)", final)
+            os.replace(old, final)
+
+
+def check_estimator_family(path: Path, estimator: str) -> None:
+    """Resuming must keep the value model or its absence: a UserError naming both estimators
+    when the checkpoint at `path` was trained with a value model and `estimator` has none, or
+    the other way round (other changes of estimator are allowed)."""
+    from ds_ppo.errors import UserError
+
+    saved = read_state(path).advantage_estimator
+    had_value = (path / "value").exists()
+    if had_value != (estimator == "gae"):
+        what = {True: "with a value model", False: "without a value model"}
+        raise UserError(
+            f"cannot resume from {path}: it was trained with ppo.advantage_estimator = "
+            f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
+            f"{estimator!r} ({what[estimator == 'gae']}); set ppo.advantage_estimator={saved} "
+            "to continue that run, or start a new run in another output_dir")

@@ -1,0 +1,131 @@
+"""The engine side of exporting a model as a Hugging Face directory (safetensors weights +
+config + tokenizer, loadable with `from_pretrained` and no ds_ppo).
+
+- `export_engine`: inside a running job, a role's (ZeRO-3) weights gathered a group at a time
+  and streamed into safetensors shards by the ranks of node 0 (engine/hf_writer.py);
+- `export_into`: offline, from a checkpoint (one process, CPU): its safetensors copies re-written
+  tensor by tensor, else DeepSpeed's ZeRO checkpoint consolidation; a LoRA role merged into its
+  base or copied as its PEFT directory.
+
+The `ds-ppo export` command (checks on the target directory and the flags, the atomic write) is
+ds_ppo/export.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from ds_ppo.engine.checkpoint_files import TAG
+
+log = logging.getLogger("ds_ppo")
+MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
+
+
+def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Collective: stream the engine's (ZeRO-3) weights, gathered a group at a time, into
+    safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
+    tokenizer. `engine`: anything with the model as `.module` (a role of `Engines`)."""
+    from ds_ppo.engine.hf_writer import save_module
+
+    return save_module(engine.module, tokenizer, out_dir, dtype)
+
+
+def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
+                lora_bases: dict, adapter_only: bool) -> None:
+    """Write the policy of checkpoint `ckpt` (and its value model under value/) into the
+    existing directory `out_dir`, then the export marker."""
+    from transformers import AutoTokenizer
+
+    from ds_ppo.engine.hf_writer import save_module
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
+    roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
+    for role, target in roles:
+        src = ckpt / ("hf" if role == "policy" else "hf_value")
+        if role in lora_bases and adapter_only:
+            _copy_adapter(src, target)
+        elif role in lora_bases:
+            save_module(_merged_lora(ckpt, src, lora_bases[role]), None, target, dtype)
+        elif (src / "model.safetensors").exists() or (src / "model.safetensors.index.json").exists():
+            _copy_safetensors(src, target, dtype)  # one tensor in memory at a time
+        else:
+            log.warning("%s has no safetensors weights (checkpoint.save_hf_weights=false): "
+                        "consolidating DeepSpeed's ZeRO shards", src)
+            model = _from_zero_shards(ckpt, role)
+            save_module(model, None, target, dtype)
+        tokenizer.save_pretrained(target)
+    write_marker(out_dir, str(ckpt.resolve()), dtype, with_value)
+
+
+def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool) -> None:
+    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it)."""
+    (out_dir / MARKER).write_text(json.dumps(
+        {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
+         "value": with_value}, indent=2) + "\n")
+
+
+def _copy_adapter(src: Path, target: Path) -> None:
+    """The checkpoint's PEFT directory (adapter config and weights, as trained)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(src / name, target / name)
+
+
+def _merged_lora(ckpt: Path, src: Path, base: dict):
+    """The policy with its adapters merged into the base it was trained on (fingerprint
+    checked), as a plain HF model."""
+    from peft import PeftModel
+
+    from ds_ppo.engine.lora import check_base
+
+    check_base({"policy": base}, {"policy": base["path"]}, ckpt)
+    model = _model_class("policy").from_pretrained(base["path"], dtype=torch.float32)
+    return PeftModel.from_pretrained(model, src).merge_and_unload()
+
+
+def _model_class(role: str):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
+
+
+def _copy_safetensors(src: Path, target: Path, dtype: torch.dtype) -> None:
+    """The weights re-written (streamed) in `dtype`; config and generation config copied."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from ds_ppo.engine.hf_writer import copy_safetensors_weights
+
+    copy_safetensors_weights(src, target, dtype)
+    config = AutoConfig.from_pretrained(src)
+    config.dtype = str(dtype).split(".")[1]
+    config.save_pretrained(target)
+    if (src / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(src).save_pretrained(target)
+
+
+def _from_zero_shards(ckpt: Path, role: str):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig
+
+    ds_dir = ckpt / role / TAG
+    if any(ds_dir.glob("zero_pp_rank_*")):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / role), tag=TAG)
+    else:  # saved without ZeRO (zero_stage auto/0 on one rank): the whole module in one file
+        state = torch.load(ds_dir / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+    config = AutoConfig.from_pretrained(ckpt / ("hf" if role == "policy" else "hf_value"))
+    with torch.device("meta"):
+        model = _model_class(role).from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied]
+    if unexpected or missing:
+        raise RuntimeError(f"{role} checkpoint does not match its config: missing {missing}, "
+                           f"unexpected {unexpected}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model

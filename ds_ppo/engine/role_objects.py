@@ -1,0 +1,137 @@
+"""What the stages may do with each model role: one small object per role around its DeepSpeed
+engine (`Engines` in engine/roles.py holds them). Scoring, the update, the rollout, metrics,
+checkpoints and exports call these methods, never the engine's attributes, so what a stage
+needs from DeepSpeed is written down here.
+
+- `PolicyRole`:    log-probs (and entropy) of responses, backward + optimizer step, lr, grad norm.
+- `ValueRole`:     per-token values, backward + optimizer step, lr, grad norm.
+- `ReferenceRole`: log-probs (an inference engine, or the LoRA policy with its adapters off).
+- `RewardRole`:    sequence scores (an inference engine around `forward.LastTokenScorer`).
+
+The forward math stays in ds_ppo/forward.py; every forward runs through the engine's own
+`forward` (ZeRO-3's root-module hooks).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ds_ppo.containers import Rollout
+from ds_ppo.forward import response_logprobs, response_values, sequence_scores
+
+
+class Role:
+    """A model role around its engine (a `deepspeed.DeepSpeedEngine`, or for a LoRA reference
+    `lora.AdaptersOff`)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model inside the engine (the HF model, or its peft wrapper with LoRA; its
+        parameters ZeRO-3-partitioned): what the generation replica and exports are built
+        from, what parameter counts read."""
+        return self.engine.module
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def train(self) -> None:
+        self.engine.train()
+
+
+class TrainedRole(Role):
+    """A role with an optimizer (policy, value): DeepSpeed's engine with its optimizer and LR
+    schedule."""
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step (nan without an optimizer)."""
+        if not self.engine.optimizer:
+            return math.nan
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the step just taken (before clipping), None if DeepSpeed
+        did not compute one."""
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def apply_optimizer_config(self, section) -> list[str]:
+        """After a checkpoint load: the config's lr, betas, eps and weight decay replace those the
+        checkpoint restored (its param groups and the scheduler's base lr), so a resumed run can
+        lower the learning rate; the schedule keeps its step count and uses the current config's
+        shape. Returns `key: old -> new` for each setting that changed."""
+        sched, groups = self.engine.lr_scheduler, self.engine.optimizer.param_groups
+        new = {"lr": section.lr, "betas": tuple(section.betas), "eps": section.eps,
+               "weight_decay": section.weight_decay}
+        old = {"lr": sched.base_lrs[0], **{k: groups[0][k] for k in new if k != "lr"}}
+        old["betas"] = tuple(old["betas"])
+        for group, factor in zip(groups, sched.lr_lambdas):
+            group.update(betas=new["betas"], eps=new["eps"], weight_decay=new["weight_decay"],
+                         initial_lr=new["lr"], lr=new["lr"] * factor(sched.last_epoch))
+        sched.base_lrs = [new["lr"]] * len(groups)
+        sched._last_lr = [g["lr"] for g in groups]
+        return [f"{k}: {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+
+    def save_checkpoint(self, directory: Path, tag: str) -> None:
+        """Collective: the engine's weights, optimizer and LR schedule into directory/tag. A LoRA
+        role's frozen base is left out (it is rebuilt from its path on resume)."""
+        self.engine.save_checkpoint(str(directory), tag=tag, save_latest=False,
+                                    exclude_frozen_parameters=True)
+
+    def load_checkpoint(self, directory: Path, tag: str, strict: bool = True) -> str | None:
+        """Collective: restore weights, optimizer and LR schedule from directory/tag (`strict`
+        False: the files may lack frozen parameters, a LoRA role's base). Returns the path
+        loaded, None when DeepSpeed found no checkpoint there."""
+        loaded, _ = self.engine.load_checkpoint(str(directory), tag=tag,
+                                                load_module_strict=strict,
+                                                load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        return loaded
+
+
+class _LogProbs:
+    """A causal LM role: log-probs of the response tokens."""
+
+    def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False,
+                 **kwargs):
+        """`forward.response_logprobs` through this role's engine: (B, T) float32 log-probs and
+        (B, T) entropy (None unless `with_entropy`)."""
+        return response_logprobs(self.engine, rollout, temperature, with_entropy, **kwargs)
+
+
+class PolicyRole(_LogProbs, TrainedRole):
+    """The policy: a causal LM, trained."""
+
+    def empty_partition_cache(self) -> None:
+        """Release ZeRO-3 parameters a forward outside the engine's step left gathered."""
+        self.engine.empty_partition_cache()
+
+
+class ValueRole(TrainedRole):
+    """The value model: an HF backbone with a per-token scalar head, trained."""
+
+    def values(self, rollout: Rollout, **kwargs) -> torch.Tensor:
+        """`forward.response_values` through this role's engine: (B, T) float32."""
+        return response_values(self.engine, rollout, **kwargs)
+
+
+class ReferenceRole(_LogProbs, Role):
+    """The frozen initial policy (an inference engine, or `lora.AdaptersOff`)."""
+
+
+class RewardRole(Role):
+    """The reward model: an inference engine around `forward.LastTokenScorer`."""
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`forward.sequence_scores` through this role's engine: (B,) float32, from (B, L) ids
+        and mask (any padding side)."""
+        return sequence_scores(self.engine, input_ids, attention_mask)
