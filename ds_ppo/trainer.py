@@ -31,6 +31,7 @@ from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.preemption import Preempted, StopRequests
 from ds_ppo.progress import Eta, format_duration
 from ds_ppo.registry import last_eval_score, register_at_checkpoint, register_policy
+from ds_ppo.role_names import TRAINED_ROLES
 from ds_ppo.rollout import sampling_mismatch, stop_token_ids
 from ds_ppo.rundir import lock_output_dir, start_metrics_log
 
@@ -197,7 +198,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
     lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
     state.advantage_estimator = p.advantage_estimator
-    for role in ("policy", "value") if p.uses_critic else ("policy",):
+    for role in TRAINED_ROLES if p.uses_critic else ("policy",):
         changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
         if changed:
             log.info("%s optimizer settings from the config, not the checkpoint: %s", role,

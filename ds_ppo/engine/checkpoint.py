@@ -38,6 +38,7 @@ from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
 from ds_ppo.engine.export import export_engine
 from ds_ppo.engine.lora import is_lora, save_adapters
 from ds_ppo.errors import CheckpointError, ConfigError
+from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
 __all__ = [  # with what callers find here from engine/checkpoint_files.py
@@ -199,7 +200,7 @@ def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
     world size. Collective; the other ranks wait without a collective timeout (dist.main_does)."""
-    for role in ("policy", "value"):  # every rank checks, so none waits at the barrier alone
+    for role in TRAINED_ROLES:  # every rank checks, so none waits at the barrier alone
         if not any((path / role / TAG).glob("zero_pp_rank_*")):
             raise ConfigError(
                 f"{path / role} was saved without ZeRO (stage 0: zero_stage auto or 0 on one "
@@ -208,7 +209,7 @@ def ensure_universal(path: Path) -> None:
                 f"deepspeed.policy.zero_stage=3 deepspeed.value.zero_stage=3 from the start")
 
     def convert():
-        for role in ("policy", "value"):
+        for role in TRAINED_ROLES:
             target = path / role / UNIVERSAL_TAG
             if target.exists() or not (path / role).exists():  # no value: a critic-free run
                 continue
@@ -254,7 +255,7 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
         CheckpointError: a file of the checkpoint cannot be read (named, with what to do).
     """
     state = read_state(path)
-    for role in ("policy", "value"):
+    for role in TRAINED_ROLES:
         engine = getattr(engines, role)
         if engine is None:  # a critic-free estimator (checked against the checkpoint before)
             continue

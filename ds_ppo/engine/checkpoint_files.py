@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ds_ppo.engine import dist
 from ds_ppo.errors import CheckpointError, ConfigError, UserError
+from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
 TAG = "ds"  # DeepSpeed tag inside each role's folder
@@ -190,7 +191,7 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     is there. Raises CheckpointError naming the file."""
     state = read_state(path)
     # a critic-free run (grpo, rloo, ...) saved no value model
-    for role in ("policy", "value") if state.advantage_estimator == "gae" else ("policy",):
+    for role in TRAINED_ROLES if state.advantage_estimator == "gae" else ("policy",):
         files = sorted((path / role / TAG).rglob("*.pt"))
         if not files:
             raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
