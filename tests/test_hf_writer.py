@@ -189,3 +189,28 @@ def test_a_llama_loaded_under_zero3_streams(tmp_path):
     model._weight_conversions = get_model_conversion_mapping(model)  # as the ZeRO-3 load does
     assert model._weight_conversions  # the legacy renames are there
     assert not _needs_conversion(model)
+
+
+def test_exports_put_back_the_dropout_training_switched_off(tmp_path):
+    """disable_dropout zeroes the loaded config's dropout; the written config (export, and the
+    checkpoint's hf/ copy through saved_config) has the model's own probabilities again."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ds_ppo.engine.hf_writer import saved_config
+    from ds_ppo.engine.roles import _model_config
+    from ds_ppo.export import export_engine
+
+    LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, attention_dropout=0.3).save_pretrained(tmp_path / "src")
+    config, dropped = _model_config(str(tmp_path / "src"), True)
+    assert dropped == {"attention_dropout": 0.3} and config.attention_dropout == 0.0
+    model = AutoModelForCausalLM.from_config(config)
+    model.ds_ppo_dropout = dropped  # what engine/roles.py records on a trained role's model
+    export_engine(type("E", (), {"module": model})(), None, tmp_path / "out", torch.float32)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["attention_dropout"] == 0.3
+    assert model.config.attention_dropout == 0.0  # training's own config is untouched
+    # a sub-config's field (a multimodal model's text_config) is found by its dotted name
+    outer = type("M", (), {"config": LlamaConfig(), "ds_ppo_dropout": {}})()
+    outer.config.text_config = LlamaConfig(attention_dropout=0.0)
+    outer.ds_ppo_dropout = {"text_config.attention_dropout": 0.2}
+    assert saved_config(outer).text_config.attention_dropout == 0.2

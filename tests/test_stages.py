@@ -689,15 +689,15 @@ def test_trained_roles_load_without_dropout(tmp_path):
     assert cfg.policy.disable_dropout and cfg.value.disable_dropout
 
     def dropouts(path, disable):
-        config = _model_config(str(path), disable)
+        config, _ = _model_config(str(path), disable)
         model = AutoModelForCausalLM.from_pretrained(path, config=config)
         return sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)})
 
     assert dropouts(tmp_path / "gpt2", False) == [0.1, 0.2, 0.3]  # the checkpoint's own
     assert dropouts(tmp_path / "gpt2", True) == [0.0]
-    assert _model_config(str(tmp_path / "llama"), False).attention_dropout == 0.4
-    assert _model_config(str(tmp_path / "llama"), True).attention_dropout == 0.0
-    assert _model_config(str(tmp_path / "llama"), True, num_labels=1).num_labels == 1
+    assert _model_config(str(tmp_path / "llama"), False)[0].attention_dropout == 0.4
+    assert _model_config(str(tmp_path / "llama"), True)[0].attention_dropout == 0.0
+    assert _model_config(str(tmp_path / "llama"), True, num_labels=1)[0].num_labels == 1
 
 
 def test_temperature_in_sampling_and_scoring_and_a_filter_warning():

@@ -42,7 +42,8 @@ class ModelSource(Section):
     disable_dropout: bool = Field(
         True, description="Set every dropout probability of the model's config to 0 before "
         "loading (as DeepSpeed-Chat does for RLHF): with dropout, old and new log-probs (and "
-        "values) come from different masks and the PPO ratio is noise.")
+        "values) come from different masks and the PPO ratio is noise. Exports and checkpoints "
+        "write the model's own probabilities back into their config.json.")
 
 
 class Optim(Section):

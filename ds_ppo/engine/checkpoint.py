@@ -36,6 +36,7 @@ from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             latest_checkpoint, named_by_latest, read_state,
                                             resolve_checkpoint, unusable, verify_checkpoint)
 from ds_ppo.engine.export import export_engine
+from ds_ppo.engine.hf_writer import saved_config
 from ds_ppo.engine.lora import is_lora, save_adapters
 from ds_ppo.errors import CheckpointError, ConfigError
 from ds_ppo.role_names import TRAINED_ROLES
@@ -98,10 +99,10 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                     export_engine(engine, tokenizer if sub == "hf" else None, tmp / sub,
                                   engines.dtype)
         if dist.is_main():
-            engines.policy.module.config.save_pretrained(tmp / "hf")
+            saved_config(engines.policy.module).save_pretrained(tmp / "hf")
             tokenizer.save_pretrained(tmp / "hf")
             if engines.value is not None:
-                engines.value.module.config.save_pretrained(tmp / "hf_value")
+                saved_config(engines.value.module).save_pretrained(tmp / "hf_value")
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         dist.barrier()  # every rank finished writing
         if dist.is_main():

@@ -239,8 +239,22 @@ def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: to
     writer.close()
 
 
-def _hf_config_copy(module: torch.nn.Module, dtype: torch.dtype):
+def saved_config(module: torch.nn.Module):
+    """A copy of the model's HF config as checkpoints and exports write it: with the dropout
+    probabilities that training switched off (policy/value.disable_dropout; recorded on the model
+    as `ds_ppo_dropout`) put back, so a model trained further from the export has its own."""
     config = copy.deepcopy(module.config)
+    for dotted, value in (getattr(module, "ds_ppo_dropout", None) or {}).items():
+        *subs, name = dotted.split(".")
+        target = config
+        for sub in subs:
+            target = getattr(target, sub)
+        setattr(target, name, value)
+    return config
+
+
+def _hf_config_copy(module: torch.nn.Module, dtype: torch.dtype):
+    config = saved_config(module)
     config.use_cache = True
     config.dtype = str(dtype).split(".")[1]  # what save_pretrained records
     return config

@@ -81,34 +81,33 @@ def _hidden_size(path: str) -> int:
     return int(getattr(c.get_text_config(), "hidden_size", 1024))
 
 
-def without_dropout(config) -> list[str]:
+def without_dropout(config) -> dict[str, float]:
     """Set every dropout probability of a Hugging Face config (and its sub-configs, e.g. a
     multimodal model's text config) to 0 in place: the fields named *dropout* or *pdrop*
     (attention_dropout, hidden_dropout_prob, resid_pdrop, classifier_dropout, ...). Returns the
-    names of the fields that were not 0."""
+    fields that were not 0 with their values (sub-config fields as `text_config.name`)."""
     from transformers import PretrainedConfig
 
-    changed = []
+    changed = {}
     for name, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
-            changed += [f"{name}.{c}" for c in without_dropout(value)]
+            changed.update({f"{name}.{c}": v for c, v in without_dropout(value).items()})
         elif (("dropout" in name or name.endswith("pdrop")) and not isinstance(value, bool)
               and isinstance(value, (int, float))):
             if value:
-                changed.append(name)
+                changed[name] = value
             setattr(config, name, 0.0)
     return changed
 
 
 def _model_config(path: str, disable_dropout: bool, **kwargs):
     """The HF config a trained role loads with: dropout off unless the role's
-    `disable_dropout` is false."""
+    `disable_dropout` is false; and the dropout probabilities it switched off (restored in the
+    configs that checkpoints and exports write: `hf_writer.saved_config`)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, **kwargs)
-    if disable_dropout:
-        without_dropout(config)
-    return config
+    return config, (without_dropout(config) if disable_dropout else {})
 
 
 def _load_kwargs(cfg_dtype: torch.dtype, attn: str) -> dict:
@@ -201,10 +200,11 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     from transformers import AutoModelForCausalLM
 
     ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal)
-    config = _model_config(path, cfg.policy.disable_dropout)
+    config, dropped = _model_config(path, cfg.policy.disable_dropout)
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))
+    model.ds_ppo_dropout = dropped
     if cfg.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -238,7 +238,8 @@ def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
 def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
     from transformers import AutoModelForTokenClassification
 
-    config = _model_config(source, cfg.value.disable_dropout, num_labels=1)
+    config, dropped = _model_config(source, cfg.value.disable_dropout, num_labels=1)
+    dropped.pop("classifier_dropout", None)  # the value head stays deterministic
     # A value model must be deterministic (no dropout) and match the reward model's head (no bias)
     # so that initialising from a reward model copies its score head exactly.
     config.classifier_dropout = 0.0
@@ -247,6 +248,7 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     with _zero_init_for(ds):
         model = AutoModelForTokenClassification.from_pretrained(
             source, config=config, **_load_kwargs(dtype, cfg.value.attn_implementation))
+    model.ds_ppo_dropout = dropped
     if cfg.value.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
