@@ -218,10 +218,12 @@ def test_checkpoint_holds_adapters_not_the_base(lora_run):
     # a full fine-tuning checkpoint holds at least fp32 weights + two AdamW moments per weight
     full_policy = 12 * params
     # the policy's data files: DeepSpeed's (adapters, their optimizer state) and the adapter;
-    # r=8 on the 64-wide tiny model is 10.5% of its weights (0.1-1% on real models)
+    # r=8 on the 64-wide tiny model, output head included, is 13% of its weights (0.1-1% on
+    # real models): 0.23 of the full checkpoint; a copy of the base's fp32 weights alone would
+    # add 1/3 of it
     data = [f for f in (ckpt / "policy").rglob("*.pt")] + list((ckpt / "hf").glob("*.safetensors"))
     policy = sum(f.stat().st_size for f in data)
-    assert policy < 0.2 * full_policy, (policy, full_policy)
+    assert policy < 0.3 * full_policy, (policy, full_policy)
     assert not list((ckpt / "hf").glob("model*.safetensors"))  # the adapter, no merged copy
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert set(state["lora_bases"]) == {"policy"}
