@@ -83,6 +83,38 @@ def test_adapters_start_as_the_base_and_only_they_train():
     assert len(trainable(model)) == len(names)
 
 
+def test_output_head_gets_an_adapter_on_a_random_init_untied_model_only():
+    """policy.lora.output_head=auto: a random-init policy.arch's output head is adapted (peft's
+    all-linear leaves it out), a loaded model's is not; a head tied to the embeddings cannot be."""
+    from ds_ppo.engine.lora import adapts_output_head, add_adapters
+
+    auto = load_config(None, LORA).policy.lora
+    untied, tied = _tiny_llama(), _tiny_llama()
+    tied.config.tie_word_embeddings = True
+    assert adapts_output_head(auto, True, untied)
+    assert not adapts_output_head(auto, False, untied) and not adapts_output_head(auto, True, tied)
+    for value, want in (("true", True), ("false", False)):
+        cfg = load_config(None, [*LORA, f"policy.lora.output_head={value}"]).policy.lora
+        assert adapts_output_head(cfg, True, untied) is want
+        assert adapts_output_head(cfg, False, untied) is want
+    with pytest.raises(ConfigError, match="policy.lora.output_head = True: .* tied"):
+        adapts_output_head(load_config(None, [*LORA, "policy.lora.output_head=true"]).policy.lora,
+                           True, tied)
+    adapted = add_adapters(_tiny_llama(), auto, seed=1, output_head=True)
+    names = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert {"base_model.model.lm_head.lora_A.default.weight",
+            "base_model.model.lm_head.lora_B.default.weight"} <= names
+    assert all(".lora_" in n for n in names)  # the head's own weight stays frozen
+    # every projection all-linear adapts, plus the head: 7 per layer + 1, two tensors each
+    assert len(names) == 2 * (7 * 2 + 1)
+    listed = load_config(None, [*LORA, "policy.lora.target_modules=[q_proj]"]).policy.lora
+    adapted = add_adapters(_tiny_llama(), listed, seed=1, output_head=True)
+    assert sorted({n.split(".lora_")[0].split(".")[-1] for n, p in adapted.named_parameters()
+                   if p.requires_grad}) == ["lm_head", "q_proj"]
+    with pytest.raises(ConfigError, match="value.lora.output_head = True"):
+        validate(load_config(None, ["value.lora.output_head=true"]), 1)
+
+
 def test_value_head_is_trained_fully_and_never_adapted():
     from transformers import LlamaConfig, LlamaForTokenClassification
 
@@ -142,7 +174,8 @@ def test_lora_config_and_reference_from_base():
     # the optional section's keys are checked like any section's
     with pytest.raises(ConfigError, match=r"policy.lora has no 'rank' \(valid: alpha, dropout,"):
         load_config(None, ["policy.lora.rank=8"])
-    with pytest.raises(ConfigError, match=r"'value.lora.rank' \(valid here: alpha, dropout, r,"):
+    with pytest.raises(ConfigError,
+                       match=r"'value.lora.rank' \(valid here: alpha, dropout, output_head, r,"):
         load_config(None, ["value.lora={rank: 8}"])
 
 
@@ -185,10 +218,12 @@ def test_checkpoint_holds_adapters_not_the_base(lora_run):
     # a full fine-tuning checkpoint holds at least fp32 weights + two AdamW moments per weight
     full_policy = 12 * params
     # the policy's data files: DeepSpeed's (adapters, their optimizer state) and the adapter;
-    # r=8 on the 64-wide tiny model is 10.5% of its weights (0.1-1% on real models)
+    # r=8 on the 64-wide tiny model, output head included, is 13% of its weights (0.1-1% on
+    # real models): 0.23 of the full checkpoint; a copy of the base's fp32 weights alone would
+    # add 1/3 of it
     data = [f for f in (ckpt / "policy").rglob("*.pt")] + list((ckpt / "hf").glob("*.safetensors"))
     policy = sum(f.stat().st_size for f in data)
-    assert policy < 0.2 * full_policy, (policy, full_policy)
+    assert policy < 0.3 * full_policy, (policy, full_policy)
     assert not list((ckpt / "hf").glob("model*.safetensors"))  # the adapter, no merged copy
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert set(state["lora_bases"]) == {"policy"}
@@ -261,3 +296,22 @@ def test_lora_with_a_critic_free_estimator(tmp_path):
     assert "loss/value" not in rows[0] and "score/group_std_mean" in rows[0]
     ckpt = out / "checkpoints" / "iter_000002"
     assert not (ckpt / "value").exists() and (ckpt / "hf" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_tiny_default_with_lora_learns(tmp_path):
+    """`ds-ppo train policy.lora.r=8`, nothing else, in half its 40 iterations: the mean score of
+    the last 5 iterations clearly above the first 5 (README: 0.05 -> 0.40 here, 0.80 over 40).
+    With policy.lora.output_head=false (adapters below the random-init head only) it stays flat:
+    0.05 -> 0.09, entropy 6.225 throughout."""
+    out = tmp_path / "run"
+    proc = run_cli(["train", *LORA, "iterations=20", "tracking.enabled=false",
+                    "checkpoint.every=0", "checkpoint.export_at_end=false",
+                    f"output_dir={out}"], cwd=tmp_path, timeout=900)
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    first = sum(r["score/mean"] for r in rows[:5]) / 5
+    last = sum(r["score/mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert rows[-1]["policy/entropy"] < rows[0]["policy/entropy"] - 0.3
+    assert "LoRA policy: 20,992 trainable" in proc.stdout  # the head's adapter among them

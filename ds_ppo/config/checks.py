@@ -106,6 +106,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if ref.from_policy_base is True and ref.path is not None:
         problems.append(f"reference.from_policy_base = True and reference.path = {ref.path!r}: "
                         "the reference is either the policy's base or another model; drop one")
+    if cfg.value.lora is not None and cfg.value.lora.output_head is True:
+        problems.append("value.lora.output_head = True: the value model's scalar head is always "
+                        "fully trained, never adapted; leave value.lora.output_head=auto")
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "

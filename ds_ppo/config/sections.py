@@ -70,11 +70,18 @@ class LoraConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Module names that get adapters, or all-linear (peft's "
         "spelling: every linear layer but the output head).")
+    output_head: Literal["auto"] | bool = Field(
+        "auto", description="The policy's output head (lm_head) gets an adapter too. auto = "
+        "yes for a random-init policy.arch with an untied head (its small random weights bound "
+        "the logits whatever the adapters below it learn: the tiny default does not learn "
+        "without), no for a model from a path. Policy only: a value model's scalar head is "
+        "always fully trained.")
 
 
 _LORA_DOC = ("Train low-rank adapters on the frozen base instead of all weights (null: full "
              "fine-tuning): {{r (default 8), alpha (16; the update is alpha / r x B A), dropout "
-             "(0), target_modules (all-linear, or a list of module names)}}, e.g. "
+             "(0), target_modules (all-linear, or a list of module names), output_head (auto: "
+             "adapt the output head too for a random-init policy.arch)}}, e.g. "
              "{role}.lora.r=8. Only the adapters{head} have gradients and optimizer state.")
 
 

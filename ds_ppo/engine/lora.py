@@ -30,16 +30,49 @@ log = logging.getLogger("ds_ppo")
 ADAPTER = "default"  # peft's adapter name; ds_ppo trains one adapter per role
 
 
+def adapts_output_head(lora_cfg, random_init: bool, model: torch.nn.Module) -> bool:
+    """policy.lora.output_head resolved: auto = a random-init model (policy.arch) whose output
+    head is not tied to its input embeddings. Such a head's weights are as small as every
+    initialised weight (std initializer_range, 0.02), so after the final norm the logits span
+    about +-1 whatever adapters below it learn, and the output stays near uniform."""
+    from ds_ppo.errors import ConfigError
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if lora_cfg.output_head == "auto":
+        return random_init and not tied
+    if lora_cfg.output_head and tied:
+        raise ConfigError("policy.lora.output_head = True: this model's output head is tied to "
+                          "its input embeddings (one weight), which an adapter on the head alone "
+                          "cannot follow; set policy.lora.output_head=false")
+    return bool(lora_cfg.output_head)
+
+
+def _targets(model: torch.nn.Module, lora_cfg, output_head: bool) -> list[str] | str:
+    """peft's target_modules: the configured ones, plus the output head when `output_head`
+    (`all-linear` spelled out as peft resolves it, every Linear/Conv1D module, head included)."""
+    if not output_head:
+        return lora_cfg.target_modules
+    from transformers.pytorch_utils import Conv1D
+
+    out = model.get_output_embeddings()
+    head = next(name for name, m in model.named_modules() if m is out)
+    if lora_cfg.target_modules == "all-linear":
+        return [name for name, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, Conv1D))]
+    return list(dict.fromkeys([*lora_cfg.target_modules, head]))
+
+
 def add_adapters(model: torch.nn.Module, lora_cfg, seed: int, head: str | None = None,
-                 causal_lm: bool = True) -> torch.nn.Module:
-    """`model` with LoRA adapters on `lora_cfg.target_modules`, everything else frozen but the
-    `head` module (a value model's scalar head: trained fully, never adapted). The adapters start
-    at B = 0 (peft's default), so the wrapped model computes exactly what the base does; A's
-    random initialisation is drawn from `seed` alone, the same on every rank."""
+                 causal_lm: bool = True, output_head: bool = False) -> torch.nn.Module:
+    """`model` with LoRA adapters on `lora_cfg.target_modules` (and on the output head with
+    `output_head`, see `adapts_output_head`), everything else frozen but the `head` module (a
+    value model's scalar head: trained fully, never adapted). The adapters start at B = 0
+    (peft's default), so the wrapped model computes exactly what the base does; A's random
+    initialisation is drawn from `seed` alone, the same on every rank."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                        target_modules=lora_cfg.target_modules, bias="none",
+                        target_modules=_targets(model, lora_cfg, output_head), bias="none",
                         exclude_modules=[head] if head else None,
                         task_type="CAUSAL_LM" if causal_lm else None)
     with torch.random.fork_rng(devices=[]):

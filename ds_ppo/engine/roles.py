@@ -209,7 +209,8 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if cfg.policy.lora is not None:
-        model = lora.add_adapters(model, cfg.policy.lora, cfg.seed)
+        head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model)
+        model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, output_head=head)
     opt = _optimizer(lora.trainable(model), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
     return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, optimizer_steps(cfg))), ds
