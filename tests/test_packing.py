@@ -1,0 +1,114 @@
+"""Packed micro-batches (ppo.micro_batch_tokens): the index/mask math of ds_ppo.algo.packing by
+hand, and packed forwards equal to the padded ones (log-probs, entropies, values, losses and
+gradients of an update) on CPU in float32."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
+
+from ds_ppo.algo import (additive_mask, block_causal_mask, packed_layout, response_predictors,
+                         token_budget_batches, unpack)
+from ds_ppo.forward import response_logprobs, response_values
+from test_stages import _cfg, _padded_rollout
+
+# float32 on CPU: a packed forward sums the same terms as the padded one, in another order and
+# with other matmul shapes (~1e-7 relative); a wrong mask or position moves them by ~1e-1
+ATOL = 1e-5
+
+# rows of very different lengths (prompt 1..7 tokens, response 1..9), left/right padded
+PROMPTS = [[5, 6, 7], [9], [4, 4, 8, 2, 7, 7, 3], [11, 12], [3, 9, 14, 15, 2]]
+RESPONSES = [[8, 9, 10, 11], [12, 13, 2, 4, 5, 6, 7, 8, 9], [13], [14, 15, 16], [17, 18]]
+
+
+def test_token_budget_batches_first_fit_longest_first():
+    lengths = [3, 9, 2, 5, 4, 12]
+    # longest first: 12 (alone: longer than the budget), 9, 5 (no room after 9: new), 4 (fits
+    # with 5), 3 (fits nowhere), 2 (into the 9's micro-batch, the first it fits in)
+    assert token_budget_batches(lengths, 10) == [[5], [1], [3, 4], [0, 2]]
+    assert token_budget_batches(lengths, 11) == [[5], [1, 2], [3, 4], [0]]
+    assert token_budget_batches(lengths, 100) == [[5, 1, 3, 4, 0, 2]]
+    assert token_budget_batches(lengths, 10, rows=[0, 2, 4]) == [[4, 0, 2]]
+    assert token_budget_batches([4, 4], 4) == [[0], [1]]  # exactly the budget fits
+
+
+def test_packed_layout_mask_predictors_and_unpack_by_hand():
+    # row 0: prompt [a b] response [c]; row 1: prompt [d] response [e f]; pads elsewhere
+    keep = torch.tensor([[False, True, True, True, False],
+                         [False, False, True, True, True]])
+    layout = packed_layout(keep)
+    assert layout.place.tolist() == [[-1, 0, 1, 2, -1], [-1, -1, 3, 4, 5]]
+    assert layout.position_ids.tolist() == [0, 1, 2, 0, 1, 2]
+    assert layout.row_of.tolist() == [0, 0, 0, 1, 1, 1]
+    mask = block_causal_mask(layout.row_of)
+    assert mask.shape == (1, 1, 6, 6)
+    assert mask[0, 0].long().tolist() == [[1, 0, 0, 0, 0, 0],
+                                          [1, 1, 0, 0, 0, 0],
+                                          [1, 1, 1, 0, 0, 0],
+                                          [0, 0, 0, 1, 0, 0],
+                                          [0, 0, 0, 1, 1, 0],
+                                          [0, 0, 0, 1, 1, 1]]
+    add = additive_mask(mask, torch.float32)
+    assert (add[mask] == 0).all() and (add[~mask] == torch.finfo(torch.float32).min).all()
+    # P = 3 prompt columns; counted responses: row 0 [c], row 1 [e f]
+    response_mask = keep[:, 3:]
+    pred = response_predictors(layout.place, 3, response_mask)
+    assert pred.tolist() == [1, 3, 4]  # b predicts c; d predicts e; e predicts f
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    out = unpack(x, response_mask)
+    assert out.tolist() == [[1.0, 0.0], [2.0, 3.0]]
+    out.sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def _llama(cls=LlamaForCausalLM, attn="sdpa", **kw):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **kw)
+    config._attn_implementation = attn
+    return cls(config).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_entropy_values_equal_padded(attn):
+    """Every row's packed outputs equal its padded ones (state tolerance ATOL, fp32); positions
+    outside the mask are 0; the forward is one sequence of the real tokens only."""
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    policy = _llama(attn=attn)
+    widths = []
+    hook = policy.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: widths.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        for temp in (1.0, 0.7):
+            lp, ent = response_logprobs(policy, rollout, temp, with_entropy=True)
+            plp, pent = response_logprobs(policy, rollout, temp, with_entropy=True, packed=True)
+            torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
+            torch.testing.assert_close(pent, ent.masked_fill(~rollout.mask, 0), atol=ATOL,
+                                       rtol=0)
+    hook.remove()
+    real = sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))
+    assert widths[1] == (1, real)  # packed: one sequence, no padding
+    assert (plp[rollout.mask] < 0).all() and (plp[~rollout.mask] == 0).all()
+    value = _llama(LlamaForTokenClassification, attn=attn, num_labels=1)
+    with torch.no_grad():
+        v = response_values(value, rollout)
+        pv = response_values(value, rollout, packed=True)
+    torch.testing.assert_close(pv, v.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
+    assert pv[rollout.mask].abs().min() > 0
+
+
+def test_packing_without_the_block_mask_would_leak_between_rows(monkeypatch):
+    """The test above can fail: with plain causal attention over the packed sequence (rows see
+    the rows before them) the later rows' log-probs move far beyond ATOL."""
+    import ds_ppo.forward as forward
+
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    policy = _llama()
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout, 1.0)
+        monkeypatch.setattr(forward, "block_causal_mask", lambda row_of: torch.ones(
+            1, 1, len(row_of), len(row_of), dtype=torch.bool).tril())
+        leaked, _ = response_logprobs(policy, rollout, 1.0, packed=True)
+    assert (leaked - lp).masked_fill(~rollout.mask, 0)[1:].abs().max() > 1e-3
