@@ -23,6 +23,16 @@ PROMPTS = [[5, 6, 7], [9], [4, 4, 8, 2, 7, 7, 3], [11, 12], [3, 9, 14, 15, 2]]
 RESPONSES = [[8, 9, 10, 11], [12, 13, 2, 4, 5, 6, 7, 8, 9], [13], [14, 15, 16], [17, 18]]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; beside the other xdist worker their
+    spinning made these tests ~30x slower on two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_token_budget_batches_first_fit_longest_first():
     lengths = [3, 9, 2, 5, 4, 12]
     # longest first: 12 (alone: longer than the budget), 9, 5 (no room after 9: new), 4 (fits
@@ -112,3 +122,106 @@ def test_packing_without_the_block_mask_would_leak_between_rows(monkeypatch):
             1, 1, len(row_of), len(row_of), dtype=torch.bool).tril())
         leaked, _ = response_logprobs(policy, rollout, 1.0, packed=True)
     assert (leaked - lp).masked_fill(~rollout.mask, 0)[1:].abs().max() > 1e-3
+
+
+class _Engine(torch.nn.Module):
+    """Stands in for a DeepSpeedEngine on one process: backward accumulates the gradient (the
+    optimizer never steps, so a whole update's gradient can be compared), the boundaries the
+    update places are recorded, forwards are counted."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls, self.boundaries = 0, []
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def set_gradient_accumulation_boundary(self, boundary):
+        self.boundaries.append(boundary)
+
+    def get_global_grad_norm(self):
+        return None
+
+
+ROWS = 8  # two mini-batches of 4 rows, two epochs
+UPDATE = ["ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+          "ppo.ppo_epochs=2", "ppo.samples_per_prompt=1", "ppo.advantage_estimator=gae",
+          "ppo.kl_loss_coef=0.1"]
+
+
+def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
+    """Scoring and a PPO update of one rollout with fresh fp32 models: (experience, metrics,
+    gradients of every parameter summed over the update, the engines)."""
+    from ds_ppo import scoring, update
+    from ds_ppo.metrics import Accumulator
+
+    if more_steps:  # another rank has more micro-batches: this one runs idle ones (the
+        # micro-batch counts are >= 1; the reward function's error code, 0, stays as it is)
+        monkeypatch.setattr(scoring.dist, "all_reduce_max",
+                            lambda t: t + more_steps if (t > 0).all() else t.clone())
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 50, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 8, (ROWS,), generator=g)]
+    responses = [torch.randint(3, 50, (int(n),), generator=g).tolist()
+                 for n in torch.randint(1, 10, (ROWS,), generator=g)]
+    rollout = _padded_rollout(prompts, responses, P=8, T=10)
+    engines = types.SimpleNamespace(
+        policy=_Engine(_llama()), reference=_Engine(_llama()),
+        value=_Engine(_llama(LlamaForTokenClassification, num_labels=1, classifier_dropout=0.0)),
+        reward_fn=lambda prompts, responses: [float(len(r)) for r in responses], reward=None)
+    cfg = _cfg(*UPDATE, *extra)
+    with torch.no_grad():
+        exp = scoring.add_advantages(scoring.score(rollout, engines, cfg, None), cfg, 0.1)
+    acc = Accumulator()
+    update.ppo_update(exp, engines, cfg, 1, acc)
+    grads = {f"{role}.{n}": p.grad.clone() for role in ("policy", "value")
+             for n, p in getattr(engines, role).named_parameters()}
+    return exp, acc.reduce(), grads, engines
+
+
+@pytest.fixture(scope="module")
+def padded():
+    return _scored_and_updated([])
+
+
+@pytest.mark.parametrize("budget, more_steps", [(12, 0), (1000, 0), (30, 2)])
+def test_packed_scoring_and_update_equal_padded(padded, budget, more_steps, monkeypatch):
+    """ppo.micro_batch_tokens: the scored experience, the update's losses and statistics and
+    its gradient (summed over both epochs) equal those of row micro-batches; a budget below the
+    longest row (12: several rows alone), one micro-batch per mini-batch, and a middle one with
+    another rank having 2 more micro-batches per mini-batch, so this one runs idle (zero-weight)
+    ones: nothing changes but the forwards counted and where the step falls."""
+    exp, metrics, grads, _ = padded
+    pexp, pmetrics, pgrads, engines = _scored_and_updated(
+        [f"ppo.micro_batch_tokens={budget}"], monkeypatch, more_steps)
+    for name in ("old_logprobs", "ref_logprobs", "old_values", "entropy", "advantages",
+                 "returns"):
+        torch.testing.assert_close(getattr(pexp, name), getattr(exp, name), atol=ATOL, rtol=0)
+    for k in ("loss/policy", "loss/value", "loss/kl", "policy/approx_kl", "policy/clip_frac",
+              "policy/ratio_mean", "value/vf_clip_frac", "value/values_mean"):
+        assert pmetrics[k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-6), k
+    for name, g in grads.items():
+        torch.testing.assert_close(pgrads[name], g, atol=1e-5, rtol=1e-4)
+    assert metrics["padding/update_positions_per_token"] > 1  # rows of different lengths
+    if more_steps == 0:
+        assert pmetrics["padding/update_positions_per_token"] == 1.0  # packed: no padding
+        assert pexp.scoring_positions[0] == pexp.scoring_positions[1]
+    else:
+        assert pmetrics["padding/update_positions_per_token"] > 1  # idle micro-batches
+        assert pexp.scoring_positions[0] > pexp.scoring_positions[1]
+    # the optimizer step is placed on each mini-batch's last micro-batch: once per mini-batch
+    boundaries = engines.policy.boundaries
+    assert boundaries[-1] and sum(boundaries) == 2 * 2  # 2 epochs x 2 mini-batches
+    assert engines.value.boundaries == boundaries
+    steps = len(boundaries)  # micro-batches of the update, idle ones included
+    assert steps >= 4 * (1 + more_steps) and (budget < 1000 or steps == 4 * (1 + more_steps))
+    # policy and value: scoring + update; reference: scoring only
+    assert engines.policy.calls == engines.value.calls == engines.reference.calls + steps

@@ -361,8 +361,12 @@ def current_lr(engine) -> float:
     return float(engine.optimizer.param_groups[0]["lr"])
 
 
-def backward_step(engine, loss: torch.Tensor) -> None:
-    """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
+def backward_step(engine, loss: torch.Tensor, boundary: bool | None = None) -> None:
+    """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries:
+    every gradient_accumulation_steps micro-batches, or, given `boundary`, exactly when it is
+    True (a caller whose number of micro-batches per step varies)."""
+    if boundary is not None:
+        engine.set_gradient_accumulation_boundary(boundary)
     engine.backward(loss)
     engine.step()
 
