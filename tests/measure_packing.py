@@ -113,7 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--micro", type=int, default=8, help="ppo.micro_batch_size (rows)")
-    parser.add_argument("--tokens", type=int, default=2048, help="ppo.micro_batch_tokens")
+    parser.add_argument("--tokens", default="512,1024,2048",
+                        help="ppo.micro_batch_tokens values, comma-separated")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -124,9 +125,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rollout = make_rollout(args.rows, args.vocab, seed=0)
     engines = engines_for(args.layers, args.hidden, args.vocab)
-    modes = {"rows": [f"ppo.micro_batch_size={args.micro}"],
-             "packed": [f"ppo.micro_batch_size={args.micro}",
-                        f"ppo.micro_batch_tokens={args.tokens}"]}
+    modes = {"rows": [f"ppo.micro_batch_size={args.micro}"]}
+    for budget in args.tokens.split(","):
+        modes[f"packed {budget}"] = [f"ppo.micro_batch_size={args.micro}",
+                                     f"ppo.micro_batch_tokens={budget}"]
     best: dict[str, tuple[float, dict]] = {}
     for _ in range(args.repeats):
         for name, overrides in modes.items():
@@ -136,10 +138,10 @@ def main() -> None:
     real = sum(rollout.prompt_lens) + sum(rollout.response_lens)
     print(f"{args.rows} rows, {real} real tokens; torch threads {torch.get_num_threads()}")
     for name, (seconds, info) in best.items():
-        print(f"{name:7s} score+update {seconds:6.2f} s (score {info['score_s']:.2f}, update "
+        print(f"{name:12s} score+update {seconds:6.2f} s (score {info['score_s']:.2f}, update "
               f"{info['update_s']:.2f}); scoring positions {info['scoring_positions'][0]}, "
-              f"update positions/token {info['update_positions_per_token']:.3f}")
-    print(f"packed / rows: {best['packed'][0] / best['rows'][0]:.2f}")
+              f"update positions/token {info['update_positions_per_token']:.3f}; "
+              f"/ rows {seconds / best['rows'][0]:.2f}")
 
 
 if __name__ == "__main__":
