@@ -6,16 +6,17 @@ HF `generate` uses). Token t of the response is predicted by the logits at posit
 
 Packed (ppo.micro_batch_tokens): the rows' real tokens concatenated into one sequence (batch 1,
 ds_ppo.algo.packing), position ids restarting at 0 for each row, attention confined to the row:
-with flash-attention transformers finds the rows from the restarting position ids (varlen
-kernels, no mask); with sdpa/eager a block-diagonal causal 4D mask is passed, which transformers
-uses as given. The outputs are unpacked into the (B, T) response layout.
+with flash-attention the varlen kernels get the rows' bounds (`cu_seq_lens_*`, `max_length_*`;
+no mask); with sdpa/eager a block-diagonal causal 4D mask is passed, which transformers uses as
+given. The outputs are unpacked into the (B, T) response layout.
 """
 from __future__ import annotations
 
 import torch
 
-from ds_ppo.algo import (additive_mask, block_causal_mask, entropy_from_logits,
-                         logprobs_from_logits, packed_layout, response_predictors, unpack)
+from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths,
+                         entropy_from_logits, logprobs_from_logits, packed_layout,
+                         response_predictors, unpack)
 from ds_ppo.containers import Rollout
 
 
@@ -56,15 +57,21 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
     keep = torch.cat([rollout.prompt_mask, rollout.mask], dim=1)
     layout = packed_layout(keep)
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)[keep][None]
+    pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)
+    kwargs = {"logits_to_keep": pred} if predictors_only else {}
     impl = _attn_implementation(model)
     if impl.startswith("flash"):
-        mask = None  # transformers cuts the rows at the position ids' restarts (varlen)
+        # no mask: the varlen kernels take the rows' bounds, from host lengths (given them,
+        # transformers does not infer them from the position ids in every layer)
+        mask = None
+        lengths = [p + r for p, r in zip(rollout.prompt_lens, rollout.response_lens)]
+        cu = cumulative_lengths(lengths, ids.device)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                      max_length_k=max(lengths))
     else:
         mask = block_causal_mask(layout.row_of)
         if impl == "eager":  # eager adds the mask to its scores; sdpa takes bool (True = attend)
             mask = additive_mask(mask, torch.float32)
-    pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)
-    kwargs = {"logits_to_keep": pred} if predictors_only else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=layout.position_ids[None],
                 use_cache=False, **kwargs)
     return out, pred

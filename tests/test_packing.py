@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
-from ds_ppo.algo import (additive_mask, block_causal_mask, packed_layout, response_predictors,
-                         token_budget_batches, unpack)
+from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths, packed_layout,
+                         response_predictors, token_budget_batches, unpack)
 from ds_ppo.forward import response_logprobs, response_values
 from test_stages import _cfg, _padded_rollout
 
@@ -71,6 +71,8 @@ def test_packed_layout_mask_predictors_and_unpack_by_hand():
     assert out.tolist() == [[1.0, 0.0], [2.0, 3.0]]
     out.sum().backward()
     assert x.grad.tolist() == [1.0, 1.0, 1.0]
+    cu = cumulative_lengths([3, 3])  # flash-attention's cu_seqlens of the two rows
+    assert cu.tolist() == [0, 3, 6] and cu.dtype == torch.int32
 
 
 def _llama(cls=LlamaForCausalLM, attn="sdpa", **kw):
@@ -225,3 +227,36 @@ def test_packed_scoring_and_update_equal_padded(padded, budget, more_steps, monk
     assert steps >= 4 * (1 + more_steps) and (budget < 1000 or steps == 4 * (1 + more_steps))
     # policy and value: scoring + update; reference: scoring only
     assert engines.policy.calls == engines.value.calls == engines.reference.calls + steps
+
+
+def test_flash_path_passes_the_rows_bounds_and_no_mask():
+    """With a flash-attention implementation the packed forward passes no mask and the rows'
+    bounds as flash-attention's varlen kwargs (cu_seq_lens_*, max_length_*). On CPU a stand-in
+    kernel, registered under a flash-like name, attends causally within each row by those
+    bounds alone; the log-probs then equal the padded ones."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = []
+
+    def varlen(module, query, key, value, attention_mask, cu_seq_lens_q=None,
+               cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+        assert attention_mask is None and query.shape[0] == 1
+        assert torch.equal(cu_seq_lens_q, cu_seq_lens_k) and max_length_q == max_length_k
+        seen.append((cu_seq_lens_q.tolist(), max_length_q))
+        bounds = cu_seq_lens_q.tolist()
+        outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e],
+                                       value[:, :, s:e], None, **kwargs)[0]
+                for s, e in zip(bounds, bounds[1:])]
+        return torch.cat(outs, dim=1), None
+
+    AttentionInterface.register("flash_varlen_cpu_test", varlen)
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    policy = _llama()
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout, 1.0)
+        policy.config._attn_implementation = "flash_varlen_cpu_test"
+        plp, _ = response_logprobs(policy, rollout, 1.0, packed=True)
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
+    assert seen[0] == ([sum(lengths[:i]) for i in range(len(lengths) + 1)], max(lengths))
+    torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)

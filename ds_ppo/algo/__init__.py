@@ -24,8 +24,8 @@ from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLCo
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, mask_from_lengths, response_mask
-from .packing import (PackedLayout, additive_mask, block_causal_mask, packed_layout,
-                      response_predictors, token_budget_batches, unpack)
+from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
+                      packed_layout, response_predictors, token_budget_batches, unpack)
 from .rewards import shape_rewards
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
@@ -59,6 +59,7 @@ __all__ = [
     "PackedLayout",
     "additive_mask",
     "block_causal_mask",
+    "cumulative_lengths",
     "packed_layout",
     "response_predictors",
     "token_budget_batches",

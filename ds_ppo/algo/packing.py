@@ -50,6 +50,15 @@ def packed_layout(keep: torch.Tensor) -> PackedLayout:
     return PackedLayout(place, position_ids, rows[keep])
 
 
+def cumulative_lengths(lengths: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """(R + 1,) int32 [0, l0, l0 + l1, ...]: where each of R packed rows starts, and the end
+    (flash-attention's varlen `cu_seqlens`), from host lengths (no device read)."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
 def block_causal_mask(row_of: torch.Tensor) -> torch.Tensor:
     """(1, 1, N, N) bool attention mask of a packed sequence, True where query i may attend to
     key j: j <= i and both tokens belong to the same row. row_of: (N,) long, from
