@@ -5,6 +5,7 @@ same in both). Prints the positions computed and the seconds of each mode (best 
 the modes alternating). Used for docs/PERFORMANCE.md:
 
     PYTHONPATH=. python tests/measure_packing.py
+    PYTHONPATH=. python tests/measure_packing.py --device cuda --attn flash_attention_2 --threads 4
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import sys
 import time
 import types
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -74,19 +76,24 @@ def make_rollout(rows: int, vocab: int, seed: int) -> Rollout:
                    extras=[{}] * rows)
 
 
-def engines_for(layers: int, hidden: int, vocab: int):
+def engines_for(layers: int, hidden: int, vocab: int, attn: str):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
     def config(**kw):
         return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                           num_key_value_heads=hidden // 64, attn_implementation="sdpa", **kw)
+                           num_key_value_heads=hidden // 64, attn_implementation=attn, **kw)
 
     torch.manual_seed(0)
     return types.SimpleNamespace(
         policy=Engine(LlamaForCausalLM(config())), reference=Engine(LlamaForCausalLM(config())),
         value=Engine(LlamaForTokenClassification(config(num_labels=1, classifier_dropout=0.0))),
         reward_fn=lambda prompts, responses: [0.0] * len(responses), reward=None)
+
+
+def sync(rollout: Rollout) -> None:
+    if rollout.prompt_ids.is_cuda:
+        torch.cuda.synchronize()
 
 
 def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
@@ -96,12 +103,15 @@ def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
                              "ppo.ppo_epochs=1", *overrides])
     for e in (engines.policy, engines.value):
         e.zero_grad(set_to_none=True)
+    sync(rollout)
     t0 = time.perf_counter()
     with torch.no_grad():
         exp = add_advantages(score(rollout, engines, cfg, None), cfg, 0.1)
+    sync(rollout)
     scored = time.perf_counter() - t0
     acc = Accumulator()
     ppo_update(exp, engines, cfg, 1, acc)
+    sync(rollout)
     total = time.perf_counter() - t0
     metrics = acc.reduce()
     return total, {"score_s": scored, "update_s": total - scored,
@@ -119,12 +129,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation of the models")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier "
                         "timings on a shared machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rollout = make_rollout(args.rows, args.vocab, seed=0)
-    engines = engines_for(args.layers, args.hidden, args.vocab)
+    rollout = replace(rollout, **{f.name: getattr(rollout, f.name).to(args.device)
+                                  for f in fields(rollout)
+                                  if isinstance(getattr(rollout, f.name), torch.Tensor)})
+    engines = engines_for(args.layers, args.hidden, args.vocab, args.attn)
+    for role in ("policy", "reference", "value"):
+        getattr(engines, role).to(args.device)
     modes = {"rows": [f"ppo.micro_batch_size={args.micro}"]}
     for budget in args.tokens.split(","):
         modes[f"packed {budget}"] = [f"ppo.micro_batch_size={args.micro}",
@@ -136,7 +153,8 @@ def main() -> None:
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, info)
     real = sum(rollout.prompt_lens) + sum(rollout.response_lens)
-    print(f"{args.rows} rows, {real} real tokens; torch threads {torch.get_num_threads()}")
+    print(f"{args.rows} rows, {real} real tokens; {args.device}, {args.attn}, torch threads "
+          f"{torch.get_num_threads()}")
     for name, (seconds, info) in best.items():
         print(f"{name:12s} score+update {seconds:6.2f} s (score {info['score_s']:.2f}, update "
               f"{info['update_s']:.2f}); scoring positions {info['scoring_positions'][0]}, "
