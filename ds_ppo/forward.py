@@ -43,10 +43,19 @@ def _full_width(x: torch.Tensor, T: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, T - x.shape[1]))
 
 
-def _attn_implementation(model) -> str:
-    """The attention implementation of a model, a DeepSpeed engine or a PEFT model around it."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    return getattr(config, "_attn_implementation", None) or "sdpa"
+def _attn_implementation(model) -> str | None:
+    """The attention implementation of an HF model, also inside a DeepSpeed engine (`.module`;
+    the engine's own `.config` is DeepSpeed's), a PEFT model (its `.config` is the base's) or a
+    role wrapper such as lora.AdaptersOff (`.engine`); None if none of them says."""
+    for _ in range(4):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl
+        inner = getattr(model, "engine", None)
+        model = getattr(model, "module", None) if inner is None else inner
+        if model is None:
+            break
+    return None
 
 
 def _packed_forward(model, rollout: Rollout, predictors_only: bool):
@@ -60,7 +69,7 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
     pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)
     kwargs = {"logits_to_keep": pred} if predictors_only else {}
     impl = _attn_implementation(model)
-    if impl.startswith("flash"):
+    if impl is not None and impl.startswith("flash"):
         # no mask: the varlen kernels take the rows' bounds, from host lengths (given them,
         # transformers does not infer them from the position ids in every layer)
         mask = None
@@ -68,10 +77,12 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
         cu = cumulative_lengths(lengths, ids.device)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                       max_length_k=max(lengths))
-    else:
+    elif impl in ("sdpa", "eager"):
         mask = block_causal_mask(layout.row_of)
         if impl == "eager":  # eager adds the mask to its scores; sdpa takes bool (True = attend)
             mask = additive_mask(mask, torch.float32)
+    else:  # another or an unknown one: transformers finds the rows from the position ids
+        mask = None
     out = model(input_ids=ids, attention_mask=mask, position_ids=layout.position_ids[None],
                 use_cache=False, **kwargs)
     return out, pred

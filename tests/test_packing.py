@@ -256,7 +256,34 @@ def test_flash_path_passes_the_rows_bounds_and_no_mask():
     with torch.no_grad():
         lp, _ = response_logprobs(policy, rollout, 1.0)
         policy.config._attn_implementation = "flash_varlen_cpu_test"
-        plp, _ = response_logprobs(policy, rollout, 1.0, packed=True)
+        # through a role wrapper around an engine, as lora.AdaptersOff wraps the policy's
+        plp, _ = response_logprobs(_Wrapper(_Engine(policy)), rollout, 1.0, packed=True)
     lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
     assert seen[0] == ([sum(lengths[:i]) for i in range(len(lengths) + 1)], max(lengths))
+    torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
+
+
+class _Wrapper:
+    """A role wrapper (like lora.AdaptersOff): `.engine`, called with keyword inputs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, **inputs):
+        return self.engine(**inputs)
+
+
+def test_unknown_attention_implementation_leaves_the_rows_to_transformers():
+    """A model whose attention implementation cannot be read gets no mask, only the restarting
+    position ids, from which transformers builds the block-diagonal mask itself."""
+    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    policy = _llama()
+    masks = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda m, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout, 1.0)
+        plp, _ = response_logprobs(lambda **inputs: policy(**inputs), rollout, 1.0, packed=True)
+    hook.remove()
+    assert masks[1] is None
     torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
