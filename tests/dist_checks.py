@@ -352,6 +352,9 @@ def main() -> None:
         "tensor_parallel": lambda: tensor_parallel(work),
         "zero3_lora": lambda: first_update(work, "z3lora", [
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"]),
+        "zero3_lora_packed": lambda: first_update(work, "z3lorapk", [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
+            "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
     }
     for name, fn in scenarios.items():

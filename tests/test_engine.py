@@ -163,6 +163,9 @@ def test_lora_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks
         assert res["kl/sequence_mean"] == 0.0
         assert res["policy/approx_kl"] > 0  # the second optimizer step saw the first one's update
     assert not _close(one_rank["zero3_lora"], two_ranks["zero3_lora"])
+    # packed (the reference: the policy engine with its adapters off, through lora.AdaptersOff)
+    assert not _close(one_rank["zero3_lora"], one_rank["zero3_lora_packed"])
+    assert not _close(two_ranks["zero3_lora"], two_ranks["zero3_lora_packed"])
 
 
 def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_rank, two_ranks):
