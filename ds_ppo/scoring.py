@@ -96,7 +96,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
 @torch.no_grad()
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
-    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes)."""
+    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
+    ppo.micro_batch_tokens, idle micro-batches make up the difference)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
     engines.policy.eval()

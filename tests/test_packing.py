@@ -44,6 +44,20 @@ def test_token_budget_batches_first_fit_longest_first():
     assert token_budget_batches([4, 4], 4) == [[0], [1]]  # exactly the budget fits
 
 
+def test_token_micro_batches_idle_ones_and_their_positions():
+    rollout = _padded_rollout([[1] * n for n in (3, 1, 5, 2)], [[1] * n for n in (1, 6, 2, 5)],
+                              P=5, T=6)  # rows of 4, 7, 7, 7 tokens
+    batches = rollout.token_micro_batches(11)
+    assert batches == [[1, 0], [2], [3]]  # 7 + 4; the other 7s do not fit with a 7
+    assert rollout.token_micro_batches(11, rows=[0, 2]) == [[2, 0]]
+    padded = rollout.with_idle(batches, 5)
+    assert padded == batches + [[0], [0]]  # two idle repeats of the shortest row (4 tokens)
+    assert rollout.positions(batches, packed=True) == (25, 25)  # packed: no padding
+    # the idle rows' tokens are computed again; score and ppo_update count them as computed only
+    assert rollout.positions(padded[3:], packed=True) == (8, 8)
+    assert rollout.positions(batches) == (2 * (3 + 6) + 7 + 7, 25)  # padded to 3 + 6 wide
+
+
 def test_packed_layout_mask_predictors_and_unpack_by_hand():
     # row 0: prompt [a b] response [c]; row 1: prompt [d] response [e f]; pads elsewhere
     keep = torch.tensor([[False, True, True, True, False],
