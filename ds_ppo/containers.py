@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ds_ppo.algo import token_budget_batches
+
 
 def _slice_fields(obj, idx: slice | list[int]):
     """A copy of a container with every per-sequence field indexed by `idx` (B first): a slice
@@ -90,17 +92,35 @@ class Rollout:
         total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
         return longest_first(total, size, rows)
 
-    def positions(self, batches: list[list[int]]) -> tuple[int, int]:
+    def token_micro_batches(self, budget: int, rows: list[int] | None = None
+                            ) -> list[list[int]]:
+        """`rows` (default: all) cut into packed micro-batches of at most `budget` real tokens
+        (prompt + counted response), longest first (`token_budget_batches`: first fit; a row
+        longer than the budget alone)."""
+        total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
+        return token_budget_batches(total, budget, rows)
+
+    def with_idle(self, batches: list[list[int]], count: int) -> list[list[int]]:
+        """`batches` followed by idle micro-batches up to `count` in all, each the shortest row
+        of `batches` (the cheapest forward a rank with fewer micro-batches can run to keep
+        step with the others; its outputs are dropped)."""
+        total = [self.prompt_lens[i] + self.response_lens[i] for rows in batches for i in rows]
+        shortest = [i for rows in batches for i in rows][total.index(min(total))]
+        return batches + [[shortest]] * (count - len(batches))
+
+    def positions(self, batches: list[list[int]], packed: bool = False) -> tuple[int, int]:
         """(token positions the forwards of these micro-batches compute, real tokens in them),
         from the host lengths: a micro-batch's forward is as wide as its longest prompt plus
-        its longest counted response (`model_inputs`); the real tokens are each row's prompt
-        and counted response. Their ratio is the compute spent on padding (1 = none)."""
+        its longest counted response (`model_inputs`), or, packed, exactly its real tokens;
+        the real tokens are each row's prompt and counted response. Their ratio is the compute
+        spent on padding (1 = none)."""
         computed = real = 0
         for rows in batches:
             prompt = [self.prompt_lens[i] for i in rows]
             response = [self.response_lens[i] for i in rows]
-            computed += len(rows) * (max(prompt, default=0) + max(response, default=0))
             real += sum(prompt) + sum(response)
+            computed += sum(prompt) + sum(response) if packed else len(rows) * (
+                max(prompt, default=0) + max(response, default=0))
         return computed, real
 
     def __len__(self) -> int:

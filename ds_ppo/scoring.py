@@ -18,10 +18,26 @@ from ds_ppo.rewards import call_reward_function
 
 
 def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
-    """The scoring micro-batches (row indices, longest rows first) and their rows one after
-    another (for `in_row_order`)."""
+    """The scoring micro-batches of ppo.score_micro_batch_size rows (row indices, longest rows
+    first) and their rows one after another (for `in_row_order`)."""
     batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
     return batches, [i for rows in batches for i in rows]
+
+
+def _model_micro_batches(rollout: Rollout, cfg: Config
+                         ) -> tuple[list[list[int]], list[int], int]:
+    """The micro-batches of the policy, reference and value forwards, their rows one after
+    another (for `in_row_order`) and how many of them hold this rank's rows. With
+    ppo.micro_batch_tokens they are packed by tokens, so their number differs between ranks;
+    ZeRO-3 forwards are collective, so every rank runs as many as the rank with the most (one
+    all-reduce): the extra, idle ones repeat this rank's shortest row, their outputs dropped."""
+    budget = cfg.ppo.micro_batch_tokens
+    if budget is None:
+        batches, order = _micro_batches(rollout, cfg)
+        return batches, order, len(batches)
+    batches = rollout.token_micro_batches(budget)
+    most = int(dist.all_reduce_max(torch.tensor([float(len(batches))], dtype=torch.float64)))
+    return rollout.with_idle(batches, most), [i for rows in batches for i in rows], len(batches)
 
 
 def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
@@ -79,22 +95,25 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
 @torch.no_grad()
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
-    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes)."""
+    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
+    ppo.micro_batch_tokens, idle micro-batches make up the difference)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
     engines.policy.eval()
     if critic is not None:
         critic.eval()
-    batches, order = _micro_batches(rollout, cfg)
+    batches, order, mine = _model_micro_batches(rollout, cfg)
+    packed = cfg.ppo.micro_batch_tokens is not None
     logp, ref_logp, values, entropy = [], [], [], []
     for rows in batches:
         mb = rollout.slice(rows)
-        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True)
+        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed)
         logp.append(lp)
         entropy.append(ent)
-        ref_logp.append(engines.reference.logprobs(mb, temp)[0])
+        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed)[0])
         if critic is not None:
-            values.append(critic.values(mb))
+            values.append(critic.values(mb, packed=packed))
+    del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches
     engines.policy.train()
     if critic is not None:
         critic.train()
@@ -114,7 +133,15 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None, entropy=zero(entropy),
                       scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
-                      scoring_positions=rollout.positions(batches))
+                      scoring_positions=_positions(rollout, batches, mine, packed))
+
+
+def _positions(rollout: Rollout, batches: list[list[int]], mine: int, packed: bool
+               ) -> tuple[int, int]:
+    """(positions computed, real tokens) of micro-batches of which the first `mine` hold this
+    rank's rows; the idle rest count as computed positions only."""
+    computed, real = rollout.positions(batches[:mine], packed)
+    return computed + rollout.positions(batches[mine:], packed)[0], real
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

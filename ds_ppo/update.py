@@ -8,6 +8,14 @@ modes of ppo.loss_aggregation its sequences (ds_ppo.algo.aggregation); then mult
 (world size x accumulation steps) to undo DeepSpeed's averaging over both. The gradient of an
 optimizer step is therefore exactly the gradient of the aggregated loss over the global
 mini-batch, whatever the micro-batch size or the number of ranks (tested).
+
+Packed micro-batches (ppo.micro_batch_tokens): their number per mini-batch depends on the rows'
+lengths, so it differs between ranks and from DeepSpeed's gradient_accumulation_steps. Every rank
+runs the most micro-batches any rank has (ZeRO forwards and gradient reductions are collective),
+the extra ones idle (a repeat of its shortest row with zero loss weight), and the optimizer step
+is placed explicitly on each mini-batch's last micro-batch (`backward_step`'s boundary). DeepSpeed
+still divides each loss by its configured accumulation steps, which the scale above undoes, so
+the gradient is the same sum as without packing.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
+from ds_ppo.role_names import TRAINED_ROLES
 
 
 def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
@@ -55,6 +64,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.response_lens  # host: token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
+    packed = p.micro_batch_tokens is not None
     engines.policy.train()
     if critic is not None:
         critic.train()
@@ -67,17 +77,27 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             [[float(sum(lens[i] for i in rows)),
               loss_divisor([lens[i] for i in rows if kept[i]], p.loss_aggregation)]
              for rows in minibatches], dtype=torch.float64))
-        for rows, (n_tok, pg_div) in zip(minibatches, counts.tolist()):
+        # longest rows first; the order within a mini-batch does not change its gradient
+        # (each micro-batch loss is normalised by the whole mini-batch's count)
+        micro = [exp.rollout.token_micro_batches(p.micro_batch_tokens, rows) if packed
+                 else exp.rollout.micro_batches(p.micro_batch_size, rows) for rows in minibatches]
+        steps = [len(m) for m in micro]
+        if packed:  # per mini-batch, the most micro-batches of any rank (one all-reduce)
+            steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
+        for mine, n_steps, (n_tok, pg_div) in zip(micro, steps, counts.tolist()):
             n_tok, pg_div = max(n_tok, 1.0), max(pg_div, 1.0)
             # device tensors, read once per mini-batch: no host sync between micro-batches
             losses, stats = [], {}
-            # longest rows first; the order within a mini-batch does not change its gradient
-            # (each micro-batch loss is normalised by the whole mini-batch's count)
-            micro = exp.rollout.micro_batches(p.micro_batch_size, rows)
-            acc.add_mean("padding/update_positions_per_token", *exp.rollout.positions(micro))
-            for mb_rows in micro:
+            computed, real = exp.rollout.positions(mine, packed)
+            idle = exp.rollout.with_idle(mine, n_steps)[len(mine):]  # zero-weight repeats
+            computed += exp.rollout.positions(idle, packed)[0]
+            acc.add_mean("padding/update_positions_per_token", computed, real)
+            for step, mb_rows in enumerate(mine + idle):
+                weight = scale if step < len(mine) else 0.0  # idle: no gradient, no statistics
+                boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)
-                logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature)
+                logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature,
+                                                      packed=packed)
                 pg_mask = mb.mask
                 if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
                     pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
@@ -93,17 +113,18 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                                       weights)
                     step_losses["loss/kl"] = kl_term.detach()
                     pg_loss = pg_loss + p.kl_loss_coef * kl_term
-                engines.policy.backward_step(pg_loss * scale)
+                engines.policy.backward_step(pg_loss * weight, boundary=boundary)
                 named = {f"policy/{k}": v for k, v in pg_stats.items()}
 
                 if critic is not None:
-                    values = critic.values(mb.rollout)
+                    values = critic.values(mb.rollout, packed=packed)
                     vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
                                                    clip_eps=p.value_clip_eps, num_tokens=n_tok)
-                    critic.backward_step(p.vf_coef * vf_loss * scale)
+                    critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
                     step_losses["loss/value"] = vf_loss.detach()
                     named.update({f"value/{k}": v for k, v in vf_stats.items()})
-
+                if step >= len(mine):
+                    continue
                 losses.append(torch.stack(list(step_losses.values())).double())
                 # stats are per-micro-batch token means: weight them by tokens for a global mean
                 n_valid = mb.mask.sum().double()
@@ -117,7 +138,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             for name, total in zip(step_losses, totals):
                 acc.add_replicated(name, total)
             # global gradient norms of the step just taken (before clipping; identical on ranks)
-            for role in ("policy", "value"):
+            for role in TRAINED_ROLES:
                 engine = getattr(engines, role)
                 norm = engine.grad_norm() if engine is not None else None
                 if norm is not None:

@@ -38,6 +38,8 @@ BASE = [
 LOSS_KEYS = ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac",
              "score/mean", "kl/sequence_mean", "policy/entropy", "response/length_mean")
 
+PADDING_KEYS = ("padding/scoring_positions_per_token", "padding/update_positions_per_token")
+
 
 def cfg_for(work: Path, name: str, extra: list[str]):
     cfg = load_config(None, BASE + [f"output_dir={work / name}"] + extra)
@@ -332,6 +334,15 @@ def main() -> None:
         "critic_free_engines": lambda: critic_free_engines(work),
         "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
         "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),
+        # packed micro-batches of at most 30 tokens (rows of 11-20): 1-2 rows each, a count
+        # that differs between mini-batches and ranks
+        "zero3_packed": lambda: first_update(work, "z3pk", [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30"], LOSS_KEYS + PADDING_KEYS),
+        "zero2_packed": lambda: first_update(work, "z2pk", [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30",
+            "deepspeed.policy.zero_stage=2", "deepspeed.value.zero_stage=2"]),
+        "grpo_packed": lambda: group_update(work, "grpopk", grpo + [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30"]),
         "zero2_micro4": lambda: first_update(work, "z2m4", [
             "ppo.micro_batch_size=4", "deepspeed.policy.zero_stage=2",
             "deepspeed.value.zero_stage=2"]),
@@ -341,6 +352,9 @@ def main() -> None:
         "tensor_parallel": lambda: tensor_parallel(work),
         "zero3_lora": lambda: first_update(work, "z3lora", [
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"]),
+        "zero3_lora_packed": lambda: first_update(work, "z3lorapk", [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
+            "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
     }
     for name, fn in scenarios.items():

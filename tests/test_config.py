@@ -179,6 +179,7 @@ def test_unknown_keys_in_the_yaml_file_are_all_named(tmp_path):
     ("iterations=0", "iterations", "0", "greater than 0"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last", "0", "greater than 0"),
     ("ppo.micro_batch_size=-2", "ppo.micro_batch_size", "-2", "greater than 0"),
+    ("ppo.micro_batch_tokens=0", "ppo.micro_batch_tokens", "0", "greater than 0"),
     ("deepspeed.policy.zero_stage=4", "deepspeed.policy.zero_stage", "4", "0, 1, 2, 3 or 'auto'"),
     ("generation.mode=fast", "generation.mode", "'fast'", "'auto', 'gathered', 'tensor_parallel' or 'zero3'"),
     ("ppo.kl_coef=abc", "ppo.kl_coef", "'abc'", "valid number"),

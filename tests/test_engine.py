@@ -136,6 +136,19 @@ def test_critic_free_first_update_invariant_to_micro_batch_times_accumulation(on
     assert not _close(two_ranks["grpo_micro4"], two_ranks["grpo_micro2"], keys=GROUP_KEYS)
 
 
+def test_first_update_invariant_to_packing(one_rank, two_ranks):
+    """ppo.micro_batch_tokens: packed micro-batches give the update of row micro-batches, on
+    ZeRO-3 and ZeRO-2, with and without a critic, at one and two ranks."""
+    for res in (one_rank, two_ranks):
+        assert not _close(res["zero3_micro4"], res["zero3_packed"])
+        assert not _close(res["zero3_micro4"], res["zero2_packed"])
+        assert not _close(res["grpo_micro4"], res["grpo_packed"], keys=GROUP_KEYS)
+    assert one_rank["zero3_packed"]["padding/update_positions_per_token"] == 1.0  # no padding
+    # on two ranks the ranks' micro-batch counts differ in some mini-batch: the idle micro-batches
+    # the rank with fewer runs (to keep its ZeRO collectives in step) count as computed positions
+    assert two_ranks["zero3_packed"]["padding/update_positions_per_token"] > 1.0
+
+
 def test_critic_free_estimator_builds_no_value_engine(one_rank, two_ranks):
     for res in (one_rank["critic_free_engines"], two_ranks["critic_free_engines"]):
         assert res == {"value_is_none": True, "ds_configs": ["policy", "reference"]}
@@ -150,6 +163,9 @@ def test_lora_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks
         assert res["kl/sequence_mean"] == 0.0
         assert res["policy/approx_kl"] > 0  # the second optimizer step saw the first one's update
     assert not _close(one_rank["zero3_lora"], two_ranks["zero3_lora"])
+    # packed (the reference: the policy engine with its adapters off, through lora.AdaptersOff)
+    assert not _close(one_rank["zero3_lora"], one_rank["zero3_lora_packed"])
+    assert not _close(two_ranks["zero3_lora"], two_ranks["zero3_lora_packed"])
 
 
 def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_rank, two_ranks):

@@ -24,6 +24,8 @@ from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLCo
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, response_mask
+from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
+                      packed_layout, response_predictors, token_budget_batches, unpack)
 from .rewards import shape_rewards
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
@@ -54,6 +56,14 @@ __all__ = [
     "gae_blocked",
     "gae_loop",
     "gae_matmul",
+    "PackedLayout",
+    "additive_mask",
+    "block_causal_mask",
+    "cumulative_lengths",
+    "packed_layout",
+    "response_predictors",
+    "token_budget_batches",
+    "unpack",
     "kl_estimate",
     "last_valid_index",
     "log_ratio_clamped",

@@ -226,6 +226,14 @@ class PPOConfig(Section):
         "= mini_batch_size / (micro_batch_size * world size).")
     score_micro_batch_size: int | None = Field(
         None, gt=0, description="Sequences per scoring forward on one rank; default micro_batch_size.")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0, description="Token budget of a packed micro-batch (null: micro-batches of "
+        "micro_batch_size / score_micro_batch_size rows, padded). Set: the policy, reference and "
+        "value forwards of scoring and the update pack each mini-batch's rows, longest first, "
+        "into micro-batches of at most this many real tokens (prompt + response; a longer row "
+        "runs alone), each one sequence without padding; ranks with fewer micro-batches run "
+        "zero-weight ones. micro_batch_size then only sets DeepSpeed's bookkeeping, and "
+        "score_micro_batch_size only the reward model's micro-batches.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
                             "the mini-batches (the same samples in each at any world size).")
     clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")

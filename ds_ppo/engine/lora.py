@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from ds_ppo.engine import dist
+from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
 ADAPTER = "default"  # peft's adapter name; ds_ppo trains one adapter per role
@@ -248,4 +249,4 @@ def read_adapter_config(directory: Path) -> dict:
 def trainable_counts(engines) -> dict[str, str]:
     """MLflow params: trainable parameters of each trained role (all of them without LoRA)."""
     return {f"{role}.trainable_params": str(count_params(trainable(getattr(engines, role).module)))
-            for role in ("policy", "value") if getattr(engines, role, None) is not None}
+            for role in TRAINED_ROLES if getattr(engines, role, None) is not None}

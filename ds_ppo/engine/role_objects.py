@@ -47,8 +47,12 @@ class TrainedRole(Role):
     """A role with an optimizer (policy, value): DeepSpeed's engine with its optimizer and LR
     schedule."""
 
-    def backward_step(self, loss: torch.Tensor) -> None:
-        """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries."""
+    def backward_step(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries:
+        every gradient_accumulation_steps micro-batches, or, given `boundary`, exactly when it is
+        True (a caller whose number of micro-batches per step varies: ppo.micro_batch_tokens)."""
+        if boundary is not None:
+            self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss)
         self.engine.step()
 
