@@ -19,35 +19,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import FakeEngine  # noqa: E402
 
 from ds_ppo.config import load_config  # noqa: E402
 from ds_ppo.containers import Rollout  # noqa: E402
 from ds_ppo.metrics import Accumulator  # noqa: E402
 from ds_ppo.scoring import add_advantages, score  # noqa: E402
 from ds_ppo.update import ppo_update  # noqa: E402
-
-
-class Engine(torch.nn.Module):
-    """A model in place of a DeepSpeedEngine: gradients accumulate, the optimizer never steps."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        pass
-
-    def set_gradient_accumulation_boundary(self, boundary):
-        pass
-
-    def get_global_grad_norm(self):
-        return None
 
 
 def lognormal_lengths(n: int, median: float, cap: int, g: torch.Generator) -> list[int]:
@@ -84,10 +64,14 @@ def engines_for(layers: int, hidden: int, vocab: int, attn: str):
                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
                            num_key_value_heads=hidden // 64, attn_implementation=attn, **kw)
 
+    from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
+
     torch.manual_seed(0)
     return types.SimpleNamespace(
-        policy=Engine(LlamaForCausalLM(config())), reference=Engine(LlamaForCausalLM(config())),
-        value=Engine(LlamaForTokenClassification(config(num_labels=1, classifier_dropout=0.0))),
+        policy=PolicyRole(FakeEngine(LlamaForCausalLM(config()))),
+        reference=ReferenceRole(FakeEngine(LlamaForCausalLM(config()))),
+        value=ValueRole(FakeEngine(LlamaForTokenClassification(
+            config(num_labels=1, classifier_dropout=0.0)))),
         reward_fn=lambda prompts, responses: [0.0] * len(responses), reward=None)
 
 
@@ -101,8 +85,8 @@ def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
     cfg = load_config(None, [f"ppo.rollout_batch_size={rows}", f"ppo.mini_batch_size={rows}",
                              "ppo.samples_per_prompt=1", "ppo.advantage_estimator=gae",
                              "ppo.ppo_epochs=1", *overrides])
-    for e in (engines.policy, engines.value):
-        e.zero_grad(set_to_none=True)
+    for role in (engines.policy, engines.value):
+        role.module.zero_grad(set_to_none=True)
     sync(rollout)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -141,7 +125,7 @@ def main() -> None:
                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
     engines = engines_for(args.layers, args.hidden, args.vocab, args.attn)
     for role in ("policy", "reference", "value"):
-        getattr(engines, role).to(args.device)
+        getattr(engines, role).engine.to(args.device)
     modes = {"rows": [f"ppo.micro_batch_size={args.micro}"]}
     for budget in args.tokens.split(","):
         modes[f"packed {budget}"] = [f"ppo.micro_batch_size={args.micro}",

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassificat
 from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths, packed_layout,
                          response_predictors, token_budget_batches, unpack)
 from ds_ppo.forward import response_logprobs, response_values
+from conftest import FakeEngine
 from test_stages import _cfg, _padded_rollout
 
 # float32 on CPU: a packed forward sums the same terms as the padded one, in another order and
@@ -140,33 +141,6 @@ def test_packing_without_the_block_mask_would_leak_between_rows(monkeypatch):
     assert (leaked - lp).masked_fill(~rollout.mask, 0)[1:].abs().max() > 1e-3
 
 
-class _Engine(torch.nn.Module):
-    """Stands in for a DeepSpeedEngine on one process: backward accumulates the gradient (the
-    optimizer never steps, so a whole update's gradient can be compared), the boundaries the
-    update places are recorded, forwards are counted."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        self.calls, self.boundaries = 0, []
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        pass
-
-    def set_gradient_accumulation_boundary(self, boundary):
-        self.boundaries.append(boundary)
-
-    def get_global_grad_norm(self):
-        return None
-
-
 ROWS = 8  # two mini-batches of 4 rows, two epochs
 UPDATE = ["ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
           "ppo.ppo_epochs=2", "ppo.samples_per_prompt=1", "ppo.advantage_estimator=gae",
@@ -191,8 +165,8 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
     rollout = _padded_rollout(prompts, responses, P=8, T=10)
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 
-    fakes = dict(policy=_Engine(_llama()), reference=_Engine(_llama()),
-                 value=_Engine(_llama(LlamaForTokenClassification, num_labels=1,
+    fakes = dict(policy=FakeEngine(_llama()), reference=FakeEngine(_llama()),
+                 value=FakeEngine(_llama(LlamaForTokenClassification, num_labels=1,
                                       classifier_dropout=0.0)))
     engines = types.SimpleNamespace(
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
@@ -276,7 +250,7 @@ def test_flash_path_passes_the_rows_bounds_and_no_mask():
         lp, _ = response_logprobs(policy, rollout, 1.0)
         policy.config._attn_implementation = "flash_varlen_cpu_test"
         # through a role wrapper around an engine, as lora.AdaptersOff wraps the policy's
-        plp, _ = response_logprobs(_Wrapper(_Engine(policy)), rollout, 1.0, packed=True)
+        plp, _ = response_logprobs(_Wrapper(FakeEngine(policy)), rollout, 1.0, packed=True)
     lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
     assert seen[0] == ([sum(lengths[:i]) for i in range(len(lengths) + 1)], max(lengths))
     torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)

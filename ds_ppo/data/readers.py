@@ -232,27 +232,32 @@ def quiet_datasets() -> Iterator[Any]:
             datasets.enable_progress_bars()
 
 
-def _read_parquet(path: Path) -> Table:
-    _check_readable(path)
+def _load(where: str, cannot: str, load: Callable[[Any], Any]) -> Any:
+    """`load(datasets)` with the progress bars off; any failure is a DataError `<where>: cannot
+    <cannot> (Type: message)` (pyarrow, json, the network, auth... raise many types: all mean
+    the data cannot be read)."""
     with quiet_datasets() as datasets:
         try:
-            ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
-        except Exception as e:  # pyarrow raises many types; all mean "not readable Parquet"
-            raise DataError(f"file {path}: cannot read it as Parquet "
-                            f"({type(e).__name__}: {e})") from None
+            return load(datasets)
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"{where}: cannot {cannot} ({type(e).__name__}: {e})") from None
+
+
+def _read_parquet(path: Path) -> Table:
+    _check_readable(path)
+    ds = _load(f"file {path}", "read it as Parquet",
+               lambda d: d.load_dataset("parquet", data_files=str(path), split="train"))
     if len(ds) == 0:
         raise DataError(f"file {path}: the file is empty (no rows)")
     return _dataset_table(ds, f"file {path}")
 
 
 def _read_disk(path: Path, split: str) -> Table:
-    with quiet_datasets() as datasets:
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # a damaged directory fails in arrow or json: unreadable
-            raise DataError(f"directory {path}: cannot read it as a save_to_disk dataset "
-                            f"({type(e).__name__}: {e})") from None
-    if isinstance(ds, datasets.DatasetDict):
+    ds = _load(f"directory {path}", "read it as a save_to_disk dataset",
+               lambda d: d.load_from_disk(str(path)))
+    from datasets import DatasetDict  # present: _load has imported it
+
+    if isinstance(ds, DatasetDict):
         if split not in ds:
             raise DataError(f"directory {path}: no split {split!r} (splits: {', '.join(ds)})")
         ds = ds[split]
@@ -265,12 +270,8 @@ def _read_disk(path: Path, split: str) -> Table:
 
 
 def _read_hub(name: str, split: str) -> Table:
-    with quiet_datasets() as datasets:
-        try:
-            ds = datasets.load_dataset(name, split=split)
-        except Exception as e:  # network, auth, missing split, bad files: all alike
-            raise DataError(f"dataset {name!r} split {split!r}: cannot load it with "
-                            f"datasets.load_dataset ({type(e).__name__}: {e})") from None
+    ds = _load(f"dataset {name!r} split {split!r}", "load it with datasets.load_dataset",
+               lambda d: d.load_dataset(name, split=split))
     if len(ds) == 0:
         raise DataError(f"dataset {name!r} split {split!r}: the dataset is empty (no rows)")
     return _dataset_table(ds, f"dataset {name!r} split {split!r}")
