@@ -249,6 +249,36 @@ def test_checkpointing_and_generation_mode_move_the_peak(tmp_path):
     assert gen(gathered) - gen(zero3) == replica
 
 
+def test_packed_micro_batches_are_planned_by_their_token_budget(tmp_path, capsys):
+    """ppo.micro_batch_tokens: the policy/reference/value forwards of scoring and training hold
+    one sequence of max(budget, longest row) tokens, not micro_batch_size rows; the lever halves the budget (never below the longest row)."""
+    cfg_path = small_config(tmp_path)  # rows of 32 + 16 = 48 tokens, micro-batches of 2 rows
+    gpu = P.Cluster(1, 1, 80 * GiB)
+    rows = P.plan(load_config(cfg_path), gpu)
+    packed = P.plan(load_config(cfg_path, ["ppo.micro_batch_tokens=200"]), gpu)
+    shape = rows.roles["policy"].shape
+
+    def transient(p, phase, prefix):
+        return next(v for ph in p.phases if ph.name == phase
+                    for k, v in ph.transient.items() if k.startswith(prefix))
+
+    assert transient(packed, "training: policy", "activations") == \
+        P.train_activation_bytes(shape, 200, 1, False, False)
+    assert transient(rows, "training: policy", "activations") == \
+        P.train_activation_bytes(shape, 48, 2, False, False)
+    assert transient(packed, "scoring: policy", "logits") == P.logits_bytes(shape, 200, 1)
+    # a budget below the longest row: each row runs alone, as one 48-token sequence
+    small = P.plan(load_config(cfg_path, ["ppo.micro_batch_tokens=10"]), gpu)
+    assert transient(small, "training: value", "activations") == \
+        P.train_activation_bytes(small.roles["value"].shape, 48, 1, False, False)
+    levers = [o for lv in P.candidate_levers(load_config(cfg_path, ["ppo.micro_batch_tokens=200"]),
+                                       packed) for o in lv.overrides]
+    assert "ppo.micro_batch_tokens=100" in levers
+    assert not any(o.startswith("ppo.micro_batch_size") for o in levers)
+    assert "packed micro-batches of 200 tokens" in P.format_plan(packed, "t")
+    assert P.to_json(packed)["batch_per_rank"]["micro_batch_tokens"] == 200
+
+
 def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
     cfg_path = small_config(tmp_path)
     shape = P.plan(load_config(cfg_path), P.Cluster(1, 2, 80 * GiB)).roles["policy"].shape

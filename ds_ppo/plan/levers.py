@@ -36,7 +36,12 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
     if plan.generation_mode in ("gathered", "tensor_parallel"):
         levers.append(Lever("generate through ZeRO-3 layer gathering instead of a replica",
                             ("generation.mode=zero3",)))
-    if plan.micro_batch > 1:
+    if plan.micro_batch_tokens is not None:  # packed: the budget sets the micro-batch's size
+        seq = plan.seq_prompt + plan.seq_response
+        if plan.micro_batch_tokens > seq:  # below the longest row, rows run alone anyway
+            levers.append(Lever("halve the packed micro-batch's token budget", (
+                f"ppo.micro_batch_tokens={max(plan.micro_batch_tokens // 2, seq)}",)))
+    elif plan.micro_batch > 1:
         levers.append(Lever("halve the training micro batch",
                             (f"ppo.micro_batch_size={plan.micro_batch // 2}",)))
     if plan.score_micro_batch > 1:

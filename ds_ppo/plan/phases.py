@@ -77,6 +77,8 @@ class Plan:
     seq_response: int
     micro_batch: int
     score_micro_batch: int
+    micro_batch_tokens: int | None  # ppo.micro_batch_tokens: packed micro-batches (policy,
+    # reference and value forwards), one sequence of up to max(this, longest row) tokens
     gen_batch: int
     generation_mode: str  # resolved: gathered | tensor_parallel | zero3
     generation_loop: str  # resolved: own | hf
@@ -145,6 +147,12 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     seq = prompt + response
     micro = cfg.ppo.micro_batch_size
     score_micro = cfg.ppo.score_micro_batch_size or micro
+    budget = cfg.ppo.micro_batch_tokens
+
+    def micro_shape(rows: int, tokens: int) -> tuple[int, int]:
+        """(tokens, sequences) of one micro-batch of a policy/reference/value forward: `rows`
+        rows of `tokens`, or packed, one sequence of at most the budget (a longer row alone)."""
+        return (tokens, rows) if budget is None else (max(budget, tokens), 1)
     # a rank's responses: its prompts x ppo.samples_per_prompt
     per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
                                 / cluster.world_size))
@@ -188,27 +196,29 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         rp = roles.get(role)
         if rp is None or rp.shape is None:
             continue
-        tokens = min(seq, cfg.reward.max_len) if role == "reward" else seq
+        # the reward model keeps row micro-batches (score_micro_batch_size)
+        tokens, rows = ((min(seq, cfg.reward.max_len), score_micro) if role == "reward"
+                        else micro_shape(score_micro, seq))
         eager = (cfg.policy.attn_implementation if role in ("policy", "reference")
                  else cfg.value.attn_implementation if role == "value"
                  else "sdpa") == "eager"
         t = {"layer gather": _forward_gather(rp),
-             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, score_micro,
-                                                               eager)}
+             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, rows, eager)}
         if role in ("policy", "reference"):
-            t["logits"] = logits_bytes(rp.shape, tokens, score_micro)
+            t["logits"] = logits_bytes(rp.shape, tokens, rows)
         phases.append(Phase(f"scoring: {role}", t))
 
     # training: forward + backward of one micro-batch of each trained role
     for role in (r for r in TRAINED_ROLES if r in roles):
         rp, section = roles[role], getattr(cfg, role)
         gather = rp.states.gather_bytes
+        tokens, rows = micro_shape(micro, seq)
         t = {"layer gather (weights + grads)": gather,
              "activations" + (" (checkpointed)" if section.gradient_checkpointing else ""):
-                 train_activation_bytes(rp.shape, seq, micro, section.gradient_checkpointing,
+                 train_activation_bytes(rp.shape, tokens, rows, section.gradient_checkpointing,
                                         section.attn_implementation == "eager")}
         if role == "policy":
-            t["logits"] = logits_bytes(rp.shape, seq, micro)
+            t["logits"] = logits_bytes(rp.shape, tokens, rows)
         phases.append(Phase(f"training: {role}", t))
 
     peak = max(phases, key=lambda p: p.total(resident))
@@ -245,7 +255,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
                      + str(e).replace("invalid config:\n  ", "").replace("\n  ", "; "))
     return Plan(
         cluster=cluster, roles=roles, seq_prompt=prompt, seq_response=response, micro_batch=micro,
-        score_micro_batch=score_micro, gen_batch=gen_batch, generation_mode=mode,
+        score_micro_batch=score_micro, micro_batch_tokens=budget, gen_batch=gen_batch,
+        generation_mode=mode,
         generation_loop=choice.loop, tp_size=tp, tp_unsupported=choice.tp_unsupported,
         resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
         peak_phase=peak.name, cpu_bytes_per_node=cpu,

@@ -40,6 +40,7 @@ def to_json(p: Plan) -> dict[str, Any]:
         "tokens": {"prompt": p.seq_prompt, "response": p.seq_response,
                    "total": p.seq_prompt + p.seq_response},
         "batch_per_rank": {"train_micro": p.micro_batch, "score_micro": p.score_micro_batch,
+                           "micro_batch_tokens": p.micro_batch_tokens,
                            "generation": p.gen_batch},
         "generation_mode": p.generation_mode,
         "roles": roles,
@@ -68,8 +69,11 @@ def format_plan(p: Plan, title: str) -> str:
         f"ds-ppo plan: {title} on {c.nodes} node(s) x {c.gpus_per_node} GPU(s) = world size "
         f"{c.world_size}, {c.gpu_mem_bytes / GiB:.1f} GiB per GPU",
         f"tokens: {p.seq_prompt} prompt + {p.seq_response} response = "
-        f"{p.seq_prompt + p.seq_response}; per rank: training micro-batch {p.micro_batch}, "
-        f"scoring micro-batch {p.score_micro_batch}, generation batch {p.gen_batch} (sequences)",
+        f"{p.seq_prompt + p.seq_response}; per rank: " + (
+            f"training micro-batch {p.micro_batch}, scoring micro-batch {p.score_micro_batch}"
+            if p.micro_batch_tokens is None else
+            f"packed micro-batches of {p.micro_batch_tokens} tokens (reward model: "
+            f"{p.score_micro_batch})") + f", generation batch {p.gen_batch} (sequences)",
         "",
         "Model states (GiB; every rank holds the same: ZeRO data parallelism)",
         f"{'role':<10} {'model':<31} {'params':>9} {'ZeRO':>4}  {'offload':<10} "
