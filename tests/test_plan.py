@@ -537,6 +537,19 @@ def test_lora_adapter_count_matches_peft():
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
         lora = cfg.policy.lora.model_copy(update={"target_modules": targets})
         assert P.lora_params(shape, lora) == n, targets
+    # the tiny default's random-init untied policy: the engine adapts its output head too
+    # (policy.lora.output_head auto), and the plan counts what that peft model trains
+    from ds_ppo.engine.lora import add_adapters, adapts_output_head, trainable
+
+    tiny = load_config(None, ["policy.lora.r=8"])
+    model = LlamaForCausalLM(P._hf_config(None, tiny.policy.arch))
+    head = adapts_output_head(tiny.policy.lora, True, model)
+    trained = sum(p.numel() for p in trainable(add_adapters(model, tiny.policy.lora, 0,
+                                                            output_head=head)))
+    tiny_shape = P.model_shape(P._hf_config(None, tiny.policy.arch), "causal", "arch")
+    assert head and P.lora_params(tiny_shape, tiny.policy.lora, output_head=True) == trained
+    plan = P.compute_plan(tiny, P.resolve_shapes(tiny), P.Cluster(1, 1, 80 * GiB))
+    assert any("and the output head" in n for n in plan.notes)
 
 
 def test_70b_lora_fits_one_node_where_full_70b_does_not():

@@ -221,3 +221,18 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
     return out
+
+
+def lora_output_head(lora_cfg, random_init: bool, tied: bool) -> bool:
+    """policy.lora.output_head resolved (the engine and `ds-ppo plan` both ask here): auto = a
+    random-init model (policy.arch) whose output head is not tied to its input embeddings. Such
+    a head's weights are as small as every initialised weight (std initializer_range, 0.02), so
+    after the final norm the logits span about +-1 whatever adapters below it learn, and the
+    output stays near uniform."""
+    if lora_cfg.output_head == "auto":
+        return random_init and not tied
+    if lora_cfg.output_head and tied:
+        raise ConfigError("policy.lora.output_head = True: this model's output head is tied to "
+                          "its input embeddings (one weight), which an adapter on the head alone "
+                          "cannot follow; set policy.lora.output_head=false")
+    return bool(lora_cfg.output_head)

@@ -32,20 +32,11 @@ ADAPTER = "default"  # peft's adapter name; ds_ppo trains one adapter per role
 
 
 def adapts_output_head(lora_cfg, random_init: bool, model: torch.nn.Module) -> bool:
-    """policy.lora.output_head resolved: auto = a random-init model (policy.arch) whose output
-    head is not tied to its input embeddings. Such a head's weights are as small as every
-    initialised weight (std initializer_range, 0.02), so after the final norm the logits span
-    about +-1 whatever adapters below it learn, and the output stays near uniform."""
-    from ds_ppo.errors import ConfigError
+    """policy.lora.output_head resolved for `model` (`config.lora_output_head`)."""
+    from ds_ppo.config import lora_output_head
 
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    if lora_cfg.output_head == "auto":
-        return random_init and not tied
-    if lora_cfg.output_head and tied:
-        raise ConfigError("policy.lora.output_head = True: this model's output head is tied to "
-                          "its input embeddings (one weight), which an adapter on the head alone "
-                          "cannot follow; set policy.lora.output_head=false")
-    return bool(lora_cfg.output_head)
+    return lora_output_head(lora_cfg, random_init,
+                            bool(getattr(model.config, "tie_word_embeddings", False)))
 
 
 def _targets(model: torch.nn.Module, lora_cfg, output_head: bool) -> list[str] | str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ds_ppo.config import Config, reference_from_policy_base, validate
+from ds_ppo.config import Config, lora_output_head, reference_from_policy_base, validate
 from ds_ppo.errors import ConfigError
 from ds_ppo.generation_choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
@@ -111,6 +111,17 @@ def _lora_states(shape: ModelShape, adapters: int, cluster: Cluster, d) -> Model
                        base.cpu_bytes_per_node + ad.cpu_bytes_per_node)
 
 
+def _adapted_head(cfg: Config, role: str, shape: ModelShape) -> bool:
+    """Whether the policy's output head gets an adapter too, as the engine decides (a tied head
+    with output_head = true is refused: validation's message says so, the plan counts none)."""
+    if role != "policy":
+        return False
+    try:
+        return lora_output_head(cfg.policy.lora, cfg.policy.arch is not None, shape.tied)
+    except ConfigError:
+        return False
+
+
 def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
     d = getattr(cfg.deepspeed, role)
     d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})  # resolve auto
@@ -119,7 +130,7 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
     if shape is None:
         states = ModelStates(0, 0, 0)
     elif lora is not None:  # the value head (hidden x 1) is trained fully
-        states = _lora_states(shape, lora_params(shape, lora)
+        states = _lora_states(shape, lora_params(shape, lora, _adapted_head(cfg, role, shape))
                               + (shape.hidden if role == "value" else 0), cluster, d)
     elif trained:
         states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
@@ -236,8 +247,10 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     for role in (r for r in TRAINED_ROLES if r in roles):
         lora, shape = getattr(cfg, role).lora, roles[role].shape
         if lora is not None:
-            n = lora_params(shape, lora)
-            notes.append(f"{role}.lora r={lora.r} on {lora.target_modules}: {_params(n)} adapter "
+            head = _adapted_head(cfg, role, shape)
+            n = lora_params(shape, lora, head)
+            notes.append(f"{role}.lora r={lora.r} on {lora.target_modules}"
+                         f"{' and the output head' if head else ''}: {_params(n)} adapter "
                          f"params ({100 * n / shape.params:.2f}%) with grads and optimizer "
                          "state; the base is frozen 16-bit weights")
     if reference_from_policy_base(cfg):

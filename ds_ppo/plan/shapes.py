@@ -30,6 +30,7 @@ class ModelShape:
     vocab: int
     source: str  # where the shape came from, for the table
     decoder_linears: frozenset[str] = frozenset()  # generation_choice.decoder_linears
+    tied: bool = False  # output head tied to the input embeddings
 
 
 def _hf_config(path: str | None, arch: dict[str, Any] | None):
@@ -92,7 +93,8 @@ def model_shape(hf_config, head: Head, source: str) -> ModelShape:
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     return ModelShape(cls, params, largest, hidden, int(text.num_hidden_layers), heads, kv_heads,
-                      head_dim, int(inter), int(text.vocab_size), source, linears)
+                      head_dim, int(inter), int(text.vocab_size), source, linears,
+                      bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
 @dataclass(frozen=True)
@@ -152,15 +154,17 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
     return RoleShapes(shapes, tuple(notes), policy_config)
 
 
-def lora_params(shape: ModelShape, lora) -> int:
+def lora_params(shape: ModelShape, lora, output_head: bool = False) -> int:
     """Adapter parameters of a Llama-layout model: r x (in + out) for each adapted projection
-    (all-linear = q, k, v, o, gate, up, down of every layer; the output head never)."""
+    (all-linear = q, k, v, o, gate, up, down of every layer), plus r x (hidden + vocab) for the
+    output head when it is adapted (`output_head`: config.lora_output_head)."""
     h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
         shape.intermediate
     sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
              "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
     names = sizes if lora.target_modules == "all-linear" else lora.target_modules
-    return shape.layers * lora.r * sum(sizes.get(n, 0) for n in names)
+    head = lora.r * (h + shape.vocab) if output_head else 0
+    return shape.layers * lora.r * sum(sizes.get(n, 0) for n in names) + head
 
 
 def tp_shard_params(shape: ModelShape, tp: int) -> int:
