@@ -82,6 +82,11 @@ def test_phases_have_time_rates_and_flops(tiny_run):
     assert result["phases"]["training"]["tokens"] == 4 * 16
     timed = [r for r in result["iterations"] if not r["warmup"]]
     assert len(timed) == 1 and len(result["iterations"]) == 2
+    # the policy's full parameter count (the role's num_params: ZeRO-3 partitions counted whole)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch = {k: v for k, v in result["model"]["arch"].items() if k != "model_type"}
+    assert result["model"]["params_total"] == LlamaForCausalLM(LlamaConfig(**arch)).num_parameters()
 
 
 def test_baselines_ratios_and_greedy_match(tiny_run):

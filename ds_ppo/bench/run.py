@@ -59,9 +59,8 @@ def run(args: argparse.Namespace) -> dict:
             "command": "ds-ppo bench " + " ".join(args._argv),
             "device": device_info(device), "versions": versions(), "dtype": dtype_name,
             "settings": {k: v for k, v in s.items() if k != "arch"},
-            "model": {"arch": s["arch"], "params_total": sum(
-                int(getattr(p, "ds_numel", p.numel())) for p in engines.policy.module.parameters()),
-                "body_params": fm.body_params},
+            "model": {"arch": s["arch"], "params_total": engines.policy.num_params(),
+                      "body_params": fm.body_params},
             "peak_tflops": peak, "peak_source": peak_source,
             "iterations": records,
             **summarize(s, fm, records, compare, peak),

@@ -36,6 +36,12 @@ class Role:
         from, what parameter counts read."""
         return self.engine.module
 
+    def num_params(self) -> int:
+        """The model's parameter count, full sizes (ZeRO-3 partitions counted whole)."""
+        from ds_ppo.engine.lora import count_params
+
+        return count_params(self.module.parameters())
+
     def eval(self) -> None:
         self.engine.eval()
 
