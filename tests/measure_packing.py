@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation of the models")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the models' dtype (default float32; bfloat16 for flash-attention)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier "
                         "timings on a shared machine)")
     args = parser.parse_args()
@@ -124,8 +126,9 @@ def main() -> None:
                                   for f in fields(rollout)
                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
     engines = engines_for(args.layers, args.hidden, args.vocab, args.attn)
+    dtype = args.dtype or ("bfloat16" if args.attn.startswith("flash") else "float32")
     for role in ("policy", "reference", "value"):
-        getattr(engines, role).engine.to(args.device)
+        getattr(engines, role).engine.to(args.device, getattr(torch, dtype))
     modes = {"rows": [f"ppo.micro_batch_size={args.micro}"]}
     for budget in args.tokens.split(","):
         modes[f"packed {budget}"] = [f"ppo.micro_batch_size={args.micro}",
@@ -137,8 +140,8 @@ def main() -> None:
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, info)
     real = sum(rollout.prompt_lens) + sum(rollout.response_lens)
-    print(f"{args.rows} rows, {real} real tokens; {args.device}, {args.attn}, torch threads "
-          f"{torch.get_num_threads()}")
+    print(f"{args.rows} rows, {real} real tokens; {args.device}, {args.attn}, {dtype}, "
+          f"torch threads {torch.get_num_threads()}")
     for name, (seconds, info) in best.items():
         print(f"{name:12s} score+update {seconds:6.2f} s (score {info['score_s']:.2f}, update "
               f"{info['update_s']:.2f}); scoring positions {info['scoring_positions'][0]}, "

@@ -236,3 +236,20 @@ def test_bench_and_trainer_run_one_iteration_function():
     assert not strays, strays
     assert {"run_iteration", "reward_encoder"} <= calls["bench/run.py"]
     assert "run_iteration" in calls["trainer.py"]
+
+
+def test_gpu_checks_script_runs_its_steps_and_prints_a_summary(tmp_path):
+    """launch/gpu_checks.sh (the checks a GPU session runs after the bench), on CPU: every step
+    runs and exits 0, and the summary names each with its last line."""
+    from conftest import REPO
+
+    env = clean_env(GPU_CHECKS_DEVICE="cpu", GPU_CHECKS_PACKING_FLAGS=(
+        "--rows 8 --layers 1 --hidden 64 --vocab 512 --repeats 1 --tokens 256"))
+    proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_checks.sh"), str(tmp_path / "res")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-3:]
+    assert [line.split(":")[0] for line in summary] == ["packed_equal", "packed_time",
+                                                         "tp_nccl_graph"], summary
+    assert all(": exit 0 |" in line for line in summary), summary
+    assert "passed" in summary[0] and "/ rows" in summary[1] and "skipped" in summary[2]

@@ -3,7 +3,9 @@ hand, and packed forwards equal to the padded ones (log-probs, entropies, values
 gradients of an update) on CPU in float32."""
 from __future__ import annotations
 
+import os
 import types
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -18,6 +20,17 @@ from test_stages import _cfg, _padded_rollout
 # float32 on CPU: a packed forward sums the same terms as the padded one, in another order and
 # with other matmul shapes (~1e-7 relative); a wrong mask or position moves them by ~1e-1
 ATOL = 1e-5
+# DS_PPO_TEST_DEVICE=cuda runs the packed-equals-padded forward test on a GPU's kernels (fp32,
+# TF32 off; with flash-attention 2 too when it is installed): launch/gpu_checks.sh
+DEVICE = os.environ.get("DS_PPO_TEST_DEVICE", "cpu")
+ATTNS = ["sdpa", "eager"]
+if DEVICE == "cuda":
+    try:
+        import flash_attn  # noqa: F401
+
+        ATTNS.append("flash_attention_2")
+    except ImportError:
+        pass
 
 # rows of very different lengths (prompt 1..7 tokens, response 1..9), left/right padded
 PROMPTS = [[5, 6, 7], [9], [4, 4, 8, 2, 7, 7, 3], [11, 12], [3, 9, 14, 15, 2]]
@@ -98,12 +111,24 @@ def _llama(cls=LlamaForCausalLM, attn="sdpa", **kw):
     return cls(config).eval()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def _on(device: str, rollout):
+    return replace(rollout, **{f.name: getattr(rollout, f.name).to(device)
+                               for f in fields(rollout)
+                               if isinstance(getattr(rollout, f.name), torch.Tensor)})
+
+
+@pytest.mark.parametrize("attn", ATTNS)
 def test_packed_logprobs_entropy_values_equal_padded(attn):
     """Every row's packed outputs equal its padded ones (state tolerance ATOL, fp32); positions
-    outside the mask are 0; the forward is one sequence of the real tokens only."""
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
-    policy = _llama(attn=attn)
+    outside the mask are 0; the forward is one sequence of the real tokens only. On
+    DS_PPO_TEST_DEVICE (default cpu)."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("DS_PPO_TEST_DEVICE=cuda without a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # flash-attention runs in 16 bits only: compare bf16 against bf16 there, at a 16-bit tolerance
+    dtype, atol = (torch.bfloat16, 3e-2) if attn == "flash_attention_2" else (torch.float32, ATOL)
+    rollout = _on(DEVICE, _padded_rollout(PROMPTS, RESPONSES, P=8, T=10))
+    policy = _llama(attn=attn).to(DEVICE, dtype)
     widths = []
     hook = policy.model.embed_tokens.register_forward_hook(
         lambda m, args, out: widths.append(tuple(args[0].shape)))
@@ -111,18 +136,18 @@ def test_packed_logprobs_entropy_values_equal_padded(attn):
         for temp in (1.0, 0.7):
             lp, ent = response_logprobs(policy, rollout, temp, with_entropy=True)
             plp, pent = response_logprobs(policy, rollout, temp, with_entropy=True, packed=True)
-            torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
-            torch.testing.assert_close(pent, ent.masked_fill(~rollout.mask, 0), atol=ATOL,
+            torch.testing.assert_close(plp, lp.masked_fill(~rollout.mask, 0), atol=atol, rtol=0)
+            torch.testing.assert_close(pent, ent.masked_fill(~rollout.mask, 0), atol=atol,
                                        rtol=0)
     hook.remove()
     real = sum(map(len, PROMPTS)) + sum(map(len, RESPONSES))
     assert widths[1] == (1, real)  # packed: one sequence, no padding
     assert (plp[rollout.mask] < 0).all() and (plp[~rollout.mask] == 0).all()
-    value = _llama(LlamaForTokenClassification, attn=attn, num_labels=1)
+    value = _llama(LlamaForTokenClassification, attn=attn, num_labels=1).to(DEVICE, dtype)
     with torch.no_grad():
         v = response_values(value, rollout)
         pv = response_values(value, rollout, packed=True)
-    torch.testing.assert_close(pv, v.masked_fill(~rollout.mask, 0), atol=ATOL, rtol=0)
+    torch.testing.assert_close(pv, v.masked_fill(~rollout.mask, 0), atol=atol, rtol=0)
     assert pv[rollout.mask].abs().min() > 0
 
 
