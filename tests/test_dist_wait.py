@@ -100,3 +100,17 @@ def test_universal_workers_bounded_by_cores_memory_and_shards():
     assert universal_workers(8, 100 * GB, GB, 2) == [
         "--num_extract_workers", "2", "--num_merge_workers", "1"]
     assert universal_workers(4, GB, 10 * GB, 8)[1] == "1"  # at least one
+
+
+def test_cpu_ranks_share_the_nodes_cores():
+    """Several CPU ranks on a node split its cores (each would otherwise take them all: 2 ranks
+    of the tiny default on 2 cores ran 3-4x slower per iteration); one rank, or an explicit
+    OMP_NUM_THREADS (the launcher's --bind_cores_to_rank sets it), keeps torch's default."""
+    from ds_ppo.engine.dist import cpu_threads_per_rank
+
+    assert cpu_threads_per_rank({"LOCAL_SIZE": "2"}, 16) == 8  # the deepspeed launcher's name
+    assert cpu_threads_per_rank({"LOCAL_WORLD_SIZE": "4"}, 16) == 4  # torchrun's
+    assert cpu_threads_per_rank({"LOCAL_SIZE": "4"}, 2) == 1  # never 0
+    assert cpu_threads_per_rank({"LOCAL_SIZE": "1"}, 16) is None
+    assert cpu_threads_per_rank({}, 16) is None
+    assert cpu_threads_per_rank({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, 16) is None

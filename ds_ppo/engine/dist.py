@@ -71,6 +71,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)
+    else:
+        threads = cpu_threads_per_rank(os.environ, _cpu_count())
+        if threads is not None:
+            torch.set_num_threads(threads)
     if not dist.is_initialized():
         try:
             deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
@@ -79,6 +83,24 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
             raise join_error(err, dict(os.environ), timeout_minutes) from None
     name = acc.device_name(local_rank) if acc.device_name() != "cpu" else "cpu"
     return torch.device(name)
+
+
+def cpu_threads_per_rank(environ, cpu_count: int) -> int | None:
+    """Torch threads for one of several CPU ranks on a node: the node's cores shared out
+    (each rank would otherwise start one thread per core, and the ranks' threads would fight
+    over the cores). None (torch's default) with one rank per node, or when OMP_NUM_THREADS
+    says otherwise (the deepspeed launcher's --bind_cores_to_rank sets it)."""
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    local = int(environ.get("LOCAL_SIZE") or environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, cpu_count // local) if local > 1 else None
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def join_error(err: Exception, environ, timeout_minutes: float):
