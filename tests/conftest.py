@@ -22,6 +22,15 @@ SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_
          "checkpoint.export_at_end=false"]
 
 
+def pytest_configure(config):
+    """xdist workers share the machine's cores: each takes cores / workers torch threads (as
+    ds_ppo shares a node's cores among CPU ranks) instead of one per core each, which made
+    in-process tests fight over the cores. Subprocesses get OMP_NUM_THREADS=1 (clean_env)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
     """(B,) long response lengths (tokens that count, EOS included) -> (B, T) bool prefix mask,
     the shape of every mask ds_ppo.algo.response_mask derives (a test helper)."""
