@@ -85,41 +85,48 @@ class Rollout:
         am = torch.cat([self.prompt_mask[:, lead:], self.mask[:, :keep]], dim=1).long()
         return ids, am, keep
 
+    @property
+    def row_lens(self) -> list[int]:
+        """Each row's real tokens, prompt + counted response (host values)."""
+        return [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
+
     def micro_batches(self, size: int, rows: list[int] | None = None) -> list[list[int]]:
         """`rows` (default: all) cut into micro-batches of at most `size`, longest (prompt +
         counted response) first: rows of similar length share a forward, so `model_inputs`
         drops more padding."""
-        total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
-        return longest_first(total, size, rows)
+        return longest_first(self.row_lens, size, rows)
 
     def token_micro_batches(self, budget: int, rows: list[int] | None = None
                             ) -> list[list[int]]:
         """`rows` (default: all) cut into packed micro-batches of at most `budget` real tokens
         (prompt + counted response), longest first (`token_budget_batches`: first fit; a row
         longer than the budget alone)."""
-        total = [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
-        return token_budget_batches(total, budget, rows)
+        return token_budget_batches(self.row_lens, budget, rows)
 
     def with_idle(self, batches: list[list[int]], count: int) -> list[list[int]]:
         """`batches` followed by idle micro-batches up to `count` in all, each the shortest row
         of `batches` (the cheapest forward a rank with fewer micro-batches can run to keep
         step with the others; its outputs are dropped)."""
-        total = [self.prompt_lens[i] + self.response_lens[i] for rows in batches for i in rows]
-        shortest = [i for rows in batches for i in rows][total.index(min(total))]
+        lens = self.row_lens
+        shortest = min((i for rows in batches for i in rows), key=lens.__getitem__)
         return batches + [[shortest]] * (count - len(batches))
 
-    def positions(self, batches: list[list[int]], packed: bool = False) -> tuple[int, int]:
+    def positions(self, batches: list[list[int]], packed: bool = False,
+                  mine: int | None = None) -> tuple[int, int]:
         """(token positions the forwards of these micro-batches compute, real tokens in them),
         from the host lengths: a micro-batch's forward is as wide as its longest prompt plus
         its longest counted response (`model_inputs`), or, packed, exactly its real tokens;
         the real tokens are each row's prompt and counted response. Their ratio is the compute
-        spent on padding (1 = none)."""
+        spent on padding (1 = none). `mine`: only the first `mine` micro-batches hold this
+        rank's rows, the rest are idle repeats (`with_idle`), computed but not real tokens."""
         computed = real = 0
-        for rows in batches:
+        for k, rows in enumerate(batches):
             prompt = [self.prompt_lens[i] for i in rows]
             response = [self.response_lens[i] for i in rows]
-            real += sum(prompt) + sum(response)
-            computed += sum(prompt) + sum(response) if packed else len(rows) * (
+            tokens = sum(prompt) + sum(response)
+            if mine is None or k < mine:
+                real += tokens
+            computed += tokens if packed else len(rows) * (
                 max(prompt, default=0) + max(response, default=0))
         return computed, real
 

@@ -32,7 +32,11 @@ def _response_logits(model, ids: torch.Tensor, am: torch.Tensor, num_response: i
     prompt logits are never materialised."""
     out = model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
                 logits_to_keep=num_response + 1, use_cache=False)
-    logits = out.logits[:, :-1]
+    return _tempered(out.logits[:, :-1], temperature)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the sampling temperature (as sampling divides them; 0 = greedy)."""
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     return logits
@@ -73,7 +77,7 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
         # no mask: the varlen kernels take the rows' bounds, from host lengths (given them,
         # transformers does not infer them from the position ids in every layer)
         mask = None
-        lengths = [p + r for p, r in zip(rollout.prompt_lens, rollout.response_lens)]
+        lengths = rollout.row_lens
         cu = cumulative_lengths(lengths, ids.device)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                       max_length_k=max(lengths))
@@ -97,9 +101,7 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
     tokens' logits are computed, and every position outside rollout.mask is 0."""
     if packed:
         out, _ = _packed_forward(model, rollout, predictors_only=True)
-        logits = out.logits  # (1, n, V)
-        if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature
+        logits = _tempered(out.logits, temperature)  # (1, n, V)
         labels = rollout.response_ids[rollout.mask][None]  # (1, n)
         logprobs = unpack(logprobs_from_logits(logits, labels)[0], rollout.mask)
         entropy = unpack(entropy_from_logits(logits.detach())[0],

@@ -141,7 +141,7 @@ class RewardService:
         what = "no attempt fitted in the call's deadline"
         for attempt in range(self.max_retries + 1):
             if attempt:
-                pause = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                pause = backoff_pause(attempt, self.backoff_s)
                 if end is not None and time.monotonic() + pause >= end:
                     raise self._out_of_time(what)
                 if failed.wait(pause):
@@ -211,6 +211,19 @@ class RewardService:
 
     def _error(self, what: str, fix: str) -> RewardServiceError:
         return RewardServiceError(f"reward.url = {self.shown}: the reward service {what}; {fix}")
+
+
+def backoff_pause(attempt: int, backoff_s: float = 1.0) -> float:
+    """Seconds to wait before retry `attempt` (1, 2, ...): backoff_s doubling each time, at
+    most MAX_BACKOFF_S."""
+    return min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+
+
+def worst_request_s(timeout_s: float, retries: int, backoff_s: float = 1.0) -> float:
+    """How long a request that never answers takes to be given up without a deadline: every
+    attempt times out, with the back-off between them."""
+    return timeout_s * (retries + 1) + sum(backoff_pause(k, backoff_s)
+                                           for k in range(1, retries + 1))
 
 
 def call_deadline(dist_timeout_minutes: float, world_size: int) -> float | None:

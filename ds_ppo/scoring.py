@@ -133,15 +133,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None, entropy=zero(entropy),
                       scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
-                      scoring_positions=_positions(rollout, batches, mine, packed))
-
-
-def _positions(rollout: Rollout, batches: list[list[int]], mine: int, packed: bool
-               ) -> tuple[int, int]:
-    """(positions computed, real tokens) of micro-batches of which the first `mine` hold this
-    rank's rows; the idle rest count as computed positions only."""
-    computed, real = rollout.positions(batches[:mine], packed)
-    return computed + rollout.positions(batches[mine:], packed)[0], real
+                      scoring_positions=rollout.positions(batches, packed, mine))
 
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:

@@ -88,11 +88,10 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             n_tok, pg_div = max(n_tok, 1.0), max(pg_div, 1.0)
             # device tensors, read once per mini-batch: no host sync between micro-batches
             losses, stats = [], {}
-            computed, real = exp.rollout.positions(mine, packed)
-            idle = exp.rollout.with_idle(mine, n_steps)[len(mine):]  # zero-weight repeats
-            computed += exp.rollout.positions(idle, packed)[0]
-            acc.add_mean("padding/update_positions_per_token", computed, real)
-            for step, mb_rows in enumerate(mine + idle):
+            batches = exp.rollout.with_idle(mine, n_steps)  # then zero-weight repeats
+            acc.add_mean("padding/update_positions_per_token",
+                         *exp.rollout.positions(batches, packed, len(mine)))
+            for step, mb_rows in enumerate(batches):
                 weight = scale if step < len(mine) else 0.0  # idle: no gradient, no statistics
                 boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)

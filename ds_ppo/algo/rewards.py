@@ -22,7 +22,8 @@ def shape_rewards(
         rewards[b, t] = 0                                   outside the mask
 
     where kl is the per-token KL estimate (``kl_estimate(logprobs, ref_logprobs, estimator)``,
-    computed once by the caller, which also reports it) and last_b is the last valid token of row b (its EOS, or position T-1 only if the row fills T).
+    computed once by the caller, which also reports it) and last_b is the last valid token of
+    row b (its EOS, or position T-1 only if the row fills T).
     This is the per-token KL-penalised reward of Ziegler et al. 2019 (Eq. 2) /
     Stiennon et al. 2020, with the sequence-level reward model score given at the end.
     A row whose mask is empty has no token to carry its score: the score is dropped

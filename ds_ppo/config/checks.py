@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
-from ds_ppo.reward_service import call_deadline
+from ds_ppo.reward_service import call_deadline, worst_request_s
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
 
@@ -197,9 +197,7 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
     p = cfg.ppo
     r = cfg.reward
     if r.url is not None and r.timeout_s is not None and world_size > 1:
-        # one request's worst case: every attempt times out, with the back-off between them
-        # (1, 2, 4... s, at most 30: ds_ppo.reward_service)
-        worst = r.timeout_s * (r.retries + 1) + sum(min(2.0 ** k, 30.0) for k in range(r.retries))
+        worst = worst_request_s(r.timeout_s, r.retries)
         deadline = call_deadline(cfg.dist_timeout_minutes, world_size)
         if worst > deadline:
             out.append(f"reward.url: a request that never answers would be given up after "
