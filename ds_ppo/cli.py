@@ -24,20 +24,20 @@ def _train(args: argparse.Namespace) -> int:
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
     if cfg.reward.function is not None:  # importable, and takes data.reward_keys
-        from ds_ppo.rewards import load_reward_function
+        from ds_ppo.rewards.call import load_reward_function
 
         load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     if args.dry_run:
         from ds_ppo.errors import ConfigError
-        from ds_ppo.paths import missing_paths
+        from ds_ppo.config.paths import missing_paths
 
         missing = missing_paths(cfg)  # what a real start would trip over first
         if missing:
             raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
         return 0
-    from ds_ppo.preemption import Preempted
-    from ds_ppo.trainer import train
+    from ds_ppo.run.preemption import Preempted
+    from ds_ppo.run.loop import train
 
     try:
         train(cfg)
@@ -86,7 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ds_ppo.export import main as export_main
+    from ds_ppo.run.export import main as export_main
 
     return export_main(args)
 

@@ -5,12 +5,12 @@
 #
 #   bash launch/gpu_checks.sh [RESULT_DIR]
 #
-#   1. packed forwards equal padded ones on the GPU's kernels (tests/test_packing.py with
+#   1. packed forwards equal padded ones on the GPU's kernels (tests/stages/test_packing.py with
 #      DS_PPO_TEST_DEVICE=cuda: sdpa and eager in fp32, flash-attention 2 in bf16 if installed)
 #   2. packed vs row micro-batches, time of score + update on variable-length rows
-#      (tests/measure_packing.py --device cuda; with flash-attention 2 too if installed)
+#      (tests/support/measure_packing.py --device cuda; with flash-attention 2 too if installed)
 #   3. tensor-parallel decoding captured as a CUDA graph with its NCCL all-reduces
-#      (tests/test_decode_tp.py -k nccl: needs two GPUs, reports the skip on one)
+#      (tests/stages/test_decode_tp.py -k nccl: needs two GPUs, reports the skip on one)
 #
 # GPU_CHECKS_DEVICE=cpu runs the same steps on a CPU (what the CPU test of this script does).
 set -uo pipefail
@@ -30,14 +30,14 @@ step() {  # step NAME CMD...: run it, keep its log, remember its exit code and l
 
 # -o addopts=: the project's pytest options ask for xdist, which the GPU image need not have
 step packed_equal env DS_PPO_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -o addopts= \
-    -p no:cacheprovider tests/test_packing.py -k logprobs_entropy_values_equal_padded -rs
-step packed_time "$PY" tests/measure_packing.py --device "$DEVICE" --threads 4 \
+    -p no:cacheprovider tests/stages/test_packing.py -k logprobs_entropy_values_equal_padded -rs
+step packed_time "$PY" tests/support/measure_packing.py --device "$DEVICE" --threads 4 \
     ${GPU_CHECKS_PACKING_FLAGS:-}
 if "$PY" -c "import flash_attn" 2>/dev/null && [[ $DEVICE == cuda ]]; then
-  step packed_time_flash "$PY" tests/measure_packing.py --device cuda \
+  step packed_time_flash "$PY" tests/support/measure_packing.py --device cuda \
       --attn flash_attention_2 --threads 4 ${GPU_CHECKS_PACKING_FLAGS:-}
 fi
-step tp_nccl_graph "$PY" -m pytest -q -o addopts= -p no:cacheprovider tests/test_decode_tp.py \
+step tp_nccl_graph "$PY" -m pytest -q -o addopts= -p no:cacheprovider tests/stages/test_decode_tp.py \
     -k nccl -rs
 
 echo

@@ -14,7 +14,7 @@ Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) 
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 """
 
-from .advantages import gae, gae_blocked, gae_loop, gae_matmul
+from .gae import gae, gae_blocked, gae_loop, gae_matmul
 from .aggregation import (LOSS_AGGREGATIONS, LossAggregation, kl_loss, loss_divisor,
                           loss_token_weights)
 from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_returns,
@@ -26,7 +26,7 @@ from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, response_mask
 from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
                       packed_layout, response_predictors, token_budget_batches, unpack)
-from .rewards import shape_rewards
+from .shaping import shape_rewards
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 

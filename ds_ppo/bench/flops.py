@@ -1,6 +1,6 @@
 """The FLOP count of `ds-ppo bench`: model FLOPs (MFU, not hardware FLOPs: no recomputation is
 counted) of one architecture's generation, scoring and training, each formula worked out in
-FlopModel's docstrings and checked by hand in tests/test_bench.py."""
+FlopModel's docstrings and checked by hand in tests/e2e/test_bench.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ds_ppo.rewards import load_reward_function
+    from ds_ppo.rewards.call import load_reward_function
 
     shared = Path(args.shared)
     meta = json.loads((shared / "meta.json").read_text())

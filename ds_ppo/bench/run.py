@@ -86,9 +86,10 @@ _RECORD = {"generation": "generation", "scoring": "scoring", "advantages": "adva
 
 def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     """Warm-up + timed iterations through the trainer's run_iteration; one record each."""
-    from ds_ppo.iteration import IterationInputs, reward_encoder, run_iteration
+    from ds_ppo.ppo.iteration import IterationInputs, run_iteration
+    from ds_ppo.rewards.encode import reward_encoder
     from ds_ppo.metrics import Accumulator
-    from ds_ppo.rollout import stop_token_ids
+    from ds_ppo.ppo.rollout import stop_token_ids
 
     prompts = random_prompts(s["prompts"], s["prompt_len"], len(tok), s["seed"])
     indices = list(range(len(prompts)))
@@ -142,7 +143,7 @@ def _generation_compare(cfg, engines, tok, s: dict) -> dict:
 
     from ds_ppo.data.prompts import left_pad
     from ds_ppo.engine.generation import generate
-    from ds_ppo.rollout import stop_token_ids
+    from ds_ppo.ppo.rollout import stop_token_ids
 
     device, dtype = engines.device, engines.dtype
     prompts = random_prompts(s["prompts"], s["prompt_len"], len(tok), s["seed"])

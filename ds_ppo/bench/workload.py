@@ -94,7 +94,7 @@ def _ds_templates(s: dict, run_dir: Path) -> dict[str, str]:
     if s["zero_stage"] != 3 or (s["persistence_threshold"] is None
                                 and s["prefetch_bucket_size"] is None):
         return {}
-    from ds_ppo.ds_templates import default_template, load_template
+    from ds_ppo.engine.ds_templates import default_template, load_template
 
     paths = {}
     for role in ROLES:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
-from ds_ppo.reward_service import call_deadline, worst_request_s
+from ds_ppo.rewards.service import call_deadline, worst_request_s
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
 

@@ -217,7 +217,7 @@ def load_tokenizer(spec: str, cache_dir: str | os.PathLike) -> PreTrainedTokeniz
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    from ds_ppo.paths import is_hub_name, missing_local
+    from ds_ppo.config.paths import is_hub_name, missing_local
 
     p = Path(path)
     if missing_local(path):

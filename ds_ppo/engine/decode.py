@@ -23,7 +23,7 @@ bound. This loop instead:
 The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
 every layer attends to the full causal context, with the sdpa or eager attention kernel;
-`ds_ppo.generation_choice.own_loop_unsupported()` says why a model is not served and
+`ds_ppo.engine.generation_choice.own_loop_unsupported()` says why a model is not served and
 `generation.loop=auto` then uses HF generate.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as tdist
 
 from ds_ppo.algo.masks import decode_attention_mask, response_mask
 from ds_ppo.algo.sampling import block_tokens, next_tokens
-from ds_ppo.forward import position_ids
+from ds_ppo.engine.forward import position_ids
 
 log = logging.getLogger("ds_ppo")
 

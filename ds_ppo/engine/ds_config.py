@@ -42,7 +42,7 @@ def _resolve_auto(zero: dict[str, Any], hidden_size: int) -> None:
 
 def template_path(cfg: Config, role: Role, world_size: int = 1, load_universal: bool = False
                   ) -> Path:
-    from ds_ppo.ds_templates import default_template
+    from ds_ppo.engine.ds_templates import default_template
 
     d = getattr(cfg.deepspeed, role)
     if d.config is not None:
@@ -95,7 +95,7 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
-    from ds_ppo.ds_templates import auto_keys
+    from ds_ppo.engine.ds_templates import auto_keys
 
     if left := auto_keys(ds):  # DeepSpeed reads some "auto" strings silently ("auto" is truthy)
         raise ConfigError(f"deepspeed.{role}.config = {str(path)!r}: {', '.join(left)} "

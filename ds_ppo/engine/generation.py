@@ -37,7 +37,7 @@ from ds_ppo.engine.decode import DecodeStats, decode
 from ds_ppo.engine.lora import plain_model, replica_weights
 from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group)
-from ds_ppo.generation_choice import (REPLICA_MODES, choose_generation, choose_loop,
+from ds_ppo.engine.generation_choice import (REPLICA_MODES, choose_generation, choose_loop,
                                       decoder_linears)
 
 log = logging.getLogger("ds_ppo")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ds_ppo.containers import Rollout
-from ds_ppo.forward import response_logprobs, response_values, sequence_scores
+from ds_ppo.engine.forward import response_logprobs, response_values, sequence_scores
 
 
 class Role:

@@ -9,7 +9,7 @@ one `_init_<role>` per role).
              LoRA, the policy engine with its adapters switched off (`engine/lora.py`).
 - reward:    an HF sequence-classification model wrapped so that its engine's forward returns
              the score at the last real token (inference engine), a Python function or an HTTP
-             service (ds_ppo.reward_service).
+             service (ds_ppo.rewards.service).
 
 Models load with `from_pretrained` while a `HfDeepSpeedConfig` for their role is alive, so under
 ZeRO-3 transformers builds them inside `deepspeed.zero.Init`: a large model is never whole on one
@@ -276,7 +276,7 @@ def _init_reference(cfg: Config, path: str, world: int, dtype):
 def _init_reward(cfg: Config, world: int, dtype):
     from transformers import AutoModelForSequenceClassification
 
-    from ds_ppo.forward import LastTokenScorer
+    from ds_ppo.engine.forward import LastTokenScorer
 
     path = cfg.reward.model
     ds = build_ds_config(cfg, "reward", world, dtype, _hidden_size(path))
@@ -293,7 +293,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
                  reward_shares_tokenizer: bool = True) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
-    from ds_ppo.rewards import load_reward_function
+    from ds_ppo.rewards.call import load_reward_function
 
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
@@ -333,7 +333,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
     elif cfg.reward.url is not None:
-        from ds_ppo.reward_service import RewardService, call_deadline
+        from ds_ppo.rewards.service import RewardService, call_deadline
 
         reward_fn = RewardService.from_config(
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ds_ppo.generation_choice import COLUMN, ROW  # the layers split, and which way
+from ds_ppo.engine.generation_choice import COLUMN, ROW  # the layers split, and which way
 
 
 @dataclass(frozen=True)

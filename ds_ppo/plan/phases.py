@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ds_ppo.config import Config, lora_output_head, reference_from_policy_base, validate
 from ds_ppo.errors import ConfigError
-from ds_ppo.generation_choice import choose_generation
+from ds_ppo.engine.generation_choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
                                      prefill_activation_bytes, train_activation_bytes)
 from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from ds_ppo.config import Config, reference_from_policy_base
 from ds_ppo.errors import ConfigError
-from ds_ppo.generation_choice import decoder_linears
+from ds_ppo.engine.generation_choice import decoder_linears
 
 Head = Literal["causal", "token", "sequence"]
 

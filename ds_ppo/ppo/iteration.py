@@ -1,0 +1,86 @@
+"""One PPO iteration's stages, steps 1-4 of `train()`: generate, score, shape rewards and
+estimate advantages, update. `train()` and `ds-ppo bench` both call `run_iteration`, so the
+benchmark times the code a training run runs. Plus the reward model's input encoder both use."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+import torch
+
+from ds_ppo.config import Config
+from ds_ppo.containers import Experience
+from ds_ppo.data.prompts import PromptSet
+from ds_ppo.engine.generation import Generated
+from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.rollout import make_rollout
+from ds_ppo.ppo.advantages import add_advantages
+from ds_ppo.ppo.scoring import score
+from ds_ppo.ppo.update import ppo_update
+
+if TYPE_CHECKING:
+    from ds_ppo.engine.roles import Engines
+
+log = logging.getLogger("ds_ppo")
+
+Phase = Literal["generation", "scoring", "advantages", "update"]
+# phase -> a context manager around that phase (what the caller measures: metrics, bench records)
+PhaseTimer = Callable[[Phase], AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class IterationInputs:
+    """What every iteration of a run reads, built once at start-up."""
+
+    cfg: Config
+    engines: Engines
+    tokenizer: Any  # the policy's
+    prompts: PromptSet  # the training prompts (every rank holds all of them)
+    gen_mode: str  # generation mode (engine.generation.choose_mode)
+    eos_ids: list[int]  # the ids that end a response (rollout.stop_token_ids)
+    reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
+
+
+def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
+                  acc: Accumulator, timed: PhaseTimer = lambda phase: nullcontext()
+                  ) -> tuple[Experience, Generated]:
+    """Steps 1-4 of iteration `iteration` (1-based) on this rank's prompts `indices`: the scored
+    `Experience` (B = this rank's sequences) with its advantages, after the PPO update of the
+    engines; and what generation ran (decoding loop and its statistics). The update's
+    statistics go into `acc`; `timed(phase)` wraps each stage."""
+    cfg, engines = run.cfg, run.engines
+    # step 1. generate the trajectory (this rank's shard of the global batch)
+    with timed("generation"):
+        rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
+                                          run.gen_mode, run.eos_ids)
+    # step 2. score it: log-probs, reference log-probs, values, reward scores
+    with timed("scoring"):
+        exp = score(rollout, engines, cfg, run.reward_encode)
+    # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
+    with timed("advantages"):
+        exp = add_advantages(exp, cfg, kl_coef)
+    # step 4. PPO epochs over mini-batches: policy (and value) updates
+    with timed("update"):
+        ppo_update(exp, engines, cfg, iteration, acc)
+    return exp, generated
+
+
+# the phases with a time/<phase>_s metric (the advantages take no measurable time)
+TIMED_PHASES = ("generation", "scoring", "update")
+
+
+def metric_timer(acc: Accumulator) -> PhaseTimer:
+    """Times TIMED_PHASES into `acc` as time/<phase>_s (seconds, the max across ranks)."""
+    return lambda phase: _timed(acc, f"time/{phase}_s") if phase in TIMED_PHASES else nullcontext()
+
+
+@contextmanager
+def _timed(acc: Accumulator, name: str):
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    acc.add_max(name, time.perf_counter() - t0)

@@ -1,0 +1,66 @@
+"""Rollout: this rank's prompts -> responses from the current policy (a `Rollout`)."""
+from __future__ import annotations
+
+from ds_ppo.config import Config
+from ds_ppo.containers import Rollout
+from ds_ppo.data.prompts import PromptSet, left_pad
+from ds_ppo.rewards.encode import decode_responses
+from ds_ppo.engine.generation import Generated, generate
+
+
+def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
+    """EOS plus every configured stop token (each must be one vocabulary entry)."""
+    from ds_ppo.errors import ConfigError
+
+    ids = [tokenizer.eos_token_id]
+    vocab = tokenizer.get_vocab()
+    for tok in cfg.generation.stop_tokens:
+        if tok not in vocab:
+            raise ConfigError(f"generation.stop_tokens: {tok!r} is not a single token of the "
+                              "policy tokenizer's vocabulary")
+        ids.append(vocab[tok])
+    return sorted(set(ids))
+
+
+def sampling_mismatch(g) -> str | None:
+    """A warning when generation samples from a top-k / top-p filtered distribution: old
+    log-probs, the PPO ratio and the entropy are computed over the full softmax (at the same
+    temperature), so the first update is slightly off-policy (OpenRLHF and verl do the same and
+    say so). None when nothing is filtered (or decoding is greedy)."""
+    if g.temperature == 0 or (g.top_k == 0 and g.top_p >= 1.0):
+        return None
+    used = ", ".join(f"generation.{k} = {v}" for k, v in (("top_k", g.top_k), ("top_p", g.top_p))
+                     if (k == "top_k" and v > 0) or (k == "top_p" and v < 1.0))
+    return (f"{used}: responses are sampled from the filtered distribution, but log-probs (the "
+            "PPO ratio, the KL and the entropy) are computed over the full softmax at "
+            f"temperature {g.temperature:g}, so the update starts slightly off-policy; set "
+            "generation.top_k=0 and generation.top_p=1 for exact on-policy PPO")
+
+
+def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
+                 mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
+    """Generate responses for the prompts at `indices` (this rank's shard of the batch):
+    ppo.samples_per_prompt of each, next to each other (rows g*n .. g*n + n - 1 answer prompt
+    indices[g]), sampled in one batch from this rank's stream, so independently."""
+    n = cfg.ppo.samples_per_prompt
+    indices = [i for i in indices for _ in range(n)]
+    prompt_ids = [prompts.input_ids[i] for i in indices]
+    ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
+    ids, am = ids.to(engines.device), am.to(engines.device).bool()
+    gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
+                   tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
+    engines.replica = gen.replica
+    # decoded together with their prompts, so a response keeps the space of its first word
+    # the counted tokens of each row, on the host (two device reads for the whole batch)
+    counted = [[t for t, m in zip(row, keep) if m]
+               for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
+    texts, responses = decode_responses(tokenizer, prompt_ids, counted)
+    rollout = Rollout(prompt_ids=ids, prompt_mask=am, response_ids=gen.response_ids,
+                      mask=gen.mask, ended=gen.ended, prompts=texts, responses=responses,
+                      prompt_lens=[len(p) for p in prompt_ids],
+                      response_lens=[len(r) for r in counted],
+                      extras=[prompts.extra(i) for i in indices],
+                      messages=([prompts.chat(i) for i in indices]
+                                if prompts.messages is not None else None))
+    return rollout, gen
+

@@ -1,0 +1,133 @@
+"""Scoring: policy/reference log-probs, values and reward scores for a rollout (this rank's shard,
+in micro-batches). The advantages that follow are `ppo/advantages.py`."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ds_ppo.config import Config
+from ds_ppo.containers import Experience, Rollout, in_row_order
+from ds_ppo.engine import dist
+from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.redaction import redact_url
+from ds_ppo.rewards.call import call_reward_function
+
+
+def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
+    """The scoring micro-batches of ppo.score_micro_batch_size rows (row indices, longest rows
+    first) and their rows one after another (for `in_row_order`)."""
+    batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
+    return batches, [i for rows in batches for i in rows]
+
+
+def _model_micro_batches(rollout: Rollout, cfg: Config
+                         ) -> tuple[list[list[int]], list[int], int]:
+    """The micro-batches of the policy, reference and value forwards, their rows one after
+    another (for `in_row_order`) and how many of them hold this rank's rows. With
+    ppo.micro_batch_tokens they are packed by tokens, so their number differs between ranks;
+    ZeRO-3 forwards are collective, so every rank runs as many as the rank with the most (one
+    all-reduce): the extra, idle ones repeat this rank's shortest row, their outputs dropped."""
+    budget = cfg.ppo.micro_batch_tokens
+    if budget is None:
+        batches, order = _micro_batches(rollout, cfg)
+        return batches, order, len(batches)
+    batches = rollout.token_micro_batches(budget)
+    most = int(dist.all_reduce_max(torch.tensor([float(len(batches))], dtype=torch.float64)))
+    return rollout.with_idle(batches, most), [i for rows in batches for i in rows], len(batches)
+
+
+def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
+    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout).
+    Collective: the ranks agree on the outcome, so a function that fails or hangs on one rank
+    stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+    columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+    error, scores = None, []
+    # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
+    # thread around it; its answers are checked like a function's
+    spec = cfg.reward.function or redact_url(cfg.reward.url)
+    timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
+    try:
+        scores = call_reward_function(fn, spec, list(rollout.prompts),
+                                      list(rollout.responses), columns, timeout_s)
+    except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
+        error = e
+    code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
+    worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
+    if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
+        raise error if isinstance(error, RewardTimeout) else RewardTimeout(
+            f"reward.function = {cfg.reward.function!r} did not return within "
+            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
+    if worst == 1.0:
+        what = "reward.function" if cfg.reward.function else "reward.url"
+        raise error if error is not None else RewardFunctionError(
+            f"{what} = {spec!r} failed on another rank (its message is in that rank's log)")
+    return scores
+
+
+def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
+    penalty applied (clipping happens in shape_rewards); and, for a reward model, (B,) bool: the
+    rows whose input lost the start of its prompt to reward.max_len (None for a function)."""
+    device = rollout.prompt_ids.device
+    cut = None
+    if engines.reward_fn is not None:
+        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg),
+                              dtype=torch.float32, device=device)
+    else:
+        batches, order = _micro_batches(rollout, cfg)
+        parts, cuts = [], []
+        for rows in batches:
+            ids, am, part_cut = reward_encode(rollout.slice(rows))
+            parts.append(engines.reward.scores(ids.to(device), am.to(device)))
+            cuts.append(part_cut.to(device))
+        scores = in_row_order(torch.cat(parts), order)
+        cut = in_row_order(torch.cat(cuts), order)
+    if cfg.reward.missing_eos_penalty is not None:
+        scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
+    return scores, cut
+
+
+@torch.no_grad()
+def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
+    """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
+    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
+    ppo.micro_batch_tokens, idle micro-batches make up the difference)."""
+    temp = cfg.generation.temperature
+    critic = engines.value  # None with a critic-free estimator
+    engines.policy.eval()
+    if critic is not None:
+        critic.eval()
+    batches, order, mine = _model_micro_batches(rollout, cfg)
+    packed = cfg.ppo.micro_batch_tokens is not None
+    logp, ref_logp, values, entropy = [], [], [], []
+    for rows in batches:
+        mb = rollout.slice(rows)
+        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed)
+        logp.append(lp)
+        entropy.append(ent)
+        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed)[0])
+        if critic is not None:
+            values.append(critic.values(mb, packed=packed))
+    del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches
+    engines.policy.train()
+    if critic is not None:
+        critic.train()
+    mask = rollout.mask
+
+    def zero(parts):  # row order, 0 at masked positions
+        return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
+
+    retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
+    t0 = time.perf_counter()
+    scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
+    if scores.is_cuda:
+        torch.cuda.synchronize()  # the reward model's forwards run asynchronously
+    reward_s = time.perf_counter() - t0
+    if retries is not None:
+        retries = engines.reward_fn.retries - retries
+    return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
+                      old_values=zero(values) if values else None, entropy=zero(entropy),
+                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
+                      scoring_positions=rollout.positions(batches, packed, mine))

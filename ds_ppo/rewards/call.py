@@ -1,0 +1,153 @@
+"""Reward functions given as `module:function`: load, check the signature, call, check the scores.
+
+A reward function takes the batch's prompts and responses as text and returns one float per
+response: `f(prompts: list[str], responses: list[str]) -> list[float]`. With
+`data.reward_keys: [answer]` it also gets each response's dataset value of that column:
+`f(prompts, responses, answer=[...])` (a reference answer for a verifiable reward).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import numbers
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Sequence
+
+from ds_ppo.errors import ConfigError, RewardFunctionError, RewardTimeout, UserError
+
+
+def load_reward_function(spec: str, keys: Sequence[str] = ()
+                         ) -> Callable[..., list[float]]:
+    """Import `module:function`; a clear ConfigError when it cannot be found or does not take
+    the keyword arguments `keys` (data.reward_keys). The module is looked up in the directory
+    the job started in first, for every entry point (`ds-ppo`, `python -m ds_ppo`, each rank of
+    the `deepspeed` launcher, which starts every node's ranks in that same path)."""
+    module_name, _, attr = spec.partition(":")
+    _put_cwd_on_path()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"reward.function = {spec!r}: cannot import module {module_name!r} "
+                          f"({e}); put {module_name.replace('.', '/')}.py in the directory the job "
+                          f"starts in ({os.getcwd()}) or on PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"reward.function = {spec!r}: module {module_name!r} has no callable "
+                          f"{attr!r}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to check (some builtins): call and see
+        return fn
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        missing = [k for k in keys if k not in named]
+        if missing:
+            raise ConfigError(f"reward.function = {spec!r} takes no keyword argument "
+                              f"{', '.join(missing)} (data.reward_keys); define it as "
+                              f"def {attr}(prompts, responses, {', '.join(keys)}): ...")
+    return fn
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _source(spec: str) -> str:
+    """How errors name the reward: `reward.function = 'mod:fn'`, or for a service (its redacted
+    URL), `reward.url = 'http://...'`."""
+    key = "reward.url" if spec.startswith(("http://", "https://")) else "reward.function"
+    return f"{key} = {spec!r}"
+
+
+def check_scores(raw: Any, spec: str, n: int) -> list[float]:
+    """`raw`, what reward.function `spec` returned for n responses, as n finite floats; else a
+    RewardFunctionError naming the function and what it returned. Strict: a string such as
+    "0.5", None, or a nested list is an error, never converted. Accepted: a list or tuple (or a
+    1-D tensor / array) of ints, floats or bools (numpy scalars and 0-dim tensors included)."""
+    fix = f"it must return a list of {n} floats, one per response"
+    if hasattr(raw, "tolist") and getattr(raw, "ndim", 1) == 1:  # a 1-D tensor or array
+        raw = raw.tolist()
+    if not isinstance(raw, (list, tuple)):
+        raise RewardFunctionError(f"{_source(spec)} returned {type(raw).__name__} "
+                                  f"{_short(raw)}; {fix}")
+    if len(raw) != n:
+        raise RewardFunctionError(f"{_source(spec)} returned {len(raw)} scores for "
+                                  f"{n} responses; {fix}")
+    scores, bad = [], []
+    for i, v in enumerate(raw):
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # numpy scalar, 0-dim tensor
+            v = v.item()
+        if not isinstance(v, numbers.Real):
+            bad.append(f"score {i} is {_short(v)} ({type(v).__name__})")
+            continue
+        v = float(v)
+        if v != v or v in (float("inf"), float("-inf")):
+            bad.append(f"score {i} is {v} (non-finite)")
+        scores.append(v)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise RewardFunctionError(f"{_source(spec)} returned {'; '.join(bad[:3])}"
+                                  f"{more}; {fix} (finite numbers, not strings or None)")
+    return scores
+
+
+def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
+                         responses: list[str], columns: dict[str, list], timeout_s: float | None
+                         ) -> list[float]:
+    """fn(prompts, responses, **columns) checked by `check_scores`.
+
+    With `timeout_s`, the call runs in a daemon worker thread (with the caller's CUDA device and
+    grad mode) and this thread waits at most that long: a call still running raises
+    RewardTimeout (the hung thread is left behind; being a daemon, it does not keep the process
+    alive). A function that raises becomes a RewardFunctionError naming it, the exception and
+    the line it came from."""
+    import torch
+
+    outcome: dict[str, Any] = {}
+    # torch's grad mode and current CUDA device are per thread: a new thread would run with
+    # gradients on and on cuda:0 (every rank's GPU work on one device); the worker gets the
+    # caller's
+    grad = torch.is_grad_enabled()
+    device = (torch.cuda.current_device()
+              if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def run() -> None:
+        try:
+            if device is not None and torch.cuda.current_device() != device:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = fn(prompts, responses, **columns)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            outcome["error"] = e
+
+    if timeout_s is None:
+        run()
+    else:
+        worker = threading.Thread(target=run, name=f"reward.function {spec}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise RewardTimeout(f"{_source(spec)} did not return within "
+                                f"reward.timeout_s = {timeout_s:g} s (on {len(responses)} "
+                                "responses)")
+    if "error" in outcome:
+        e = outcome["error"]
+        if isinstance(e, (KeyboardInterrupt, UserError)):  # e.g. a reward service's own stop
+            raise e
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+        raise RewardFunctionError(f"{_source(spec)} raised {type(e).__name__}: {e}"
+                                  f"{where}") from e
+    return check_scores(outcome["value"], spec, len(responses))
+
+
+def _put_cwd_on_path() -> None:
+    """What `python -m` does (the console script `ds-ppo` does not): the working directory
+    first on the import path, so `my_rewards.py` next to the job imports as `my_rewards`."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+        sys.path.insert(0, cwd)

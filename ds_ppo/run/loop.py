@@ -1,0 +1,338 @@
+"""The PPO training loop. `train()` reads as a table of contents; each stage is a function of its
+own module (rollout, scoring, update, metrics, checkpoint)."""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.config import Config
+from ds_ppo.engine import dist, lora
+from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
+                                      ensure_universal, find_resume, latest_checkpoint,
+                                      load_checkpoint, read_state, rng_state, save_checkpoint,
+                                      set_rng_state)
+from ds_ppo.engine.dist import init_distributed
+from ds_ppo.engine.generation import choose_loop, choose_mode
+from ds_ppo.engine.roles import Engines, init_engines
+from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
+from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.evaluate import evaluate
+from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
+from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
+from ds_ppo.rewards.encode import reward_encoder
+from ds_ppo.role_names import TRAINED_ROLES
+from ds_ppo.run.log_setup import quiet_libraries, setup_logging
+from ds_ppo.run.preemption import Preempted, StopRequests
+from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
+from ds_ppo.run.report import Reporter, iteration_metrics
+from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
+
+log = logging.getLogger("ds_ppo")
+
+
+@dataclass
+class TrainResult:
+    """What a finished `train()` returns (identical on every rank)."""
+
+    history: list[dict[str, float]] = field(default_factory=list)  # metrics of this process's iterations
+    output_dir: str = ""
+    last_checkpoint: str | None = None
+    export_dir: str | None = None
+    mlflow_run_id: str | None = None
+
+
+def train(cfg: Config) -> TrainResult:
+    """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    quiet_libraries(cfg.log_level)
+    device = init_distributed(cfg.dist_timeout_minutes)
+    setup_logging(cfg.log_level)
+    _seed_everything(cfg.seed)
+    out = Path(cfg.output_dir)
+    lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
+
+    # step 0. data and models (data first: a bad dataset fails before any model loads)
+    tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
+    resume_from, universal = _find_resume(cfg)
+    tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
+    engines = init_engines(cfg, tokenizer, device, load_universal=universal,
+                           reward_shares_tokenizer=reward_encode is None or reward_encode.same)
+    _log_ds_configs(tracker, engines, resumed=resume_from is not None)
+    tracker.log_params(lora.trainable_counts(engines))
+    state, kl_ctl = _start_or_resume(cfg, engines, resume_from, universal)
+    state.mlflow_run_id = tracker.run_id
+    eos_ids = stop_token_ids(tokenizer, cfg)
+    gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
+    log.info("generation: mode %s, decoding loop %s", gen_mode,
+             choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
+    _warn(sampling_mismatch(cfg.generation))
+    sampler = _sampler(cfg, len(prompts.input_ids))
+    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode)
+    result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
+                         last_checkpoint=str(resume_from) if resume_from is not None else None)
+    reporter = Reporter(cfg, tracker, out)
+    status = "FAILED"
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
+    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
+        try:
+            for iteration in range(state.iteration + 1, cfg.iterations + 1):
+                acc, t_iter = Accumulator(), time.perf_counter()
+                rng_at_start = rng_state()  # what a save of the previous iteration would hold
+                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
+                exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
+                                       kl_ctl.value, acc, metric_timer(acc))
+                # step 5. metrics, reduced across ranks; KL controller; logging
+                metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
+                                            cfg.ppo.samples_per_prompt)
+                if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+                    metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
+                                            eos_ids, reward_encode))
+                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
+                reporter.report(metrics, iteration, exp)
+                result.history.append(metrics)
+                _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
+                                  grad_norms=engines.dtype != torch.float16)
+                state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
+                # step 6. checkpoint
+                saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
+                if saved:
+                    result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                    register_at_checkpoint(cfg, tracker, result.last_checkpoint, iteration,
+                                           result.history)
+                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                signum = stop.agreed(device)
+                if signum:
+                    if not saved:
+                        result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                    raise Preempted(signum, iteration, result.last_checkpoint)
+            result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
+                                                                result.last_checkpoint)
+            # step 8. the exported policy into the MLflow model registry (tracking.register_model)
+            register_policy(cfg, tracker, result.export_dir, state.iteration,
+                            last_eval_score(result.history))
+            status = "FINISHED"
+        except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
+            raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
+                                          result.last_checkpoint, rng_at_start) from None
+        except (KeyboardInterrupt, Preempted):
+            status = "KILLED"
+            raise
+        finally:
+            tracker.close(status)
+    return result
+
+
+def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
+    path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                               cfg.checkpoint.save_hf_weights))
+    if dist.is_main():
+        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
+    return path
+
+
+# ------------------------------------------------------------------------- start-up
+def _warn(message: str | None) -> None:
+    if message and dist.is_main():
+        log.warning("%s", message)
+
+
+def _seed_everything(seed: int) -> None:
+    # Same seed on every rank for initialisation; sampling streams are made per rank below.
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _load_data(cfg: Config, out: Path):
+    from ds_ppo.data.prompts import load_prompts
+    from ds_ppo.data.tokenizer import load_tokenizer
+
+    spec = cfg.policy.tokenizer or cfg.policy.path
+    if spec is None:
+        raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
+                          "(a path, a hub name or builtin:tiny)")
+    out.mkdir(parents=True, exist_ok=True)
+    # every rank loads (and, for builtin:tiny, may build: the cache is written atomically) the
+    # tokenizer itself, so a bad tokenizer spec fails on every rank alike instead of hanging one
+    tokenizer = load_tokenizer(spec, out)
+    prompts = load_prompts(cfg.data, tokenizer)
+    eval_prompts = None
+    if cfg.data.eval_split is not None and cfg.data.eval_every > 0:
+        eval_prompts = load_prompts(cfg.data, tokenizer, split=cfg.data.eval_split)
+    reward_encode = None
+    if cfg.reward.model is not None:
+        reward_encode = reward_encoder(cfg, tokenizer, load_tokenizer(
+            cfg.reward.tokenizer or cfg.reward.model, out))
+    return tokenizer, prompts, eval_prompts, reward_encode
+
+
+def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
+    """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
+    DeepSpeed's universal format because the data-parallel world size changed."""
+    path = find_resume(cfg.output_dir, cfg.resume)
+    if path is None:
+        return None, False
+    check_estimator_family(path, cfg.ppo.advantage_estimator)  # before any model loads
+    universal = read_state(path).world_size != dist.world_size()
+    if universal:
+        ensure_universal(path)
+    return path, universal
+
+
+def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal: bool):
+    p = cfg.ppo
+    kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
+              if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
+    if path is None:
+        state = TrainerState(world_size=dist.world_size(), seed=cfg.seed,
+                             advantage_estimator=p.advantage_estimator,
+                             lora_bases=lora.base_record(engines.lora_bases))
+        _seed_sampling(cfg.seed)
+        start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
+        return state, kl_ctl
+    lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
+    state = load_checkpoint(path, engines, universal)
+    state.advantage_estimator = p.advantage_estimator
+    for role in TRAINED_ROLES if p.uses_critic else ("policy",):
+        changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
+        if changed:
+            log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
+                     ", ".join(changed))
+    start_metrics_log(cfg.output_dir, state.iteration)
+    kl_ctl.load_state_dict(state.kl_controller)
+    log.info("resumed from %s (iteration %d%s)", path, state.iteration,
+             f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
+             if universal else "")
+    state.world_size = dist.world_size()
+    if state.iteration >= cfg.iterations:
+        log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
+                 "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
+    return state, kl_ctl
+
+
+def _seed_sampling(seed: int) -> None:
+    # Each rank samples its own responses: give each its own stream.
+    torch.manual_seed(seed * 1000 + dist.rank())
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed * 1000 + dist.rank())
+
+
+def _sampler(cfg: Config, num_prompts: int):
+    from ds_ppo.data.prompts import PromptSampler
+
+    # grouped by PPO mini-batch, so each optimizer step sees the same prompts at any world size
+    # (mini_batch_size counts responses: samples_per_prompt of each prompt)
+    return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.rank(), dist.world_size(),
+                         cfg.seed, shuffle=cfg.data.shuffle,
+                         group_size=cfg.ppo.mini_batch_size // cfg.ppo.samples_per_prompt)
+
+
+def _open_tracker(cfg: Config, resume_from: Path | None):
+    """MLflow on rank 0 (continuing the checkpoint's run on resume); no-ops elsewhere."""
+    import importlib.metadata as md
+
+    from ds_ppo.redaction import redact_url
+    from ds_ppo.run.tracking import TrackingError, open_tracker
+
+    tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
+            "policy": cfg.policy.path or f"arch:{(cfg.policy.arch or {}).get('model_type')}",
+            "reward": cfg.reward.model or cfg.reward.function or redact_url(cfg.reward.url) or "",
+            "generation_mode": cfg.generation.mode}
+    try:
+        tags["ds_ppo_version"] = md.version("ds-ppo")
+    except md.PackageNotFoundError:
+        pass
+    run_id = read_state(resume_from).mlflow_run_id if resume_from is not None else None
+    tracker, error = None, None
+    try:
+        tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=run_id, tags=tags)
+    except TrackingError as e:
+        error = e
+    # rank 0's verdict reaches every rank, so a failed start stops the whole job, not one rank
+    message = dist.broadcast_object(str(error) if error is not None else None)
+    if message is not None:
+        raise error or TrackingError(f"rank 0 could not start MLflow tracking: {message}")
+    if dist.is_main() and tracker.run_id:
+        log.info("%s", tracker.where())
+    return tracker
+
+
+def _log_ds_configs(tracker, engines: Engines, resumed: bool) -> None:
+    """Each role's final DeepSpeed config as a run artifact (once per run)."""
+    if not resumed:
+        for role, ds_config in engines.ds_configs.items():
+            tracker.log_dict(ds_config, f"deepspeed/{role}.json")
+
+
+# ------------------------------------------------------------------------- per iteration
+# Metrics that are never NaN or infinite while training is healthy. With bf16 or fp32, DeepSpeed
+# applies a non-finite gradient, so one is enough to ruin the weights; stopping before the next
+# checkpoint keeps the saved ones usable. fp16's loss scaler skips such steps and reports their
+# gradient norm as inf, routinely in the first steps: there only the losses are checked.
+_LOSSES = ("loss/policy", "loss/value")
+_GRAD_NORMS = ("policy/grad_norm", "value/grad_norm")
+
+
+def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint: str | None,
+                      grad_norms: bool = True):
+    """Raise `Diverged` (on every rank alike: the metrics are reduced) when a loss (or, with
+    `grad_norms`, a gradient norm) of this iteration is not finite."""
+    keys = _LOSSES + (_GRAD_NORMS if grad_norms else ())
+    bad = {k: metrics[k] for k in keys if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        where = (f"the last checkpoint, {last_checkpoint}, was saved before it" if last_checkpoint
+                 else "no checkpoint was saved before it")
+        raise Diverged(f"iteration {iteration}: {', '.join(f'{k} = {v}' for k, v in bad.items())}"
+                       f": training diverged and this iteration's weights are not saved; {where}. "
+                       "Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
+                       "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
+
+
+def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
+                            state: TrainerState, tokenizer, last: str | None,
+                            rng_at_start: dict | None = None) -> RewardTimeout:
+    """Checkpoint the last completed iteration (the weights still are its weights unless the
+    timeout came after this iteration's update, in evaluation), and the error to stop with.
+    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
+    so a resume samples that iteration again exactly as the uninterrupted run would have."""
+    latest = latest_checkpoint(out)
+    if (not err.after_update and state.iteration > 0 and
+            (latest is None or latest.name != checkpoint_name(state.iteration))):
+        if rng_at_start is not None:
+            set_rng_state(rng_at_start)
+        last = _checkpoint(cfg, out, engines, state, tokenizer)
+    elif latest is not None:
+        last = str(latest)
+    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
+             "to resume from it" if last else "no checkpoint was saved")
+    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
+                         "raise reward.timeout_s.")
+
+
+# ------------------------------------------------------------------------------ end
+def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
+            last_checkpoint: str | None):
+    """Save the final state (unless the last iteration was just saved) and export the policy."""
+    from ds_ppo.run.export import DTYPES, export_engine, write_marker
+
+    out = Path(cfg.output_dir)
+    latest = latest_checkpoint(out)
+    if cfg.checkpoint.save_at_end and (latest is None or
+                                       latest.name != checkpoint_name(state.iteration)):
+        last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+    export_dir = None
+    if cfg.checkpoint.export_at_end:
+        export_dir = str(out / "final")
+        export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
+        if dist.is_main():
+            # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
+            write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
+                         with_value=False)
+            log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
+                     export_dir)
+    return last_checkpoint, export_dir

@@ -1,0 +1,145 @@
+"""Reporting one iteration: its metrics reduced across ranks, then (rank 0) the progress line,
+`metrics.jsonl`, MLflow metrics and the samples table."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_ppo.algo import explained_variance, group_score_stats, log_ratio_clamped
+from ds_ppo.config import Config
+from ds_ppo.engine import dist
+from ds_ppo.metrics import Accumulator, std_from_moments
+from ds_ppo.run.progress import Eta, format_duration
+
+if TYPE_CHECKING:
+    from ds_ppo.engine.roles import Engines
+
+log = logging.getLogger("ds_ppo")
+
+
+def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
+                       t_iter: float, group_size: int = 1) -> dict[str, float]:
+    """Add this iteration's rollout statistics to `acc` and reduce everything across ranks."""
+    mask = exp.mask.float()
+    n = float(len(exp))
+    scores = exp.scores.float()
+    acc.add_mean("score/mean", float(scores.sum()), n)
+    acc.add_mean("score/sq_mean", float((scores ** 2).sum()), n)
+    seq_reward = (exp.rewards * mask).sum(1)
+    acc.add_mean("reward/mean", float(seq_reward.sum()), n)
+    acc.add_mean("reward/sq_mean", float((seq_reward ** 2).sum()), n)
+    seq_kl = (exp.kl * mask).sum(1)
+    acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
+    acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
+    acc.add_tensor_mean("kl/clamped_frac",
+                        log_ratio_clamped(exp.old_logprobs - exp.ref_logprobs).float(), mask)
+    acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
+    lengths = mask.sum(1)
+    acc.add_mean("response/length_mean", float(lengths.sum()), n)
+    acc.add_max("response/length_max", float(lengths.max()))
+    acc.add_mean("response/eos_rate", float(exp.rollout.ended.float().sum()), n)
+    if exp.reward_cut is not None:
+        acc.add_mean("reward/input_cut_rate", float(exp.reward_cut.sum()), n)
+    acc.add_max("time/reward_s", exp.reward_s)
+    acc.add_mean("padding/scoring_positions_per_token", *exp.scoring_positions)
+    if exp.reward_retries is not None:
+        acc.add_sum("reward/retries", exp.reward_retries)
+    if exp.old_values is not None:
+        # over all ranks' valid tokens (its own all-reduces): the same value on every rank
+        acc.add_replicated("value/explained_variance",
+                           float(explained_variance(exp.old_values, exp.returns, exp.mask)))
+    if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
+        std, constant = group_score_stats(exp.scores, group_size)
+        acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
+        acc.add_mean("group/zero_std_frac", float(constant.sum()), float(constant.numel()))
+    acc.add_sum("response/tokens_total", float(mask.sum()))
+    acc.add_max("time/iteration_s", time.perf_counter() - t_iter)
+    if torch.cuda.is_available():
+        acc.add_max("memory/peak_gib", torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        import resource
+
+        acc.add_max("memory/peak_rss_gib",
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    m = acc.reduce()
+    total_tokens = m["response/tokens_total"]
+    m["score/std"] = std_from_moments(m["score/mean"], m.pop("score/sq_mean"))
+    m["reward/std"] = std_from_moments(m["reward/mean"], m.pop("reward/sq_mean"))
+    # response tokens of the whole job per second of each phase (the slowest rank's time)
+    for phase in ("generation", "scoring", "update"):
+        m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)
+    m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
+    m["kl_coef"] = float(kl_ctl.value)
+    m["lr/policy"] = engines.policy.lr()
+    if engines.value is not None:
+        m["lr/value"] = engines.value.lr()
+    return m
+
+
+class Reporter:
+    """Rank 0's view of the run's progress: the ETA and the warnings given once per process.
+    Created by `train()`; `report` is called once per iteration on every rank (the samples
+    table is gathered from all ranks)."""
+
+    def __init__(self, cfg: Config, tracker, out: Path):
+        self.cfg, self.tracker, self.out = cfg, tracker, out
+        self.eta = Eta()  # rank 0's time left, from the mean of recent iterations
+        self.warned_cut = False  # the reward-input cut is reported once per process
+
+    def report(self, metrics: dict[str, float], iteration: int, exp) -> None:
+        """Rank 0: progress line, metrics.jsonl (always, independent of MLflow), MLflow."""
+        cfg, tracker = self.cfg, self.tracker
+        rows = None
+        every = cfg.tracking.log_samples_every
+        if every and iteration % every == 0:
+            k = cfg.tracking.num_samples
+            rows = [sample_row(p, r, s, extra) for p, r, s, extra in
+                    zip(exp.rollout.prompts[:k], exp.rollout.responses[:k],
+                        exp.scores[:k].tolist(), exp.rollout.extras[:k])]
+            rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
+        if not dist.is_main():
+            return
+        self.eta.tick(iteration, metrics["time/iteration_s"])
+        self._warn_reward_cut(metrics, iteration)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        tracker.log_metrics(metrics, step=iteration)
+        if rows:
+            tracker.log_samples(rows, step=iteration)
+        if iteration % cfg.log_every == 0 or iteration == cfg.iterations:
+            print(self.progress_line(metrics, iteration), flush=True)
+
+    def progress_line(self, metrics: dict[str, float], iteration: int) -> str:
+        cfg = self.cfg
+        return (f"iter {iteration:>4}/{cfg.iterations} | score {metrics['score/mean']:+.4f} "
+                f"| kl {metrics['kl/sequence_mean']:+.4f} "
+                f"| entropy {metrics['policy/entropy']:.3f} "
+                f"| pg {metrics['loss/policy']:+.4f} "
+                + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
+                f"| len {metrics['response/length_mean']:.1f} "
+                f"| gen {metrics['time/generation_s']:.1f}s "
+                f"| iter {metrics['time/iteration_s']:.1f}s "
+                f"| eta {format_duration(self.eta.left(cfg.iterations - iteration))}")
+
+    def _warn_reward_cut(self, metrics: dict[str, float], iteration: int) -> None:
+        if metrics.get("reward/input_cut_rate", 0.0) > 0 and not self.warned_cut:
+            self.warned_cut = True
+            log.warning("iteration %d: %.1f%% of the reward model's inputs were longer than "
+                        "reward.max_len = %d and lost the start of their prompt (metric "
+                        "reward/input_cut_rate); raise reward.max_len if the reward model takes "
+                        "longer inputs", iteration, 100 * metrics["reward/input_cut_rate"],
+                        self.cfg.reward.max_len)
+
+
+def sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
+    """One row of the samples table, with the prompt's data.reward_keys values (e.g. the
+    reference answer); a key named like a fixed column gets a `data/` prefix."""
+    row = {"prompt": prompt, "response": response, "score": float(score)}
+    row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
+    return row

@@ -1,0 +1,186 @@
+"""The RLHF engine on CPU: one rank and two ranks (real `deepspeed` launcher, gloo), invariance of
+the first update, varied response lengths without hangs, replica == trained policy, frozen
+reference. The expensive processes run once per world size (tests/support/dist_checks.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, clean_env, deepspeed_cmd, free_port
+
+pytestmark = pytest.mark.launcher
+LOSS_KEYS = ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac", "score/mean",
+             "kl/sequence_mean", "policy/entropy", "response/length_mean")
+
+
+def _run_checks(tmp_path_factory, ranks: int) -> dict:
+    work = tmp_path_factory.mktemp(f"dist{ranks}")
+    out = work / "results.json"
+    script = [str(REPO / "tests" / "support" / "dist_checks.py"), "--out", str(out), "--work", str(work)]
+    if ranks == 1:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = deepspeed_cmd(ranks, free_port()) + script
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=work, env=clean_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and out.exists(), (
+        f"dist_checks with {ranks} rank(s) failed ({proc.returncode})\n{proc.stdout[-5000:]}\n"
+        f"{proc.stderr[-8000:]}")
+    res = json.loads(out.read_text())
+    res["_seconds"] = time.time() - t0
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, f"scenarios failed with {ranks} rank(s): {errors}\n{proc.stdout[-5000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return _run_checks(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run_checks(tmp_path_factory, 2)
+
+
+def _close(a: dict, b: dict, rel: float = 1e-3, abs_: float = 1e-6, keys=LOSS_KEYS) -> list[str]:
+    """Differences beyond float noise. The tolerance is relative 1e-3: batching changes the order
+    of float32 reductions (~1e-7 relative), and the second optimizer step's losses carry that
+    through one AdamW step; a real bug (a wrong loss scale, a lost micro-batch) moves them by
+    tens of percent."""
+    return [f"{k}: {a[k]} vs {b[k]}" for k in keys
+            if abs(a[k] - b[k]) > abs_ + rel * abs(a[k])]
+
+
+def test_two_ranks_complete_with_zero3(two_ranks):
+    assert two_ranks["world_size"] == 2
+    for k in LOSS_KEYS:
+        assert two_ranks["zero3_micro4"][k] == two_ranks["zero3_micro4"][k]  # not NaN
+
+
+def test_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    assert one_rank["world_size"] == 1
+    assert not _close(one_rank["zero3_micro4"], two_ranks["zero3_micro4"])
+    # not trivially equal: the second optimizer step saw the first one's update
+    assert one_rank["zero3_micro4"]["loss/value"] > 0
+    assert one_rank["zero3_micro4"]["policy/approx_kl"] > 0
+    assert one_rank["zero3_micro4"]["loss/policy"] != 0
+
+
+def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):
+    assert not _close(one_rank["zero3_micro4"], one_rank["zero2_micro4"])
+    assert not _close(two_ranks["zero3_micro4"], two_ranks["zero2_micro4"])
+
+
+def test_first_update_invariant_to_micro_batch_times_accumulation(one_rank, two_ranks):
+    # (micro 4, accumulation 1) vs (micro 2, accumulation 2) on two ranks; 8 vs 4 on one rank
+    assert not _close(two_ranks["zero3_micro4"], two_ranks["zero3_micro2"])
+    assert not _close(one_rank["zero3_micro4"], one_rank["zero3_micro2"])
+
+
+@pytest.mark.parametrize("mode", ["zero3", "gathered"])
+def test_ranks_with_different_response_lengths_do_not_hang(two_ranks, mode):
+    res = two_ranks[f"varied_{mode}"]
+    assert res["iterations"] == 2
+    widths = res["widths_per_rank"]  # [rank][iteration]: each rank's longest response
+    assert len(widths) == 2 and widths[0] != widths[1], widths
+
+
+def test_reference_frozen_policy_trained(one_rank, two_ranks):
+    for res in (one_rank["replica"], two_ranks["replica"]):
+        assert res["reference_unchanged"]
+        assert res["policy_changed"] and res["policy_max_change"] > 0
+
+
+def test_generation_replica_equals_trained_policy(one_rank, two_ranks):
+    for res in (one_rank["replica"], two_ranks["replica"]):
+        assert res["replica_equal_params"]
+        assert res["replica_out"] == res["zero3_out"]
+        assert res["kept_replica_refreshed"]  # generation.keep_replica: refreshed in place
+
+
+def test_tensor_parallel_generation(one_rank, two_ranks):
+    for res, world in ((one_rank["tensor_parallel"], 1), (two_ranks["tensor_parallel"], 2)):
+        assert "error" not in res, res
+        assert res["iterations"] == 2 and res["losses_finite"]
+        # each rank's rows of the group's greedy decoding equal its own gathered replica's
+        assert res["greedy_equal"] == [True] * world
+        assert res["rows"] == [3 + r for r in range(world)]  # every rank got its own rows back
+        assert res["group_outputs_equal"]  # ranks of a group sampled the same tokens
+        assert res["sampled_tokens"] > 0
+
+
+GROUP_KEYS = tuple(k for k in LOSS_KEYS if k != "loss/value") + (
+    "loss/kl", "score/group_std_mean", "group/zero_std_frac")
+
+
+@pytest.mark.parametrize("name", ["grpo_micro4", "rloo_micro4"])
+def test_critic_free_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks, name):
+    # grpo: seq_mean_token_mean + a k3 KL loss; rloo: seq_mean_token_sum_norm, a KL loss,
+    # clip-higher, dual clip and ppo.filter_zero_std_groups (one group of four dropped)
+    one, two = one_rank[name], two_ranks[name]
+    assert not _close(one, two, keys=GROUP_KEYS)
+    assert "loss/value" not in one  # no value model, no value loss
+    assert one["policy/approx_kl"] > 0 and one["loss/policy"] != 0 and one["loss/kl"] != 0
+    assert one["group/zero_std_frac"] == 0.25 and one["score/group_std_mean"] > 0
+
+
+def test_critic_free_first_update_invariant_to_micro_batch_times_accumulation(one_rank,
+                                                                              two_ranks):
+    assert not _close(one_rank["grpo_micro4"], one_rank["grpo_micro2"], keys=GROUP_KEYS)
+    assert not _close(two_ranks["grpo_micro4"], two_ranks["grpo_micro2"], keys=GROUP_KEYS)
+
+
+def test_first_update_invariant_to_packing(one_rank, two_ranks):
+    """ppo.micro_batch_tokens: packed micro-batches give the update of row micro-batches, on
+    ZeRO-3 and ZeRO-2, with and without a critic, at one and two ranks."""
+    for res in (one_rank, two_ranks):
+        assert not _close(res["zero3_micro4"], res["zero3_packed"])
+        assert not _close(res["zero3_micro4"], res["zero2_packed"])
+        assert not _close(res["grpo_micro4"], res["grpo_packed"], keys=GROUP_KEYS)
+    assert one_rank["zero3_packed"]["padding/update_positions_per_token"] == 1.0  # no padding
+    # on two ranks the ranks' micro-batch counts differ in some mini-batch: the idle micro-batches
+    # the rank with fewer runs (to keep its ZeRO collectives in step) count as computed positions
+    assert two_ranks["zero3_packed"]["padding/update_positions_per_token"] > 1.0
+
+
+def test_critic_free_estimator_builds_no_value_engine(one_rank, two_ranks):
+    for res in (one_rank["critic_free_engines"], two_ranks["critic_free_engines"]):
+        assert res == {"value_is_none": True, "ds_configs": ["policy", "reference"]}
+
+
+# ------------------------------------------------------------------------------- LoRA
+def test_lora_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """policy.lora and value.lora on ZeRO-3: the adapters start at B = 0, so the policy is its
+    base and the first iteration's KL to the reference (the same base) is exactly 0; the update
+    is the same at any world size."""
+    for res in (one_rank["zero3_lora"], two_ranks["zero3_lora"]):
+        assert res["kl/sequence_mean"] == 0.0
+        assert res["policy/approx_kl"] > 0  # the second optimizer step saw the first one's update
+    assert not _close(one_rank["zero3_lora"], two_ranks["zero3_lora"])
+    # packed (the reference: the policy engine with its adapters off, through lora.AdaptersOff)
+    assert not _close(one_rank["zero3_lora"], one_rank["zero3_lora_packed"])
+    assert not _close(two_ranks["zero3_lora"], two_ranks["zero3_lora_packed"])
+
+
+def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_rank, two_ranks):
+    for res in (one_rank["lora"], two_ranks["lora"]):
+        trained, changed = res["trained"], res["changed"]
+        assert trained["policy"] and all(".lora_" in n for n in trained["policy"])
+        head = [n for n in trained["value"] if ".lora_" not in n]
+        assert head == ["base_model.model.score.weight"], head  # the scalar head, fully trained
+        for role in ("policy", "value"):  # every trained tensor moved, no base tensor did
+            assert changed[role] == trained[role], role
+        # the reference is the policy engine with its adapters off (no engine of its own): the
+        # untouched base, exactly
+        assert not res["reference_engine_built"]
+        assert res["reference_equal_base"], res["reference_vs_base_max"]
+        assert res["policy_vs_base_max"] > 1e-3  # while the adapted policy moved away from it
+        # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
+        assert res["merged_replica_vs_policy_max"] < 1e-5
+        assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters

@@ -1,0 +1,166 @@
+"""A scheduler's stop request loses no finished iteration: SIGTERM / SIGUSR1 make `ds-ppo train`
+finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes.
+Ctrl-C (SIGINT) does the same; a second Ctrl-C aborts at once."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import SMALL as BASE
+from conftest import clean_env, deepspeed_cmd, free_port, read_metrics, run_cli
+from ds_ppo.run.preemption import StopRequests
+
+SMALL = [*BASE, "checkpoint.every=0"]  # only the stop request saves
+
+
+def _start(cmd: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1", **env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 300) -> list[str]:
+    """stdout lines up to the first containing `text` (the run keeps going)."""
+    seen, t0 = [], time.time()
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.time() - t0 < timeout, "".join(seen[-20:])
+    raise AssertionError(f"exited before {text!r}:\n{''.join(seen[-30:])}\n{proc.stderr.read()}")
+
+
+def _saved_iteration(out: Path) -> int:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())
+    return state["iteration"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    out = tmp_path / "out"
+    args = ["train", *SMALL, f"output_dir={out}", "iterations=500"]
+    proc = _start([sys.executable, "-m", "ds_ppo", *args], tmp_path)
+    _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    n = _saved_iteration(out)
+    assert 2 <= n < 500
+    assert f"stopped by SIGTERM after iteration {n}" in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+    # the same command (with a nearer end) resumes after the saved iteration
+    run_cli([*args[:-1], f"iterations={n + 2}"], cwd=tmp_path, timeout=600)
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 3))
+
+
+def test_sigusr1_to_one_rank_stops_both_at_the_same_iteration(tmp_path):
+    """Slurm's advance notice may reach one rank first: the ranks agree after each iteration,
+    so both save the same checkpoint and stop (no rank left waiting in a collective)."""
+    out = tmp_path / "out"
+    launcher = _start([*deepspeed_cmd(2, free_port()), "--module", "ds_ppo", "train", *SMALL,
+                       f"output_dir={out}", "iterations=500"], tmp_path)
+    _wait_for(launcher, "iter    2/500")
+    ranks = {p.environ().get("RANK"): p for p in psutil.Process(launcher.pid).children(True)
+             if p.environ().get("RANK") is not None}
+    assert set(ranks) == {"0", "1"}, ranks
+    ranks["1"].send_signal(signal.SIGUSR1)
+    stdout, stderr = launcher.communicate(timeout=300)
+    n = _saved_iteration(out)
+    assert launcher.returncode != 0
+    assert f"stopped by SIGUSR1 after iteration {n}" in stdout + stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert len(list((ckpt / "rng").iterdir())) == 2  # both ranks wrote their part
+
+
+HANGS_ON_SECOND_CALL = '''
+import threading
+calls = []
+
+
+def score(prompts, responses):
+    calls.append(1)
+    if len(calls) == 2:
+        threading.Event().wait()  # never returns
+    return [float(len(r)) for r in responses]
+'''
+
+
+def test_hung_reward_function_stops_the_run_with_the_last_iteration_saved(tmp_path):
+    """A reward function that never returns (iteration 2): after reward.timeout_s the run saves
+    iteration 1, says so and exits 2, although the hung call never ends."""
+    (tmp_path / "hang_reward.py").write_text(HANGS_ON_SECOND_CALL)
+    out = tmp_path / "out"
+    t0 = time.time()
+    proc = run_cli(["train", *SMALL, f"output_dir={out}", "iterations=3",
+                    "reward.function=hang_reward:score", "reward.timeout_s=5"], cwd=tmp_path,
+                   env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"),
+                   check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "reward.function = 'hang_reward:score' did not return within reward.timeout_s = 5 s" \
+        in proc.stderr
+    assert "run the same command again to resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _saved_iteration(out) == 1
+    assert [r["iteration"] for r in read_metrics(out)] == [1]
+    assert time.time() - t0 < 250
+
+
+def test_ctrl_c_saves_like_sigterm(tmp_path):
+    """Through the console script a user runs: the first Ctrl-C finishes the iteration, saves
+    and exits 130 with the SIGTERM message."""
+    exe = shutil.which("ds-ppo")
+    assert exe, "the ds-ppo console script is not on PATH (pip install -e .)"
+    out, extensions = tmp_path / "out", tmp_path / "torch_extensions"
+    proc = _start([exe, "train", *SMALL, f"output_dir={out}", "iterations=500"], tmp_path,
+                  TORCH_EXTENSIONS_DIR=str(extensions))
+    seen = _wait_for(proc, "iter    2/500")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    stdout = "".join(seen) + stdout
+    # the progress line: time left from recent iterations; a line per save; no library bars
+    assert "| eta " in seen[-1], seen[-1]
+    assert f"saved checkpoint {out / 'checkpoints'}" in stdout
+    assert "Writing model shards" not in stdout + stderr
+    assert "Setting accelerator" not in stdout + stderr
+    # a cold extension cache: nothing was built (DeepSpeed's CPU shm comm op is skipped)
+    assert not extensions.exists() or not any(extensions.iterdir())
+    assert proc.returncode == 130, stderr[-3000:]
+    n = _saved_iteration(out)
+    assert f"stopped by SIGINT after iteration {n}; checkpoint " in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+
+
+
+def test_a_second_ctrl_c_aborts_at_once():
+    """In-process (a subprocess would race the iteration's end): the first SIGINT only sets the
+    flag, the second raises KeyboardInterrupt; the previous handler comes back afterwards."""
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_an_interrupt_outside_the_loop_is_one_line_and_exit_130(monkeypatch, capsys):
+    import ds_ppo.run.loop
+    from ds_ppo.cli import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ds_ppo.run.loop, "train", interrupted)
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"

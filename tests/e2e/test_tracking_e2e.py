@@ -1,0 +1,142 @@
+"""The tiny training against a real MLflow server (tests/support/mlflow_server.py), read back through
+MlflowClient; resume continues the same run; unreachable at start fails fast; a server killed
+mid-run loses log calls, not training."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from support.mlflow_server import free_port, mlflow_server  # noqa: F401  (the session's server fixture)
+
+from conftest import clean_env, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4",
+         "generation.max_new_tokens=8", "checkpoint.every=2", "checkpoint.export_at_end=false",
+         "tracking.log_samples_every=2", "tracking.num_samples=4"]
+
+# the policy into the model registry at the checkpoint of iteration 2 and at each run's end;
+# evaluations give the versions an eval_score
+REGISTER = ["checkpoint.export_at_end=true", "tracking.register_model=ds_ppo_e2e_policy",
+            "tracking.register_every=2", "data.eval_split=train[90%:]", "data.eval_every=2",
+            "data.eval_size=8"]
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _run_of(uri, output_dir):
+    client = _client(uri)
+    exp = client.get_experiment_by_name("ds_ppo_e2e")
+    runs = [r for r in client.search_runs([exp.experiment_id])
+            if r.data.params.get("output_dir") == str(output_dir)]
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+@pytest.fixture(scope="module")
+def tracked(mlflow_server, tmp_path_factory):  # noqa: F811
+    mlflow_server.ensure_running()
+    mlflow_uri = mlflow_server.uri
+    work = tmp_path_factory.mktemp("tracked")
+    out = work / "out"
+    args = ["train", *SMALL, f"tracking.uri={mlflow_uri}", "tracking.experiment=ds_ppo_e2e",
+            f"output_dir={out}", *REGISTER]
+    first = run_cli([*args, "iterations=4"], cwd=work)
+    client, run = _run_of(mlflow_uri, out)
+    first_id = run.info.run_id
+    resumed = run_cli([*args, "iterations=6"], cwd=work)
+    return mlflow_uri, out, first_id, first, resumed
+
+
+def test_run_params_metrics_tags_artifacts(tracked):
+    uri, out, run_id, first, _ = tracked
+    client, run = _run_of(uri, out)
+    p = run.data.params
+    assert p["ppo.kl_coef"] == "0.02" and p["ppo.rollout_batch_size"] == "16"
+    assert p["policy.arch.hidden_size"] == "64"
+    for key in ("score/mean", "loss/policy", "kl/sequence_mean", "time/generation_s"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2, 3, 4, 5, 6]
+    tags = run.data.tags
+    assert tags["world_size"] == "1" and tags["num_nodes"] == "1"
+    assert tags["version.deepspeed"] and tags["version.torch"] and tags["version.transformers"]
+    assert tags["policy"] == "arch:llama"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "deepspeed", "samples"} <= artifacts
+    roles = {a.path for a in client.list_artifacts(run.info.run_id, "deepspeed")}
+    assert roles == {"deepspeed/policy.json", "deepspeed/value.json", "deepspeed/reference.json"}
+    samples = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert "samples/iter_000002.json" in samples and "samples/iter_000006.json" in samples
+    # the logged number is the whole job's: it equals metrics.jsonl, written from the same dict
+    rows = read_metrics(out)
+    hist = client.get_metric_history(run.info.run_id, "score/mean")
+    assert [m.value for m in hist] == pytest.approx([r["score/mean"] for r in rows])
+
+
+def test_resume_continues_the_same_run(tracked):
+    uri, out, run_id, _, resumed = tracked
+    client, run = _run_of(uri, out)
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert "resumed from" in resumed.stdout
+
+
+def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
+    """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
+    tracking.register_model, tagged with the run, iteration, eval score and config hash; the
+    latest loads back with the transformers flavour and generates the export's greedy tokens."""
+    from test_registry import export_greedy, registered_greedy
+
+    uri, out, run_id, _, _ = tracked
+    client = _client(uri)
+    versions = sorted(client.search_model_versions("name='ds_ppo_e2e_policy'"),
+                      key=lambda v: int(v.version))
+    assert [v.tags["iteration"] for v in versions] == ["2", "4", "6"]
+    rows = {r["iteration"]: r for r in read_metrics(out)}
+    for v in versions:
+        assert v.run_id == run_id and v.tags["run_id"] == run_id
+        assert v.source == f"runs:/{run_id}/policy/iter_{int(v.tags['iteration']):06d}"
+        assert float(v.tags["eval_score"]) == pytest.approx(
+            rows[int(v.tags["iteration"])]["eval/score_mean"])
+        assert v.tags["flavor"] == "transformers" and len(v.tags["config_hash"]) == 16
+    assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
+    assert registered_greedy(uri, "ds_ppo_e2e_policy", versions[-1].version) == \
+        export_greedy(out / "final")
+
+
+# (after the tests of the shared run: this one kills the session's server)
+def test_unreachable_server_fails_fast_before_models_load(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    t0 = time.time()
+    proc = run_cli(["train", *SMALL, f"tracking.uri={uri}", f"output_dir={tmp_path / 'o'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert uri in proc.stderr and "tracking.required=false" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o" / "init_models").exists()  # no model was built
+    assert time.time() - t0 < 120
+
+
+def test_server_killed_mid_run_training_continues(mlflow_server, tmp_path):  # noqa: F811
+    mlflow_server.ensure_running()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ds_ppo", "train", *SMALL, f"tracking.uri={mlflow_server.uri}",
+           "tracking.experiment=ds_ppo_e2e", "iterations=6", f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2:
+            break
+        time.sleep(0.2)
+    mlflow_server.stop(kill=True)
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout[-4000:]
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000006"
+    assert "MLflow unreachable" in stdout and "log calls were lost" in stdout

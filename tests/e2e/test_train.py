@@ -1,0 +1,270 @@
+"""The main job end to end, as a user runs it: `ds-ppo train` in a fresh process.
+
+- the embedded default experiment learns (mean score rises clearly, fixed seed);
+- `ds-ppo export` writes a Hugging Face model that loads with no ds_ppo import and continues
+  greedily exactly like the in-training export of the same weights;
+- bad configs and bad data end with one message and exit 2; a diverged run (NaN losses)
+  stops with exit 3 before saving its weights.
+(Resume and crash recovery: test_resume.py; preemption: test_preemption.py.)
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMALL, clean_env, read_metrics, run_cli
+
+def _first_and_last_mean_score(rows: list[dict]) -> tuple[float, float]:
+    """Mean score/mean of the first 5 and of the last 5 iterations."""
+    return (sum(r["score/mean"] for r in rows[:5]) / 5,
+            sum(r["score/mean"] for r in rows[-5:]) / 5)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's main command: `ds-ppo train` with no config (the tiny default)."""
+    work = tmp_path_factory.mktemp("default")
+    proc = run_cli(["train", f"output_dir={work / 'out'}"], cwd=work, timeout=900)
+    return work / "out", proc
+
+
+@pytest.mark.slow
+def test_default_experiment_raises_reward(default_run):
+    out, proc = default_run
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == list(range(1, 41))
+    first, last = _first_and_last_mean_score(rows)
+    assert last > first + 0.25, (first, last)
+    assert "iter   40/40" in proc.stdout  # the per-iteration progress line
+    for key in ("loss/policy", "loss/value", "kl/sequence_mean", "policy/entropy",
+                "policy/clip_frac", "policy/approx_kl", "value/explained_variance",
+                "response/length_mean", "response/eos_rate", "kl_coef", "lr/policy",
+                "time/generation_s", "tokens_per_s/generation",
+                "padding/scoring_positions_per_token", "padding/update_positions_per_token"):
+        assert key in rows[-1] and math.isfinite(rows[-1][key]), key
+    assert rows[-1]["padding/update_positions_per_token"] >= 1.0
+
+
+@pytest.mark.slow
+def test_every_logged_metric_is_documented(default_run):
+    out, _ = default_run
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    logged = set(read_metrics(out)[0]) - {"iteration"}
+    assert logged <= documented, sorted(logged - documented)
+
+
+def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
+    out, proc = default_run
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000040"
+    assert (out / "final" / "model.safetensors").exists()
+    from ds_ppo.run.export import check_export_target
+    check_export_target(out / "final", overwrite=False)  # marked: `ds-ppo export` may replace it
+    assert "mlflow ui --backend-store-uri" in proc.stdout + proc.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(out / 'mlruns' / 'mlflow.db').resolve()}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "score/mean")]
+    assert steps == list(range(1, 41))
+
+
+def _export_and_generate(script: str, cwd: Path) -> list:
+    """Run generation code in a fresh interpreter that never imports ds_ppo."""
+    code = script + "\nimport sys, json; assert not any(m.startswith('ds_ppo') for m in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                          env=clean_env(PYTHONPATH=""), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_export_loads_without_ds_ppo_and_matches_training_export(default_run, tmp_path):
+    out, _ = default_run
+    run_cli(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf"), "--value"],
+            cwd=tmp_path)
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "hf" / "value" / "model.safetensors").exists()
+    gen = """
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+outs = []
+for d in ({a!r}, {b!r}, {c!r}):
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert d == {c!r} or next(model.parameters()).dtype == torch.bfloat16
+    model = model.float()
+    ids = tok(["the cat", "my aunt is"], return_tensors="pt", padding=True)
+    o = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    outs.append(o.tolist())
+print(json.dumps(outs))
+""".format(a=str(tmp_path / "hf"), b=str(out / "final"), c=str(out / "init_models" / "policy"))
+    offline, in_training, initial = _export_and_generate(gen, tmp_path)
+    assert offline == in_training
+    assert offline != initial  # the trained weights were exported, not the initial ones
+
+
+def test_bad_config_exits_cleanly(tmp_path):
+    proc = run_cli(["train", "ppo.mini_batch_size=7"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "ppo.mini_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(["train", "ppo.no_such_key=1"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "no_such_key" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # an arch transformers cannot build: caught on every rank before any weights exist
+    proc = run_cli(["train", *SMALL, "policy.arch.model_type=no_such_model",
+                    f"output_dir={tmp_path / 'o'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "policy.arch" in proc.stderr and "no_such_model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_rank_left_alone_exits_cleanly_naming_the_address(tmp_path):
+    """Rank 0 of 2 whose partner never starts: after dist_timeout_minutes, one message that
+    names the address and what to check, exit 2, instead of a C++ stack dump."""
+    from conftest import free_port
+
+    port = free_port()
+    env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port))
+    proc = run_cli(["train", *SMALL, "dist_timeout_minutes=0.05", f"output_dir={tmp_path / 'o'}"],
+                   cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"rank 0 of 2 could not join the job at 127.0.0.1:{port}" in proc.stderr
+    assert "1/2 clients joined" in proc.stderr and "same MASTER_ADDR" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_join_error_for_an_unreachable_rank_0():
+    import torch.distributed as tdist
+
+    from ds_ppo.engine.dist import join_error
+
+    err = join_error(tdist.DistNetworkError("The client socket has timed out after 6000ms while "
+                                            "trying to connect to (10.0.0.1, 29500).\nframe #0"),
+                     {"RANK": "9", "WORLD_SIZE": "16", "MASTER_ADDR": "10.0.0.1",
+                      "MASTER_PORT": "29500"}, 30.0)
+    assert str(err).startswith("rank 9 of 16 could not join the job at 10.0.0.1:29500 within "
+                               "dist_timeout_minutes = 30: The client socket has timed out")
+    assert "frame" not in str(err) and "not localhost" in str(err) and err.exit_code == 2
+
+
+def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "hello there"}\n{"prompt": 3}\n{"prompt": "fine"}\n')
+    proc = run_cli(["train", *SMALL, f"data.path={bad}", f"output_dir={tmp_path / 'o'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "prompts.jsonl" in proc.stderr and "line 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o" / "init_models").exists()  # stopped before any model was built
+    # skipping bad rows; held-out prompts from another file are evaluated with greedy responses
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"my aunt is {w}"}) + "\n"
+                                for w in ("kind", "tall", "here")))
+    ok = run_cli(["train", *SMALL, f"data.path={bad}", "data.on_bad_row=skip", "iterations=1",
+                  "ppo.rollout_batch_size=8", "checkpoint.save_at_end=false",
+                  f"data.eval_split={held_out}", "data.eval_every=1",
+                  f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path)
+    assert "skipped" in ok.stdout + ok.stderr
+    row = read_metrics(tmp_path / "o2")[0]
+    assert 0.0 <= row["eval/score_mean"] <= 1.0 and row["eval/length_mean"] > 0
+
+
+def test_divergence_stops_before_saving_nan_weights(tmp_path):
+    """A learning rate of 1e30: the first optimizer step (end of iteration 1, one step per
+    iteration) ruins the weights, iteration 2's losses are NaN. The run stops there with exit 3
+    and a message naming the iteration and the last checkpoint, and saves nothing after it."""
+    out = tmp_path / "o"
+    args = ["train", *SMALL, "ppo.mini_batch_size=16", "ppo.ppo_epochs=1", "policy.lr=1e30",
+            "value.lr=1e30", "iterations=4", "checkpoint.every=1", f"output_dir={out}"]
+    proc = run_cli(args, cwd=tmp_path, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "iteration 2:" in proc.stderr and "training diverged" in proc.stderr
+    assert "iter_000001" in proc.stderr and "Traceback" not in proc.stderr
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2]  # the diverged iteration is still logged
+    assert math.isfinite(rows[0]["loss/policy"]) and not math.isfinite(rows[1]["loss/policy"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["iter_000001"]
+    # the same command resumes from iteration 1's (finite, but ruined) weights and diverges
+    # again; the message names the checkpoint it resumed from
+    again = run_cli(args, cwd=tmp_path, check=False)
+    assert again.returncode == 3 and "resumed from" in again.stdout
+    assert "iteration 2:" in again.stderr and "iter_000001, was saved before it" in again.stderr
+
+
+def test_reward_function_gets_each_prompts_dataset_columns(tmp_path):
+    """data.reward_keys: the reward function gets each response's `answer` from the row of its
+    own prompt (the function fails the run if one is misaligned), through sampling, sharding
+    and length-sorted scoring."""
+    (tmp_path / "my_reward.py").write_text(
+        "def first_word(prompts, responses, answer):\n"
+        "    for p, a in zip(prompts, answer):\n"
+        "        assert p.split()[0] == a, (p, a)\n"
+        "    return [float(len(r.split()) % 3) for r in responses]\n")
+    words = ["the cat sat", "we had a wonderful day", "it was", "my aunt is kind", "what a"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "answer": w.split()[0]}) + "\n"
+                            for w in words * 4))
+    run_cli(["train", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+             "reward.function=my_reward:first_word", "iterations=2",
+             "checkpoint.save_at_end=false", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "o")] == [1, 2]
+    bad = run_cli(["train", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+                   "reward.function=ds_ppo.rewards:positive_words",
+                   f"output_dir={tmp_path / 'o2'}"], cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and "takes no keyword argument answer" in bad.stderr
+    assert not (tmp_path / "o2").exists()  # stopped before any data or model was loaded
+    dry = run_cli(["train", "--dry-run", *SMALL, f"data.path={data}", "data.reward_keys=[answer]",
+                   "reward.function=my_reward:first_wrd"], cwd=tmp_path, check=False)
+    assert dry.returncode == 2 and "has no callable 'first_wrd'" in dry.stderr
+
+
+# A critic-free estimator on the tiny task, smaller than the README's measurement (8 prompts x 4
+# responses per iteration, as many responses as the default's 32, and 20 iterations).
+GRPO_SMALL = ["ppo.samples_per_prompt=4", "ppo.rollout_batch_size=8", "iterations=20",
+              "tracking.enabled=false", "checkpoint.every=0", "checkpoint.export_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("grpo")
+    proc = run_cli(["train", f"output_dir={work / 'out'}", "ppo.advantage_estimator=grpo",
+                    *GRPO_SMALL], cwd=work, timeout=900)
+    return work / "out", proc
+
+
+@pytest.mark.slow
+def test_grpo_learns_without_a_value_model(grpo_run):
+    out, proc = grpo_run
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    first, last = _first_and_last_mean_score(rows)
+    assert last > first + 0.2, (first, last)
+    # no value model: no value loss, metrics, checkpoint or progress column
+    assert not [k for k in rows[-1] if k.startswith("value/") or k in ("loss/value", "lr/value")]
+    assert 0 <= rows[-1]["group/zero_std_frac"] <= 1 and rows[0]["score/group_std_mean"] > 0
+    ckpt = out / "checkpoints" / "iter_000020"
+    assert (ckpt / "policy").is_dir() and (ckpt / "hf").is_dir()
+    assert not (ckpt / "value").exists() and not (ckpt / "hf_value").exists()
+    assert "iter   20/20" in proc.stdout and "| vf " not in proc.stdout
+    assert "value model starts from" not in proc.stdout
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    assert set(rows[0]) - {"iteration"} <= documented
+
+
+def test_resume_into_an_estimator_with_a_value_model_is_refused(grpo_run):
+    out, _ = grpo_run
+    proc = run_cli(["train", "--dry-run", f"output_dir={out}", "ppo.advantage_estimator=gae",
+                    *GRPO_SMALL, "iterations=21"], cwd=out.parent, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "ppo.advantage_estimator = 'grpo' (without a value model)" in proc.stderr
+    assert "ppo.advantage_estimator = 'gae' (with a value model)" in proc.stderr
+    assert "Traceback" not in proc.stderr

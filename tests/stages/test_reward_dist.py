@@ -1,0 +1,62 @@
+"""A reward function's outcome on two gloo ranks (CPU): a function that fails or hangs on one
+rank stops every rank alike, so no rank is left waiting in a collective. Imports no
+transformers, so the two spawned ranks start quickly."""
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ds_ppo.config import load_config
+from ds_ppo.containers import Rollout
+from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.ppo.scoring import reward_scores
+
+
+def _rollout() -> Rollout:
+    one = torch.ones(1, 2, dtype=torch.long)
+    return Rollout(prompt_ids=one, prompt_mask=one.bool(), response_ids=one, mask=one.bool(),
+                   ended=torch.ones(1, dtype=torch.bool), prompts=["p"], responses=["r"],
+                   prompt_lens=[2], response_lens=[2], extras=[{}])
+
+
+def fine(prompts, responses):
+    return [1.0] * len(prompts)
+
+
+def raises(prompts, responses):
+    raise KeyError("answer")
+
+
+def hangs(prompts, responses):
+    threading.Event().wait()
+
+
+def stops(prompts, responses):  # e.g. a reward service's own clear stop (a UserError)
+    raise UserError("the service said no")
+
+
+def _worker(rank: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        cfg = load_config(None, ["reward.timeout_s=1"])
+        # (rank 0's function, rank 1's function) -> what every rank raises
+        for fns, expected in [((fine, raises), RewardFunctionError),
+                              ((fine, hangs), RewardTimeout), ((raises, hangs), RewardTimeout),
+                              ((fine, stops), UserError)]:
+            with pytest.raises(expected):
+                reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fns[rank]), cfg, None)
+        scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), cfg, None)
+        assert scores.tolist() == [1.0]  # the ranks are still in step
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reward_function_outcome_is_agreed_by_all_ranks(tmp_path):
+    """A timeout anywhere is a RewardTimeout everywhere (the trainer then checkpoints, a
+    collective); an error anywhere is a RewardFunctionError everywhere."""
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True)

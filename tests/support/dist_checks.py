@@ -1,0 +1,379 @@
+"""Engine checks that need real DeepSpeed processes, run once per world size and shared by many
+test cases (DeepSpeed start-up costs tens of seconds per process).
+
+Run by tests/dist/test_engine.py as
+    python tests/support/dist_checks.py --out R.json                       (one rank)
+    deepspeed --num_gpus 2 tests/support/dist_checks.py --out R.json       (two CPU ranks, gloo)
+Each scenario builds the engines of a small config, runs what it checks, and rank 0 writes one
+JSON object of results that the pytest cases compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ds_ppo.config import load_config, validate  # noqa: E402
+from ds_ppo.engine import dist  # noqa: E402
+from ds_ppo.engine.dist import init_distributed  # noqa: E402
+from ds_ppo.run.loop import train  # noqa: E402
+
+# reward.function=dist_checks:group_reward must find this module when it runs as a script
+sys.modules.setdefault("dist_checks", sys.modules[__name__])
+
+BASE = [
+    "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
+    "checkpoint.export_at_end=false", "generation.max_new_tokens=8", "ppo.rollout_batch_size=16",
+    "ppo.mini_batch_size=8", "ppo.micro_batch_size=4", "ppo.ppo_epochs=1", "resume=never", "log_every=1",
+]
+
+
+# two optimizer steps per iteration: the second step's losses depend on the first update
+LOSS_KEYS = ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac",
+             "score/mean", "kl/sequence_mean", "policy/entropy", "response/length_mean")
+
+PADDING_KEYS = ("padding/scoring_positions_per_token", "padding/update_positions_per_token")
+
+
+def cfg_for(work: Path, name: str, extra: list[str]):
+    cfg = load_config(None, BASE + [f"output_dir={work / name}"] + extra)
+    validate(cfg, dist.world_size())
+    return cfg
+
+
+def gathered(module) -> dict[str, torch.Tensor]:
+    """Full copy of a (ZeRO-3) module's parameters (collective)."""
+    import deepspeed
+
+    out = {}
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().clone().float().cpu()
+    return out
+
+
+def first_update(work: Path, name: str, extra: list[str], keys=LOSS_KEYS) -> dict:
+    """Losses of the first PPO update on greedy rollouts (identical inputs in every variant)."""
+    cfg = cfg_for(work, name, ["iterations=1", "generation.temperature=0"] + extra)
+    h = train(cfg).history[0]
+    return {k: h[k] for k in keys}
+
+
+GROUP = 4
+# critic-free: 4 prompts x 4 responses, two optimizer steps of 2 prompts (1 per rank on two)
+GROUP_BASE = ["ppo.rollout_batch_size=4", f"ppo.samples_per_prompt={GROUP}",
+              "reward.function=dist_checks:group_reward"]
+GROUP_KEYS = tuple(k for k in LOSS_KEYS if k != "loss/value") + (
+    "loss/kl", "score/group_std_mean", "group/zero_std_frac")
+
+
+def group_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """positive_words plus 0.1 x the response's place in its group (a rank's rows are whole
+    groups, in order); 0 for prompts starting with "you" (the first of the first iteration),
+    whose group is constant (ppo.filter_zero_std_groups drops it)."""
+    from ds_ppo.rewards.functions import positive_words
+
+    return [0.0 if p.strip().startswith("you") else s + 0.1 * (i % GROUP)
+            for i, (p, s) in enumerate(zip(prompts, positive_words(prompts, responses)))]
+
+
+def group_update(work: Path, name: str, extra: list[str]) -> dict:
+    """`first_update` for a critic-free estimator. Identical greedy responses in a group would
+    cancel every group-centred advantage in the gradient, and sampling depends on the world
+    size; so the decoding loop picks argmax(logits + noise[k]) for the k-th response of each
+    group: different responses in a group, the same ones at any world size or micro-batch
+    split (generation keeps a rank's rows in group order: all prompts of a group are equal)."""
+    from ds_ppo.engine import decode
+
+    noise: dict[int, torch.Tensor] = {}
+
+    def next_tokens(logits, temperature, top_k=0, top_p=1.0, generator=None):
+        V = logits.shape[-1]
+        if V not in noise:
+            noise[V] = 4.0 * torch.randn(GROUP, V, generator=torch.Generator().manual_seed(0))
+        rows = torch.arange(logits.shape[0]) % GROUP
+        return (logits.float() + noise[V][rows].to(logits.device)).argmax(dim=-1)
+
+    original, decode.next_tokens = decode.next_tokens, next_tokens
+    try:
+        return first_update(work, name, extra, GROUP_KEYS)
+    finally:
+        decode.next_tokens = original
+
+
+def critic_free_engines(work: Path) -> dict:
+    """A critic-free estimator builds no value engine."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.roles import init_engines
+
+    cfg = cfg_for(work, "critic_free", GROUP_BASE + ["ppo.advantage_estimator=rloo"])
+    engines = init_engines(cfg, load_tokenizer("builtin:tiny", work / "critic_free"),
+                           torch.device("cpu"))
+    return {"value_is_none": engines.value is None, "ds_configs": sorted(engines.ds_configs)}
+
+
+def _stages(cfg, engines, tok, iteration: int, mode: str):
+    """One iteration through the public stage functions, on this rank's shard."""
+    from ds_ppo.data.prompts import load_prompts
+    from ds_ppo.metrics import Accumulator
+    from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
+    from ds_ppo.ppo.advantages import add_advantages
+    from ds_ppo.ppo.scoring import score
+    from ds_ppo.ppo.update import ppo_update
+
+    from ds_ppo.run.loop import _sampler
+
+    prompts = load_prompts(cfg.data, tok)
+    rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
+                              engines, cfg, tok, mode, stop_token_ids(tok, cfg))
+    exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
+    ppo_update(exp, engines, cfg, iteration, Accumulator())
+    return rollout
+
+
+def varied_lengths(work: Path, mode: str) -> dict:
+    """Many stop tokens make response lengths differ between ranks: no rank may hang, in the
+    whole loop (train) and stage by stage (each rank's own response widths recorded)."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.roles import init_engines
+
+    tok = load_tokenizer("builtin:tiny", work / f"varied_{mode}")
+    pieces = sorted(v for v in tok.get_vocab() if v.startswith("▁"))[:150]
+    stops = "[" + ",".join(json.dumps(p) for p in pieces) + "]"
+    cfg = cfg_for(work, f"varied_{mode}", [f"generation.mode={mode}", "iterations=2",
+                                            f"generation.stop_tokens={stops}",
+                                            "generation.max_new_tokens=12"])
+    t0 = time.time()
+    res = train(cfg)
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    widths = [_stages(cfg, engines, tok, it, mode).response_ids.shape[1] for it in range(3)]
+    return {"seconds": time.time() - t0, "iterations": len(res.history),
+            "widths_per_rank": dist.gather_objects(widths)}
+
+
+def replica_and_roles(work: Path) -> dict:
+    """One iteration through the public stages; then: reference unchanged, policy changed, and
+    the generation replica built after the update equals the trained policy."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.roles import init_engines
+
+    from ds_ppo.data.prompts import load_prompts
+    from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
+
+    cfg = cfg_for(work, "replica", ["iterations=1", "generation.keep_replica=true"])
+    tok = load_tokenizer("builtin:tiny", work / "replica")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    ref0, pol0 = gathered(engines.reference.module), gathered(engines.policy.module)
+    _stages(cfg, engines, tok, 0, "gathered")
+    kept = engines.replica
+    ref1, pol1 = gathered(engines.reference.module), gathered(engines.policy.module)
+    # the next rollout refreshes the kept replica in place with the updated weights
+    prompts = load_prompts(cfg.data, tok)
+    make_rollout(prompts, [0, 1], engines, cfg, tok, "gathered", stop_token_ids(tok, cfg))
+    kept_ok = engines.replica is kept and all(
+        torch.equal(p.detach().float(), pol1[n]) for n, p in kept.named_parameters())
+
+    replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
+    replica_out, zero3_out = _greedy_replica_and_zero3(tok, replica, engines)
+    return {
+        "reference_unchanged": all(torch.equal(ref0[k], ref1[k]) for k in ref0),
+        "policy_changed": any(not torch.equal(pol0[k], pol1[k]) for k in pol0),
+        "policy_max_change": max(float((pol0[k] - pol1[k]).abs().max()) for k in pol0),
+        "replica_equal_params": all(torch.equal(p.detach().float(), pol1[n])
+                                    for n, p in replica.named_parameters()),
+        "kept_replica_refreshed": kept_ok,
+        "replica_out": replica_out,
+        "zero3_out": zero3_out,
+    }
+
+
+def lora_roles(work: Path) -> dict:
+    """LoRA policy and value on ZeRO-3, one iteration through the stages. Then: only adapters and
+    the value head changed; the reference (the policy engine, adapters off) still gives the
+    untouched base model's log-probs; the merged replica computes what the adapted policy does
+    and decodes as zero3 mode does through the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.engine.forward import response_logprobs
+
+    cfg = cfg_for(work, "lora", ["iterations=1", "policy.lora.r=8", "value.lora.r=8"])
+    tok = load_tokenizer("builtin:tiny", work / "lora")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    roles = {"policy": engines.policy.module, "value": engines.value.module}
+    trained = {r: sorted(n for n, p in m.named_parameters() if p.requires_grad)
+               for r, m in roles.items()}
+    before = {r: gathered(m) for r, m in roles.items()}
+    rollout = _stages(cfg, engines, tok, 0, "gathered")
+    after = {r: gathered(m) for r, m in roles.items()}
+    changed = {r: sorted(n for n in before[r] if not torch.equal(before[r][n], after[r][n]))
+               for r in roles}
+    temp, mask = cfg.generation.temperature, rollout.mask
+    base = AutoModelForCausalLM.from_pretrained(engines.policy_path, dtype=torch.float32)
+    replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
+
+    def diff(a, b) -> float:
+        return float((a - b).abs().masked_fill(~mask, 0).max())
+
+    with torch.no_grad():
+        ref = engines.reference.logprobs(rollout, temp)[0]
+        plain = response_logprobs(base, rollout, temp)[0]
+        policy = engines.policy.logprobs(rollout, temp)[0]
+        merged = response_logprobs(replica, rollout, temp)[0]
+    replica_out, zero3_out = _greedy_replica_and_zero3(tok, replica, engines)
+    return {
+        "trained": trained, "changed": changed,
+        "reference_engine_built": "reference" in engines.ds_configs,
+        "reference_equal_base": bool(torch.equal(ref.masked_fill(~mask, 0),
+                                                 plain.masked_fill(~mask, 0))),
+        "reference_vs_base_max": diff(ref, plain),
+        "policy_vs_base_max": diff(policy, plain),
+        "merged_replica_vs_policy_max": diff(merged, policy),
+        "replica_out": replica_out, "zero3_out": zero3_out,
+    }
+
+
+def tensor_parallel(work: Path) -> dict:
+    """generation.mode=tensor_parallel over all ranks: training runs; greedy rows equal the
+    gathered replica's for each rank's own prompts (ranks with different prompt counts and
+    lengths); sampled tokens are the same on every rank of the group."""
+    from ds_ppo.data.prompts import left_pad, load_prompts
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine import generation as gen
+    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.rollout import stop_token_ids
+
+    world, rank = dist.world_size(), dist.rank()
+    cfg = cfg_for(work, "tp", ["iterations=2", "generation.mode=tensor_parallel",
+                               f"generation.tp_size={world}", "generation.max_new_tokens=10"])
+    history = train(cfg).history
+    tok = load_tokenizer("builtin:tiny", work / "tp")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    prompts = load_prompts(cfg.data, tok)
+    mine = [prompts.input_ids[i][:6 + 3 * rank] for i in range(5 * rank, 5 * rank + 3 + rank)]
+    ids, am = left_pad(mine, tok.pad_token_id)
+    am = am.bool()
+    eos, pad = stop_token_ids(tok, cfg), tok.pad_token_id
+    greedy = cfg.generation.model_copy(update={"temperature": 0.0})
+    tp_ids = gen.generate(engines.policy, ids, am, greedy, "tensor_parallel", eos, pad,
+                          torch.float32).response_ids
+    full_ids = gen.generate(engines.policy, ids, am, greedy, "gathered", eos, pad,
+                            torch.float32).response_ids
+    group_outputs = []
+    stack_chunks = gen._stack_chunks
+
+    def recording(outs, pad_id):  # the group's responses, before each rank takes its rows
+        stacked = stack_chunks(outs, pad_id)
+        group_outputs.append(stacked.tolist())
+        return stacked
+
+    gen._stack_chunks = recording
+    try:
+        sampled = gen.generate(engines.policy, ids, am, cfg.generation, "tensor_parallel", eos,
+                               pad, torch.float32)
+    finally:
+        gen._stack_chunks = stack_chunks
+    width = min(tp_ids.shape[1], full_ids.shape[1])
+    return {
+        "iterations": len(history),
+        "losses_finite": all(h[k] == h[k] for h in history for k in LOSS_KEYS),
+        "greedy_equal": dist.gather_objects(bool(
+            torch.equal(tp_ids[:, :width], full_ids[:, :width])
+            and (tp_ids[:, width:] == pad).all() and (full_ids[:, width:] == pad).all())),
+        "rows": dist.gather_objects(int(sampled.response_ids.shape[0])),
+        "group_outputs_equal": len({json.dumps(o) for o in dist.gather_objects(group_outputs)})
+        == 1,
+        "sampled_tokens": int(sampled.mask.sum()),
+    }
+
+
+def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
+    """Greedy tokens of two prompts from the replica and through the ZeRO-3 hooks (synced)."""
+    from ds_ppo.data.prompts import left_pad
+
+    ids, am = left_pad([tok("the cat").input_ids, tok("my aunt is").input_ids], tok.pad_token_id)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id)
+    replica_out = replica.generate(input_ids=ids, attention_mask=am, **kw).tolist()
+    module = engines.policy.module
+    module.eval()
+    module.config.use_cache = True
+    zero3_out = module.generate(input_ids=ids, attention_mask=am,
+                                synced_gpus=dist.world_size() > 1, **kw).tolist()
+    return replica_out, zero3_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated scenarios (development)")
+    args = parser.parse_args()
+    work = Path(args.work)
+    init_distributed()
+    results: dict = {"world_size": dist.world_size()}
+    grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
+                         "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean"]
+    rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",
+                         "ppo.loss_aggregation=seq_mean_token_sum_norm",
+                         "ppo.filter_zero_std_groups=true", "ppo.clip_eps_high=0.28",
+                         "ppo.dual_clip=3"]
+    scenarios = {
+        "grpo_micro4": lambda: group_update(work, "grpo4", grpo + ["ppo.micro_batch_size=4"]),
+        "grpo_micro2": lambda: group_update(work, "grpo2", grpo + ["ppo.micro_batch_size=2"]),
+        "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"]),
+        "critic_free_engines": lambda: critic_free_engines(work),
+        "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
+        "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),
+        # packed micro-batches of at most 30 tokens (rows of 11-20): 1-2 rows each, a count
+        # that differs between mini-batches and ranks
+        "zero3_packed": lambda: first_update(work, "z3pk", [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30"], LOSS_KEYS + PADDING_KEYS),
+        "zero2_packed": lambda: first_update(work, "z2pk", [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30",
+            "deepspeed.policy.zero_stage=2", "deepspeed.value.zero_stage=2"]),
+        "grpo_packed": lambda: group_update(work, "grpopk", grpo + [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30"]),
+        "zero2_micro4": lambda: first_update(work, "z2m4", [
+            "ppo.micro_batch_size=4", "deepspeed.policy.zero_stage=2",
+            "deepspeed.value.zero_stage=2"]),
+        "varied_zero3": lambda: varied_lengths(work, "zero3"),
+        "varied_gathered": lambda: varied_lengths(work, "gathered"),
+        "replica": lambda: replica_and_roles(work),
+        "tensor_parallel": lambda: tensor_parallel(work),
+        "zero3_lora": lambda: first_update(work, "z3lora", [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"]),
+        "zero3_lora_packed": lambda: first_update(work, "z3lorapk", [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
+            "ppo.micro_batch_tokens=30"]),
+        "lora": lambda: lora_roles(work),
+    }
+    for name, fn in scenarios.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as e:  # recorded, so one failing scenario does not hide the others
+            import traceback
+
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if dist.is_main():
+            print(f"[dist_checks] {name} done in {time.time() - t0:.1f}s", flush=True)
+    if dist.is_main():
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Critic-free estimators in the pipeline, without DeepSpeed: the rollout layout of n samples per
+prompt, add_advantages for every estimator, the resume guard between estimator families, and the
+verifiable reward of the grpo example."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from ds_ppo.algo import discounted_returns, group_advantages, kl_estimate, masked_whiten
+from ds_ppo.config import load_config
+from ds_ppo.containers import Experience, Rollout
+from ds_ppo.data.prompts import PromptSampler
+from ds_ppo.errors import UserError
+from ds_ppo.ppo.advantages import add_advantages
+from ds_ppo.ppo.update import minibatch_rows
+from conftest import mask_from_lengths
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_groups_stay_on_one_rank_and_minibatches_match_at_any_world_size(epoch):
+    """rollout_batch_size prompts x n responses (make_rollout repeats each of the sampler's
+    prompts n times, next to each other); mini_batch_size counts responses."""
+    prompts, n, mini = 16, 4, 16  # 64 responses, 4 mini-batches of 4 prompts
+
+    def layout(world):
+        minibatches, where = [[] for _ in range(prompts * n // mini)], {}
+        for r in range(world):
+            s = PromptSampler(100, prompts, r, world, seed=7, group_size=mini // n)
+            rows = [i for i in s.indices(3) for _ in range(n)]  # as make_rollout lays them out
+            for g in range(0, len(rows), n):  # a group: n copies of one prompt, on this rank
+                assert len(set(rows[g:g + n])) == 1
+                where[rows[g]] = r
+            for j, mb in enumerate(minibatch_rows(len(rows), mini // world, r, epoch, 7, 3)):
+                minibatches[j].extend(rows[i] for i in mb)
+        return [sorted(mb) for mb in minibatches], where
+
+    one, _ = layout(1)
+    assert all(len(mb) == mini for mb in one)
+    for world in (2, 4):
+        got, where = layout(world)
+        assert got == one
+        assert len(set(where.values())) == world  # every rank holds whole groups
+    if epoch == 0:  # as sampled: every prompt's n responses in one mini-batch
+        assert all(mb.count(p) == n for mb in one for p in set(mb))
+
+
+def _experience(scores, lengths, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = len(scores)
+    mask = mask_from_lengths(torch.tensor(lengths), T)
+    ids = torch.ones(B, T, dtype=torch.long)
+    rollout = Rollout(prompt_ids=ids[:, :2], prompt_mask=torch.ones(B, 2, dtype=torch.bool),
+                      response_ids=ids, mask=mask, ended=torch.ones(B, dtype=torch.bool),
+                      prompts=["p"] * B, responses=["r"] * B, prompt_lens=[2] * B,
+                      response_lens=list(lengths), extras=[{}] * B)
+    logp = -torch.rand(B, T, generator=g)
+    ref = logp + 0.3 * torch.randn(B, T, generator=g)
+    return Experience(rollout=rollout, old_logprobs=logp, ref_logprobs=ref, old_values=None,
+                      scores=torch.tensor(scores), entropy=torch.zeros(B, T)), mask
+
+
+SCORES = [0.1, 0.5, 0.5, 0.9, 0.3, 0.3, 0.3, 0.3]  # group 2 is constant
+LENGTHS = [5, 3, 4, 1, 2, 5, 5, 3]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_give_each_response_its_group_advantage(estimator):
+    cfg = load_config(None, [f"ppo.advantage_estimator={estimator}", "ppo.samples_per_prompt=4"])
+    exp, mask = _experience(SCORES, LENGTHS)
+    out = add_advantages(exp, cfg, kl_coef=0.1)
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1")
+    seq = torch.tensor(SCORES)
+    if estimator == "rloo":  # kl_in_reward defaults to true for rloo, false for (dr_)grpo
+        seq = seq - 0.1 * (kl * mask).sum(-1)
+    want = group_advantages(seq, 4, estimator)
+    torch.testing.assert_close(out.advantages, torch.where(mask, want[:, None], 0.0))
+    assert out.returns is None and out.train_rows is None
+    if estimator != "rloo":  # a constant group carries no signal
+        assert torch.equal(out.advantages[4:], torch.zeros(4, 5))
+
+
+def test_reinforce_pp_whitens_discounted_kl_shaped_returns():
+    cfg = load_config(None, ["ppo.advantage_estimator=reinforce_pp", "ppo.gamma=0.9"])
+    exp, mask = _experience(SCORES, LENGTHS)
+    out = add_advantages(exp, cfg, kl_coef=0.1)
+    assert cfg.ppo.kl_in_reward
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1")
+    rewards = torch.where(mask, -0.1 * kl, 0.0)
+    last = torch.tensor(LENGTHS) - 1
+    rewards[torch.arange(8), last] += torch.tensor(SCORES)
+    torch.testing.assert_close(out.rewards, rewards)
+    want = masked_whiten(discounted_returns(rewards, mask, 0.9), mask)
+    torch.testing.assert_close(out.advantages, want)
+    assert abs(float(out.advantages[mask].mean())) < 1e-5 and out.returns is None
+
+
+def test_filter_zero_std_groups_marks_the_rows_of_constant_groups():
+    cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4",
+                             "ppo.filter_zero_std_groups=true"])
+    exp, _ = _experience(SCORES, LENGTHS)
+    out = add_advantages(exp, cfg, kl_coef=0.1)
+    assert out.train_rows == [True] * 4 + [False] * 4
+    assert out.slice([0, 5]).train_rows == [True, False]
+
+
+def _checkpoint(tmp_path, estimator, with_value):
+    ckpt = tmp_path / "iter_000002"
+    (ckpt / "policy").mkdir(parents=True)
+    if with_value:
+        (ckpt / "value").mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps(
+        {"iteration": 2, "world_size": 1, "seed": 1, "advantage_estimator": estimator}))
+    return ckpt
+
+
+def test_resume_into_another_estimator_family_is_refused_naming_both(tmp_path):
+    from ds_ppo.engine.checkpoint import check_estimator_family, read_state
+
+    ckpt = _checkpoint(tmp_path, "gae", with_value=True)
+    with pytest.raises(UserError) as info:
+        check_estimator_family(ckpt, "grpo")
+    msg = str(info.value)
+    assert "'gae' (with a value model)" in msg and "'grpo' (without a value model)" in msg
+    assert "ppo.advantage_estimator=gae" in msg
+    check_estimator_family(ckpt, "gae")
+    free = _checkpoint(tmp_path / "b", "rloo", with_value=False)
+    check_estimator_family(free, "grpo")  # the same family: allowed
+    with pytest.raises(UserError, match="'rloo' \\(without a value model\\).*'gae'"):
+        check_estimator_family(free, "gae")
+    # a checkpoint from before the key existed reads as gae
+    (free / "trainer_state.json").write_text(json.dumps({"iteration": 1}))
+    assert read_state(free).advantage_estimator == "gae"
+
+
+def test_final_answer_match():
+    from ds_ppo.rewards.functions import final_answer_match
+
+    responses = ["so 1,000 apples", "The answer is \\boxed{42}.", "x = 3.0", "no idea",
+                 "first 7 then 8", "\\boxed{Paris}", "\\boxed{12} or 13"]
+    answers = ["1000", 42, "3", "1", "7", " paris", "12"]
+    assert final_answer_match([""] * 7, responses, answer=answers) == \
+        [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_evaluation_takes_one_greedy_response_per_prompt(monkeypatch):
+    """n greedy samples of a prompt would be n copies: evaluation generates one."""
+    from ds_ppo.ppo import evaluate as ev
+
+    seen = {}
+
+    def make_rollout(prompts, indices, engines, cfg, *args):
+        seen.update(n=cfg.ppo.samples_per_prompt, temperature=cfg.generation.temperature)
+        raise StopIteration
+
+    monkeypatch.setattr(ev, "make_rollout", make_rollout)
+    cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    with pytest.raises(StopIteration):
+        ev.evaluate(types.SimpleNamespace(input_ids=[[1]] * 8), None, cfg, None, "gathered",
+                    [2], None)
+    assert seen == {"n": 1, "temperature": 0.0}
