@@ -144,8 +144,10 @@ def safetensors_problem(file: Path) -> str | None:
         return "is missing"
     except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         return f"is not a readable safetensors file ({type(e).__name__}: {e})"
-    if size != 8 + n + end:
-        return f"is {size} bytes, its safetensors header says {8 + n + end} (cut off or damaged)"
+    if size < 8 + n + end:
+        return f"is cut off ({size} bytes, its safetensors header says {8 + n + end})"
+    if size > 8 + n + end:
+        return f"is {size} bytes, its safetensors header says {8 + n + end} (damaged)"
     return None
 
 
