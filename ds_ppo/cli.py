@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_ppo.run.tracking import quiet_mlflow
+
+    quiet_mlflow()  # before anything imports mlflow (deepspeed does, for its monitor)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":

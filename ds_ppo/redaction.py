@@ -14,7 +14,6 @@ Three layers, because a secret reaches text in many shapes:
 """
 from __future__ import annotations
 
-import io
 import logging
 import re
 import sys
@@ -109,9 +108,9 @@ def redact_tree(obj: Any) -> Any:
     return obj
 
 
-class _RedactingStream(io.TextIOBase):
-    """A text stream that writes `redact(text)` to the stream it wraps (attributes such as
-    fileno and encoding are the wrapped stream's)."""
+class _RedactingStream:
+    """Writes `redact(text)` to the text stream it wraps; everything else (fileno, isatty,
+    encoding, buffer, ...) is the wrapped stream's."""
 
     redacts = True
 
@@ -122,11 +121,9 @@ class _RedactingStream(io.TextIOBase):
         self._stream.write(redact(text))
         return len(text)
 
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def writable(self) -> bool:
-        return True
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

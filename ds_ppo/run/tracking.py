@@ -224,8 +224,9 @@ def _bound_http_time() -> None:
 
 
 def quiet_mlflow() -> None:
-    """Before mlflow is imported: no usage telemetry (MLflow 3.2+ sends it by default and writes
-    an installation id to ~/.config/mlflow) unless the user set MLFLOW_DISABLE_TELEMETRY."""
+    """Before mlflow is first imported (the CLI calls it first thing: deepspeed imports mlflow):
+    no usage telemetry (MLflow 3.2+ sends it by default, from a thread, and writes an
+    installation id to ~/.config/mlflow) unless the user set MLFLOW_DISABLE_TELEMETRY."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
