@@ -129,8 +129,8 @@ def read(root: Path) -> dict[str, list[int]] | None:
         data = json.loads((root / MANIFEST).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot be read ({e})") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
         raise ValueError("is not a ds_ppo manifest")
     return data["files"]

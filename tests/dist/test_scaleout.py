@@ -11,7 +11,7 @@ Greedy decoding makes the rollouts a function of the weights only, so A, B and C
 also in the second PPO epoch, whose re-mixed mini-batches hold the same samples at any world size.
 
 And a critic-free run (no value model) with a LoRA policy:
-  D. launch/single_node.sh --num-gpus 2 ... grpo + policy.lora, 2 iterations, saved at 2
+  D. launch/single_node.sh --num-gpus 2 ... grpo + policy.lora, 1 iteration, saved
   E. ds-ppo train ... (one rank) on D's output_dir   resumes it through the universal checkpoint
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_resume_two_ranks_to_one_through_universal_checkpoint(runs):
 
 # ----------------------------------------------- critic-free, LoRA: another world size (D, E)
 CRITIC_FREE = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
-               "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.every=2",
+               "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.every=1",
                "checkpoint.export_at_end=false", "policy.lora.r=8",
                "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=2"]
 
@@ -93,11 +93,11 @@ CRITIC_FREE = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_
 def critic_free(tmp_path_factory):
     work = tmp_path_factory.mktemp("critic_free")
     out = work / "d"
-    _script("single_node.sh", ["--num-gpus", "2", "--", *CRITIC_FREE, "iterations=2",
+    _script("single_node.sh", ["--num-gpus", "2", "--", *CRITIC_FREE, "iterations=1",
                                f"output_dir={out}"], work)
     saved = work / "saved"  # D's checkpoint as saved, before E converts it
-    shutil.copytree(out / "checkpoints" / "iter_000002", saved)
-    e = run_cli(["train", *CRITIC_FREE, "iterations=3", f"output_dir={out}"], cwd=work)
+    shutil.copytree(out / "checkpoints" / "iter_000001", saved)
+    e = run_cli(["train", *CRITIC_FREE, "iterations=2", f"output_dir={out}"], cwd=work)
     return out, saved, e
 
 
@@ -111,13 +111,13 @@ def test_critic_free_lora_trains_on_two_ranks_without_a_value_model(critic_free)
 
 def test_critic_free_lora_resumes_on_another_world_size(critic_free):
     """Refused before ("value was saved without ZeRO"): the conversion asked for a value model
-    the run never had. The adapters come through: at iteration 3 the policy differs from its
+    the run never had. The adapters come through: at iteration 2 the policy differs from its
     base (KL > 0), which freshly initialised (zero) adapters would not."""
     out, _, e = critic_free
     assert "world size 2 -> 1 via a universal checkpoint" in e.stdout
     rows = read_metrics(out)
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert rows[2]["kl/sequence_mean"] > 0
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1]["kl/sequence_mean"] > 0
 
 
 def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
@@ -129,7 +129,7 @@ def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
     from ds_ppo.errors import CheckpointError
 
     _, saved, _ = critic_free
-    ckpt = tmp_path / "checkpoints" / "iter_000002"
+    ckpt = tmp_path / "checkpoints" / "iter_000001"
     shutil.copytree(saved, ckpt)
     shard = next((ckpt / "policy" / "ds").glob("zero_pp_rank_1_*optim_states.pt"))
     shard.unlink()

@@ -3,8 +3,9 @@
 Unit tests without DeepSpeed: the merged weights compute what the peft model computes, the base
 fingerprint, the config. One short LoRA run of the tiny default (plus a resume of it, and a
 resume refused for a changed base) shared by the end-to-end checks: first-iteration KL exactly 0,
-checkpoint size, merged and adapter-only exports, exact resume. The multi-rank checks (same first
-update on 2 ranks, only adapters and the head change, reference = base) are in test_engine.py.
+checkpoint size, merged and adapter-only exports (and cut adapters refused), exact resume. The
+multi-rank checks (same first update on 2 ranks, only adapters and the head change, reference =
+base) are in test_engine.py; a critic-free LoRA run on 2 ranks, resumed on 1, in test_scaleout.py.
 """
 from __future__ import annotations
 

@@ -197,6 +197,17 @@ def test_flipped_tensor_bytes_stop_the_resume_naming_file_and_checkpoint(damaged
                                    f"resume={good}")
 
 
+def test_a_garbled_manifest_is_named_too(damaged):
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    out, ckpt, good = damaged
+    (ckpt / "manifest.json").write_text('{"version": 1, "files": {"hf/co')
+    with pytest.raises(CheckpointError, match=f"{ckpt / 'manifest.json'} cannot be read .*"
+                                              f"resume={good}$"):
+        find_resume(out, "auto")
+
+
 def test_export_refuses_damaged_cut_or_missing_files_in_one_line(damaged, capsys):
     """16 bytes flipped in hf/model.safetensors (the manifest), then, without the manifest's
     check, the file cut to 4 KB and hf/config.json deleted (the files' own structure): each
