@@ -112,12 +112,13 @@ def test_critic_free_lora_trains_on_two_ranks_without_a_value_model(critic_free)
 def test_critic_free_lora_resumes_on_another_world_size(critic_free):
     """Refused before ("value was saved without ZeRO"): the conversion asked for a value model
     the run never had. The adapters come through: at iteration 2 the policy differs from its
-    base (KL > 0), which freshly initialised (zero) adapters would not."""
+    base (a KL estimate that is not exactly 0), which freshly initialised (zero) adapters, the
+    base itself, would not."""
     out, _, e = critic_free
     assert "world size 2 -> 1 via a universal checkpoint" in e.stdout
     rows = read_metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2]
-    assert rows[1]["kl/sequence_mean"] > 0
+    assert rows[1]["kl/sequence_mean"] != 0.0
 
 
 def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
