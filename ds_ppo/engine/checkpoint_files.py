@@ -152,11 +152,15 @@ def unusable(path: Path, file: Path, what: str, fallback: Path | None | bool = T
     checkpoint to use instead (`fallback`: True = the previous one; a path = that one, e.g. the
     newest that verifies; None = there is none). `command`: "resume" or "export"."""
     prev = _previous(path) if fallback is True else fallback or None
-    use = "resume=" if command == "resume" else "ds-ppo export --checkpoint "
-    fix = (f"{command} from the {'previous' if fallback is True else 'newest'} checkpoint"
-           f"{'' if fallback is True else ' that verifies'}: {use}{prev}" if prev is not None
-           else f"there is no earlier checkpoint: move {path} away to start fresh"
-           if command == "resume" else "there is no earlier checkpoint that verifies")
+    which = ("the previous checkpoint" if fallback is True else
+             "the newest checkpoint that verifies")
+    use = f"resume={prev}" if command == "resume" else f"ds-ppo export --checkpoint {prev}"
+    if prev is not None:
+        fix = f"{command} from {which}: {use}"
+    elif command == "resume":
+        fix = f"there is no earlier checkpoint: move {path} away to start fresh"
+    else:
+        fix = "there is no earlier checkpoint to export"
     return CheckpointError(f"checkpoint {path} is unusable: {file} {what}. To continue, {fix}")
 
 
