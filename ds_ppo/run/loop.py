@@ -115,11 +115,7 @@ def train(cfg: Config) -> TrainResult:
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
             # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            try:
-                register_policy(cfg, tracker, result.export_dir, state.iteration,
-                                last_eval_score(result.history), strict=True)
-            except RegistrationError as e:  # trained and saved: raised once the run is closed
-                unregistered = e
+            unregistered = _register_at_end(cfg, tracker, result, state.iteration)
             status = "FINISHED"
         except RewardError as e:  # reward function or service failed: keep the last iteration
             raise _stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
@@ -132,6 +128,18 @@ def train(cfg: Config) -> TrainResult:
     if unregistered is not None:
         raise unregistered
     return result
+
+
+def _register_at_end(cfg: Config, tracker, result: TrainResult,
+                     iteration: int) -> RegistrationError | None:
+    """The export into the model registry (tracking.register_model). A failure is returned, to
+    be raised once the MLflow run is closed: the training is done and saved (exit code 4)."""
+    try:
+        register_policy(cfg, tracker, result.export_dir, iteration,
+                        last_eval_score(result.history), strict=True)
+    except RegistrationError as e:
+        return e
+    return None
 
 
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
