@@ -17,7 +17,9 @@ from ds_ppo.errors import UserError
 def _train(args: argparse.Namespace) -> int:
     from ds_ppo.config import config_warnings, load_config, validate, world_size_from_env
 
+    _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = load_config(args.config, args.overrides)
+    _hide_secrets([cfg.reward.url, cfg.tracking.uri])
     validate(cfg, world_size_from_env())
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
         for warning in config_warnings(cfg, world_size_from_env()):
@@ -48,6 +50,17 @@ def _train(args: argparse.Namespace) -> int:
         print("ds-ppo: interrupted; nothing saved after the last checkpoint", file=sys.stderr)
         return 128 + signal.SIGINT
     return 0
+
+
+def _hide_secrets(urls: list[str | None]) -> None:
+    """The credentials of these URLs (and of $MLFLOW_TRACKING_URI) are hidden in everything this
+    process prints or logs from now on (ds_ppo/redaction.py)."""
+    from ds_ppo.redaction import redact_output, register_url
+
+    for url in [*urls, os.environ.get("MLFLOW_TRACKING_URI")]:
+        if url and "://" in url:
+            register_url(url)
+    redact_output()
 
 
 def _check_resume_estimator(cfg) -> None:
@@ -151,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA policy: write its PEFT adapter directory (load with "
                    "PeftModel.from_pretrained(base, dir)) instead of the merged model")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check of the checkpoint's files against its manifest (sizes "
+                   "and CRC-32, docs/CHECKPOINTS.md)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")
@@ -170,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_ppo.run.tracking import quiet_mlflow
+
+    quiet_mlflow()  # before anything imports mlflow (deepspeed does, for its monitor)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":

@@ -27,22 +27,35 @@ class JoinError(UserError):
     the message names the address, what was seen and what to check."""
 
 
-class RewardFunctionError(UserError):
+class RewardError(UserError):
+    """The reward stage failed (a function that raised, returned garbage or hung; a service
+    that failed for good). Scoring runs before the update, so the weights are still the last
+    completed iteration's: the trainer checkpoints it (unless `after_update`: the failure came in
+    evaluation, after this iteration's update) and stops with the message."""
+
+    after_update = False
+
+
+class RewardFunctionError(RewardError):
     """reward.function raised, or returned something other than one real number per response;
     the message names the function and what it returned."""
 
 
-class RewardTimeout(UserError):
-    """A reward.function call ran longer than reward.timeout_s. The trainer checkpoints the last
-    completed iteration (unless this iteration's update already ran: `after_update`, set by
-    evaluation) and stops with the message."""
-
-    after_update = False
+class RewardTimeout(RewardError):
+    """A reward.function call ran longer than reward.timeout_s."""
 
 
 class CheckpointError(UserError):
     """A checkpoint cannot be used (a file is corrupted, cut off or missing) or cannot be written
     (disk full); the message names the checkpoint, the file and what to do."""
+
+
+class RegistrationError(UserError):
+    """Training finished and everything is saved, but registering the policy in the MLflow model
+    registry (tracking.register_model) failed: exit code 4, so a pipeline notices. Registration
+    is idempotent per run and iteration: the same command again registers it (once)."""
+
+    exit_code = 4
 
 
 class OutputDirBusy(UserError):

@@ -382,6 +382,12 @@ class CheckpointConfig(Section):
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
         "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
         "signal (a second Ctrl-C aborts at once).")
+    verify: bool = Field(
+        True, description="Write a manifest (every file's size and CRC-32) into each checkpoint "
+        "and check it on resume and in `ds-ppo export`: a damaged, cut or missing file is named, "
+        "with the newest checkpoint that verifies. Costs one read of the checkpoint's files at "
+        "each save and resume, spread over the ranks (docs/CHECKPOINTS.md); false skips both, "
+        "for very large checkpoints on slow storage.")
 
 
 # -------------------------------------------------------------------------- deepspeed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,18 @@ ROLES = ("system", "user", "assistant")
 _LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _not_unicode(text: str, where: str) -> str | None:
+    """Why `text` cannot be encoded (a lone surrogate: JSON allows an unpaired \\uD83D escape,
+    UTF-8 and the tokenizers do not), or None."""
+    m = _SURROGATE.search(text)
+    return None if m is None else (
+        f"{where} holds a lone surrogate U+{ord(m.group()):04X} (character {m.start() + 1}): "
+        "not valid Unicode text (an unpaired \\uD8xx-\\uDFxx escape?)")
+
+
 def _check_text(value: Any, key: str) -> str | None:
     """Why a plain-text prompt is bad, or None."""
     if value is MISSING:
@@ -34,7 +47,7 @@ def _check_text(value: Any, key: str) -> str | None:
         return f"column {key!r} must be a string, got {describe_value(value)}"
     if not value.strip():
         return f"column {key!r} is an empty prompt"
-    return None
+    return _not_unicode(value, f"column {key!r}")
 
 
 def _check_messages(value: Any, key: str) -> tuple[list[dict[str, str]] | None, str | None]:
@@ -63,6 +76,9 @@ def _check_messages(value: Any, key: str) -> tuple[list[dict[str, str]] | None, 
         if not isinstance(content, str):
             got = "no content" if content is MISSING else f"got {describe_value(content)}"
             return None, f"column {key!r} message {j}: content must be a string, {got}"
+        why = _not_unicode(content, f"column {key!r} message {j}")
+        if why is not None:
+            return None, why
         out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         return None, f"column {key!r}: every message is empty (an empty prompt)"

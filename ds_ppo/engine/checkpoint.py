@@ -17,19 +17,17 @@ import errno
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ds_ppo.engine import dist
+from ds_ppo.engine import dist, manifest
 from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             check_estimator_family, checkpoint_name,
                                             checkpoints_dir, complete_checkpoints, find_resume,
@@ -69,8 +67,9 @@ rng_state, set_rng_state = _rng_state, _set_rng_state  # this rank's streams, as
 
 
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
-                    keep_last: int, save_hf_weights: bool = True) -> Path:
-    """Collective: every rank calls it. Returns the final directory.
+                    keep_last: int, save_hf_weights: bool = True, verify: bool = True) -> Path:
+    """Collective: every rank calls it. Returns the final directory. `verify`: write the
+    manifest (every file's size and CRC-32, engine/manifest.py) that resume and export check.
 
     Raises:
         CheckpointError: the disk filled up (or a file hit the size limit) during the save; the
@@ -105,6 +104,8 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                 saved_config(engines.value.module).save_pretrained(tmp / "hf_value")
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         dist.barrier()  # every rank finished writing
+        if verify:
+            _write_manifest(tmp)
         if dist.is_main():
             _commit(root, tmp, final)
     except (OSError, RuntimeError) as e:
@@ -113,6 +114,18 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
         _prune(root, keep_last, final)
     dist.barrier()
     return final
+
+
+def _write_manifest(tmp: Path) -> None:
+    """Collective: each rank checksums its share of the files just written, rank 0 merges the
+    parts into manifest.json (before the commit: a checkpoint `latest` names has one)."""
+    seconds = manifest.write_share(tmp, dist.rank(), dist.world_size())
+    dist.barrier()
+    if dist.is_main():
+        start = time.perf_counter()
+        files = manifest.merge(tmp)
+        log.debug("manifest of %s: %d files, rank 0's share in %.2f s, merged in %.2f s", tmp,
+                  files, seconds, time.perf_counter() - start)
 
 
 def _commit(root: Path, tmp: Path, final: Path) -> None:
@@ -201,7 +214,9 @@ def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
     world size. Collective; the other ranks wait without a collective timeout (dist.main_does)."""
-    for role in TRAINED_ROLES:  # every rank checks, so none waits at the barrier alone
+    # the roles the checkpoint holds: a critic-free run (grpo, rloo, ...) saved no value model
+    roles = [role for role in TRAINED_ROLES if (path / role).is_dir()]
+    for role in roles:  # every rank checks, so none waits at the barrier alone
         if not any((path / role / TAG).glob("zero_pp_rank_*")):
             raise ConfigError(
                 f"{path / role} was saved without ZeRO (stage 0: zero_stage auto or 0 on one "
@@ -210,9 +225,9 @@ def ensure_universal(path: Path) -> None:
                 f"deepspeed.policy.zero_stage=3 deepspeed.value.zero_stage=3 from the start")
 
     def convert():
-        for role in TRAINED_ROLES:
+        for role in roles:
             target = path / role / UNIVERSAL_TAG
-            if target.exists() or not (path / role).exists():  # no value: a critic-free run
+            if target.exists():
                 continue
             log.info("converting %s to a universal checkpoint (world size changed)", path / role)
             tmp = path / role / (UNIVERSAL_TAG + ".tmp")
@@ -223,12 +238,22 @@ def ensure_universal(path: Path) -> None:
                  "--input_folder", str(path / role / TAG), "--output_folder", str(tmp),
                  *_workers_for(path / role / TAG)], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"ds_to_universal failed for {path / role}:\n"
-                                   f"{proc.stderr[-3000:]}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                log.debug("ds_to_universal's output for %s:\n%s", path / role,
+                          proc.stderr[-3000:])
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+                raise unusable(path, path / role / TAG,
+                               f"cannot be converted for another world size by DeepSpeed's "
+                               f"ds_to_universal ({last}; a shard file missing or damaged?)")
             os.replace(tmp, target)
             log.info("converted %s to a universal checkpoint in %.1f s", path / role,
                      time.perf_counter() - start)
     dist.main_does(convert, path, "converting the checkpoint to universal format")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:limit] if text else ""
 
 
 def universal_workers(cpus: int, free_bytes: int, shard_bytes: int, shards: int) -> list[str]:
@@ -266,10 +291,10 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
             loaded = engine.load_checkpoint(path / role, tag, strict=role not in state.lora_bases)
         except (torch.OutOfMemoryError, torch.distributed.DistError):
             raise  # RuntimeErrors that say nothing about the files: not "unusable"
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError,
-                zipfile.BadZipFile) as e:
+        except Exception as e:  # noqa: BLE001  a damaged pickle raises anything (OverflowError,
+            # UnicodeDecodeError, AttributeError, ...): each means the files are unusable
             raise unusable(path, path / role / tag,
-                           f"cannot be loaded ({type(e).__name__}: {e})") from None
+                           f"cannot be loaded ({type(e).__name__}: {_first_line(e)})") from None
         if loaded is None:
             raise unusable(path, path / role / tag, "holds no checkpoint DeepSpeed can load")
     if state.world_size == dist.world_size():
@@ -278,9 +303,9 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
             _set_rng_state(torch.load(rng_file, weights_only=True))
         except FileNotFoundError:
             raise unusable(path, rng_file, "is missing") from None
-        except (OSError, RuntimeError, EOFError, ValueError, KeyError,
-                pickle.UnpicklingError) as e:
-            raise unusable(path, rng_file, f"cannot be read ({type(e).__name__}: {e})") from None
+        except Exception as e:  # noqa: BLE001  (a damaged file: any error of the unpickler)
+            raise unusable(path, rng_file,
+                           f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
     else:
         # a different world size: there is no saved stream for this rank; reseed deterministically
         torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.rank())

@@ -146,13 +146,59 @@ def _previous(path: Path) -> Path | None:
     return older[-1] if older else None
 
 
-def unusable(path: Path, file: Path, what: str) -> CheckpointError:
+def unusable(path: Path, file: Path, what: str, fallback: Path | None | bool = True,
+             command: str = "resume") -> CheckpointError:
     """The error for a checkpoint that cannot be loaded: names the checkpoint, the file, and the
-    checkpoint to resume from instead."""
-    prev = _previous(path)
-    fix = (f"resume from the previous checkpoint: resume={prev}" if prev is not None else
-           f"there is no earlier checkpoint: move {path} away to start fresh")
+    checkpoint to use instead (`fallback`: True = the previous one; a path = that one, e.g. the
+    newest that verifies; None = there is none). `command`: "resume" or "export"."""
+    prev = _previous(path) if fallback is True else fallback or None
+    which = ("the previous checkpoint" if fallback is True else
+             "the newest checkpoint that verifies")
+    use = f"resume={prev}" if command == "resume" else f"ds-ppo export --checkpoint {prev}"
+    if prev is not None:
+        fix = f"{command} from {which}: {use}"
+    elif command == "resume":
+        fix = f"there is no earlier checkpoint: move {path} away to start fresh"
+    else:
+        fix = "there is no earlier checkpoint to export"
     return CheckpointError(f"checkpoint {path} is unusable: {file} {what}. To continue, {fix}")
+
+
+def newest_verified(path: Path) -> Path | None:
+    """The newest checkpoint older than `path` in its directory whose files all match their
+    manifest (rank 0, every file read: only on the way to an error)."""
+    from ds_ppo.engine import manifest
+
+    it = _iteration(path)
+    for i, older in reversed(complete_checkpoints(path.parent)):
+        if older != path and (it is None or i < it) and not manifest.problems(older):
+            return older
+    return None
+
+
+def verify_files(path: Path, command: str = "resume",
+                 prefixes: tuple[str, ...] | None = None) -> float:
+    """Collective: check `path`'s files against its manifest, each rank its share (see
+    engine/manifest.py), before anything is loaded. -> seconds taken (this rank).
+
+    Raises:
+        CheckpointError (every rank): a file is missing, cut off or changed; names it and the
+            newest older checkpoint that verifies.
+    """
+    import time
+
+    from ds_ppo.engine import manifest
+
+    start = time.perf_counter()
+    mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes)
+    found = [p for part in dist.gather_objects(mine) for p in part]
+    if found:
+        def fail():
+            rel, what = found[0]
+            more = f" ({len(found) - 1} more files differ)" if len(found) > 1 else ""
+            raise unusable(path, path / rel, what + more, newest_verified(path), command)
+        dist.on_rank0(fail)
+    return time.perf_counter() - start
 
 
 def read_state(path: Path) -> TrainerState:
@@ -204,10 +250,10 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     return state
 
 
-def find_resume(output_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint a run continues from (None: a fresh start), checked whole. Collective:
-    rank 0 decides (and removes interrupted saves, renames newer checkpoints aside), every rank
-    gets its answer or its error."""
+def find_resume(output_dir: str | Path, resume: str, verify: bool = True) -> Path | None:
+    """The checkpoint a run continues from (None: a fresh start), checked whole (with `verify`,
+    every file against the manifest). Collective: rank 0 decides (and removes interrupted
+    saves, renames newer checkpoints aside), every rank gets its answer or its error."""
     def decide() -> str | None:
         _clean_partial(checkpoints_dir(output_dir))
         if resume == "never":
@@ -219,12 +265,21 @@ def find_resume(output_dir: str | Path, resume: str) -> Path | None:
         path = latest_checkpoint(output_dir) if resume == "auto" else resolve_checkpoint(resume)
         if path is None:
             return None
-        state = verify_checkpoint(path, dist.world_size())
-        _set_aside_newer(checkpoints_dir(output_dir), path, state.iteration)
+        verify_checkpoint(path, dist.world_size())
         return str(path)
 
     found = dist.on_rank0(decide)
-    return Path(found) if found is not None else None
+    if found is None:
+        return None
+    path = Path(found)
+    if verify:
+        seconds = verify_files(path)
+        if dist.is_main():
+            log.info("verified %s against its manifest in %.1f s (checkpoint.verify)", path,
+                     seconds)
+    dist.on_rank0(lambda: _set_aside_newer(checkpoints_dir(output_dir), path,
+                                           read_state(path).iteration))
+    return path
 
 
 def _aside_name(root: Path, name: str, suffix: str) -> Path:

@@ -8,12 +8,13 @@ config + tokenizer, loadable with `from_pretrained` and no ds_ppo).
   base or copied as its PEFT directory.
 
 The `ds-ppo export` command (checks on the target directory and the flags, the atomic write) is
-ds_ppo/export.py.
+ds_ppo/run/export.py.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ds_ppo.engine.checkpoint_files import TAG
 
 log = logging.getLogger("ds_ppo")
 MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
+ADAPTER = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT directory's files
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
@@ -32,6 +34,121 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
     from ds_ppo.engine.hf_writer import save_module
 
     return save_module(engine.module, tokenizer, out_dir, dtype)
+
+
+def export_final(engine, tokenizer, final: Path, dtype: torch.dtype, source: str) -> Path:
+    """Collective: the end-of-run export. `export_engine` writes into `.final.tmp` next to
+    `final`; then rank 0 marks it (ds_ppo_export.json) and renames it into place
+    (`replace_dir`), so a kill at any moment leaves `final` as it was or complete, never a
+    mix of old and new files."""
+    from ds_ppo.engine import dist
+
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if dist.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    export_engine(engine, tokenizer, tmp, dtype)  # ends with a barrier: every shard written
+    if dist.is_main():
+        write_marker(tmp, source, dtype, with_value=False)
+        replace_dir(tmp, final)
+    dist.barrier()
+    return final
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename the complete directory `new` to `target`; an existing `target` is renamed aside
+    first and deleted after. A kill between the two renames leaves no `target` but
+    `.<target>.old`, which the next call (or `ds-ppo export --out`) puts back first."""
+    old = target.with_name(f".{target.name}.old")
+    if old.exists() and not target.exists():  # a replace killed between its renames
+        os.replace(old, target)
+    shutil.rmtree(old, ignore_errors=True)
+    if target.is_dir() and not target.is_symlink():
+        os.replace(target, old)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_reads(ckpt: Path, with_value: bool) -> tuple[str, ...]:
+    """The parts of checkpoint `ckpt` an export reads (for the manifest check): the HF
+    directories, and a role's DeepSpeed files when it has no safetensors copy."""
+    roles = [("policy", "hf")] + ([("value", "hf_value")] if with_value else [])
+    out = []
+    for role, sub in roles:
+        out.append(f"{sub}/")
+        if not _weight_files(ckpt / sub) and not (ckpt / sub / ADAPTER[1]).exists():
+            out.append(f"{role}/{TAG}/")
+    return tuple(out)
+
+
+def source_problem(ckpt: Path, with_value: bool, lora_bases: dict,
+                   adapter_only: bool) -> tuple[Path, str] | None:
+    """(file, what is wrong) for the first file an export of `ckpt` needs that is missing or
+    cannot be read whole (safetensors: the header parses and the size matches it), else None.
+    Cheap: no weights are read."""
+    roles = [("policy", "hf")] + ([("value", "hf_value")] if with_value else [])
+    for role, sub in roles:
+        src = ckpt / sub
+        lora = role in lora_bases
+        needed = [src / "config.json"] if not (lora and adapter_only) else []
+        if lora:
+            needed += [src / ADAPTER[0]]
+            weights = [src / ADAPTER[1]]
+        else:
+            weights = _weight_files(src)
+        for f in needed:
+            if not f.is_file():
+                return f, "is missing"
+            try:
+                json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                return f, f"cannot be read ({type(e).__name__}: {e})"
+        for f in weights:
+            what = safetensors_problem(f)
+            if what:
+                return f, what
+        if not lora and not weights and not any((ckpt / role / TAG).glob("*.pt")):
+            return ckpt / role / TAG, "holds no weights (and there is no safetensors copy)"
+    return None
+
+
+def _weight_files(src: Path) -> list[Path]:
+    """A HF directory's safetensors weight files (one file, or the shards its index names)."""
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return [index]  # reported by safetensors_problem as unreadable
+        return [src / n for n in names]
+    return [src / "model.safetensors"] if (src / "model.safetensors").exists() else []
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be read whole (None: its header parses and the file is as
+    long as the header says); reads only the header."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > size - 8:
+                return "is cut off (shorter than its safetensors header says)"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        return f"is not a readable safetensors file ({type(e).__name__}: {e})"
+    if size < 8 + n + end:
+        return f"is cut off ({size} bytes, its safetensors header says {8 + n + end})"
+    if size > 8 + n + end:
+        return f"is {size} bytes, its safetensors header says {8 + n + end} (damaged)"
+    return None
 
 
 def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
@@ -71,7 +188,7 @@ def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: boo
 def _copy_adapter(src: Path, target: Path) -> None:
     """The checkpoint's PEFT directory (adapter config and weights, as trained)."""
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in ADAPTER:
         shutil.copyfile(src / name, target / name)
 
 

@@ -6,7 +6,7 @@ import logging
 from ds_ppo.config import Config
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine import dist
-from ds_ppo.errors import RewardTimeout
+from ds_ppo.errors import RewardError
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.ppo.rollout import make_rollout
 from ds_ppo.ppo.scoring import reward_scores
@@ -37,7 +37,7 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     rollout, _ = make_rollout(prompts, indices, engines, greedy, tokenizer, mode, eos_ids)
     try:
         scores, _ = reward_scores(rollout, engines, cfg, reward_encode)
-    except RewardTimeout as e:  # the iteration's update already ran: not its checkpoint
+    except RewardError as e:  # the iteration's update already ran: not its checkpoint
         e.after_update = True
         raise
     acc = Accumulator()

@@ -9,7 +9,7 @@ import torch
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
-from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
 
@@ -60,8 +60,11 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
             f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
     if worst == 1.0:
         what = "reward.function" if cfg.reward.function else "reward.url"
-        raise error if error is not None else RewardFunctionError(
-            f"{what} = {spec!r} failed on another rank (its message is in that rank's log)")
+        if isinstance(error, RewardError):  # every rank raises one: the checkpoint is collective
+            raise error
+        raise RewardFunctionError(str(error) if error is not None else
+                                  f"{what} = {spec!r} failed on another rank (its message is in "
+                                  "that rank's log)")
     return scores
 
 

@@ -30,14 +30,15 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ds_ppo.errors import UserError
+from ds_ppo.errors import RewardError
 from ds_ppo.redaction import redact_url
 
 BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
+MAX_BODY_BYTES = 8 * 2**20  # an answer's body, decompressed: scores take ~20 bytes per response
 MAX_BACKOFF_S = 30.0
 
 
-class RewardServiceError(UserError):
+class RewardServiceError(RewardError):
     """The reward service failed for good (retries spent, a 4xx, a malformed answer)."""
 
 
@@ -153,8 +154,9 @@ class RewardService:
                     raise self._out_of_time(what)
                 timeout = left if timeout is None else min(timeout, left)
             try:
-                r = session.post(self.url, data=body, timeout=timeout,
+                r = session.post(self.url, data=body, timeout=timeout, stream=True,
                                  headers={"Content-Type": "application/json"})
+                text = self._read_body(r)
             except requests.Timeout:
                 what = (f"no answer within reward.timeout_s = {self.timeout_s} s"
                         if timeout == self.timeout_s else
@@ -164,17 +166,32 @@ class RewardService:
                 what = f"{type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
                 continue
             if r.status_code >= 500:
-                what = f"HTTP {r.status_code}: {self._quote(r.text)}"
+                what = f"HTTP {r.status_code}: {self._quote(text)}"
                 continue
             if r.status_code != 200:
-                raise self._error(f"answered HTTP {r.status_code}: {self._quote(r.text)}",
+                raise self._error(f"answered HTTP {r.status_code}: {self._quote(text)}",
                                   "check the request format (README: reward service contract) "
                                   "and the service's log")
-            return Answer(self._parse(r.text, expected), attempt)
+            return Answer(self._parse(text, expected), attempt)
         raise self._error(f"failed {self.max_retries + 1} times (reward.retries = "
                           f"{self.max_retries}); last: {what}",
                           "check that the service is up and answers within reward.timeout_s, "
                           "or raise reward.retries / reward.timeout_s")
+
+    def _read_body(self, r) -> str:
+        """The answer's body as text, decompressed (gzip, deflate) a chunk at a time and cut off
+        past MAX_BODY_BYTES: a small compressed answer may expand to gigabytes."""
+        chunks, size = [], 0
+        for chunk in r.iter_content(2**16):  # read to the end: the connection is reused
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                r.close()
+                raise self._error(
+                    f"answered a body larger than {MAX_BODY_BYTES // 2**20} MiB once "
+                    f"decompressed (Content-Encoding: {r.headers.get('Content-Encoding')}); "
+                    "refused unread", "return a {\"scores\": [...]} body")
+            chunks.append(chunk)
+        return b"".join(chunks).decode(r.encoding or "utf-8", errors="replace")
 
     def _out_of_time(self, what: str) -> RewardServiceError:
         return self._error(f"did not answer within the call's deadline of {self.deadline_s:.0f} s "

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import read_state, resolve_checkpoint
-from ds_ppo.engine.export import MARKER, export_engine, export_into, write_marker
-from ds_ppo.errors import UserError
+from ds_ppo.engine.checkpoint_files import (read_state, resolve_checkpoint, unusable,
+                                            verify_files)
+from ds_ppo.engine.export import (MARKER, export_engine, export_into, export_reads,
+                                  replace_dir, source_problem, write_marker)
+from ds_ppo.errors import CheckpointError, UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 __all__ = ["DTYPES", "MARKER", "check_export_target", "export_checkpoint", "export_engine",
@@ -37,15 +39,18 @@ __all__ = ["DTYPES", "MARKER", "check_export_target", "export_checkpoint", "expo
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
                       with_value: bool = False, overwrite: bool = False,
-                      adapter_only: bool = False) -> list[Path]:
+                      adapter_only: bool = False, verify: bool = True) -> list[Path]:
     """Offline export of a ds_ppo checkpoint (no process group, CPU).
 
     Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
     saved without them is consolidated from DeepSpeed's ZeRO shards instead (pickles: only for
-    checkpoints you wrote yourself).
+    checkpoints you wrote yourself). `verify`: first check the files it reads against the
+    checkpoint's manifest (engine/manifest.py).
 
     Raises:
         UserError: `out_dir` holds files of something else (and not `overwrite`).
+        CheckpointError: a file the export needs is missing, cut off, changed since the save or
+            unreadable (named, with the checkpoint to export instead).
     """
     out_dir = Path(out_dir)
     check_export_target(out_dir, overwrite)
@@ -55,8 +60,22 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
                         "ppo.advantage_estimator); export without --value")
     lora_bases = read_state(ckpt).lora_bases
     _check_lora_request(ckpt, lora_bases, with_value, adapter_only)
-    write_atomically(out_dir, lambda tmp: export_into(ckpt, tmp, dtype, with_value, lora_bases,
-                                                       adapter_only))
+    if verify:
+        verify_files(ckpt, "export", export_reads(ckpt, with_value))
+    problem = source_problem(ckpt, with_value, lora_bases, adapter_only)
+    if problem is not None:
+        raise unusable(ckpt, *problem, command="export")
+    try:
+        write_atomically(out_dir, lambda tmp: export_into(ckpt, tmp, dtype, with_value,
+                                                           lora_bases, adapter_only))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  damaged files the checks above cannot see
+        raise CheckpointError(f"cannot export checkpoint {ckpt}: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                              f"; {out_dir} is unchanged. Export an earlier checkpoint "
+                              "(--checkpoint .../iter_N), or resume training to save a new one"
+                              ) from None
     return [out_dir] + ([out_dir / "value"] if with_value else [])
 
 
@@ -73,10 +92,9 @@ def check_export_target(out_dir: Path, overwrite: bool) -> None:
 
 def write_atomically(out_dir: Path, write) -> None:
     """`write(tmp)` fills a temporary directory next to `out_dir`, which then replaces `out_dir`
-    (two renames); if `write` fails, the temporary directory is removed and `out_dir` is as it
-    was."""
+    (engine/export.py replace_dir); if `write` fails, the temporary directory is removed and
+    `out_dir` is as it was."""
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
@@ -84,12 +102,7 @@ def write_atomically(out_dir: Path, write) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out_dir.is_dir() and not out_dir.is_symlink():
-        os.replace(out_dir, old)
-    elif out_dir.exists() or out_dir.is_symlink():
-        out_dir.unlink()
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out_dir)
 
 
 def _check_lora_request(ckpt: Path, lora_bases: dict, with_value: bool,
@@ -106,6 +119,7 @@ def _check_lora_request(ckpt: Path, lora_bases: dict, with_value: bool,
 def main(args: argparse.Namespace) -> int:
     for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value,
                                   getattr(args, "overwrite", False),
-                                  getattr(args, "adapter_only", False)):
+                                  getattr(args, "adapter_only", False),
+                                  not getattr(args, "no_verify", False)):
         print(f"exported {path}")
     return 0

@@ -21,7 +21,8 @@ from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, chec
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
-from ds_ppo.errors import ConfigError, Diverged, RewardTimeout
+from ds_ppo.errors import (ConfigError, Diverged, RegistrationError, RewardError,
+                           RewardTimeout)
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
@@ -77,7 +78,7 @@ def train(cfg: Config) -> TrainResult:
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
-    status = "FAILED"
+    status, unregistered = "FAILED", None
     # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
         try:
@@ -114,23 +115,36 @@ def train(cfg: Config) -> TrainResult:
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
             # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            register_policy(cfg, tracker, result.export_dir, state.iteration,
-                            last_eval_score(result.history))
+            unregistered = _register_at_end(cfg, tracker, result, state.iteration)
             status = "FINISHED"
-        except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
-            raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
-                                          result.last_checkpoint, rng_at_start) from None
+        except RewardError as e:  # reward function or service failed: keep the last iteration
+            raise _stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
+                                        result.last_checkpoint, rng_at_start) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
         finally:
             tracker.close(status)
+    if unregistered is not None:
+        raise unregistered
     return result
+
+
+def _register_at_end(cfg: Config, tracker, result: TrainResult,
+                     iteration: int) -> RegistrationError | None:
+    """The export into the model registry (tracking.register_model). A failure is returned, to
+    be raised once the MLflow run is closed: the training is done and saved (exit code 4)."""
+    try:
+        register_policy(cfg, tracker, result.export_dir, iteration,
+                        last_eval_score(result.history), strict=True)
+    except RegistrationError as e:
+        return e
+    return None
 
 
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
     path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                               cfg.checkpoint.save_hf_weights))
+                               cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
     if dist.is_main():
         log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
     return path
@@ -174,7 +188,7 @@ def _load_data(cfg: Config, out: Path):
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
     DeepSpeed's universal format because the data-parallel world size changed."""
-    path = find_resume(cfg.output_dir, cfg.resume)
+    path = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
     if path is None:
         return None, False
     check_estimator_family(path, cfg.ppo.advantage_estimator)  # before any model loads
@@ -293,13 +307,14 @@ def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint
                        "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
 
 
-def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines: Engines,
-                            state: TrainerState, tokenizer, last: str | None,
-                            rng_at_start: dict | None = None) -> RewardTimeout:
+def _stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
+                          state: TrainerState, tokenizer, last: str | None,
+                          rng_at_start: dict | None = None) -> RewardError:
     """Checkpoint the last completed iteration (the weights still are its weights unless the
-    timeout came after this iteration's update, in evaluation), and the error to stop with.
+    failure came after this iteration's update, in evaluation), and the error to stop with.
     `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
-    so a resume samples that iteration again exactly as the uninterrupted run would have."""
+    so a resume samples that iteration again exactly as the uninterrupted run would have.
+    Collective: every rank raises a RewardError here (scoring agrees on the outcome)."""
     latest = latest_checkpoint(out)
     if (not err.after_update and state.iteration > 0 and
             (latest is None or latest.name != checkpoint_name(state.iteration))):
@@ -310,15 +325,19 @@ def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines:
         last = str(latest)
     where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
              "to resume from it" if last else "no checkpoint was saved")
-    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
-                         "raise reward.timeout_s.")
+    fix = ("Find what makes the function hang, or raise reward.timeout_s."
+           if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
+    stop = type(err)(f"{err}: stopped ({where}). {fix}")
+    stop.after_update = err.after_update
+    return stop
 
 
 # ------------------------------------------------------------------------------ end
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             last_checkpoint: str | None):
     """Save the final state (unless the last iteration was just saved) and export the policy."""
-    from ds_ppo.run.export import DTYPES, export_engine, write_marker
+    from ds_ppo.engine.export import export_final
+    from ds_ppo.run.export import DTYPES
 
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
@@ -328,11 +347,11 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     export_dir = None
     if cfg.checkpoint.export_at_end:
         export_dir = str(out / "final")
-        export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
+        # written aside and renamed into place; marked as ds_ppo's: `ds-ppo export --out
+        # output_dir/final` may replace it
+        export_final(engines.policy, tokenizer, out / "final",
+                     DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}")
         if dist.is_main():
-            # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
-            write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
-                         with_value=False)
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)
     return last_checkpoint, export_dir

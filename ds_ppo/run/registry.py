@@ -14,8 +14,11 @@ policy into the run and registers it as a new version of NAME:
   local sources outside the run's artifact directory.
 
 Every version is tagged `run_id`, `iteration`, `config_hash` (see `config_hash`) and, when the
-run evaluated, `eval_score` (the last `eval/score_mean`). Registration never stops a finished
-training: a failure is a warning that says what to retry.
+run evaluated, `eval_score` (the last `eval/score_mean`). A run registers each iteration once:
+the same command run again (a retry, or a finished run resumed) finds the version by its run id
+and iteration tag and registers nothing. Registration never stops a training: a failure at a
+checkpoint is a warning; a failure at the end (after the export, everything saved) ends the
+command with exit code 4 and a last line that says what to retry.
 """
 from __future__ import annotations
 
@@ -68,27 +71,50 @@ def register_at_checkpoint(cfg: Config, tracker, checkpoint: str | Path, iterati
 
 
 def register_policy(cfg: Config, tracker, model_dir: str | Path | None, iteration: int,
-                    eval_score: float | None = None) -> Any:
+                    eval_score: float | None = None, strict: bool = False) -> Any:
     """Rank 0 (a tracker with a run): log `model_dir` into the run and register it as a new
-    version of tracking.register_model. -> the ModelVersion, or None (not configured, not
-    rank 0, or failed: warned)."""
+    version of tracking.register_model, unless the run already registered this iteration (then
+    that version). -> the ModelVersion, or None (not configured, not rank 0, or failed: warned;
+    with `strict`, a failure raises RegistrationError instead, exit code 4)."""
     name = cfg.tracking.register_model
     if name is None or model_dir is None:
         return None
     if getattr(tracker, "client", None) is None:  # a NullTracker: another rank, or no MLflow
         if _is_main():
-            log.warning("tracking.register_model = %r: no MLflow run to register from "
-                        "(tracking unavailable); %s is not registered", name, model_dir)
+            _failed(f"tracking.register_model = {name!r}: no MLflow run to register from "
+                    f"(tracking unavailable); {model_dir} is not registered", strict)
         return None
     model_dir = Path(model_dir).resolve()
     try:
         return _register(cfg, tracker, name, model_dir, iteration, eval_score)
     except Exception as err:  # the training is done and saved: say so, and how to retry
-        log.warning("tracking.register_model = %r: registering %s failed: %s: %s; the model "
-                    "is on disk, register it by hand (mlflow.register_model) or rerun with "
-                    "the tracking server reachable", name, model_dir, type(err).__name__,
-                    str(err)[:500])
+        _failed(f"tracking.register_model = {name!r}: registering {model_dir} failed: "
+                f"{type(err).__name__}: {str(err)[:500]}; the model is on disk, register it by "
+                "hand (mlflow.register_model) or rerun the same command with the tracking "
+                "server reachable (it registers each run's iteration once)", strict)
         return None
+
+
+def _failed(message: str, strict: bool) -> None:
+    if strict:
+        from ds_ppo.errors import RegistrationError
+
+        raise RegistrationError(f"training finished and saved, but {message}") from None
+    log.warning("%s", message)
+
+
+def registered_version(client, name: str, run_id: str, iteration: int) -> Any:
+    """The version of `name` this run already registered for `iteration`, or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    except MlflowException:  # no such registered model yet
+        return None
+    for v in versions:
+        if (v.tags or {}).get("iteration") == str(iteration):
+            return v
+    return None
 
 
 def _is_main() -> bool:
@@ -102,6 +128,11 @@ def _register(cfg: Config, tracker, name: str, model_dir: Path, iteration: int,
     from mlflow.exceptions import MlflowException
 
     client, run_id = tracker.client, tracker.run_id
+    done = registered_version(client, name, run_id, iteration)
+    if done is not None:  # the same command run again (a retry, a finished run resumed)
+        log.info("the policy of iteration %d is already %s version %s (run %s): not registered "
+                 "again", iteration, name, done.version, run_id)
+        return done
     path = f"policy/iter_{iteration:06d}"
     tags = {"run_id": run_id, "iteration": str(iteration), "config_hash": config_hash(cfg)}
     if eval_score is not None:

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import yaml
 
 from ds_ppo.errors import UserError
-from ds_ppo.redaction import redact, redact_logs
+from ds_ppo.redaction import redact, redact_output, redact_tree, register_secret, register_url
 
 if TYPE_CHECKING:
     from ds_ppo.config import Config
@@ -223,6 +223,22 @@ def _bound_http_time() -> None:
         os.environ.setdefault(name, value)
 
 
+def quiet_mlflow() -> None:
+    """Before mlflow is first imported (the CLI calls it first thing: deepspeed imports mlflow):
+    no usage telemetry (MLflow 3.2+ sends it by default, from a thread, and writes an
+    installation id to ~/.config/mlflow) unless the user set MLFLOW_DISABLE_TELEMETRY."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def protect_secrets(uri: str) -> None:
+    """The tracking URI's and MLflow's credentials are hidden in everything this process logs
+    or prints (MLflow prints the run's URL with the URI's user:password at the run's end)."""
+    register_url(uri)
+    for name in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        register_secret(os.environ.get(name))
+    redact_output()
+
+
 def _setup_failed(cfg: Config, uri: str, err: BaseException) -> NullTracker:
     msg = redact(f"cannot use MLflow at {uri}: {type(err).__name__}: {err}\n"
                  "  fix: start the tracking server (or correct tracking.uri / "
@@ -246,8 +262,9 @@ def open_tracker(cfg: Config, *, is_main: bool, run_id: str | None,
     """
     if not is_main or not cfg.tracking.enabled:
         return NullTracker()
-    redact_logs()
     uri, embedded = resolve_uri(cfg)
+    protect_secrets(uri)
+    quiet_mlflow()
     try:
         import mlflow  # noqa: F401  (deferred: disabled tracking never imports it)
     except ImportError as err:
@@ -344,7 +361,7 @@ class MlflowTracker:
         from mlflow.entities import Param, RunTag
 
         self.local_log = str(Path(cfg.output_dir) / "metrics.jsonl")
-        config = cfg.to_dict()  # every param and the yaml pass through `redact` (credentials)
+        config = redact_tree(cfg.to_dict())  # every string without credentials (reward.url)
         limit = self._limit("MAX_PARAM_VAL_LENGTH", _MAX_PARAM_VALUE)
         params = {clean_key(k): redact(v)[:limit] for k, v in flatten(config).items()}
         config_yaml = redact(yaml.safe_dump(config, sort_keys=False))

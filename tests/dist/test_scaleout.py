@@ -9,9 +9,14 @@ Three processes trees, shared by the cases below:
                                                      DeepSpeed's universal checkpoint, to 4
 Greedy decoding makes the rollouts a function of the weights only, so A, B and C must agree,
 also in the second PPO epoch, whose re-mixed mini-batches hold the same samples at any world size.
+
+And a critic-free run (no value model) with a LoRA policy:
+  D. launch/single_node.sh --num-gpus 2 ... grpo + policy.lora, 1 iteration, saved
+  E. ds-ppo train ... (one rank) on D's output_dir   resumes it through the universal checkpoint
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -75,3 +80,65 @@ def test_resume_two_ranks_to_one_through_universal_checkpoint(runs):
     for x, y in zip(ra[2:], rb[2:]):
         bad = [k for k in KEYS if not _close(x[k], y[k])]
         assert not bad, (x["iteration"], {k: (x[k], y[k]) for k in bad})
+
+
+# ----------------------------------------------- critic-free, LoRA: another world size (D, E)
+CRITIC_FREE = ["tracking.enabled=false", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8",
+               "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "checkpoint.every=1",
+               "checkpoint.export_at_end=false", "policy.lora.r=8",
+               "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=2"]
+
+
+@pytest.fixture(scope="module")
+def critic_free(tmp_path_factory):
+    work = tmp_path_factory.mktemp("critic_free")
+    out = work / "d"
+    _script("single_node.sh", ["--num-gpus", "2", "--", *CRITIC_FREE, "iterations=1",
+                               f"output_dir={out}"], work)
+    saved = work / "saved"  # D's checkpoint as saved, before E converts it
+    shutil.copytree(out / "checkpoints" / "iter_000001", saved)
+    e = run_cli(["train", *CRITIC_FREE, "iterations=2", f"output_dir={out}"], cwd=work)
+    return out, saved, e
+
+
+def test_critic_free_lora_trains_on_two_ranks_without_a_value_model(critic_free):
+    out, saved, _ = critic_free
+    rows = read_metrics(out)
+    assert rows[0]["kl/sequence_mean"] == 0.0  # zero-init adapters: the policy is its base
+    assert "loss/value" not in rows[0] and "score/group_std_mean" in rows[0]
+    assert not (saved / "value").exists() and (saved / "hf" / "adapter_config.json").is_file()
+
+
+def test_critic_free_lora_resumes_on_another_world_size(critic_free):
+    """Refused before ("value was saved without ZeRO"): the conversion asked for a value model
+    the run never had. The adapters come through: at iteration 2 the policy differs from its
+    base (a KL estimate that is not exactly 0), which freshly initialised (zero) adapters, the
+    base itself, would not."""
+    out, _, e = critic_free
+    assert "world size 2 -> 1 via a universal checkpoint" in e.stdout
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1]["kl/sequence_mean"] != 0.0
+
+
+def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
+    """Rank 1's optimizer shard deleted, resumed on one rank: the manifest names the file before
+    any conversion; without the manifest's check (checkpoint.verify=false), the conversion's
+    failure is one message naming the checkpoint, not ds_to_universal's traceback."""
+    from ds_ppo.engine.checkpoint import ensure_universal
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    _, saved, _ = critic_free
+    ckpt = tmp_path / "checkpoints" / "iter_000001"
+    shutil.copytree(saved, ckpt)
+    shard = next((ckpt / "policy" / "ds").glob("zero_pp_rank_1_*optim_states.pt"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"is unusable: {shard} is missing"):
+        find_resume(tmp_path, str(ckpt))
+    assert find_resume(tmp_path, str(ckpt), verify=False) == ckpt
+    with pytest.raises(CheckpointError) as err:
+        ensure_universal(ckpt)
+    assert str(err.value).startswith(f"checkpoint {ckpt} is unusable: {ckpt / 'policy' / 'ds'} "
+                                     "cannot be converted for another world size")
+    assert len(str(err.value).splitlines()) == 1

@@ -3,8 +3,9 @@
 Unit tests without DeepSpeed: the merged weights compute what the peft model computes, the base
 fingerprint, the config. One short LoRA run of the tiny default (plus a resume of it, and a
 resume refused for a changed base) shared by the end-to-end checks: first-iteration KL exactly 0,
-checkpoint size, merged and adapter-only exports, exact resume. The multi-rank checks (same first
-update on 2 ranks, only adapters and the head change, reference = base) are in test_engine.py.
+checkpoint size, merged and adapter-only exports (and cut adapters refused), exact resume. The
+multi-rank checks (same first update on 2 ranks, only adapters and the head change, reference =
+base) are in test_engine.py; a critic-free LoRA run on 2 ranks, resumed on 1, in test_scaleout.py.
 """
 from __future__ import annotations
 
@@ -268,6 +269,26 @@ def test_merged_and_adapter_only_exports(lora_run):
     assert (with_adapter - base_logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_a_cut_adapter_is_not_exported(lora_run, tmp_path, capsys, adapter_only):
+    """The checkpoint's adapter cut to 4 KB: a merged export and an --adapter-only export each
+    stop with one line naming the file, with the manifest's check (size) and without it (the
+    safetensors header), and write nothing."""
+    from ds_ppo.cli import main
+
+    ckpt = tmp_path / "iter_000003"
+    shutil.copytree(lora_run["run"] / "checkpoints" / "iter_000003", ckpt)
+    adapter = ckpt / "hf" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:4096])
+    for verify in ([], ["--no-verify"]):
+        args = ["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out"), *verify]
+        assert main(args + (["--adapter-only"] if adapter_only else [])) == 2
+        out, err = capsys.readouterr()
+        assert f"{adapter} is " in err and "cut off" in err, err
+        assert len(err.strip().splitlines()) == 1 and "exported" not in out
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_on_a_changed_base_fails_clearly(lora_run):
     work = lora_run["work"]
     out = work / "changed"
@@ -282,20 +303,6 @@ def test_resume_on_a_changed_base_fails_clearly(lora_run):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "policy.lora: the base model files at" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_lora_with_a_critic_free_estimator(tmp_path):
-    """policy.lora with grpo: no value engine and no reference engine (the policy's base), two
-    iterations train, the checkpoint holds the adapters and no value model."""
-    out = tmp_path / "run"
-    run_cli(["train", *SMALL, *LORA, "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=2",
-             "iterations=2", f"output_dir={out}"], cwd=tmp_path)
-    rows = read_metrics(out)
-    assert [r["iteration"] for r in rows] == [1, 2]
-    assert rows[0]["kl/sequence_mean"] == 0.0  # zero-init adapters: the policy is its base
-    assert "loss/value" not in rows[0] and "score/group_std_mean" in rows[0]
-    ckpt = out / "checkpoints" / "iter_000002"
-    assert not (ckpt / "value").exists() and (ckpt / "hf" / "adapter_config.json").is_file()
 
 
 @pytest.mark.slow

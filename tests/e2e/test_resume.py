@@ -136,3 +136,122 @@ def test_export_replaces_only_its_own_exports(restarted_run, tmp_path):
     assert (other / MARKER).exists() and (other / "model.safetensors").exists()
     assert main(["export", "--checkpoint", str(out), "--out", str(other)]) == 0  # its own export
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]  # no temporaries left
+
+
+# --------------------------------------------------- damaged checkpoints (docs/CHECKPOINTS.md)
+# One saved checkpoint (the restarted run's), copied per case, two checkpoints in each copy:
+# iter_000002 (a copy of iter_000001 with its own iteration and manifest) is damaged, iter_000001
+# is the newest that verifies.
+@pytest.fixture
+def damaged(restarted_run, tmp_path):
+    from ds_ppo.engine import manifest
+
+    _, out, _, _, _ = restarted_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    root = copy / "checkpoints"
+    newer = root / "iter_000002"
+    shutil.copytree(root / "iter_000001", newer)
+    state = json.loads((newer / "trainer_state.json").read_text())
+    (newer / "trainer_state.json").write_text(json.dumps({**state, "iteration": 2}))
+    manifest.write_share(newer, 0, 1)
+    manifest.merge(newer)
+    (root / "latest").write_text("iter_000002")
+    return copy, newer, root / "iter_000001"
+
+
+def _flip(path, offset: int, n: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset:offset + n] = bytes(b ^ 0xFF for b in data[offset:offset + n])
+    path.write_bytes(bytes(data))
+
+
+def _tensor_data(pt) -> int:
+    """Where the first tensor's bytes start inside a torch.save file (a zip archive)."""
+    import zipfile
+
+    with zipfile.ZipFile(pt) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename)
+    return info.header_offset + len(info.FileHeader()) + 64
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_flipped_tensor_bytes_stop_the_resume_naming_file_and_checkpoint(damaged):
+    """8 bytes flipped inside a tensor load silently; the manifest's CRC-32 catches them before
+    anything loads and points at the newest checkpoint that verifies."""
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    out, ckpt, good = damaged
+    pt = ckpt / "policy" / "ds" / "mp_rank_00_model_states.pt"
+    _flip(pt, _tensor_data(pt), 8)
+    with pytest.raises(CheckpointError) as err:
+        find_resume(out, "auto")
+    assert f"checkpoint {ckpt} is unusable: {pt} has changed since it was saved" in str(err.value)
+    assert str(err.value).endswith(f"resume from the newest checkpoint that verifies: "
+                                   f"resume={good}")
+
+
+def test_a_garbled_manifest_is_named_too(damaged):
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    out, ckpt, good = damaged
+    (ckpt / "manifest.json").write_text('{"version": 1, "files": {"hf/co')
+    with pytest.raises(CheckpointError, match=f"{ckpt / 'manifest.json'} cannot be read .*"
+                                              f"resume={good}$"):
+        find_resume(out, "auto")
+
+
+def test_export_refuses_damaged_cut_or_missing_files_in_one_line(damaged, capsys):
+    """16 bytes flipped in hf/model.safetensors (the manifest), then, without the manifest's
+    check, the file cut to 4 KB and hf/config.json deleted (the files' own structure): each
+    `ds-ppo export` is one line naming the file, and writes nothing."""
+    from ds_ppo.cli import main
+
+    out, ckpt, good = damaged
+    weights, target = ckpt / "hf" / "model.safetensors", out / "export"
+    _flip(weights, weights.stat().st_size // 2, 16)
+    args = ["export", "--checkpoint", str(out), "--out", str(target)]
+    assert main(args) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{weights} has changed since it was saved" in line
+    assert line.endswith(f"ds-ppo export --checkpoint {good}")
+    weights.write_bytes(weights.read_bytes()[:4096])
+    assert main([*args, "--no-verify"]) == 2
+    assert f"{weights} is cut off" in _one_line(capsys.readouterr().err)
+    (ckpt / "hf" / "config.json").unlink()
+    assert main([*args, "--no-verify"]) == 2
+    assert f"{ckpt / 'hf' / 'config.json'} is missing" in _one_line(capsys.readouterr().err)
+    assert not target.exists() and not list(out.glob(".export*"))
+
+
+def test_a_damaged_pickle_is_one_message_naming_the_file(damaged):
+    """Without the manifest's check (checkpoint.verify=false), bytes flipped inside the pickle
+    of a DeepSpeed file make torch's unpickler raise whatever it meets (OverflowError,
+    UnicodeDecodeError, ...): the resume still stops with one message naming the file."""
+    from types import SimpleNamespace
+
+    from ds_ppo.engine.checkpoint import load_checkpoint
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    out, ckpt, good = damaged
+    pt = ckpt / "policy" / "ds" / "mp_rank_00_model_states.pt"
+    _flip(pt, 300, 16)  # inside data.pkl, the archive's first member
+    assert find_resume(out, "auto", verify=False) == ckpt  # the zip directory is intact
+
+    class Loads:  # what DeepSpeed's engine does with the file: torch.load, pickles allowed
+        def load_checkpoint(self, path, tag, strict=True):
+            return torch.load(path / tag / pt.name, weights_only=False)
+
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(ckpt, SimpleNamespace(policy=Loads(), value=Loads()))
+    assert str(err.value).startswith(f"checkpoint {ckpt} is unusable: {pt.parent} cannot be "
+                                     "loaded (")
+    assert len(str(err.value).splitlines()) == 1

@@ -219,6 +219,40 @@ def test_credentials_are_sent_but_never_shown(server):
     assert "exactly one" in str(e.value) and "s3cret" not in str(e.value)
 
 
+def test_a_compressed_answer_is_cut_off_once_decompressed():
+    """A small gzip answer that expands past MAX_BODY_BYTES (valid JSON: scores, then padding)
+    is refused without being held whole: a 300 KB answer must not cost 300 MB."""
+    import gzip
+
+    from ds_ppo.rewards.service import MAX_BODY_BYTES
+
+    body = gzip.compress(b'{"scores": [0.5]}' + b" " * (MAX_BODY_BYTES + 2**20))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        service = _service(f"http://127.0.0.1:{httpd.server_port}/s", retries=0)
+        assert len(body) < 64 * 2**10
+        with pytest.raises(RewardServiceError, match=r"answered a body larger than 8 MiB once "
+                                                     r"decompressed \(Content-Encoding: gzip\)"):
+            service(["p"], ["r"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_config_checks_url_scheme_and_allows_reward_keys():
     with pytest.raises(ConfigError, match="must start with http"):
         validate(load_config(None, ["reward.function=null", "reward.url=localhost:8000"]), 1)

@@ -1,11 +1,14 @@
 """The tiny training against a real MLflow server (tests/support/mlflow_server.py), read back through
 MlflowClient; resume continues the same run; unreachable at start fails fast; a server killed
-mid-run loses log calls, not training."""
+mid-run loses log calls, not training; credentials in the URLs reach no output, a reward service
+that fails for good keeps the last iteration, MLflow's telemetry stays off."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from support.mlflow_server import free_port, mlflow_server  # noqa: F401  (the session's server fixture)
@@ -107,6 +110,99 @@ def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
     assert versions[0].tags["config_hash"] != versions[2].tags["config_hash"]  # iterations=4/6
     assert registered_greedy(uri, "ds_ppo_e2e_policy", versions[-1].version) == \
         export_greedy(out / "final")
+
+
+# ------------------------------------------------- secrets, a service that fails, telemetry
+# Every character a URL allows in a password (RFC 3986: unreserved, sub-delims, ':' and a
+# percent-encoded '@') and in a query value ('&' and '#' would end it); each starts with a
+# prefix found nowhere else, searched for as written, percent-decoded and JSON-escaped.
+USER, PASSWORD = "Usr-._~!$'()*+,;=Z", "Pwd-._~!$&'()*+,;=:%40Z"
+TOKEN = "Tok-._~!$'()*+,;=:@/?%26Z"
+PREFIXES = (b"Usr-._~", b"Pwd-._~", b"Tok-._~")
+
+
+class _Service:
+    """A reward service on 127.0.0.1 that scores the first request (iteration 1) and answers
+    every later one with HTTP 400: a service that fails for good at iteration 2."""
+
+    def __init__(self) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from ds_ppo.rewards import positive_words
+
+        count = [0]
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                count[0] += 1
+                status, body = (200, json.dumps({"scores": positive_words(
+                    req["prompts"], req["responses"])})) if count[0] == 1 else (400, "no")
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.port = self.httpd.server_port
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def leaky(mlflow_server, tmp_path_factory):  # noqa: F811
+    """One run given credentials in both URLs (tracking.uri, reward.url), whose reward service
+    fails for good at iteration 2; run as a user's shell would (no CI variables, its own
+    XDG_CONFIG_HOME, where MLflow's telemetry would leave its installation id)."""
+    mlflow_server.ensure_running()
+    work = tmp_path_factory.mktemp("leaky")
+    service = _Service()
+    tracking = mlflow_server.uri.replace("http://", f"http://{USER}:{PASSWORD}@")
+    out = work / "out"
+    env = clean_env(XDG_CONFIG_HOME=str(work / "xdg"))
+    for name in ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS"):
+        env.pop(name, None)
+    proc = run_cli(["train", *SMALL, "iterations=3", "checkpoint.every=5",
+                    f"tracking.uri={tracking}", "tracking.experiment=ds_ppo_leaky",
+                    "reward.function=null",
+                    f"reward.url=http://{USER}:{PASSWORD}@127.0.0.1:{service.port}/s?k={TOKEN}",
+                    f"output_dir={out}"], cwd=work, env=env, check=False)
+    service.close()
+    return work, out, proc
+
+
+def test_credentials_are_in_no_output_file_store_or_stream(leaky, mlflow_server):  # noqa: F811
+    work, out, proc = leaky
+    assert "View run" in proc.stdout  # MLflow's own line, with the URI, went through redaction
+    places = {"stdout": proc.stdout.encode(), "stderr": proc.stderr.encode()}
+    for root in (out, mlflow_server.root):
+        places.update({str(p): p.read_bytes() for p in Path(root).rglob("*") if p.is_file()})
+    leaks = [(where, prefix) for where, data in places.items() for prefix in PREFIXES
+             if prefix in data or prefix in data.replace(b"\\", b"")]
+    assert not leaks, leaks
+    assert "reward.url = http://***@127.0.0.1:" in proc.stderr  # the error names the URL, masked
+
+
+def test_a_service_that_fails_for_good_keeps_the_last_completed_iteration(leaky):
+    _, out, proc = leaky
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ckpt = out / "checkpoints" / "iter_000001"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    assert f"the last completed iteration's checkpoint is {ckpt}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_mlflow_telemetry_is_off(leaky):
+    work, _, _ = leaky
+    assert not (work / "xdg" / "mlflow").exists()  # MLflow writes its installation id there
 
 
 # (after the tests of the shared run: this one kills the session's server)

@@ -214,3 +214,37 @@ def test_exports_put_back_the_dropout_training_switched_off(tmp_path):
     outer.config.text_config = LlamaConfig(attention_dropout=0.0)
     outer.ds_ppo_dropout = {"text_config.attention_dropout": 0.2}
     assert saved_config(outer).text_config.attention_dropout == 0.2
+
+
+def test_the_export_at_the_end_replaces_final_whole_or_not_at_all(tmp_path, monkeypatch):
+    """export_final writes aside and renames: a write that dies half-way (here: the weights
+    file cut after 4 KB, then an error, as a kill leaves it) leaves the previous final/ as it
+    was, loadable; a complete one replaces it."""
+    import ds_ppo.engine.export as engine_export
+    from transformers import AutoModelForCausalLM
+
+    from ds_ppo.engine.export import MARKER, export_final
+
+    final = tmp_path / "final"
+    first, second = _tiny_llama(True), _tiny_llama(False)
+    export_final(type("E", (), {"module": first})(), None, final, torch.float32, "run 1")
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    real = engine_export.export_engine
+
+    def dies_half_way(engine, tokenizer, out_dir, dtype):
+        real(engine, tokenizer, out_dir, dtype)
+        weights = out_dir / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:4096])
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(engine_export, "export_engine", dies_half_way)
+    with pytest.raises(RuntimeError, match="killed"):
+        export_final(type("E", (), {"module": second})(), None, final, torch.float32, "run 2")
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before
+    AutoModelForCausalLM.from_pretrained(final)  # still the first export, whole
+    monkeypatch.setattr(engine_export, "export_engine", real)
+    export_final(type("E", (), {"module": second})(), None, final, torch.float32, "run 2")
+    assert json.loads((final / MARKER).read_text())["checkpoint"] == "run 2"
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    assert torch.equal(loaded.lm_head.weight, second.lm_head.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # nothing left beside it

@@ -15,7 +15,7 @@ from support.mlflow_server import mlflow_server, mlflow_uri  # noqa: F401  (the 
 
 from conftest import free_port
 from ds_ppo.config import load_config, validate
-from ds_ppo.errors import ConfigError
+from ds_ppo.errors import ConfigError, RegistrationError
 from ds_ppo.run.registry import config_hash, register_policy
 from ds_ppo.run.tracking import open_tracker
 
@@ -155,6 +155,27 @@ def test_registry_failure_warns_and_returns_none(mlflow_uri, model_dir, tmp_path
         assert register_policy(cfg, tracker, model_dir, iteration=1) is None
     assert "registering" in caplog.text and "failed" in caplog.text
     assert str(model_dir.resolve()) in caplog.text
+    # at the end of training (strict) the failure is the command's exit code, 4, and last line
+    with pytest.raises(RegistrationError) as err:
+        register_policy(cfg, tracker, model_dir, iteration=1, strict=True)
+    assert err.value.exit_code == 4
+    assert str(err.value).startswith("training finished and saved, but tracking.register_model")
+
+
+def test_a_run_registers_each_iteration_once(mlflow_uri, model_dir, tmp_path):
+    """The same command run again (a retry, a finished run resumed) reopens the same MLflow run
+    and registers the same iteration: the existing version comes back, no duplicate."""
+    from mlflow import MlflowClient
+
+    cfg, tracker = _tracker(mlflow_uri, tmp_path, "tracking.register_model=registry_once",
+                            "tracking.register_copy=false")
+    first = register_policy(cfg, tracker, model_dir, iteration=5)
+    again = register_policy(cfg, tracker, model_dir, iteration=5)
+    later = register_policy(cfg, tracker, model_dir, iteration=6)
+    tracker.close()
+    assert again.version == first.version != later.version
+    versions = MlflowClient(mlflow_uri).search_model_versions("name = 'registry_once'")
+    assert sorted(v.version for v in versions) == sorted({first.version, later.version})
 
 
 def test_register_config_rules():
@@ -188,12 +209,14 @@ def test_config_hash_ignores_url_credentials_but_not_settings():
 
 
 def test_reward_url_credentials_are_not_logged(mlflow_uri, tmp_path):
-    """reward.url's user and password stay out of the run's params, tag and config.yaml."""
+    """reward.url's user and password stay out of the run's params, tag and config.yaml, whatever
+    characters a URL allows in them (a quote in the password defeated a pattern)."""
     from mlflow import MlflowClient
 
     from ds_ppo.run.loop import _open_tracker
 
-    cfg = load_config(None, ["reward.function=null", "reward.url=http://bob:hunter2@h:8000/s",
+    cfg = load_config(None, ["reward.function=null",
+                             "reward.url=http://bob:hunter2-._~!$&'()*+,;=:%40Z@h:8000/s",
                              f"tracking.uri={mlflow_uri}", f"output_dir={tmp_path / 'out'}"])
     tracker = _open_tracker(cfg, None)
     tracker.close()

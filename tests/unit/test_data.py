@@ -239,6 +239,14 @@ def _bad_cases(d: Path) -> list[tuple[str, Path, dict, list[str]]]:
     case("chat all empty content", "emptycontent.jsonl", json.dumps(
         {"messages": [{"role": "user", "content": " "}]}) + "\n",
         ["emptycontent.jsonl", "line 1", "column 'messages'", "empty prompt"])
+    # JSON allows an unpaired \uD83D escape; UTF-8 (Arrow, the tokenizers) does not
+    case("lone surrogate", "surrogate.jsonl", ok + '{"prompt": "smile \\ud83d here"}\n',
+         ["surrogate.jsonl", "line 2", "column 'prompt'", "lone surrogate U+D83D",
+          "character 7"])
+    case("lone surrogate in chat", "surrogate_chat.jsonl", json.dumps(
+        {"messages": [{"role": "user", "content": "hi \udfff"}]}) + "\n",
+        ["surrogate_chat.jsonl", "line 1", "column 'messages' message 1",
+         "lone surrogate U+DFFF"])
     case("unknown ending", "prompts.txt", "the cat\n", ["prompts.txt", "data.format"])
     # Parquet rows are numbered as rows
     datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": ""}]).to_parquet(
