@@ -12,11 +12,15 @@ Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
+Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
+log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 """
 
 from .gae import gae, gae_blocked, gae_loop, gae_matmul
 from .aggregation import (LOSS_AGGREGATIONS, LossAggregation, kl_loss, loss_divisor,
                           loss_token_weights)
+from .correction import (ROLLOUT_CORRECTIONS, RolloutCorrection, rollout_is_weights,
+                         rollout_mismatch)
 from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_returns,
                     group_advantages, group_score_stats)
 from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
@@ -27,7 +31,8 @@ from .masks import decode_attention_mask, last_valid_index, response_mask
 from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
                       packed_layout, response_predictors, token_budget_batches, unpack)
 from .shaping import shape_rewards
-from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
+from .sampling import (block_tokens, filter_logits, next_tokens, next_tokens_with_logprobs,
+                       sample_from_logits)
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -73,6 +78,11 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_tokens",
+    "next_tokens_with_logprobs",
+    "ROLLOUT_CORRECTIONS",
+    "RolloutCorrection",
+    "rollout_is_weights",
+    "rollout_mismatch",
     "policy_loss",
     "response_mask",
     "sample_from_logits",

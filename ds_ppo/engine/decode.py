@@ -7,18 +7,27 @@ sequence has ended after every token (a host synchronisation per step). With a c
 cache the device notes measured 10,450 tok/s for a 0.85B model on an H200, far below the memory
 bound. This loop instead:
 
-- prefills the prompts into a static KV cache (`transformers.StaticCache`) in one forward;
+- decodes in S slots (`generation.batch_size`; default every prompt at once). The prompts of the
+  first S rows are prefilled into a static KV cache in one forward; with more prompts than slots
+  (continuous batching, `generation.continuous`), every `stop_check_every` steps the slots whose
+  responses have ended take the next prompts: their prompts are prefilled (one forward) and
+  copied into the slots' cache rows, their state (position, key mask, token index) reset. The
+  cache columns form a ring shared by all slots (`_ring_cache`): each step writes one column, a
+  refilled slot's prompt goes into the columns just before it;
 - runs each decoding step as a fixed sequence of device ops over persistent buffers (input token,
-  positions, a key mask that grows by one column, the step counter, the ended flags, the output),
-  so the step has no host synchronisation and no value-dependent shape. On CUDA the step is
+  per-slot positions and token indices, a key mask that grows by one column, the ring column,
+  the ended flags, the outputs), so the step has no host synchronisation and no value-dependent
+  shape, also across refills. On CUDA the step is
   captured once as a CUDA graph after two eager warm-up steps and replayed (one launch per token);
   on a tensor-parallel replica the graph holds the step's NCCL all-reduces, and the ranks of the
   group capture together and agree on the outcome (one failing rank sends all of them eager);
 - with the sdpa kernel, attends through `grouped_sdpa_attention`: one query token per sequence
   lets grouped-query heads share their K/V without HF's per-head copy of the cache;
 - processes logits and samples on the device (`ds_ppo.algo.sampling`, HF's processors in HF's
-  order), so greedy outputs equal HF generate's for the same logits;
-- asks whether every response has ended only every `stop_check_every` steps.
+  order), so greedy outputs equal HF generate's for the same logits, and keeps each sampled
+  token's log-prob under the distribution it was drawn from (the rollout log-probs,
+  `ds_ppo.ppo.correction`);
+- asks whether responses have ended only every `stop_check_every` steps.
 
 The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
@@ -37,7 +46,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_ppo.algo.masks import decode_attention_mask, response_mask
-from ds_ppo.algo.sampling import block_tokens, next_tokens
+from ds_ppo.algo.sampling import block_tokens, next_tokens_with_logprobs
 from ds_ppo.engine.forward import position_ids
 
 log = logging.getLogger("ds_ppo")
@@ -53,6 +62,12 @@ class DecodeStats:
     steps: int  # decoding steps run (tokens per sequence, the prefill's one included)
     graph: bool  # the steps after the warm-up were replayed from a CUDA graph
     graph_error: str | None = None  # why capturing failed (the loop went on eagerly)
+    slots: int = 0  # rows decoded at once
+    rows: int = 0  # prompts decoded
+    # token positions the slots were given: slots x decoding steps, plus each row's first
+    # token (from its prefill); counted tokens / slot_steps is the slots' utilisation
+    slot_steps: int = 0
+    refills: int = 0  # prompts prefilled into a slot freed mid-run (continuous batching)
 
 
 def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -117,113 +132,265 @@ def _attention_input(keep: torch.Tensor, dtype: torch.dtype, kernel: str) -> tor
     return bias.masked_fill_(~keep, torch.finfo(dtype).min)
 
 
+@dataclass
+class Decoded:
+    """What one decode call returns (N = prompts, W = the longest response)."""
+
+    response_ids: torch.Tensor  # (N, W) long, pad after each row's first EOS (as HF generate)
+    logprobs: torch.Tensor  # (N, W) float32, each token's log-prob where it was sampled; 0 after
+    stats: DecodeStats
+
+
+def _ring_layer_class():
+    """A transformers StaticLayer that writes a one-token step at a shared column (a (1,) long
+    device tensor the decoding step advances, modulo the cache width) and a prefill of n tokens
+    at columns 0..n-1: a ring of columns, so a slot given a new prompt mid-run writes its
+    prompt into the columns just before the shared one (which its previous row no longer
+    needs). Attention reads columns through the mask, positions come in `position_ids`, so the
+    order of the columns does not matter."""
+    global _RING_LAYER
+    if _RING_LAYER is None:
+        from transformers.cache_utils import StaticLayer
+
+        class RingLayer(StaticLayer):
+            def __init__(self, max_cache_len: int, column: torch.Tensor):
+                super().__init__(max_cache_len=max_cache_len)
+                self.column = column
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                n = key_states.shape[-2]
+                cols = self.column if n == 1 else torch.arange(n, device=self.device)
+                self.keys.index_copy_(2, cols, key_states)
+                self.values.index_copy_(2, cols, value_states)
+                return self.keys, self.values
+
+        _RING_LAYER = RingLayer
+    return _RING_LAYER
+
+
+_RING_LAYER = None
+
+
+def _ring_cache(config, width: int, column: torch.Tensor):
+    """A StaticCache of `width` columns whose layers are ring layers (`_ring_layer_class`)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=width)
+    layer = _ring_layer_class()
+    cache.layers = [layer(width, column) for _ in cache.layers]
+    return cache
+
+
+class _Slots:
+    """The persistent state of a decoding run over S slots, each decoding one prompt at a time
+    (B = S rows of every buffer). The decoding step (`step`) reads and writes only these
+    buffers with fixed shapes, so it can be captured once as a CUDA graph; `fill` (a prefill,
+    eager, between steps) puts new prompts into slots; `harvest` copies finished rows out.
+
+    Cache columns: W = P + T, a ring (`_ring_cache`). The step writes its input token at the
+    shared column `col` and advances it; a slot filled after k steps holds its prompt in the P
+    columns before (k .. k + P - 1 mod W), and its row never lives long enough (P + T - 1
+    columns) to be overwritten by itself."""
+
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, S: int,
+                 T: int, choose, eos_ids: list[int], pad_id: int):
+        N, P = prompt_ids.shape
+        device = prompt_ids.device
+        self.model, self.P, self.T, self.W, self.pad_id = model, P, T, P + T, pad_id
+        self.ids, self.mask, self.choose = prompt_ids, prompt_mask, choose
+        self.kernel = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.dtype = next(model.parameters()).dtype
+        self.cache_kw = _cache_kwarg(model)
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)  # P % W once filled
+        self.col0 = torch.zeros(1, dtype=torch.long, device=device)  # a one-token prefill's
+        self.cache = _ring_cache(model.config, self.W, self.col)
+        self.token = torch.zeros(S, 1, dtype=torch.long, device=device)  # last chosen token
+        self.pos = torch.zeros(S, 1, dtype=torch.long, device=device)  # its position
+        self.keys = torch.zeros(S, 1, 1, self.W, dtype=torch.bool, device=device)
+        self.idx = torch.zeros(S, dtype=torch.long, device=device)  # token index chosen next
+        self.done = torch.ones(S, dtype=torch.bool, device=device)
+        self.out = torch.full((S, T + 1), pad_id, dtype=torch.long, device=device)  # T: spill
+        self.lp = torch.zeros(S, T + 1, dtype=torch.float32, device=device)
+        self.result = torch.full((N, T), pad_id, dtype=torch.long, device=device)
+        self.result_lp = torch.zeros(N, T, dtype=torch.float32, device=device)
+
+    def _record(self, logits: torch.Tensor) -> None:
+        """Each live slot's next token (index `idx`) from its (S, V) logits; a slot whose row
+        ended writes pad to its spill column onwards and keeps its position."""
+        nxt, lp = self.choose(logits, self.idx)
+        nxt = nxt.masked_fill(self.done, self.pad_id)
+        at = self.idx[:, None]
+        self.out.scatter_(1, at, nxt[:, None])
+        self.lp.scatter_(1, at, lp.masked_fill(self.done, 0.0)[:, None])
+        self.done.logical_or_(nxt[:, None].eq(self.eos).any(dim=-1) | (self.idx >= self.T - 1))
+        self.token.copy_(nxt[:, None])
+        self.idx.add_(1).clamp_(max=self.T)
+
+    def step(self) -> None:
+        """One decoding step of every slot (no host sync, no value-dependent shape)."""
+        self.keys.index_fill_(-1, self.col, True)  # the input token's cache column
+        logits = self.model(input_ids=self.token, attention_mask=_attention_input(
+            self.keys, self.dtype, self.kernel), position_ids=self.pos, use_cache=True,
+            **{self.cache_kw: self.cache}).logits[:, -1]
+        self.col.add_(1).remainder_(self.W)
+        self.pos.add_((~self.done)[:, None].long())  # an ended row's position stays in range
+        self._record(logits)
+
+    def fill(self, slots: list[int], rows: list[int], steps_run: int) -> None:
+        """Prefill prompts `rows` into `slots` after `steps_run` decoding steps and choose their
+        first tokens. The first fill (every slot, no step run yet) prefills into the ring cache
+        itself; later ones into a cache of P columns, copied into the slots' ring columns."""
+        device = self.ids.device
+        s_t = torch.tensor(slots, dtype=torch.long, device=device)
+        r_t = torch.tensor(rows, dtype=torch.long, device=device)
+        ids, mask = self.ids.index_select(0, r_t), self.mask.index_select(0, r_t)
+        first = steps_run == 0 and len(slots) == self.keys.shape[0]
+        width = self.W if first else self.P
+        cache = self.cache if first else _ring_cache(self.model.config, self.P, self.col0)
+        prompt_mask = decode_attention_mask(mask, width, prefill=True)
+        logits = self.model(input_ids=ids, attention_mask=_attention_input(
+            prompt_mask, self.dtype, self.kernel), position_ids=position_ids(mask),
+            use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1]
+        cols = (torch.arange(self.P, device=device) + steps_run) % self.W
+        if first:  # a one-token prompt went to column 0 (col's start); steps start at P
+            self.col.fill_(self.P % self.W)
+        else:
+            for ring, new in zip(self.cache.layers, cache.layers):
+                for big, small in ((ring.keys, new.keys), (ring.values, new.values)):
+                    big.index_copy_(0, s_t, big.index_select(0, s_t).index_copy_(2, cols, small))
+        keep = torch.zeros(len(slots), 1, 1, self.W, dtype=torch.bool, device=device)
+        keep.index_copy_(-1, cols, mask[:, None, None, :])
+        self.keys.index_copy_(0, s_t, keep)
+        self.pos.index_copy_(0, s_t, mask.sum(dim=-1, keepdim=True))
+        nxt, lp = self.choose(logits, torch.zeros(len(slots), dtype=torch.long, device=device))
+        out = torch.full((len(slots), self.T + 1), self.pad_id, dtype=torch.long, device=device)
+        out[:, 0] = nxt
+        self.out.index_copy_(0, s_t, out)
+        lps = torch.zeros(len(slots), self.T + 1, dtype=torch.float32, device=device)
+        lps[:, 0] = lp
+        self.lp.index_copy_(0, s_t, lps)
+        self.token.index_copy_(0, s_t, nxt[:, None])
+        self.done.index_copy_(0, s_t, nxt[:, None].eq(self.eos).any(dim=-1) | (self.T == 1))
+        self.idx.index_fill_(0, s_t, 1)
+
+    def harvest(self, slots: list[int], rows: list[int]) -> None:
+        """Copy the responses of `slots` (rows `rows`) into the result, in row order."""
+        device = self.ids.device
+        s_t = torch.tensor(slots, dtype=torch.long, device=device)
+        r_t = torch.tensor(rows, dtype=torch.long, device=device)
+        self.result.index_copy_(0, r_t, self.out.index_select(0, s_t)[:, :self.T])
+        self.result_lp.index_copy_(0, r_t, self.lp.index_select(0, s_t)[:, :self.T])
+
+
 @torch.no_grad()
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
            max_new_tokens: int, eos_ids: list[int], pad_id: int, min_new_tokens: int = 0,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-           stop_check_every: int = 16, trim: bool = True, group=None
-           ) -> tuple[torch.Tensor, DecodeStats]:
-    """Generate up to `max_new_tokens` tokens for left-padded prompts (B, P).
+           stop_check_every: int = 16, trim: bool = True, group=None,
+           slots: int | None = None) -> Decoded:
+    """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
-    Returns (B, W) long response ids, W = the longest response (EOS included) <= max_new_tokens,
-    pad after each row's first EOS (as HF generate), and the call's DecodeStats. `suppress_ids`
-    are never generated; EOS is blocked before `min_new_tokens` tokens. temperature 0 = greedy.
-    trim=False returns all the steps run, without the final host sync that finds W.
-    `group`: the tensor-parallel process group whose ranks decode these prompts together (the
-    step holds its all-reduces): they capture the step together and fall back together.
+    `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
+    batching: every `stop_check_every` steps the slots whose responses have ended take the
+    next prompts (prefilled into the slot), so no slot idles for long; rows come back in
+    prompt order. Returns `Decoded`: (N, W) response ids, W = the longest response (EOS
+    included) <= max_new_tokens, pad after each row's first EOS (as HF generate), their
+    rollout log-probs (`next_tokens_with_logprobs`) and the call's DecodeStats.
+    `suppress_ids` are never generated; EOS is blocked before `min_new_tokens` tokens.
+    temperature 0 = greedy. trim=False returns all the columns the steps reached, without the
+    final host sync that finds W. `group`: the tensor-parallel process group whose ranks
+    decode these prompts together (the step holds its all-reduces): they capture the step
+    together, fall back together, and refill alike (they sample the same tokens).
     """
-    from transformers import StaticCache
-
-    B, P = prompt_ids.shape
+    N, P = prompt_ids.shape
+    S = N if slots is None else max(1, min(slots, N))
     T = max_new_tokens
     device = prompt_ids.device
-    config = model.config
-    kernel = getattr(config, "_attn_implementation", None) or "eager"
-    dtype = next(model.parameters()).dtype
-    cache = StaticCache(config=config, max_cache_len=P + T)
-    cache_kw = {_cache_kwarg(model): cache}
-    prompt_mask = prompt_mask.bool()
-    positions = position_ids(prompt_mask)  # as scoring and training count them
-
-    # persistent state: the decoding step reads and writes only these (capture-safe)
     eos_t = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     suppress_t = torch.tensor(sorted(set(suppress_ids)), dtype=torch.long, device=device)
-    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token being chosen
-    token = torch.zeros(B, 1, dtype=torch.long, device=device)  # the last chosen token
-    pos = positions[:, -1:] + 1  # its position
-    keys = decode_attention_mask(prompt_mask, P + T)  # (B, 1, 1, P+T): attended cache columns
 
-    def choose(logits: torch.Tensor) -> None:
+    def choose(logits: torch.Tensor, idx: torch.Tensor):
         logits = logits.float()
         if suppress_t.numel():
             block_tokens(logits, suppress_t)
         if min_new_tokens > 0:
-            block_tokens(logits, eos_t, step < min_new_tokens)
-        nxt = next_tokens(logits, temperature, top_k, top_p).masked_fill(done, pad_id)
-        out.index_copy_(1, step, nxt[:, None])
-        done.logical_or_(nxt[:, None].eq(eos_t).any(dim=-1))
-        token.copy_(nxt[:, None])
-        step.add_(1)
+            block_tokens(logits, eos_t, (idx < min_new_tokens)[:, None])
+        return next_tokens_with_logprobs(logits, temperature, top_k, top_p)
 
-    def decode_step() -> None:
-        keys.index_fill_(-1, step + (P - 1), True)  # the input token's cache column
-        logits = model(input_ids=token, attention_mask=_attention_input(keys, dtype, kernel),
-                       position_ids=pos, use_cache=True, **cache_kw).logits[:, -1]
-        pos.add_(1)
-        choose(logits)
-
+    kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):
-        prefill = model(input_ids=prompt_ids,
-                        attention_mask=_attention_input(
-                            decode_attention_mask(prompt_mask, P + T, prefill=True), dtype,
-                            kernel),
-                        position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kw)
-        choose(prefill.logits[:, -1])
-        del prefill
-        stats = _run_steps(decode_step, done, T, min_new_tokens, device,
-                           cuda_graph=cuda_graph, stop_check_every=stop_check_every,
-                           group=group)
-    if not trim:
-        return out[:, :stats.steps], stats
-    # as HF generate: as wide as the longest response (the loop may run up to
-    # stop_check_every - 1 steps past the last EOS)
-    width = int(response_mask(out[:, :stats.steps], eos_ids).sum(dim=-1).max())
-    return out[:, :width], stats
+        run = _Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id)
+        stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group)
+    width = min(stats.steps, T)
+    if trim:
+        # as HF generate: as wide as the longest response (the loop may run up to
+        # stop_check_every - 1 steps past the last EOS)
+        width = int(response_mask(run.result, eos_ids).sum(dim=-1).max())
+    return Decoded(run.result[:, :width], run.result_lp[:, :width], stats)
 
 
-def _run_steps(decode_step, done: torch.Tensor, T: int, min_new_tokens: int,
-               device: torch.device, cuda_graph: bool, stop_check_every: int,
-               group=None) -> DecodeStats:
-    """Run decoding steps until T tokens (the prefill chose the first) or until every row has
-    ended (looked at every stop_check_every steps). With CUDA graphs: WARMUP_STEPS eager steps
-    on a side stream, one capture, then replays. The ranks of a tensor-parallel `group` run
-    the same schedule: same T, same `done` (they sample the same tokens), and an agreed
-    capture outcome, so no rank replays a graph while another runs eagerly."""
-    stats = DecodeStats(steps=1, graph=False, graph_error=_CAPTURE_FAILED)
-    use_graph = (cuda_graph and _graphs_available(device) and T - 1 > WARMUP_STEPS
-                 and _CAPTURE_FAILED is None)
-    graph = None
-    while stats.steps < T:
-        if graph is not None:
-            graph.replay()
-        elif use_graph and stats.steps == 1 + WARMUP_STEPS:
-            graph, stats.graph_error = _capture_agreed(decode_step, device, group)
-            stats.graph = graph is not None
-            use_graph = graph is not None
-            (graph.replay if graph is not None else decode_step)()
-        elif use_graph:
-            _on_side_stream(decode_step, device)  # warm-up outside the capture stream
-        else:
-            decode_step()
-        stats.steps += 1
-        if (stats.steps % stop_check_every == 0 and stats.steps >= min_new_tokens
-                and bool(done.all())):
+def _run_slots(run: _Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_every: int,
+               group) -> DecodeStats:
+    """Fill the S slots with the first prompts, then run decoding steps; every
+    stop_check_every steps (one host read of the ended flags) move the ended rows out and the
+    next prompts in, until every row has ended or reached T tokens."""
+    device = run.ids.device
+    queue = list(range(S, N))[::-1]  # popped from the end: prompt order
+    row_of: list[int | None] = list(range(S))
+    run.fill(list(range(S)), list(range(S)), 0)
+    stepper = _Stepper(run.step, device, cuda_graph and T - 1 > WARMUP_STEPS, group)
+    steps, limit, refills = 0, T - 1, 0
+    while steps < limit:
+        stepper()
+        steps += 1
+        if (steps + 1) % stop_check_every and steps < limit:  # at the limit all rows ended
+            continue
+        ended = run.done.tolist()  # the check: one host read
+        free = [s for s in range(S) if ended[s] and row_of[s] is not None]
+        if queue and free:
+            free = free[:len(queue)]
+            run.harvest(free, [row_of[s] for s in free])
+            rows = [queue.pop() for _ in free]
+            run.fill(free, rows, steps)
+            for s, r in zip(free, rows):
+                row_of[s] = r
+            refills += len(free)
+            limit = max(limit, steps + T - 1)
+        elif not queue and all(ended):
             break
-    del graph
-    return stats
+    live = [s for s in range(S) if row_of[s] is not None]
+    run.harvest(live, [row_of[s] for s in live])
+    return DecodeStats(steps=steps + 1, graph=stepper.graph is not None,
+                       graph_error=stepper.error, slots=S, rows=N, slot_steps=S * steps + N,
+                       refills=refills)
+
+
+class _Stepper:
+    """Runs decoding steps as the CUDA-graph schedule says: WARMUP_STEPS eager steps on a side
+    stream, one capture (agreed over a tensor-parallel `group`), then replays; eager steps when
+    graphs are off, unavailable or failed. The ranks of a group run the same schedule."""
+
+    def __init__(self, step, device: torch.device, cuda_graph: bool, group=None):
+        self.step, self.device, self.group = step, device, group
+        self.use_graph = cuda_graph and _graphs_available(device) and _CAPTURE_FAILED is None
+        self.graph, self.error, self.warm = None, _CAPTURE_FAILED, 0
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self.warm == WARMUP_STEPS:
+            self.graph, self.error = _capture_agreed(self.step, self.device, self.group)
+            self.use_graph = self.graph is not None
+            (self.graph.replay if self.graph is not None else self.step)()
+        elif self.use_graph:
+            _on_side_stream(self.step, self.device)  # warm-up outside the capture stream
+            self.warm += 1
+        else:
+            self.step()
 
 
 def _graphs_available(device: torch.device) -> bool:

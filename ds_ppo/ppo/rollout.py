@@ -37,6 +37,17 @@ def sampling_mismatch(g) -> str | None:
             "generation.top_k=0 and generation.top_p=1 for exact on-policy PPO")
 
 
+def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
+    """generation/slot_utilisation (loop=own): counted response tokens per token position the
+    decoding slots were given (`DecodeStats.slot_steps`; 1 = no slot idled), over all ranks; a
+    tensor-parallel rank counts its share of its group's decoding."""
+    if not gen.decode_stats:
+        return
+    decoded = sum(st.rows for st in gen.decode_stats)
+    slot_steps = sum(st.slot_steps for st in gen.decode_stats) * len(rollout) / max(decoded, 1)
+    acc.add_mean("generation/slot_utilisation", sum(rollout.response_lens), slot_steps)
+
+
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
                  mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch):
@@ -61,6 +72,7 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                       response_lens=[len(r) for r in counted],
                       extras=[prompts.extra(i) for i in indices],
                       messages=([prompts.chat(i) for i in indices]
-                                if prompts.messages is not None else None))
+                                if prompts.messages is not None else None),
+                      rollout_logprobs=gen.logprobs)
     return rollout, gen
 

@@ -49,9 +49,10 @@ def _sharded(full: torch.nn.Module, tp, device: str) -> torch.nn.Module:
 def _greedy(model, ids, mask, group, cuda_graph=True):
     from ds_ppo.engine.decode import decode
 
-    return decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
-                  temperature=0.0, suppress_ids=[PAD], cuda_graph=cuda_graph,
-                  stop_check_every=1000, group=group)
+    out = decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
+                 temperature=0.0, suppress_ids=[PAD], cuda_graph=cuda_graph,
+                 stop_check_every=1000, group=group)
+    return out.response_ids, out.stats
 
 
 def _stand_in_case(dec, case: str, rank: int, model, ids, mask, ref, tp) -> None:
