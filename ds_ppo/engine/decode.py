@@ -347,7 +347,9 @@ def _run_slots(run: _Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check
     while steps < limit:
         stepper()
         steps += 1
-        if (steps + 1) % stop_check_every and steps < limit:  # at the limit all rows ended
+        if steps >= limit and not queue:  # every row has ended or reached T tokens
+            break
+        if (steps + 1) % stop_check_every and steps < limit:
             continue
         ended = run.done.tolist()  # the check: one host read
         free = [s for s in range(S) if ended[s] and row_of[s] is not None]

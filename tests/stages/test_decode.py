@@ -314,14 +314,23 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     base = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=12",
                               "generation.batch_size=2"]).generation
     runs = {}
-    for loop in ("own", "hf"):
-        cfg = base.model_copy(update={"loop": loop, "keep_replica": True})
+    # own: continuous batching (2 slots, one call) and one call per 2 rows (continuous=false)
+    for loop, continuous, calls in (("own", "auto", 1), ("own", False, 3), ("hf", "auto", 0)):
+        cfg = base.model_copy(update={"loop": loop, "keep_replica": True,
+                                      "continuous": continuous})
         gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32)
         again = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32,
                          kept_replica=gen.replica)
         assert again.replica is gen.replica and torch.equal(again.response_ids, gen.response_ids)
-        assert gen.loop == loop and len(gen.decode_stats) == (3 if loop == "own" else 0)
-        runs[loop] = gen
+        assert gen.loop == loop and len(gen.decode_stats) == calls
+        assert (gen.logprobs is None) == (loop == "hf")
+        if continuous == "auto" and loop == "own":
+            assert gen.decode_stats[0].slots == 2 and gen.decode_stats[0].refills == 3
+            runs["continuous"] = gen
+        else:
+            runs[loop] = gen
+    assert torch.equal(runs["continuous"].response_ids, runs["own"].response_ids)
+    torch.testing.assert_close(runs["continuous"].logprobs, runs["own"].logprobs)
     assert torch.equal(runs["own"].response_ids, runs["hf"].response_ids)
     assert torch.equal(runs["own"].mask, runs["hf"].mask)
     assert runs["own"].mask[1].sum() == 4 and runs["own"].ended[1]
