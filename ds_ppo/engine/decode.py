@@ -276,6 +276,17 @@ class _Slots:
         self.done.index_copy_(0, s_t, nxt[:, None].eq(self.eos).any(dim=-1) | (self.T == 1))
         self.idx.index_fill_(0, s_t, 1)
 
+    def shrink(self, keep: list[int]) -> None:
+        """Keep only the slots `keep`, in this order: every per-slot buffer and the cache's rows
+        are gathered into new, narrower tensors (a captured step must be captured again)."""
+        k = torch.tensor(keep, dtype=torch.long, device=self.ids.device)
+        for name in ("token", "pos", "keys", "idx", "done", "out", "lp"):
+            setattr(self, name, getattr(self, name).index_select(0, k))
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, k)
+            layer.values = layer.values.index_select(0, k)
+            layer.batch_size = len(keep)
+
     def harvest(self, slots: list[int], rows: list[int]) -> None:
         """Copy the responses of `slots` (rows `rows`) into the result, in row order."""
         device = self.ids.device
@@ -324,7 +335,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):
         run = _Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id)
-        stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group)
+        stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
+                           narrow=slots is not None)
     width = min(stats.steps, T)
     if trim:
         # as HF generate: as wide as the longest response (the loop may run up to
@@ -334,25 +346,29 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
 
 
 def _run_slots(run: _Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_every: int,
-               group) -> DecodeStats:
+               group, narrow: bool) -> DecodeStats:
     """Fill the S slots with the first prompts, then run decoding steps; every
     stop_check_every steps (one host read of the ended flags) move the ended rows out and the
-    next prompts in, until every row has ended or reached T tokens."""
+    next prompts in, until every row has ended or reached T tokens. `narrow` (continuous
+    batching): once no prompt is left and at most 3/4 of the slots are live, the live ones move
+    into a narrower batch (`_narrower`), so the draining tail does not step idle slots."""
     device = run.ids.device
     queue = list(range(S, N))[::-1]  # popped from the end: prompt order
     row_of: list[int | None] = list(range(S))
     run.fill(list(range(S)), list(range(S)), 0)
-    stepper = _Stepper(run.step, device, cuda_graph and T - 1 > WARMUP_STEPS, group)
-    steps, limit, refills = 0, T - 1, 0
+    graphs = cuda_graph and T - 1 > WARMUP_STEPS
+    stepper = first = _Stepper(run.step, device, graphs, group)
+    steps, limit, refills, slot_steps = 0, T - 1, 0, N
     while steps < limit:
         stepper()
         steps += 1
+        slot_steps += len(row_of)
         if steps >= limit and not queue:  # every row has ended or reached T tokens
             break
         if (steps + 1) % stop_check_every and steps < limit:
             continue
         ended = run.done.tolist()  # the check: one host read
-        free = [s for s in range(S) if ended[s] and row_of[s] is not None]
+        free = [s for s, r in enumerate(row_of) if ended[s] and r is not None]
         if queue and free:
             free = free[:len(queue)]
             run.harvest(free, [row_of[s] for s in free])
@@ -364,11 +380,24 @@ def _run_slots(run: _Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check
             limit = max(limit, steps + T - 1)
         elif not queue and all(ended):
             break
-    live = [s for s in range(S) if row_of[s] is not None]
+        elif narrow and not queue and _narrower(ended) is not None:
+            run.harvest(free, [row_of[s] for s in free])
+            keep = _narrower(ended)
+            row_of = [None if ended[s] else row_of[s] for s in keep]
+            run.shrink(keep)
+            stepper = _Stepper(run.step, device, graphs, group)
+    live = [s for s, r in enumerate(row_of) if r is not None]
     run.harvest(live, [row_of[s] for s in live])
-    return DecodeStats(steps=steps + 1, graph=stepper.graph is not None,
-                       graph_error=stepper.error, slots=S, rows=N, slot_steps=S * steps + N,
-                       refills=refills)
+    return DecodeStats(steps=steps + 1, graph=first.graph is not None,
+                       graph_error=first.error or stepper.error, slots=S, rows=N,
+                       slot_steps=slot_steps, refills=refills)
+
+
+def _narrower(ended: list[bool]) -> list[int] | None:
+    """The live slots, once at most 3/4 of the slots are (a narrower batch then; each width
+    is one more step shape, at most log(S) / log(4/3) of them), else None."""
+    live = [s for s, e in enumerate(ended) if not e]
+    return live if 0 < len(live) <= len(ended) * 3 // 4 else None
 
 
 class _Stepper:
