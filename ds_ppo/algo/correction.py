@@ -13,14 +13,10 @@ w = min(pi_old / pi_rollout, C) (detached); masked importance sampling (MIS, the
 Shapes: (B, T) over response tokens (B = sequences, T = response tokens), `mask` True on
 tokens that count. Imports only torch.
 """
-from typing import Literal, get_args
-
 import torch
 
+from .choices import ROLLOUT_CORRECTIONS, RolloutCorrection
 from .kl import LOG_RATIO_CLAMP, kl_estimate
-
-RolloutCorrection = Literal["none", "tis", "mis"]
-ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -90,7 +90,7 @@ def test_weights_and_policy_mask_by_hand(mismatch, mode):
     assert metrics["rollout_is/weight_mean"] == pytest.approx(sum(kept) / len(kept), rel=1e-5)
     assert metrics["rollout_is/clipped_frac"] == pytest.approx(sum(cut) / len(cut), rel=1e-6)
     # the update: mis leaves the dropped tokens out of the loss and its divisor's lengths
-    pg_mask, agg_weights, pg_weights = _policy_mask_and_weights(out, cfg)
+    pg_mask, agg_weights, pg_weights = _policy_mask_and_weights(out, cfg, filtered=False)
     assert agg_weights is None and torch.equal(pg_weights, out.is_weights)
     dropped = mask & ~pg_mask
     assert int(dropped.sum()) == (sum(cut) if mode == "mis" else 0)
