@@ -6,7 +6,7 @@ runs as usual, then a countdown picks the tokens) to a log-normal draw, so both 
 exactly the same tokens. Used for docs/PERFORMANCE.md:
 
     PYTHONPATH=. python tests/support/measure_continuous.py
-    PYTHONPATH=. python tests/support/measure_continuous.py --median 25 --max-new 256 --slots 8 16 32
+    PYTHONPATH=. python tests/support/measure_continuous.py --check-every 4 --slots 8 16 32
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def main() -> None:
           f"max_new_tokens {args.max_new}: median {sorted(lengths)[len(lengths) // 2]}, "
           f"max {max(lengths)}, total {sum(lengths)}; stop_check_every {args.check_every}; "
           f"{args.threads} thread(s)")
-    print("| slots | mode | utilisation | slot-steps | tokens | s (best) | tokens/s | cont. vs static |")
+    print("| slots | mode | utilisation | slot-steps | tokens | s (best) | tokens/s "
+          "| cont. vs static |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for slots in args.slots:
         best: dict[bool, dict] = {}
