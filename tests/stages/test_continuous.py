@@ -34,22 +34,22 @@ def _greedy(model, ids, mask, T, eos_ids, slots, check_every=2):
 
 def test_continuous_greedy_equals_hf_generate_row_by_row():
     """Fewer slots than prompts: slots are refilled as rows end (rows of several lengths, some
-    reaching max_new_tokens), every row equals HF generate's on the whole batch, in order."""
-    for attn in ("sdpa", "eager"):
-        model = tiny_llama(attn)
-        ids, mask = _prompts(11, 6)
-        T = 20
-        first = hf_greedy(model, ids, mask, T, [EOS])
-        eos_ids = [EOS, *sorted({int(t) for t in first[:, 3:12:4].flatten()})[:6]]
-        ref = hf_greedy(model, ids, mask, T, eos_ids)
-        lengths = response_mask(ref, eos_ids).sum(-1)
-        assert len(set(lengths.tolist())) >= 3 and (lengths == T).any()
-        for slots in (3, 1):
-            out = _greedy(model, ids, mask, T, eos_ids, slots)
-            assert torch.equal(out.response_ids, ref), (attn, slots)
-            assert out.stats.slots == slots and out.stats.refills == 11 - slots
-            assert out.stats.rows == 11
-            assert (out.logprobs[~response_mask(ref, eos_ids)] == 0).all()
+    reaching max_new_tokens), every row equals HF generate's on the whole batch, in order. (The
+    eager kernel's masks go through the same slot code: test_decode's static calls.)"""
+    model = tiny_llama()
+    ids, mask = _prompts(11, 6)
+    T = 20
+    first = hf_greedy(model, ids, mask, T, [EOS])
+    eos_ids = [EOS, *sorted({int(t) for t in first[:, 3:12:4].flatten()})[:6]]
+    ref = hf_greedy(model, ids, mask, T, eos_ids)
+    lengths = response_mask(ref, eos_ids).sum(-1)
+    assert len(set(lengths.tolist())) >= 3 and (lengths == T).any()
+    for slots in (3, 1):
+        out = _greedy(model, ids, mask, T, eos_ids, slots)
+        assert torch.equal(out.response_ids, ref), slots
+        assert out.stats.slots == slots and out.stats.refills == 11 - slots
+        assert out.stats.rows == 11
+        assert (out.logprobs[~response_mask(ref, eos_ids)] == 0).all()
 
 
 def _utilisation(out, eos_ids) -> float:
@@ -58,16 +58,17 @@ def _utilisation(out, eos_ids) -> float:
 
 def test_continuous_batching_keeps_the_slots_busy():
     """Forced lengths (one long response in each group of four, the rest short): one call per
-    4 rows idles most slot-steps; 4 refilled slots count nearly every step; same responses."""
-    T = 40
-    lengths = [T if i % 4 == 0 else 4 for i in range(16)]
+    4 rows idles most slot-steps; 4 refilled slots (then the narrowed tail) count nearly every
+    step; same responses."""
+    T = 24
+    lengths = [T if i % 4 == 0 else 3 for i in range(8)]
     ids, mask = forced_prompts(lengths, 5, V, PAD)
     model = ForcedLengths(tiny_llama(), EOS).eval()
     continuous = decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
                         temperature=1.0, stop_check_every=1, slots=4)
     assert response_mask(continuous.response_ids, [EOS]).sum(-1).tolist() == lengths
     tokens, slot_steps = 0, 0
-    for k in range(0, 16, 4):
+    for k in range(0, 8, 4):
         part = decode(model, ids[k:k + 4], mask[k:k + 4], max_new_tokens=T, eos_ids=[EOS],
                       pad_id=PAD, temperature=1.0, stop_check_every=1)
         tokens += int(response_mask(part.response_ids, [EOS]).sum())
@@ -111,7 +112,7 @@ def test_rollout_logprobs_equal_the_training_forward_in_float32():
     model = tiny_llama(seed=3)
     ids, mask = _prompts(9, 6)
     eos_ids = [EOS, *range(5, 11)]
-    for temperature, top_k in ((1.0, 0), (0.7, 0), (0.0, 0), (0.8, 20)):
+    for temperature, top_k in ((0.7, 0), (0.0, 0), (0.8, 20)):
         torch.manual_seed(0)
         out = decode(model, ids, mask, max_new_tokens=15, eos_ids=eos_ids, pad_id=PAD,
                      temperature=temperature, top_k=top_k, stop_check_every=3, slots=4)
