@@ -33,8 +33,9 @@ def sampling_mismatch(g) -> str | None:
                      if (k == "top_k" and v > 0) or (k == "top_p" and v < 1.0))
     return (f"{used}: responses are sampled from the filtered distribution, but log-probs (the "
             "PPO ratio, the KL and the entropy) are computed over the full softmax at "
-            f"temperature {g.temperature:g}, so the update starts slightly off-policy; set "
-            "generation.top_k=0 and generation.top_p=1 for exact on-policy PPO")
+            f"temperature {g.temperature:g}, so the update starts slightly off-policy "
+            "(measured: metrics rollout/*); set generation.top_k=0 and generation.top_p=1 for "
+            "exact on-policy PPO, or ppo.rollout_correction=tis to correct for it")
 
 
 def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
