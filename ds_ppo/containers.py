@@ -64,6 +64,9 @@ class Rollout:
     # B prompts' chat messages (None for a plain-text prompt), or None when the data has no
     # chats: a reward model with another tokenizer renders them with its own chat template
     messages: list | None = None
+    # (B, T) float32: each response token's log-prob under the distribution it was sampled
+    # from (generation.loop=own; 0 outside mask), None when HF generate sampled it
+    rollout_logprobs: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+T)
@@ -160,6 +163,12 @@ class Experience:
     # B host flags: the row takes part in the update (False: its group's scores were all equal
     # and ppo.filter_zero_std_groups drops it); None = every row
     train_rows: list[bool] | None = None
+    # ppo.rollout_correction (None: off): (B, T) float32 importance weights of the policy loss
+    # (0 outside is_kept), (B, T) bool the tokens the policy loss keeps, and their count per
+    # row on the host (the loss divisor's lengths)
+    is_weights: torch.Tensor | None = None
+    is_kept: torch.Tensor | None = None
+    is_kept_lens: list[int] | None = None
 
     @property
     def mask(self) -> torch.Tensor:  # (B, T) bool

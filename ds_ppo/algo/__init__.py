@@ -15,6 +15,8 @@ Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
+Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
+log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 """
 
 import importlib
@@ -62,11 +64,16 @@ _EXPORTS = {
     "masked_var": "stats",
     "masked_whiten": "stats",
     "next_tokens": "sampling",
+    "next_tokens_with_logprobs": "sampling",
     "packed_layout": "packing",
     "PackedLayout": "packing",
     "policy_loss": "losses",
     "response_mask": "masks",
     "response_predictors": "packing",
+    "ROLLOUT_CORRECTIONS": "choices",
+    "rollout_is_weights": "correction",
+    "rollout_mismatch": "correction",
+    "RolloutCorrection": "choices",
     "sample_from_logits": "sampling",
     "shape_rewards": "shaping",
     "token_budget_batches": "packing",

@@ -1,5 +1,5 @@
-"""The named choices of the PPO math, one table each: advantage estimators, KL estimators and
-loss aggregations. The config's literal types, its checks, `ds-ppo config --describe`, the
+"""The named choices of the PPO math, one table each: advantage estimators, KL estimators,
+loss aggregations and rollout corrections. The config's literal types, its checks, `ds-ppo config --describe`, the
 advantage stage and the README's estimator table all read these tables (a test ties them
 together), so a new estimator is one row here plus one registered function in
 `algo/estimators.py`.
@@ -16,6 +16,10 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+
+# ppo.rollout_correction (algo/correction.py): none, truncated or masked importance sampling
+RolloutCorrection = Literal["none", "tis", "mis"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,26 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     if temperature == 0:
         return logits.argmax(dim=-1)
     return sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator)
+
+
+def next_tokens_with_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                              top_p: float = 1.0, generator: torch.Generator | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`next_tokens`, plus (B,) float32: each chosen token's log-prob under the distribution it
+    was drawn from, the rollout log-probs a trainer compares with its own (Yao et al. 2025).
+
+    Sampling: log softmax of the filtered logits (temperature, top-k, top-p, and whatever the
+    caller blocked, e.g. pad or EOS before min_new_tokens). Greedy (temperature 0): log softmax
+    of the processed logits at temperature 1, what the training forward computes at
+    temperature 0 (a point mass would say 0 and mean nothing). Computed as the training
+    forward computes its log-probs (`logprobs_from_logits`), so in float32 with the same
+    logits the two agree to the last bit."""
+    from .logits import logprobs_from_logits
+
+    if temperature == 0:
+        dist = logits
+        chosen = logits.argmax(dim=-1)
+    else:
+        dist = filter_logits(logits, temperature, top_k, top_p)
+        chosen = sample_from_logits(dist, generator)
+    return chosen, logprobs_from_logits(dist[:, None], chosen[:, None])[:, 0]

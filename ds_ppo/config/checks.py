@@ -155,6 +155,17 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
                         "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
                         "set generation.loop=hf")
+    hf_only = g.loop == "hf" or g.mode == "zero3"
+    if hf_only and g.continuous is True:
+        problems.append("generation.continuous = true needs our decoding loop, but "
+                        f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
+                        "generate: set generation.continuous=auto, or generation.loop=own")
+    if hf_only and cfg.ppo.rollout_correction != "none":
+        problems.append(f"ppo.rollout_correction = {cfg.ppo.rollout_correction!r} needs the "
+                        "rollout log-probs of our decoding loop, but generation.loop = "
+                        f"{g.loop!r} / generation.mode = {g.mode!r} use HF generate: set "
+                        "generation.loop=own (mode gathered or tensor_parallel), or "
+                        "ppo.rollout_correction=none")
     if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
-                                 describe_estimators)
+                                 RolloutCorrection, describe_estimators)
 
 
 class Section(BaseModel):
@@ -189,9 +189,19 @@ class GenerationConfig(Section):
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
     batch_size: int | None = Field(
-        None, gt=0, description="Prompts per generate call on each rank (a prompt counts "
+        None, gt=0, description="Rows decoded at once on each rank (a prompt counts "
         "ppo.samples_per_prompt times: one row per response); default: the rank's whole share "
-        "of the rollout batch.")
+        "of the rollout batch. With continuous batching these are slots that take the next "
+        "prompt when their response ends; otherwise each generate call takes this many.")
+    continuous: Literal["auto"] | bool = Field(
+        "auto", description="Continuous batching in our decoding loop (loop=own): the "
+        "generation.batch_size rows decoding at once are slots; every stop_check_every steps "
+        "the slots whose responses ended take the next prompts (prefilled into the slot), so "
+        "short responses do not wait for the longest one of their call. Rows come back in "
+        "prompt order; greedy outputs equal HF generate's. auto: on when the rank has more "
+        "rows than batch_size and the loop is own; false: one generate call per batch_size "
+        "rows, each until its longest response ends; true: as auto, and an error when the "
+        "loop is hf.")
     loop: Literal["auto", "own", "hf"] = Field(
         "auto", description="Decoding loop on the gathered replica. own: ds_ppo's loop (static "
         "KV cache, sampling on the device, one CUDA graph per token on CUDA, no per-token host "
@@ -206,7 +216,8 @@ class GenerationConfig(Section):
         "fails on any of them, all decode eagerly (the reason is logged once).")
     stop_check_every: int = Field(
         16, gt=0, description="loop=own: decoding steps between checks whether every response "
-        "has ended (each check waits for the device).")
+        "has ended, and with continuous batching between refills of the ended rows' slots "
+        "(each check waits for the device; a slot idles up to this many steps minus one).")
     cache_implementation: Literal["dynamic", "static"] = Field(
         "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
         "transformers' compiled decoding.")
@@ -279,6 +290,18 @@ class PPOConfig(Section):
     dual_clip: float | None = Field(
         None, description="Dual clip c > 1 (Ye et al. 2020): the loss of a token with negative "
         "advantage is at most -A x c; null = off.")
+    rollout_correction: RolloutCorrection = Field(
+        "none", description="Correct the policy loss for the gap between the distribution "
+        "responses were sampled from (the generation replica: its kernels, dtype and batch "
+        "shapes) and the trainer's (Yao et al. 2025, \"Your efficient RL framework secretly "
+        "brings you off-policy RL training\"), with each token's ratio r = pi_old / "
+        "pi_rollout: tis multiplies its policy loss by min(r, rollout_is_cap) (truncated "
+        "importance sampling); mis drops the tokens whose r leaves [1/cap, cap] from the loss "
+        "and weights the rest by r (masked importance sampling); none: off (the gap is still "
+        "measured: metrics rollout/*). Needs the rollout log-probs of generation.loop=own.")
+    rollout_is_cap: float = Field(
+        2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
+        "(tis: min(r, C); mis: the band [1/C, C]).")
     loss_aggregation: LossAggregation = \
         Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
               "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "

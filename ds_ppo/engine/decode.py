@@ -7,20 +7,29 @@ sequence has ended after every token (a host synchronisation per step). With a c
 cache the device notes measured 10,450 tok/s for a 0.85B model on an H200, far below the memory
 bound. This loop instead:
 
-- prefills the prompts into a static KV cache (`transformers.StaticCache`) in one forward;
+- decodes in S slots (`generation.batch_size`; default every prompt at once). The prompts of the
+  first S rows are prefilled into a static KV cache in one forward; with more prompts than slots
+  (continuous batching, `generation.continuous`), every `stop_check_every` steps the slots whose
+  responses have ended take the next prompts: their prompts are prefilled (one forward) and
+  copied into the slots' cache rows, their state (position, key mask, token index) reset. The
+  cache columns form a ring shared by all slots (`engine/slots.py`): each step writes one column, a
+  refilled slot's prompt goes into the columns just before it;
 - runs each decoding step as a fixed sequence of device ops over persistent buffers (input token,
-  positions, a key mask that grows by one column, the step counter, the ended flags, the output),
-  so the step has no host synchronisation and no value-dependent shape. On CUDA the step is
+  per-slot positions and token indices, a key mask that grows by one column, the ring column,
+  the ended flags, the outputs), so the step has no host synchronisation and no value-dependent
+  shape, also across refills. On CUDA the step is
   captured once as a CUDA graph after two eager warm-up steps and replayed (one launch per token);
   on a tensor-parallel replica the graph holds the step's NCCL all-reduces, and the ranks of the
   group capture together and agree on the outcome (one failing rank sends all of them eager);
 - with the sdpa kernel, attends through `grouped_sdpa_attention`: one query token per sequence
   lets grouped-query heads share their K/V without HF's per-head copy of the cache;
 - processes logits and samples on the device (`ds_ppo.algo.sampling`, HF's processors in HF's
-  order), so greedy outputs equal HF generate's for the same logits;
-- asks whether every response has ended only every `stop_check_every` steps.
+  order), so greedy outputs equal HF generate's for the same logits, and keeps each sampled
+  token's log-prob under the distribution it was drawn from (the rollout log-probs,
+  `ds_ppo.ppo.correction`);
+- asks whether responses have ended only every `stop_check_every` steps.
 
-The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`), so HF's mask
+The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`, in `engine/slots.py`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
 every layer attends to the full causal context, with the sdpa or eager attention kernel;
 `ds_ppo.engine.generation_choice.own_loop_unsupported()` says why a model is not served and
@@ -28,7 +37,6 @@ every layer attends to the full causal context, with the sdpa or eager attention
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,9 +44,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ds_ppo.algo.masks import decode_attention_mask, response_mask
-from ds_ppo.algo.sampling import block_tokens, next_tokens
-from ds_ppo.engine.forward import position_ids
+from ds_ppo.algo.masks import response_mask
+from ds_ppo.algo.sampling import block_tokens, next_tokens_with_logprobs
+from ds_ppo.engine.slots import Slots
 
 log = logging.getLogger("ds_ppo")
 
@@ -53,6 +61,12 @@ class DecodeStats:
     steps: int  # decoding steps run (tokens per sequence, the prefill's one included)
     graph: bool  # the steps after the warm-up were replayed from a CUDA graph
     graph_error: str | None = None  # why capturing failed (the loop went on eagerly)
+    slots: int = 0  # rows decoded at once
+    rows: int = 0  # prompts decoded
+    # token positions the slots were given: slots x decoding steps, plus each row's first
+    # token (from its prefill); counted tokens / slot_steps is the slots' utilisation
+    slot_steps: int = 0
+    refills: int = 0  # prompts prefilled into a slot freed mid-run (continuous batching)
 
 
 def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -101,20 +115,13 @@ def _attention_function(model: torch.nn.Module, kernel: str):
         config._attn_implementation = kernel
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: `cache` in newer transformers 5 releases,
-    `past_key_values` before (still accepted, with a deprecation warning)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+@dataclass
+class Decoded:
+    """What one decode call returns (N = prompts, W = the longest response)."""
 
-
-def _attention_input(keep: torch.Tensor, dtype: torch.dtype, kernel: str) -> torch.Tensor:
-    """A bool keep-mask in the format the attention kernel adds: sdpa takes it as it is, eager
-    adds a float bias (0 where kept, the dtype's minimum elsewhere)."""
-    if kernel == "sdpa":
-        return keep
-    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    return bias.masked_fill_(~keep, torch.finfo(dtype).min)
+    response_ids: torch.Tensor  # (N, W) long, pad after each row's first EOS (as HF generate)
+    logprobs: torch.Tensor  # (N, W) float32, each token's log-prob where it was sampled; 0 after
+    stats: DecodeStats
 
 
 @torch.no_grad()
@@ -122,108 +129,127 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            max_new_tokens: int, eos_ids: list[int], pad_id: int, min_new_tokens: int = 0,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-           stop_check_every: int = 16, trim: bool = True, group=None
-           ) -> tuple[torch.Tensor, DecodeStats]:
-    """Generate up to `max_new_tokens` tokens for left-padded prompts (B, P).
+           stop_check_every: int = 16, trim: bool = True, group=None,
+           slots: int | None = None) -> Decoded:
+    """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
-    Returns (B, W) long response ids, W = the longest response (EOS included) <= max_new_tokens,
-    pad after each row's first EOS (as HF generate), and the call's DecodeStats. `suppress_ids`
-    are never generated; EOS is blocked before `min_new_tokens` tokens. temperature 0 = greedy.
-    trim=False returns all the steps run, without the final host sync that finds W.
-    `group`: the tensor-parallel process group whose ranks decode these prompts together (the
-    step holds its all-reduces): they capture the step together and fall back together.
+    `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
+    batching: every `stop_check_every` steps the slots whose responses have ended take the
+    next prompts (prefilled into the slot), so no slot idles for long; rows come back in
+    prompt order. Returns `Decoded`: (N, W) response ids, W = the longest response (EOS
+    included) <= max_new_tokens, pad after each row's first EOS (as HF generate), their
+    rollout log-probs (`next_tokens_with_logprobs`) and the call's DecodeStats.
+    `suppress_ids` are never generated; EOS is blocked before `min_new_tokens` tokens.
+    temperature 0 = greedy. trim=False returns all the columns the steps reached, without the
+    final host sync that finds W. `group`: the tensor-parallel process group whose ranks
+    decode these prompts together (the step holds its all-reduces): they capture the step
+    together, fall back together, and refill alike (they sample the same tokens).
     """
-    from transformers import StaticCache
-
-    B, P = prompt_ids.shape
+    N, P = prompt_ids.shape
+    S = N if slots is None else max(1, min(slots, N))
     T = max_new_tokens
     device = prompt_ids.device
-    config = model.config
-    kernel = getattr(config, "_attn_implementation", None) or "eager"
-    dtype = next(model.parameters()).dtype
-    cache = StaticCache(config=config, max_cache_len=P + T)
-    cache_kw = {_cache_kwarg(model): cache}
-    prompt_mask = prompt_mask.bool()
-    positions = position_ids(prompt_mask)  # as scoring and training count them
-
-    # persistent state: the decoding step reads and writes only these (capture-safe)
     eos_t = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     suppress_t = torch.tensor(sorted(set(suppress_ids)), dtype=torch.long, device=device)
-    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token being chosen
-    token = torch.zeros(B, 1, dtype=torch.long, device=device)  # the last chosen token
-    pos = positions[:, -1:] + 1  # its position
-    keys = decode_attention_mask(prompt_mask, P + T)  # (B, 1, 1, P+T): attended cache columns
 
-    def choose(logits: torch.Tensor) -> None:
+    def choose(logits: torch.Tensor, idx: torch.Tensor):
         logits = logits.float()
         if suppress_t.numel():
             block_tokens(logits, suppress_t)
         if min_new_tokens > 0:
-            block_tokens(logits, eos_t, step < min_new_tokens)
-        nxt = next_tokens(logits, temperature, top_k, top_p).masked_fill(done, pad_id)
-        out.index_copy_(1, step, nxt[:, None])
-        done.logical_or_(nxt[:, None].eq(eos_t).any(dim=-1))
-        token.copy_(nxt[:, None])
-        step.add_(1)
+            block_tokens(logits, eos_t, (idx < min_new_tokens)[:, None])
+        return next_tokens_with_logprobs(logits, temperature, top_k, top_p)
 
-    def decode_step() -> None:
-        keys.index_fill_(-1, step + (P - 1), True)  # the input token's cache column
-        logits = model(input_ids=token, attention_mask=_attention_input(keys, dtype, kernel),
-                       position_ids=pos, use_cache=True, **cache_kw).logits[:, -1]
-        pos.add_(1)
-        choose(logits)
-
+    kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):
-        prefill = model(input_ids=prompt_ids,
-                        attention_mask=_attention_input(
-                            decode_attention_mask(prompt_mask, P + T, prefill=True), dtype,
-                            kernel),
-                        position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kw)
-        choose(prefill.logits[:, -1])
-        del prefill
-        stats = _run_steps(decode_step, done, T, min_new_tokens, device,
-                           cuda_graph=cuda_graph, stop_check_every=stop_check_every,
-                           group=group)
-    if not trim:
-        return out[:, :stats.steps], stats
-    # as HF generate: as wide as the longest response (the loop may run up to
-    # stop_check_every - 1 steps past the last EOS)
-    width = int(response_mask(out[:, :stats.steps], eos_ids).sum(dim=-1).max())
-    return out[:, :width], stats
+        run = Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id)
+        stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
+                           narrow=slots is not None)
+    width = min(stats.steps, T)
+    if trim:
+        # as HF generate: as wide as the longest response (the loop may run up to
+        # stop_check_every - 1 steps past the last EOS)
+        width = int(response_mask(run.result, eos_ids).sum(dim=-1).max())
+    return Decoded(run.result[:, :width], run.result_lp[:, :width], stats)
 
 
-def _run_steps(decode_step, done: torch.Tensor, T: int, min_new_tokens: int,
-               device: torch.device, cuda_graph: bool, stop_check_every: int,
-               group=None) -> DecodeStats:
-    """Run decoding steps until T tokens (the prefill chose the first) or until every row has
-    ended (looked at every stop_check_every steps). With CUDA graphs: WARMUP_STEPS eager steps
-    on a side stream, one capture, then replays. The ranks of a tensor-parallel `group` run
-    the same schedule: same T, same `done` (they sample the same tokens), and an agreed
-    capture outcome, so no rank replays a graph while another runs eagerly."""
-    stats = DecodeStats(steps=1, graph=False, graph_error=_CAPTURE_FAILED)
-    use_graph = (cuda_graph and _graphs_available(device) and T - 1 > WARMUP_STEPS
-                 and _CAPTURE_FAILED is None)
-    graph = None
-    while stats.steps < T:
-        if graph is not None:
-            graph.replay()
-        elif use_graph and stats.steps == 1 + WARMUP_STEPS:
-            graph, stats.graph_error = _capture_agreed(decode_step, device, group)
-            stats.graph = graph is not None
-            use_graph = graph is not None
-            (graph.replay if graph is not None else decode_step)()
-        elif use_graph:
-            _on_side_stream(decode_step, device)  # warm-up outside the capture stream
-        else:
-            decode_step()
-        stats.steps += 1
-        if (stats.steps % stop_check_every == 0 and stats.steps >= min_new_tokens
-                and bool(done.all())):
+def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_every: int,
+               group, narrow: bool) -> DecodeStats:
+    """Fill the S slots with the first prompts, then run decoding steps; every
+    stop_check_every steps (one host read of the ended flags) move the ended rows out and the
+    next prompts in, until every row has ended or reached T tokens. `narrow` (continuous
+    batching): once no prompt is left and at most 3/4 of the slots are live, the live ones move
+    into a narrower batch (`_narrower`), so the draining tail does not step idle slots."""
+    device = run.ids.device
+    queue = list(range(S, N))[::-1]  # popped from the end: prompt order
+    row_of: list[int | None] = list(range(S))
+    run.fill(list(range(S)), list(range(S)), 0)
+    graphs = cuda_graph and T - 1 > WARMUP_STEPS
+    stepper = first = _Stepper(run.step, device, graphs, group)
+    steps, limit, refills, slot_steps = 0, T - 1, 0, N
+    while steps < limit:
+        stepper()
+        steps += 1
+        slot_steps += len(row_of)
+        if steps >= limit and not queue:  # every row has ended or reached T tokens
             break
-    del graph
-    return stats
+        if (steps + 1) % stop_check_every and steps < limit:
+            continue
+        ended = run.done.tolist()  # the check: one host read
+        free = [s for s, r in enumerate(row_of) if ended[s] and r is not None]
+        if queue and free:
+            free = free[:len(queue)]
+            run.harvest(free, [row_of[s] for s in free])
+            rows = [queue.pop() for _ in free]
+            run.fill(free, rows, steps)
+            for s, r in zip(free, rows):
+                row_of[s] = r
+            refills += len(free)
+            limit = max(limit, steps + T - 1)
+        elif not queue and all(ended):
+            break
+        elif narrow and not queue and _narrower(ended) is not None:
+            run.harvest(free, [row_of[s] for s in free])
+            keep = _narrower(ended)
+            row_of = [None if ended[s] else row_of[s] for s in keep]
+            run.shrink(keep)
+            stepper = _Stepper(run.step, device, graphs, group)
+    live = [s for s, r in enumerate(row_of) if r is not None]
+    run.harvest(live, [row_of[s] for s in live])
+    return DecodeStats(steps=steps + 1, graph=first.graph is not None,
+                       graph_error=first.error or stepper.error, slots=S, rows=N,
+                       slot_steps=slot_steps, refills=refills)
+
+
+def _narrower(ended: list[bool]) -> list[int] | None:
+    """The live slots, once at most 3/4 of the slots are (a narrower batch then; each width
+    is one more step shape, at most log(S) / log(4/3) of them), else None."""
+    live = [s for s, e in enumerate(ended) if not e]
+    return live if 0 < len(live) <= len(ended) * 3 // 4 else None
+
+
+class _Stepper:
+    """Runs decoding steps as the CUDA-graph schedule says: WARMUP_STEPS eager steps on a side
+    stream, one capture (agreed over a tensor-parallel `group`), then replays; eager steps when
+    graphs are off, unavailable or failed. The ranks of a group run the same schedule."""
+
+    def __init__(self, step, device: torch.device, cuda_graph: bool, group=None):
+        self.step, self.device, self.group = step, device, group
+        self.use_graph = cuda_graph and _graphs_available(device) and _CAPTURE_FAILED is None
+        self.graph, self.error, self.warm = None, _CAPTURE_FAILED, 0
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self.warm == WARMUP_STEPS:
+            self.graph, self.error = _capture_agreed(self.step, self.device, self.group)
+            self.use_graph = self.graph is not None
+            (self.graph.replay if self.graph is not None else self.step)()
+        elif self.use_graph:
+            _on_side_stream(self.step, self.device)  # warm-up outside the capture stream
+            self.warm += 1
+        else:
+            self.step()
 
 
 def _graphs_available(device: torch.device) -> bool:

@@ -38,7 +38,7 @@ from ds_ppo.engine.lora import plain_model, replica_weights
 from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group)
 from ds_ppo.engine.generation_choice import (REPLICA_MODES, choose_generation, choose_loop,
-                                      decoder_linears)
+                                             decoder_linears, use_continuous)
 
 log = logging.getLogger("ds_ppo")
 
@@ -53,6 +53,9 @@ class Generated:
     replica: torch.nn.Module | None = None  # the kept replica (generation.keep_replica)
     loop: str = "hf"  # the decoding loop that ran: own or hf
     decode_stats: list[DecodeStats] = field(default_factory=list)  # loop=own, one per chunk
+    # (B, T) float32: each token's log-prob under the distribution it was sampled from, 0
+    # outside mask (loop=own; None with HF generate)
+    logprobs: torch.Tensor | None = None
 
 
 def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -194,23 +197,26 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
     elif cfg.compile and replica_is_new:
         model.forward = torch.compile(model.forward, dynamic=True)
 
-    def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         out = model.generate(input_ids=ids, attention_mask=am.long(), **kw)
-        return out[:, ids.shape[1]:], None
+        return out[:, ids.shape[1]:], None, None
     return run
 
 
-def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None):
-    """A `(ids, mask) -> (response ids, DecodeStats)` function running our loop (loop=own);
-    `group`: the tensor-parallel group decoding together (None: a whole replica)."""
+def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None,
+                slots: int | None = None):
+    """A `(ids, mask) -> (response ids, log-probs, DecodeStats)` function running our loop
+    (loop=own); `group`: the tensor-parallel group decoding together (None: a whole replica);
+    `slots`: rows decoding at once (None: all; fewer: continuous batching)."""
     suppress = [] if pad_id in eos_ids else [pad_id]  # a sampled pad would read as padding
 
     def run(ids: torch.Tensor, am: torch.Tensor):
-        return decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
-                      pad_id=pad_id, min_new_tokens=cfg.min_new_tokens,
-                      temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                      suppress_ids=suppress, cuda_graph=cfg.cuda_graph,
-                      stop_check_every=cfg.stop_check_every, group=group)
+        out = decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
+                     pad_id=pad_id, min_new_tokens=cfg.min_new_tokens,
+                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                     suppress_ids=suppress, cuda_graph=cfg.cuda_graph,
+                     stop_check_every=cfg.stop_check_every, group=group, slots=slots)
+        return out.response_ids, out.logprobs, out.stats
     return run
 
 
@@ -256,8 +262,9 @@ def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]
     return [(rows, mask.shape[1] - lengths[rows[0]]) for rows in longest_first(lengths, size)]
 
 
-def _stack_chunks(outs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
-    """The chunks' responses as one (N, W) tensor, each padded to the widest chunk."""
+def _stack_chunks(outs: list[torch.Tensor], pad_id: float) -> torch.Tensor:
+    """The chunks' responses (or log-probs) as one (N, W) tensor, each padded to the widest
+    chunk with `pad_id`."""
     width = max(o.shape[1] for o in outs)
     return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id)
                       for o in outs])
@@ -276,29 +283,33 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     was_training = module.training
     loop = choose_loop(cfg, mode, module.config)
     tp = tp_group(cfg.tp_size or dist.local_world_size()) if mode == "tensor_parallel" else None
-    rows, rows_mask, offset = prompt_ids, prompt_mask, 0
+    rows, rows_mask, offset, slots = prompt_ids, prompt_mask, 0, None
     if mode in REPLICA_MODES:
         model = build_replica(module, dtype, device, into=kept_replica, tp=tp)
-        # tensor_parallel: the group's ranks capture their steps (all-reduces inside) together
-        group = tp.group if tp is not None else None
-        run = (_own_decode(model, cfg, eos_ids, pad_id, group) if loop == "own" else
-               _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
         if tp is not None:  # the group decodes all its ranks' prompts together
             rows, rows_mask, offset = gather_group_prompts(prompt_ids, prompt_mask, pad_id, tp)
+        # tensor_parallel: the group's ranks capture their steps (all-reduces inside) together
+        group = tp.group if tp is not None else None
+        slots = cfg.batch_size if use_continuous(cfg, loop, rows.shape[0]) else None
+        run = (_own_decode(model, cfg, eos_ids, pad_id, group, slots) if loop == "own" else
+               _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
     else:
         model = module
         module.eval()
         module.config.use_cache = True
         run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
-    outs, stats = [], []
-    chunks = _prompt_chunks(rows_mask, cfg.batch_size or rows.shape[0])
+    outs, logprobs, stats = [], [], []
+    # continuous batching (slots set): one call over every row, its slots take them in turn
+    chunks = _prompt_chunks(rows_mask, rows.shape[0] if slots else
+                            cfg.batch_size or rows.shape[0])
     with _group_random_stream(tp, device):
         for idx, lead in chunks:
             # a whole replica decodes without collectives: a rank may split alone
-            for out, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
-                                         splittable=mode == "gathered" or
-                                         (tp is not None and tp.size == 1)):
+            for out, lp, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
+                                             splittable=mode == "gathered" or
+                                             (tp is not None and tp.size == 1)):
                 outs.append(out)
+                logprobs.append(lp)
                 stats.append(st)
     if mode not in REPLICA_MODES:
         module.config.use_cache = False
@@ -309,10 +320,15 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
     # tensor_parallel: this rank's rows of the group's responses
-    response = in_row_order(_stack_chunks(outs, pad_id), [i for idx, _ in chunks for i in idx])
+    order = [i for idx, _ in chunks for i in idx]
+    response = in_row_order(_stack_chunks(outs, pad_id), order)
     response = response[offset:offset + prompt_ids.shape[0]]
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
+    rollout_lp = None
+    if all(lp is not None for lp in logprobs):  # loop=own
+        rollout_lp = in_row_order(_stack_chunks(logprobs, 0.0), order)
+        rollout_lp = rollout_lp[offset:offset + prompt_ids.shape[0]].masked_fill(~mask, 0.0)
     return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
-                     decode_stats=[st for st in stats if st is not None])
+                     decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp)

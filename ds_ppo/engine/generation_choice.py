@@ -88,7 +88,26 @@ def unshardable(config, size: int, linears: Collection[str] | None = None) -> st
 
 def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> Loop:
     """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.decode) or
-    `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus)."""
+    `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus).
+    generation.continuous=true needs `own`: ConfigError otherwise."""
+    loop = _loop(cfg, mode, model_config)
+    if cfg.continuous is True and loop == "hf":
+        raise ConfigError(f"generation.continuous=true needs our decoding loop, but generation "
+                          f"runs with HF generate here (generation.mode={mode}, "
+                          f"generation.loop={cfg.loop}); set generation.continuous=auto, or "
+                          "generation.loop=own with a replica mode")
+    return loop
+
+
+def use_continuous(cfg: GenerationConfig, loop: str, rows: int) -> bool:
+    """Whether generating `rows` rows on a rank (or tensor-parallel group) uses continuous
+    batching (engine/decode.py: generation.batch_size slots, refilled as responses end): with
+    our loop, when the rows outnumber the slots, unless generation.continuous=false."""
+    return (loop == "own" and cfg.continuous is not False and cfg.batch_size is not None
+            and cfg.batch_size < rows)
+
+
+def _loop(cfg: GenerationConfig, mode: str, model_config) -> Loop:
     if mode not in REPLICA_MODES or cfg.loop == "hf":
         return "hf"
     reason = own_loop_unsupported(model_config)

@@ -16,8 +16,9 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.rollout import make_rollout
+from ds_ppo.ppo.rollout import generation_metrics, make_rollout
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
+from ds_ppo.ppo.correction import rollout_correction
 from ds_ppo.ppo.scoring import score
 from ds_ppo.ppo.update import ppo_update
 
@@ -56,9 +57,12 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
     with timed("generation"):
         rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
                                           run.gen_mode, run.eos_ids)
+    generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with timed("scoring"):
         exp = score(rollout, engines, cfg, run.reward_encode)
+    # step 2b. the sampler's log-probs against the trainer's: metrics, importance weights
+    exp = rollout_correction(exp, cfg, acc)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
     with timed("advantages"):
         exp = add_advantages(exp, advantage_settings(cfg, kl_coef))

@@ -33,8 +33,20 @@ def sampling_mismatch(g) -> str | None:
                      if (k == "top_k" and v > 0) or (k == "top_p" and v < 1.0))
     return (f"{used}: responses are sampled from the filtered distribution, but log-probs (the "
             "PPO ratio, the KL and the entropy) are computed over the full softmax at "
-            f"temperature {g.temperature:g}, so the update starts slightly off-policy; set "
-            "generation.top_k=0 and generation.top_p=1 for exact on-policy PPO")
+            f"temperature {g.temperature:g}, so the update starts slightly off-policy "
+            "(measured: metrics rollout/*); set generation.top_k=0 and generation.top_p=1 for "
+            "exact on-policy PPO, or ppo.rollout_correction=tis to correct for it")
+
+
+def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
+    """generation/slot_utilisation (loop=own): counted response tokens per token position the
+    decoding slots were given (`DecodeStats.slot_steps`; 1 = no slot idled), over all ranks; a
+    tensor-parallel rank counts its share of its group's decoding."""
+    if not gen.decode_stats:
+        return
+    decoded = sum(st.rows for st in gen.decode_stats)
+    slot_steps = sum(st.slot_steps for st in gen.decode_stats) * len(rollout) / max(decoded, 1)
+    acc.add_mean("generation/slot_utilisation", sum(rollout.response_lens), slot_steps)
 
 
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
@@ -61,6 +73,7 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                       response_lens=[len(r) for r in counted],
                       extras=[prompts.extra(i) for i in indices],
                       messages=([prompts.chat(i) for i in indices]
-                                if prompts.messages is not None else None))
+                                if prompts.messages is not None else None),
+                      rollout_logprobs=gen.logprobs)
     return rollout, gen
 

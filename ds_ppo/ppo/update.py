@@ -53,6 +53,24 @@ def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
     return rows
 
 
+def _policy_mask_and_weights(mb: Experience, cfg: Config, filtered: bool):
+    """A micro-batch's policy-loss mask ((B, T) bool: counted tokens of the rows that train,
+    minus those ppo.rollout_correction=mis drops), the ppo.loss_aggregation token weights
+    ((B, T) or None; the KL loss term's too) and the policy loss's token weights (those times
+    the rollout-correction importance weights)."""
+    pg_mask = mb.mask
+    if filtered:  # rows of dropped groups (ppo.filter_zero_std_groups): no loss, no gradient
+        pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
+    if mb.is_kept is not None:
+        pg_mask = pg_mask & mb.is_kept
+    agg = cfg.ppo.loss_aggregation
+    weights = None if agg == "token_mean" else loss_token_weights(
+        pg_mask, agg, cfg.generation.max_new_tokens)
+    if mb.is_weights is None:
+        return pg_mask, weights, weights
+    return pg_mask, weights, mb.is_weights if weights is None else weights * mb.is_weights
+
+
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
     """Train the policy (and the value model, if the estimator has one) on one rollout's
     experience; adds loss statistics to `acc`."""
@@ -64,6 +82,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.response_lens  # host: token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
+    pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
     packed = p.micro_batch_tokens is not None
     engines.policy.train()
     if critic is not None:
@@ -75,7 +94,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
         # (the value loss's divisor) and the policy loss's divisor (ppo.loss_aggregation)
         counts = dist.all_reduce_sum(torch.tensor(
             [[float(sum(lens[i] for i in rows)),
-              loss_divisor([lens[i] for i in rows if kept[i]], p.loss_aggregation)]
+              loss_divisor([pg_lens[i] for i in rows if kept[i]], p.loss_aggregation)]
              for rows in minibatches], dtype=torch.float64))
         # longest rows first; the order within a mini-batch does not change its gradient
         # (each micro-batch loss is normalised by the whole mini-batch's count)
@@ -132,15 +151,11 @@ def micro_batch_step(mb: Experience, engines, cfg: Config, weight: float, bounda
     0-dim device tensors."""
     p = cfg.ppo
     logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed)
-    pg_mask = mb.mask
-    if filtered:  # rows of dropped groups (ppo.filter_zero_std_groups): no loss, no gradient
-        pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
-    weights = None if p.loss_aggregation == "token_mean" else loss_token_weights(
-        pg_mask, p.loss_aggregation, cfg.generation.max_new_tokens)
+    pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, filtered)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
                                     clip_eps=p.clip_eps, num_tokens=pg_div,
                                     clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
-                                    token_weights=weights)
+                                    token_weights=pg_weights)
     step_losses = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
         kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div, weights)

@@ -25,18 +25,24 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
+# continuous batching (4 slots refilled over each rank's 16 rows) and the rollout correction run
+# in the resumed iterations too: the same rows in the same order from the same random streams
+CONTINUOUS = ["generation.batch_size=4", "ppo.rollout_correction=tis"]
+
+
 def test_resume_continues_exactly(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
-    run_cli(["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={full}"],
-            cwd=tmp_path)
+    run_cli(["train", *SMALL, *CONTINUOUS, "iterations=4", "checkpoint.every=2",
+             f"output_dir={full}"], cwd=tmp_path)
     # the split run keeps no safetensors copies: its export below consolidates ZeRO shards
-    run_cli(["train", *SMALL, "iterations=2", "checkpoint.every=2", f"output_dir={split}",
-             "checkpoint.save_hf_weights=false"], cwd=tmp_path)
-    resumed = run_cli(["train", *SMALL, "iterations=4", "checkpoint.every=2",
+    run_cli(["train", *SMALL, *CONTINUOUS, "iterations=2", "checkpoint.every=2",
+             f"output_dir={split}", "checkpoint.save_hf_weights=false"], cwd=tmp_path)
+    resumed = run_cli(["train", *SMALL, *CONTINUOUS, "iterations=4", "checkpoint.every=2",
                        f"output_dir={split}", "checkpoint.save_hf_weights=false"], cwd=tmp_path)
     assert "resumed from" in resumed.stdout
     a, b = read_metrics(full), read_metrics(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]  # nothing repeated, nothing lost
+    assert all("rollout_is/weight_mean" in r and r["generation/slot_utilisation"] > 0 for r in b)
     # Exact equality: CPU float32 kernels are deterministic for the same shapes, and the
     # checkpoint restores weights, optimizer, LR schedule, KL controller, data position and RNG.
     for ra, rb in zip(a, b):

@@ -43,10 +43,15 @@ def hf_greedy(model, ids, mask, T, eos_ids, min_new=0):
     return out[:, ids.shape[1]:]
 
 
+def _pair(out):
+    """A decode call's (response ids, stats)."""
+    return out.response_ids, out.stats
+
+
 def ours_greedy(model, ids, mask, T, eos_ids, min_new=0, check_every=16):
-    return decode(model, ids, mask, max_new_tokens=T, eos_ids=eos_ids, pad_id=PAD,
+    return _pair(decode(model, ids, mask, max_new_tokens=T, eos_ids=eos_ids, pad_id=PAD,
                   min_new_tokens=min_new, temperature=0.0, suppress_ids=[PAD],
-                  stop_check_every=check_every)
+                  stop_check_every=check_every))
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -90,8 +95,8 @@ def test_sampling_respects_filters_pad_and_min_new_tokens():
     logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits[:, -1]
     eos_ids = [int(i) for i in logits.argmax(-1)[:2]]  # likely tokens, so EOS is tempting
     torch.manual_seed(3)
-    out, _ = decode(model, ids, mask, max_new_tokens=12, eos_ids=eos_ids, pad_id=PAD,
-                    min_new_tokens=4, temperature=0.8, top_k=5, suppress_ids=[PAD])
+    out, _ = _pair(decode(model, ids, mask, max_new_tokens=12, eos_ids=eos_ids, pad_id=PAD,
+                    min_new_tokens=4, temperature=0.8, top_k=5, suppress_ids=[PAD]))
     m = response_mask(out, eos_ids)
     assert (m.sum(-1) >= 5).all() or (m.sum(-1) == out.shape[1]).all()
     assert not torch.isin(out[:, :4], torch.tensor(eos_ids)).any()  # blocked before 4 tokens
@@ -111,8 +116,8 @@ def test_first_token_distribution_matches_the_model():
     logits = model(input_ids=ids).logits[0, -1].double()
     probs = torch.softmax(logits / 0.5, -1)
     torch.manual_seed(0)
-    out, _ = decode(model, ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1, eos_ids=[EOS],
-                    pad_id=PAD, temperature=0.5, suppress_ids=[])
+    out, _ = _pair(decode(model, ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1, eos_ids=[EOS],
+                    pad_id=PAD, temperature=0.5, suppress_ids=[]))
     freq = torch.bincount(out[:, 0], minlength=V).double() / n
     top = probs.topk(3).indices
     # binomial standard error <= 0.008 at n = 4000; 5 sigma
@@ -155,9 +160,9 @@ def test_decoding_step_is_capture_safe_on_meta_tensors():
 
     model.forward = watched
     for temperature in (0.0, 0.7):
-        out, stats = decode(model, ids, mask, max_new_tokens=6, eos_ids=[EOS, 7], pad_id=PAD,
+        out, stats = _pair(decode(model, ids, mask, max_new_tokens=6, eos_ids=[EOS, 7], pad_id=PAD,
                             min_new_tokens=2, temperature=temperature, top_k=5, top_p=0.9,
-                            suppress_ids=[PAD], stop_check_every=1000, trim=False)
+                            suppress_ids=[PAD], stop_check_every=1000, trim=False))
         assert out.device.type == "meta" and stats.steps == 6
     assert len(forwards) == 10 and not any(forwards), forwards
     # the detectors work: a sync raises on meta, a CPU tensor is recorded
@@ -206,8 +211,8 @@ def test_graph_schedule_warmup_capture_replay(monkeypatch):
         return graph, None
 
     monkeypatch.setattr(dec, "_capture", capture)
-    out, stats = decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
-                        temperature=0.0, suppress_ids=[PAD], cuda_graph=True)
+    out, stats = _pair(decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
+                        temperature=0.0, suppress_ids=[PAD], cuda_graph=True))
     assert torch.equal(out, ref)
     # 1 token from the prefill, 2 eager warm-up steps, then every step a replay
     assert calls["side"] == dec.WARMUP_STEPS and len(calls["captured"]) == 1
@@ -237,8 +242,8 @@ def test_failed_capture_decodes_eagerly_and_is_not_retried(monkeypatch, caplog):
     ids, mask = left_padded()
     ref, _ = ours_greedy(model, ids, mask, 10, [EOS])
     for _ in range(2):
-        out, stats = decode(model, ids, mask, max_new_tokens=10, eos_ids=[EOS], pad_id=PAD,
-                            temperature=0.0, suppress_ids=[PAD])
+        out, stats = _pair(decode(model, ids, mask, max_new_tokens=10, eos_ids=[EOS], pad_id=PAD,
+                            temperature=0.0, suppress_ids=[PAD]))
         assert torch.equal(out, ref) and not stats.graph
         assert "not permitted" in stats.graph_error
     assert len(attempts) == 1
@@ -309,14 +314,23 @@ def test_generate_with_own_loop_equals_hf_loop_in_chunks_and_keeps_the_replica()
     base = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=12",
                               "generation.batch_size=2"]).generation
     runs = {}
-    for loop in ("own", "hf"):
-        cfg = base.model_copy(update={"loop": loop, "keep_replica": True})
+    # own: continuous batching (2 slots, one call) and one call per 2 rows (continuous=false)
+    for loop, continuous, calls in (("own", "auto", 1), ("own", False, 3), ("hf", "auto", 0)):
+        cfg = base.model_copy(update={"loop": loop, "keep_replica": True,
+                                      "continuous": continuous})
         gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32)
         again = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32,
                          kept_replica=gen.replica)
         assert again.replica is gen.replica and torch.equal(again.response_ids, gen.response_ids)
-        assert gen.loop == loop and len(gen.decode_stats) == (3 if loop == "own" else 0)
-        runs[loop] = gen
+        assert gen.loop == loop and len(gen.decode_stats) == calls
+        assert (gen.logprobs is None) == (loop == "hf")
+        if continuous == "auto" and loop == "own":
+            assert gen.decode_stats[0].slots == 2 and gen.decode_stats[0].refills == 3
+            runs["continuous"] = gen
+        else:
+            runs[loop] = gen
+    assert torch.equal(runs["continuous"].response_ids, runs["own"].response_ids)
+    torch.testing.assert_close(runs["continuous"].logprobs, runs["own"].logprobs)
     assert torch.equal(runs["own"].response_ids, runs["hf"].response_ids)
     assert torch.equal(runs["own"].mask, runs["hf"].mask)
     assert runs["own"].mask[1].sum() == 4 and runs["own"].ended[1]

@@ -49,9 +49,10 @@ def _sharded(full: torch.nn.Module, tp, device: str) -> torch.nn.Module:
 def _greedy(model, ids, mask, group, cuda_graph=True):
     from ds_ppo.engine.decode import decode
 
-    return decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
-                  temperature=0.0, suppress_ids=[PAD], cuda_graph=cuda_graph,
-                  stop_check_every=1000, group=group)
+    out = decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
+                 temperature=0.0, suppress_ids=[PAD], cuda_graph=cuda_graph,
+                 stop_check_every=1000, group=group)
+    return out.response_ids, out.stats
 
 
 def _stand_in_case(dec, case: str, rank: int, model, ids, mask, ref, tp) -> None:
@@ -109,6 +110,15 @@ def _worker(rank: int, init_file: str, mode: str) -> None:
         dec._on_side_stream = lambda fn, device: fn()
         for case in ("both_capture", "rank1_fails"):  # one start-up for both (tens of seconds)
             _stand_in_case(dec, case, rank, model, ids, mask, ref, tp)
+        # continuous batching over the group: 2 slots for 5 prompts, rows ending early; the
+        # ranks refill alike (same tokens, same ended flags) and decode as the whole model
+        eos_ids = [EOS, *sorted({int(t) for t in ref[:, 2:8:3].flatten()})]
+        whole = dec.decode(full, ids, mask, max_new_tokens=T, eos_ids=eos_ids, pad_id=PAD,
+                           temperature=0.0, suppress_ids=[PAD], cuda_graph=False)
+        cont = dec.decode(model, ids, mask, max_new_tokens=T, eos_ids=eos_ids, pad_id=PAD,
+                          temperature=0.0, suppress_ids=[PAD], stop_check_every=2,
+                          group=tp.group, slots=2)
+        assert torch.equal(cont.response_ids, whole.response_ids) and cont.stats.refills == 3
     finally:
         tdist.destroy_process_group()
 

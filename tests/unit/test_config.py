@@ -231,6 +231,10 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
      "generation.cache_implementation / generation.compile", "generation.loop=hf"),
     (["generation.loop=own", "policy.attn_implementation=flash_attention_2"], 1,
      "generation.loop = 'own' supports", "generation.loop=auto"),
+    (["generation.loop=hf", "generation.continuous=true"], 1,
+     "generation.continuous = true", "generation.continuous=auto"),
+    (["generation.mode=zero3", "ppo.rollout_correction=tis"], 1,
+     "ppo.rollout_correction = 'tis'", "generation.mode = 'zero3'"),
     # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
     (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
      "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),
@@ -516,3 +520,21 @@ def test_reward_service_retries_longer_than_the_call_deadline_are_warned_about()
     assert config_warnings(cfg, world_size=1) == []  # no other rank to wait
     assert config_warnings(load_config(None, url + ["reward.timeout_s=60"]), world_size=2) == []
     assert config_warnings(load_config(None, url + ["dist_timeout_minutes=60"]), 2) == []
+
+
+def test_continuous_batching_is_decided_in_one_place():
+    """generation.continuous: our loop with more rows than generation.batch_size slots (auto
+    or true); never with HF generate, where true is an error naming the key."""
+    from ds_ppo.engine.generation_choice import choose_loop, use_continuous
+
+    def gen(*overrides):
+        return load_config(None, list(overrides)).generation
+
+    auto = gen("generation.batch_size=8")
+    assert use_continuous(auto, "own", 32) and not use_continuous(auto, "own", 8)
+    assert not use_continuous(auto, "hf", 32)
+    assert not use_continuous(gen(), "own", 32)  # no batch_size: every row at once
+    assert not use_continuous(gen("generation.batch_size=8", "generation.continuous=false"),
+                              "own", 32)
+    with pytest.raises(ConfigError, match="generation.continuous=true needs our decoding loop"):
+        choose_loop(gen("generation.continuous=true"), "zero3", None)

@@ -1,0 +1,54 @@
+"""CPU timing of our decoding loop against HF generate, greedy, on the ~5M-parameter policy of
+measure_continuous.py (hidden 256): 32 prompts of 32 random tokens, 64 new tokens, 1 thread,
+best of 3 with the two alternating; the outputs must agree. Used for docs/PERFORMANCE.md:
+
+    PYTHONPATH=. python tests/support/measure_greedy_vs_hf.py
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support.measure_continuous import policy  # noqa: E402
+
+from ds_ppo.engine.decode import decode  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model = policy(4096, 256, 4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 4096, (32, 32), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+
+    def ours():
+        return decode(model, ids, mask, max_new_tokens=64, eos_ids=[2], pad_id=0,
+                      temperature=0.0, suppress_ids=[0]).response_ids
+
+    def hf():
+        return model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=64,
+                              do_sample=False, eos_token_id=[2], pad_token_id=0,
+                              suppress_tokens=[0])[:, ids.shape[1]:]
+
+    best = {"ours": float("inf"), "hf": float("inf")}
+    with torch.no_grad():
+        for _ in range(3):
+            outs = {}
+            for name, fn in (("ours", ours), ("hf", hf)):
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+            width = outs["ours"].shape[1]
+            assert torch.equal(outs["ours"], outs["hf"][:, :width]), "greedy outputs differ"
+    print(f"ours {best['ours']:.2f} s, HF generate {best['hf']:.2f} s, "
+          f"ours / HF = {best['ours'] / best['hf']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
