@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are frozen."""
 
-    # coerce_numbers_to_str: `tracking.run_name=2024` or `tags: {version: 2}` are strings
+    # coerce_numbers_to_str: `tracking.run_name=2024` or `tags: {version: 2}` are strings;
+    # allow_inf_nan=False: `.nan` / `.inf` (YAML) are refused for every number, with the key
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              coerce_numbers_to_str=True)
+                              coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------- models
@@ -49,7 +50,7 @@ class ModelSource(Section):
 class Optim(Section):
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -58,7 +59,7 @@ class Optim(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR of a decaying schedule, "
                                 "as a fraction of lr.")
     max_grad_norm: float | None = Field(
-        1.0, description="Gradient clipping by global norm; null disables it.")
+        1.0, description="Gradient clipping by global norm (> 0); null disables it.")
 
 
 class LoraConfig(Section):
@@ -133,10 +134,11 @@ class RewardConfig(Section):
                          "inputs keep their end (the response) and lose the prompt's start "
                          "(counted: metric reward/input_cut_rate, and a warning).")
     score_clip: float | None = Field(
-        5.0, description="Clip sequence scores to +-score_clip before adding them (null: no clip).")
+        5.0, description="Clip sequence scores to +-score_clip (> 0) before adding them (null: "
+        "no clip).")
     missing_eos_penalty: float | None = Field(
-        None, description="Subtracted from the score of a response that hit max_new_tokens "
-        "without an EOS (null: none).")
+        None, ge=0, description="Subtracted (>= 0) from the score of a response that hit "
+        "max_new_tokens without an EOS (null: none).")
     url: str | None = Field(
         None, description="A reward service: POST {prompts, responses, <data.reward_keys "
         "columns>} as JSON, answer {scores: [one float per response]} (README: reward service). "
@@ -243,6 +245,12 @@ class PPOConfig(Section):
     kl_coef: float = Field(0.1, ge=0, description="KL penalty coefficient in the reward "
                            "(the initial value when kl_controller=adaptive).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator.")
+    kl_clip: float | None = Field(
+        10.0, gt=0, description="Cap on the per-token KL estimate, +-kl_clip nats, in the reward "
+        "and in the KL loss (null: none). The log-ratio is clamped to +-20 nats first, so one "
+        "tail token's k3 could reach e^20 = 4.9e8 (a reward of -2.4e7 at kl_coef 0.05); "
+        "OpenRLHF caps every estimator at +-10, verl caps k3 at 10. A capped token carries no "
+        "KL gradient; their share: metric kl/clamped_frac.")
     kl_controller: Literal["fixed", "adaptive"] = Field(
         "fixed", description="adaptive: Ziegler et al. 2019 controller towards kl_target.")
     kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target KL per sequence.")
@@ -450,6 +458,16 @@ class Config(Section):
         "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
         "all ranks together. On several ranks a reward.url call stops at this less a margin "
         "(10%, 30 s to 5 min), so a failing service is reported before a collective times out.")
+
+    watchdog_minutes: float | None = Field(
+        None, ge=0, description="A rank that makes no progress for this long (one generate "
+        "call, scoring or update micro-batch, reward call, save or export; or waiting in a "
+        "collective for a rank that never comes) stops the job: every rank that can still act "
+        "prints one line naming its phase and the ranks that did not arrive, writes its Python "
+        "stacks to output_dir/hang-<rank>.txt and exits 4 (run the same command again to "
+        "resume). null: dist_timeout_minutes less a margin (10%, 30 s to 5 min), so the "
+        "watchdog speaks before the collective timeout; 0: off. Must be below "
+        "dist_timeout_minutes.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
