@@ -20,7 +20,8 @@ from .aggregation import (LOSS_AGGREGATIONS, LossAggregation, kl_loss, loss_divi
 from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_returns,
                     group_advantages, group_score_stats)
 from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
-                 KLEstimator, kl_estimate, log_ratio_clamped)
+                 KL_CLIP, KLEstimator, kl_clamped, kl_estimate,
+                 log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, response_mask
@@ -46,6 +47,7 @@ __all__ = [
     "FixedKLController",
     "KLEstimator",
     "KL_ESTIMATORS",
+    "KL_CLIP",
     "LOG_RATIO_CLAMP",
     "block_tokens",
     "decode_attention_mask",
@@ -64,6 +66,7 @@ __all__ = [
     "response_predictors",
     "token_budget_batches",
     "unpack",
+    "kl_clamped",
     "kl_estimate",
     "last_valid_index",
     "log_ratio_clamped",

@@ -22,7 +22,8 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     Critic-free estimators set returns = None (no value target)."""
     p = cfg.ppo
     mask = exp.mask
-    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator,
+                     p.kl_clip).masked_fill(~mask, 0.0)
     rewards = shape_rewards(exp.scores, kl, mask, kl_coef if p.kl_in_reward else 0.0,
                             score_clip=cfg.reward.score_clip)
     returns, train_rows = None, None

@@ -109,7 +109,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                 step_losses = {"loss/policy": pg_loss.detach()}
                 if p.kl_loss_coef > 0:
                     kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div,
-                                      weights)
+                                      weights, clip=p.kl_clip)
                     step_losses["loss/kl"] = kl_term.detach()
                     pg_loss = pg_loss + p.kl_loss_coef * kl_term
                 engines.policy.backward_step(pg_loss * weight, boundary=boundary)

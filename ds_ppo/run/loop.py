@@ -89,7 +89,8 @@ def train(cfg: Config) -> TrainResult:
                                        kl_ctl.value, acc, metric_timer(acc))
                 # step 5. metrics, reduced across ranks; KL controller; logging
                 metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
-                                            cfg.ppo.samples_per_prompt)
+                                            cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
+                                            cfg.ppo.kl_clip)
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
                     metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
                                             eos_ids, reward_encode))
