@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, value_loss
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
@@ -92,6 +93,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             acc.add_mean("padding/update_positions_per_token",
                          *exp.rollout.positions(batches, packed, len(mine)))
             for step, mb_rows in enumerate(batches):
+                watchdog.progress(step)
                 weight = scale if step < len(mine) else 0.0  # idle: no gradient, no statistics
                 boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)

@@ -77,6 +77,7 @@ def train(cfg: Config) -> TrainResult:
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
+    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
     status = "FAILED"
     # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
@@ -88,6 +89,7 @@ def train(cfg: Config) -> TrainResult:
                 exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
                                        kl_ctl.value, acc, metric_timer(acc))
                 # step 5. metrics, reduced across ranks; KL controller; logging
+                watchdog.at("metrics", iteration)
                 metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                             cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
                                             cfg.ppo.kl_clip)
@@ -115,8 +117,9 @@ def train(cfg: Config) -> TrainResult:
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
             # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            register_policy(cfg, tracker, result.export_dir, state.iteration,
-                            last_eval_score(result.history))
+            with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
+                register_policy(cfg, tracker, result.export_dir, state.iteration,
+                                last_eval_score(result.history))
             status = "FINISHED"
         except RewardTimeout as e:  # a hung reward function: keep the last completed iteration
             raise _stop_on_reward_timeout(e, cfg, out, engines, state, tokenizer,
@@ -124,14 +127,28 @@ def train(cfg: Config) -> TrainResult:
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
+        except Exception as e:
+            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
+                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
+            raise
         finally:
+            dog.stop()
             tracker.close(status)
     return result
 
 
+def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
+    """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
+    from ds_ppo.config import watchdog_limit_s
+
+    return watchdog.install(watchdog.Watchdog(
+        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out)).start()
+
+
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                               cfg.checkpoint.save_hf_weights))
+    with watchdog.phase("save", state.iteration):
+        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                                   cfg.checkpoint.save_hf_weights))
     if dist.is_main():
         log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
     return path
@@ -329,7 +346,9 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     export_dir = None
     if cfg.checkpoint.export_at_end:
         export_dir = str(out / "final")
-        export_engine(engines.policy, tokenizer, out / "final", DTYPES[cfg.checkpoint.export_dtype])
+        with watchdog.phase("export", state.iteration):
+            export_engine(engines.policy, tokenizer, out / "final",
+                          DTYPES[cfg.checkpoint.export_dtype])
         if dist.is_main():
             # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
             write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
