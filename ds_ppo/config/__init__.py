@@ -25,5 +25,6 @@ __all__ = [
     "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig", "RoleDeepSpeed",
     "Section", "TrackingConfig", "ValueConfig", "apply_overrides", "config_warnings", "describe",
     "grad_accum_steps", "load_config", "lora_output_head", "optimizer_steps", "preset_names", "preset_path",
-    "reference_from_policy_base", "validate", "watchdog_limit_s", "world_size_from_env", "yaml_value",
+    "reference_from_policy_base", "validate", "watchdog_limit_s", "world_size_from_env",
+    "yaml_value",
 ]
