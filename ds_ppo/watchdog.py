@@ -3,9 +3,12 @@
 Each rank records the phase it is in (generation, scoring, reward call, update, save, export,
 ...: the iteration and the micro-batch) and its progress (a new phase or micro-batch). A daemon
 thread writes that record, with a beat counter, into the job's store (the TCPStore the ranks
-met through) every `beat_s` seconds. When a rank makes no progress for `limit_s` (a collective
-some rank never joins, a deadlock, a call that never returns), or a collective fails under it,
-or another rank has declared a hang, the rank
+met through) every `beat_s` seconds, and a rank that made progress within `limit_s` adds 1 to a
+shared counter. When a rank has made no progress for `limit_s` (a collective some rank never
+joins, a deadlock, a call that never returns) and the counter stands still (no rank is making
+progress: a rank that is merely slower, e.g. in a longer generation, keeps the others waiting
+without a false alarm), or a collective fails under it, or another rank has declared a hang, the
+rank
 
 - reads every rank's record twice, `beat_s` apart: a rank whose beat did not move is stopped or
   gone (SIGSTOP, a dead node, a GPU hang that froze the process); one that beats but sits in
@@ -19,7 +22,7 @@ Every store call runs in a helper thread and is given up after `store_timeout_s`
 TCPStore client waits forever for an answer from a stopped store host (rank 0), and one stuck
 call holds the client's lock for every later one; after that the store counts as gone.
 
-Stdlib only; the store is any object with set/get/check (a TCPStore client from
+Stdlib only; the store is any object with set/get/check/add (a TCPStore client from
 `ds_ppo.engine.dist.watchdog_store`), None on one rank. The phase record is written by the
 stages (`phase`, `progress`: no-ops but the record until `install`).
 """
@@ -83,6 +86,7 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._stuck: threading.Thread | None = None
+        self._alive = (-1, time.monotonic())  # the shared counter's value, when it last moved
 
     # ------------------------------------------------------------------ the phase record
     @contextmanager
@@ -148,9 +152,21 @@ class Watchdog:
             if declared is not None:
                 self.fire(f"rank {declared} saw a hang")
             phase, idle = self._current()
-            if phase.limit_s is not None and idle > phase.limit_s:
+            if phase.limit_s is not None and idle > phase.limit_s and not self._others_move():
                 self.fire(f"no progress for {idle:.0f} s ({self.setting} = "
                           f"{phase.limit_s / 60:g})")
+
+    def _others_move(self) -> bool:
+        """Whether some rank made progress lately: the shared counter moved within the last
+        2.5 beats (the ranks' beats are not in step). False without a store."""
+        try:
+            count = int(self._ask(self.store.add, f"{_KEY}alive", 0))
+        except StoreGone:
+            return False
+        now = time.monotonic()
+        if count != self._alive[0]:
+            self._alive = (count, now)
+        return now - self._alive[1] < 2.5 * self.beat_s
 
     def _beat(self) -> None:
         if self.store is None:
@@ -161,6 +177,8 @@ class Watchdog:
                   "micro": phase.micro, "idle_s": round(idle, 1)}
         try:
             self._ask(self.store.set, f"{_KEY}beat/{self.rank}", json.dumps(record))
+            if phase.limit_s is None or idle <= phase.limit_s:  # this rank moves
+                self._ask(self.store.add, f"{_KEY}alive", 1)
         except StoreGone:  # seen when firing
             pass
 

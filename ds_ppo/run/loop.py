@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora

@@ -42,6 +42,11 @@ class FakeStore:
         self._wait()
         return all(k in self.data for k in keys)
 
+    def add(self, key, n):
+        self._wait()
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
 
 def run_until_exit(dog: Watchdog, timeout: float = 10.0) -> list[int]:
     """Start `dog` with an exit that records the code; wait for it."""
@@ -144,3 +149,26 @@ def test_the_process_record_is_a_no_op_without_a_thread():
     watchdog.at("metrics", 3)
     with watchdog.phase("save"):  # the iteration of the loop's record
         assert watchdog.current()._current()[0].where() == "save (iteration 3)"
+
+
+def test_a_slower_rank_that_still_progresses_is_waited_for(tmp_path, capsys):
+    """Rank 0 waits (in a collective) past its limit while rank 1 still works (its progress
+    moves the shared counter): no alarm until rank 1 stops too."""
+    store = FakeStore()
+    works_until = time.monotonic() + 1.5
+
+    def rank1():
+        n = 0
+        while time.monotonic() < works_until:
+            n += 1
+            store.set("ds_ppo_watchdog/beat/1", json.dumps(
+                {"seq": n, "phase": "generation", "iteration": 5, "micro": n, "idle_s": 0}))
+            store.add("ds_ppo_watchdog/alive", 1)
+            time.sleep(0.1)
+    threading.Thread(target=rank1, daemon=True).start()
+    dog = Watchdog(0.3, rank=0, world_size=2, store=store, out_dir=tmp_path, beat_s=0.1)
+    with dog.phase("scoring", 5):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG] and time.monotonic() > works_until
+    assert "did not arrive: rank 1 (last in generation (iteration 5, micro-batch" \
+        in capsys.readouterr().err
