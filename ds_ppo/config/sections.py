@@ -151,7 +151,8 @@ class RewardConfig(Section):
         "the call runs in a worker thread; a call still running then stops the run with a "
         "message, after a checkpoint of the last completed iteration (exit 2); null: call it in "
         "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
-        "reward.url: the limit of one request (then retried); null: no limit.")
+        "reward.url: the limit of one whole request, from connecting to the answer's last byte "
+        "(then retried; an answer over 16 MiB stops the run); null: no limit.")
     retries: int = Field(3, ge=0, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")
@@ -465,8 +466,9 @@ class Config(Section):
         "collective for a rank that never comes) stops the job: every rank that can still act "
         "prints one line naming its phase and the ranks that did not arrive, writes its Python "
         "stacks to output_dir/hang-<rank>.txt and exits 4 (run the same command again to "
-        "resume). null: dist_timeout_minutes less a margin (10%, 30 s to 5 min), so the "
-        "watchdog speaks before the collective timeout; 0: off. Must be below "
+        "resume). A rank past it waits while any other rank still makes progress. null: "
+        "dist_timeout_minutes less 5% (15 s to 2.5 min, at most a quarter): after a reward.url "
+        "call's own deadline, before the collective timeout; 0: off. Must be below "
         "dist_timeout_minutes.")
 
     def to_dict(self) -> dict[str, Any]:
