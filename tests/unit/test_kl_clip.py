@@ -14,7 +14,7 @@ import torch
 from ds_ppo.algo import KL_CLIP, kl_clamped, kl_estimate, kl_loss
 from ds_ppo.config import load_config
 from ds_ppo.containers import Experience, Rollout
-from ds_ppo.ppo.advantages import add_advantages
+from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 
 # log-ratios log pi - log pi_ref of one token each: the tails, the clamp, the body
 X = [-30.0, -12.0, -3.0, 0.5, 3.0, 12.0, 30.0]
@@ -97,11 +97,11 @@ def test_reward_of_a_tail_token_is_bounded(estimator, x, capped_kl):
     """The KL-shaped reward of the pipeline (add_advantages): -kl_coef x KL on every token, the
     score on the last one; at kl_coef 0.05 the tail token's reward is -0.05 x 10, not -2.4e7."""
     base = ["ppo.advantage_estimator=reinforce_pp", f"ppo.kl_estimator={estimator}"]
-    out = add_advantages(_experience(x), load_config(None, base), kl_coef=0.05)
+    out = add_advantages(_experience(x), advantage_settings(load_config(None, base), 0.05))
     assert out.rewards[0].tolist() == pytest.approx([0.0, -0.05 * capped_kl, 1.0], abs=1e-6)
     assert torch.isfinite(out.advantages).all()
-    raw = add_advantages(_experience(x), load_config(None, base + ["ppo.kl_clip=null"]),
-                         kl_coef=0.05)
+    raw = add_advantages(_experience(x), advantage_settings(
+        load_config(None, base + ["ppo.kl_clip=null"]), 0.05))
     want_raw = -0.05 * kl_estimate(torch.tensor([x]), torch.tensor([0.0]), estimator).item()
     assert raw.rewards[0, 1].item() == pytest.approx(want_raw, rel=1e-5)
     if (estimator, x) == ("k3", -30.0):
