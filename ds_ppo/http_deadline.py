@@ -168,3 +168,26 @@ def _read(answer: http.client.HTTPResponse, max_bytes: int) -> bytes:
     if answer.length:  # fewer bytes than its Content-Length: cut off
         raise http.client.IncompleteRead(bytes(data), answer.length)
     return bytes(data)
+
+
+def call_within(fn, timeout_s: float, what: str):
+    """`fn()` with a deadline, for HTTP clients this process does not own (MLflow's, whose
+    socket timeout bounds each read, not the call): fn runs in a daemon thread; its result, or
+    its exception, or HttpTimeout naming `what` after `timeout_s` (the thread is left behind:
+    being a daemon, it holds up neither the caller nor the exit)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001  (re-raised in the caller)
+            box["error"] = err
+
+    worker = threading.Thread(target=run, name="ds_ppo-deadline", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise HttpTimeout(f"{what} did not finish within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

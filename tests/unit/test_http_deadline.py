@@ -129,3 +129,4 @@ def test_an_answer_over_the_size_limit_is_refused(drip, announced):
     assert "over the limit of 1,000" in str(e.value) or "more than 1,000 bytes" in str(e.value)
     with pytest.raises(AnswerTooLarge):
         Connection(srv.url).post(b"{}", timeout_s=5.0, max_bytes=1000)
+
