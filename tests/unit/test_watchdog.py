@@ -102,11 +102,11 @@ def test_progress_keeps_it_quiet_and_exempt_phases_have_no_limit(tmp_path):
     dog._exit = codes.append
     dog.start()
     with dog.phase("update", 1):
-        for k in range(12):  # 1.2 s of micro-batches, each well inside the limit
+        for k in range(6):  # 0.6 s of micro-batches, each well inside the limit
             dog.progress(k)
             time.sleep(0.1)
     with dog.phase("registering the policy", limit_s=None):
-        time.sleep(0.8)
+        time.sleep(0.6)
     dog.stop()
     assert codes == []
 
@@ -155,7 +155,7 @@ def test_a_slower_rank_that_still_progresses_is_waited_for(tmp_path, capsys):
     """Rank 0 waits (in a collective) past its limit while rank 1 still works (its progress
     moves the shared counter): no alarm until rank 1 stops too."""
     store = FakeStore()
-    works_until = time.monotonic() + 1.5
+    works_until = time.monotonic() + 1.0
 
     def rank1():
         n = 0
