@@ -9,8 +9,6 @@ import json
 import threading
 import time
 
-import pytest
-
 from ds_ppo import watchdog
 from ds_ppo.watchdog import EXIT_HANG, Watchdog
 
@@ -172,3 +170,20 @@ def test_a_slower_rank_that_still_progresses_is_waited_for(tmp_path, capsys):
     assert codes == [EXIT_HANG] and time.monotonic() > works_until
     assert "did not arrive: rank 1 (last in generation (iteration 5, micro-batch" \
         in capsys.readouterr().err
+
+
+def test_collective_failures_are_told_apart_from_other_errors():
+    """What the loop hands to the watchdog instead of printing a bare gloo/NCCL traceback."""
+    import torch.distributed as tdist
+
+    from ds_ppo.engine.dist import is_collective_failure
+
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:7372")
+    timeout = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+               "120000ms for recv operation to complete")
+    assert is_collective_failure(RuntimeError(gloo))
+    assert is_collective_failure(RuntimeError(timeout))
+    assert is_collective_failure(tdist.DistBackendError("NCCL watchdog timeout"))
+    assert not is_collective_failure(RuntimeError("shape mismatch"))
+    assert not is_collective_failure(ValueError("Connection closed by peer"))
