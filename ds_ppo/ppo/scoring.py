@@ -48,8 +48,10 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
     # thread around it; its answers are checked like a function's
     spec = cfg.reward.function or redact_url(cfg.reward.url)
     timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
+    # reward.timeout_s = null: a call that is never stopped, by the watchdog neither
+    exempt = {"limit_s": None} if cfg.reward.timeout_s is None else {}
     try:
-        with watchdog.phase("reward call"):
+        with watchdog.phase("reward call", **exempt):
             scores = call_reward_function(fn, spec, list(rollout.prompts),
                                           list(rollout.responses), columns, timeout_s)
     except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
