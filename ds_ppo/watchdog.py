@@ -73,10 +73,13 @@ class Watchdog:
     def __init__(self, limit_s: float | None, rank: int = 0, world_size: int = 1,
                  store: Any = None, out_dir: str | os.PathLike = ".", beat_s: float | None = None,
                  setting: str = "watchdog_minutes", store_timeout_s: float = 5.0,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, run_token: str = "") -> None:
         self.limit_s, self.rank, self.world_size = limit_s, rank, world_size
         self.store, self.out_dir, self.setting = store, Path(out_dir), setting
         self.store_timeout_s = store_timeout_s
+        # keys of this start of the job only: a store that outlives a restart (torchrun's
+        # elastic agent) must not hand the old hang to the new processes
+        self.key = f"{_KEY}{run_token}/" if run_token else _KEY
         self.beat_s = beat_s or (min(max(limit_s / 10, 0.5), 10.0) if limit_s else 10.0)
         self._exit = exit
         self._stack: list[_Phase] = []
@@ -160,7 +163,7 @@ class Watchdog:
         """Whether some rank made progress lately: the shared counter moved within the last
         2.5 beats (the ranks' beats are not in step). False without a store."""
         try:
-            count = int(self._ask(self.store.add, f"{_KEY}alive", 0))
+            count = int(self._ask(self.store.add, f"{self.key}alive", 0))
         except StoreGone:
             return False
         now = time.monotonic()
@@ -176,9 +179,9 @@ class Watchdog:
         record = {"seq": self._seq, "phase": phase.name, "iteration": phase.iteration,
                   "micro": phase.micro, "idle_s": round(idle, 1)}
         try:
-            self._ask(self.store.set, f"{_KEY}beat/{self.rank}", json.dumps(record))
+            self._ask(self.store.set, f"{self.key}beat/{self.rank}", json.dumps(record))
             if phase.limit_s is None or idle <= phase.limit_s:  # this rank moves
-                self._ask(self.store.add, f"{_KEY}alive", 1)
+                self._ask(self.store.add, f"{self.key}alive", 1)
         except StoreGone:  # seen when firing
             pass
 
@@ -186,8 +189,8 @@ class Watchdog:
         if self.store is None:
             return None
         try:
-            if self._ask(self.store.check, [f"{_KEY}hang"]):
-                return int(self._ask(self.store.get, f"{_KEY}hang"))
+            if self._ask(self.store.check, [f"{self.key}hang"]):
+                return int(self._ask(self.store.get, f"{self.key}hang"))
         except StoreGone:
             pass
         return None
@@ -228,7 +231,7 @@ class Watchdog:
         phase, idle = self._current()
         if self.store is not None and self._declared() is None:
             try:
-                self._ask(self.store.set, f"{_KEY}hang", str(self.rank))
+                self._ask(self.store.set, f"{self.key}hang", str(self.rank))
             except StoreGone:
                 pass
         others = self._others()
@@ -275,7 +278,7 @@ class Watchdog:
         for r in range(self.world_size):
             if r == self.rank:
                 continue
-            key = f"{_KEY}beat/{r}"
+            key = f"{self.key}beat/{r}"
             try:
                 if self._ask(self.store.check, [key]):
                     beats[r] = json.loads(self._ask(self.store.get, key))

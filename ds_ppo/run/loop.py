@@ -6,6 +6,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,8 +143,10 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
     """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
     from ds_ppo.config import watchdog_limit_s
 
+    token = dist.broadcast_object(uuid.uuid4().hex if dist.is_main() else None)  # collective
     return watchdog.install(watchdog.Watchdog(
-        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out)).start()
+        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
+        run_token=token)).start()
 
 
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
