@@ -47,6 +47,8 @@ _EXPORTS = {
     "GROUP_METHODS": "group",
     "group_score_stats": "group",
     "GroupMethod": "group",
+    "kl_clamped": "kl",
+    "KL_CLIP": "kl",
     "kl_estimate": "kl",
     "KL_ESTIMATORS": "kl",
     "kl_loss": "aggregation",

@@ -54,7 +54,8 @@ def loss_divisor(lengths: list[int], mode: LossAggregation) -> float:
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
             estimator: KLEstimator, divisor: float,
-            token_weights: torch.Tensor | None = None) -> torch.Tensor:
+            token_weights: torch.Tensor | None = None, clip: float | None = None
+            ) -> torch.Tensor:
     """KL(policy || reference) as a loss term (GRPO, Shao et al. 2024, Eq. 3-4, with the k3
     estimator), aggregated like the policy loss: sum(w * kl) / divisor.
 
@@ -65,6 +66,8 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
         estimator: "k1", "k2" or "k3" (``kl_estimate``).
         divisor: > 0, the global mini-batch's count (``loss_divisor`` summed over ranks).
         token_weights: (B, T) from ``loss_token_weights``; None = 1 on every valid token.
+        clip: cap on each token's KL, +-clip nats (ppo.kl_clip; a capped token has no
+            gradient); None = uncapped.
 
     Returns:
         0-dim loss tensor.
@@ -74,7 +77,7 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     mask = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     kl = kl_estimate(torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero),
-                     estimator)
+                     estimator, clip)
     if token_weights is not None:
         kl = kl * token_weights
     return masked_sum(kl, mask) / divisor

@@ -20,10 +20,19 @@ def log_ratio_clamped(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.abs() > LOG_RATIO_CLAMP
 
 
+# Default cap on the per-token KL value (config ppo.kl_clip). The log-ratio clamp above still
+# lets one token's k3 reach e^20 - 21 = 4.85e8 nats, a reward of -2.4e7 at kl_coef 0.05, which
+# swamps every score and the whitened advantages of the whole batch. OpenRLHF
+# (`compute_approx_kl`) clamps every estimator to +-10; verl (`kl_penalty`, low_var_kl = k3)
+# clamps k3 to [-10, 10]. A capped token carries no KL gradient (clamp).
+KL_CLIP = 10.0
+
+
 def kl_estimate(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     estimator: KLEstimator = "k1",
+    clip: float | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens.
 
@@ -35,12 +44,15 @@ def kl_estimate(
       k3 = (r - 1) - log r = exp(ref - logp) - 1 - (ref - logp)   (unbiased, >= 0)
 
     For k2 and k3 the log-ratio is first clamped to +-LOG_RATIO_CLAMP (20 nats), so a tail
-    token cannot put e^100 (inf in float32) into a reward; k1 is linear and left as it is.
+    token cannot put e^100 (inf in float32) into a reward; k1 is linear and left as it is. With
+    `clip` (ppo.kl_clip, KL_CLIP = 10 by default in the trainer), every estimate is then capped
+    to +-clip nats, as OpenRLHF and verl do: k3 at log r = 20 is 4.85e8 without it.
 
     Args:
         logprobs: (B, T) float, log-prob of each sampled response token under the policy (nats).
         ref_logprobs: (B, T) float, the same tokens under the reference model (nats).
         estimator: "k1", "k2" or "k3".
+        clip: cap (> 0, nats) on each token's estimate, +-clip; None = uncapped.
 
     Returns:
         (B, T) per-token KL estimate in nats, unmasked (mask it yourself, e.g. with
@@ -50,12 +62,24 @@ def kl_estimate(
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return log_ratio
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    # k3 with log r = -log_ratio: (r - 1) - log r
-    return torch.expm1(-log_ratio) + log_ratio
+        kl = log_ratio
+    else:
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        # k2 = (log r)^2 / 2; k3 with log r = -log_ratio: (r - 1) - log r
+        kl = (0.5 * log_ratio.square() if estimator == "k2"
+              else torch.expm1(-log_ratio) + log_ratio)
+    return kl if clip is None else kl.clamp(-clip, clip)
+
+
+def kl_clamped(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               estimator: KLEstimator = "k1", clip: float | None = None) -> torch.Tensor:
+    """(B, T) bool: True where ``kl_estimate(..., clip)`` is not the estimator's own value: the
+    log-ratio was beyond +-LOG_RATIO_CLAMP (k2, k3), or the estimate beyond +-clip (metric
+    kl/clamped_frac)."""
+    clamped = log_ratio_clamped(logprobs - ref_logprobs)
+    if clip is not None:
+        clamped = clamped | (kl_estimate(logprobs, ref_logprobs, estimator).abs() > clip)
+    return clamped
 
 
 class FixedKLController:

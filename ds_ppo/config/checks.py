@@ -4,6 +4,7 @@ numbers derived from several keys (optimizer steps, gradient accumulation).
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -112,6 +113,12 @@ def _model_problems(cfg: Config, world_size: int) -> list[str]:
                             "(path loads weights, arch builds a randomly initialised model)")
         if m.max_grad_norm is not None and m.max_grad_norm <= 0:
             problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
+        if not all(0 <= b < 1 for b in m.betas):
+            problems.append(f"{name}.betas = {list(m.betas)}: each must be in [0, 1) (AdamW's "
+                            f"moment decay rates, e.g. {name}.betas=[0.9,0.95])")
+        bad = _non_finite(m.arch or {}, f"{name}.arch")
+        if bad:
+            problems.append(f"{bad}: must be a finite number")
         if m.arch is not None and "model_type" not in m.arch:
             problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
                             f"{name}.arch.model_type=llama)")
@@ -188,7 +195,7 @@ def _deepspeed_problems(cfg: Config, world_size: int) -> list[str]:
 
 
 def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
-    """Model registry needs and the resume target."""
+    """Model registry needs, the watchdog's limit and the resume target."""
     problems = []
     t, c = cfg.tracking, cfg.checkpoint
     if t.register_model is not None and not (t.enabled and c.export_at_end):
@@ -206,10 +213,44 @@ def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
                         "reference, which checkpoint.keep_last pruning deletes later: set "
                         "tracking.register_copy=true, or tracking.register_every=0 (the final "
                         "export, never pruned, is registered either way)")
+    limit = watchdog_limit_s(cfg)
+    if limit is not None and limit >= 60 * cfg.dist_timeout_minutes:
+        problems.append(f"watchdog_minutes = {cfg.watchdog_minutes:g} must be below "
+                        f"dist_timeout_minutes = {cfg.dist_timeout_minutes:g} (else a stuck "
+                        "collective times out before the watchdog names the missing ranks): "
+                        "lower it, or leave it null")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
     return problems
+
+
+def _non_finite(tree, key: str) -> str | None:
+    """The dotted key of the first NaN or infinite number in a free-form map (policy.arch)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            bad = _non_finite(v, f"{key}.{k}")
+            if bad:
+                return bad
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            bad = _non_finite(v, f"{key}[{i}]")
+            if bad:
+                return bad
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        return f"{key} = {tree}"
+    return None
+
+
+def watchdog_limit_s(cfg: Config) -> float | None:
+    """Seconds without progress after which the watchdog stops a rank (None: off): the
+    configured watchdog_minutes, or by default the collective timeout less half the reward
+    service's margin (`call_deadline`), so that a reward call's own deadline comes first, then
+    the watchdog, then the collective timeout."""
+    if cfg.watchdog_minutes is not None:
+        return 60.0 * cfg.watchdog_minutes if cfg.watchdog_minutes > 0 else None
+    timeout_s = 60.0 * cfg.dist_timeout_minutes
+    return timeout_s - 0.5 * (timeout_s - call_deadline(cfg.dist_timeout_minutes, 2))
 
 
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
@@ -259,6 +300,13 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
                        "less a margin: the other ranks wait for the scores in a collective), so "
                        "the last attempts are cut short. Lower reward.timeout_s / reward.retries "
                        "or raise dist_timeout_minutes")
+    limit = watchdog_limit_s(cfg)
+    if (limit is not None and r.timeout_s is not None and r.model is None
+            and r.timeout_s >= limit):  # each reward.url attempt counts as progress
+        out.append(f"a reward call (or one reward.url attempt) may take reward.timeout_s = "
+                   f"{r.timeout_s:g} s, but the watchdog stops a rank after {limit:.0f} s "
+                   "without progress: raise watchdog_minutes (and dist_timeout_minutes) or "
+                   "lower reward.timeout_s")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

@@ -17,9 +17,10 @@ from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAgg
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are frozen."""
 
-    # coerce_numbers_to_str: `tracking.run_name=2024` or `tags: {version: 2}` are strings
+    # coerce_numbers_to_str: `tracking.run_name=2024` or `tags: {version: 2}` are strings;
+    # allow_inf_nan=False: `.nan` / `.inf` (YAML) are refused for every number, with the key
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              coerce_numbers_to_str=True)
+                              coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------- models
@@ -52,7 +53,7 @@ class ModelSource(Section):
 class Optim(Section):
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -61,7 +62,7 @@ class Optim(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR of a decaying schedule, "
                                 "as a fraction of lr.")
     max_grad_norm: float | None = Field(
-        1.0, description="Gradient clipping by global norm; null disables it.")
+        1.0, description="Gradient clipping by global norm (> 0); null disables it.")
 
 
 class LoraConfig(Section):
@@ -136,10 +137,11 @@ class RewardConfig(Section):
                          "inputs keep their end (the response) and lose the prompt's start "
                          "(counted: metric reward/input_cut_rate, and a warning).")
     score_clip: float | None = Field(
-        5.0, description="Clip sequence scores to +-score_clip before adding them (null: no clip).")
+        5.0, description="Clip sequence scores to +-score_clip (> 0) before adding them (null: "
+        "no clip).")
     missing_eos_penalty: float | None = Field(
-        None, description="Subtracted from the score of a response that hit max_new_tokens "
-        "without an EOS (null: none).")
+        None, ge=0, description="Subtracted (>= 0) from the score of a response that hit "
+        "max_new_tokens without an EOS (null: none).")
     url: str | None = Field(
         None, description="A reward service: POST {prompts, responses, <data.reward_keys "
         "columns>} as JSON, answer {scores: [one float per response]} (README: reward service). "
@@ -152,7 +154,8 @@ class RewardConfig(Section):
         "the call runs in a worker thread; a call still running then stops the run with a "
         "message, after a checkpoint of the last completed iteration (exit 2); null: call it in "
         "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
-        "reward.url: the limit of one request (then retried); null: no limit.")
+        "reward.url: the limit of one whole request, from connecting to the answer's last byte "
+        "(then retried; an answer over 16 MiB stops the run); null: no limit.")
     retries: int = Field(3, ge=0, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")
@@ -258,6 +261,12 @@ class PPOConfig(Section):
                            "(the initial value when kl_controller=adaptive).")
     kl_estimator: KLEstimator = Field("k1", description="Per-token KL estimator (k1, k2, k3: "
                                       "Schulman 2020).")
+    kl_clip: float | None = Field(
+        10.0, gt=0, description="Cap on the per-token KL estimate, +-kl_clip nats, in the reward "
+        "and in the KL loss (null: none). The log-ratio is clamped to +-20 nats first, so one "
+        "tail token's k3 could reach e^20 = 4.9e8 (a reward of -2.4e7 at kl_coef 0.05); "
+        "OpenRLHF caps every estimator at +-10, verl caps k3 at 10. A capped token carries no "
+        "KL gradient; their share: metric kl/clamped_frac.")
     kl_controller: Literal["fixed", "adaptive"] = Field(
         "fixed", description="adaptive: Ziegler et al. 2019 controller towards kl_target.")
     kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target KL per sequence.")
@@ -482,6 +491,17 @@ class Config(Section):
         "(a universal-checkpoint conversion) is waited for without it; exports are streamed by "
         "all ranks together. On several ranks a reward.url call stops at this less a margin "
         "(10%, 30 s to 5 min), so a failing service is reported before a collective times out.")
+
+    watchdog_minutes: float | None = Field(
+        None, ge=0, description="A rank that makes no progress for this long (one generate "
+        "call, scoring or update micro-batch, reward call, save or export; or waiting in a "
+        "collective for a rank that never comes) stops the job: every rank that can still act "
+        "prints one line naming its phase and the ranks that did not arrive, writes its Python "
+        "stacks to output_dir/hang-<rank>.txt and exits 4 (run the same command again to "
+        "resume). A rank past it waits while any other rank still makes progress. null: "
+        "dist_timeout_minutes less 5% (15 s to 2.5 min, at most a quarter): after a reward.url "
+        "call's own deadline, before the collective timeout; 0: off. Must be below "
+        "dist_timeout_minutes.")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_ppo import watchdog
+
 log = logging.getLogger("ds_ppo")
 _timeout_minutes = 30.0  # dist_timeout_minutes of this job (init_distributed sets it)
 
@@ -139,6 +141,32 @@ def barrier() -> None:
         dist.barrier()
 
 
+def watchdog_store(timeout_s: float = 5.0):
+    """A client of its own (`clone`) to the job's store, the TCPStore on rank 0's node that the
+    ranks met through, for the watchdog's heartbeats (`ds_ppo.watchdog`); None on one rank or
+    without such a store."""
+    if world_size() <= 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(timedelta(seconds=timeout_s))
+    except (AttributeError, RuntimeError, ValueError) as err:
+        log.warning("the watchdog cannot reach the job's store (%s): a hang will name this "
+                    "rank's phase only", err)
+        return None
+    return store
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether `err` is a collective (or the process group's store) failing: a timeout, or a
+    peer that went away (gloo raises these as RuntimeErrors naming gloo)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("gloo" in text or "NCCL" in text
+                                              or "Connection closed by peer" in text)
+
+
 def collective_device(t: torch.Tensor) -> torch.device:
     """Where a collective on `t` can run: NCCL takes only CUDA tensors, so a CPU tensor (metric
     sums built from Python floats) goes through this rank's GPU; gloo takes it where it is."""
@@ -254,12 +282,14 @@ def main_does(work, where: str | Path, what: str, stale_after_s: float | None = 
     done, beat = where / f".ds_ppo_{token}.done", where / f".ds_ppo_{token}.alive"
     if world_size() == 1:
         return work()
-    if is_main():
-        where.mkdir(parents=True, exist_ok=True)
-        result = _run_with_heartbeat(work, done, beat, what)
-    else:
-        result = None
-        _wait_for(done, beat, what, stale_after_s or 60 * _timeout_minutes)
+    # work of any length with its own heartbeat: exempt from the watchdog's limit
+    with watchdog.phase(what if is_main() else f"waiting for rank 0 {what}", limit_s=None):
+        if is_main():
+            where.mkdir(parents=True, exist_ok=True)
+            result = _run_with_heartbeat(work, done, beat, what)
+        else:
+            result = None
+            _wait_for(done, beat, what, stale_after_s or 60 * _timeout_minutes)
     barrier()  # every rank is here now: a short wait
     if is_main():
         done.unlink(missing_ok=True)

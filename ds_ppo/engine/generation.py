@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.algo import response_mask
 from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
@@ -303,7 +304,8 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     chunks = _prompt_chunks(rows_mask, rows.shape[0] if slots else
                             cfg.batch_size or rows.shape[0])
     with _group_random_stream(tp, device):
-        for idx, lead in chunks:
+        for k, (idx, lead) in enumerate(chunks):
+            watchdog.progress(k)
             # a whole replica decodes without collectives: a rank may split alone
             for out, lp, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
                                              splittable=mode == "gathered" or

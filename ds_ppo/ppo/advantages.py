@@ -17,6 +17,7 @@ class AdvantageSettings:
 
     kl_coef: float
     kl_estimator: str
+    kl_clip: float | None
     kl_in_reward: bool
     score_clip: float | None
     estimator: str
@@ -31,7 +32,8 @@ class AdvantageSettings:
 def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
     """Stage 3's settings from the config, with the controller's current `kl_coef`."""
     p = cfg.ppo
-    return AdvantageSettings(kl_coef, p.kl_estimator, p.kl_in_reward, cfg.reward.score_clip,
+    return AdvantageSettings(kl_coef, p.kl_estimator, p.kl_clip, p.kl_in_reward,
+                             cfg.reward.score_clip,
                              p.advantage_estimator, p.samples_per_prompt, p.gamma, p.lam,
                              p.whiten_advantages, p.whiten_across_ranks, p.filter_zero_std_groups)
 
@@ -43,7 +45,8 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
     of the response, never whitened; reinforce_pp discounted returns whitened over the global
     batch). Critic-free estimators set returns = None (no value target)."""
     mask = exp.mask
-    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, s.kl_estimator).masked_fill(~mask, 0.0)
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, s.kl_estimator,
+                     s.kl_clip).masked_fill(~mask, 0.0)
     rewards = shape_rewards(exp.scores, kl, mask, s.kl_coef if s.kl_in_reward else 0.0,
                             score_clip=s.score_clip)
     advantages, returns = advantages_for(s.estimator, AdvantageInputs(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine import dist
@@ -30,6 +31,7 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     indices = eval_indices(len(prompts.input_ids), cfg)
     if not indices:
         return {}
+    watchdog.at("evaluation")
     # greedy, one response per prompt (n greedy samples of a prompt would all be the same)
     greedy = cfg.model_copy(update={
         "generation": cfg.generation.model_copy(update={"temperature": 0.0}),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
@@ -54,22 +55,29 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
     statistics go into `acc`; `timed(phase)` wraps each stage."""
     cfg, engines = run.cfg, run.engines
     # step 1. generate the trajectory (this rank's shard of the global batch)
-    with timed("generation"):
+    with _stage(timed, "generation", iteration):
         rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
                                           run.gen_mode, run.eos_ids)
     generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
-    with timed("scoring"):
+    with _stage(timed, "scoring", iteration):
         exp = score(rollout, engines, cfg, run.reward_encode)
     # step 2b. the sampler's log-probs against the trainer's: metrics, importance weights
     exp = rollout_correction(exp, cfg, acc)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
-    with timed("advantages"):
+    with _stage(timed, "advantages", iteration):
         exp = add_advantages(exp, advantage_settings(cfg, kl_coef))
     # step 4. PPO epochs over mini-batches: policy (and value) updates
-    with timed("update"):
+    with _stage(timed, "update", iteration):
         ppo_update(exp, engines, cfg, iteration, acc)
     return exp, generated
+
+
+@contextmanager
+def _stage(timed: PhaseTimer, phase: Phase, iteration: int):
+    """A stage: timed by the caller, and the rank's phase for the watchdog."""
+    with watchdog.phase(phase, iteration), timed(phase):
+        yield
 
 
 # the phases with a time/<phase>_s metric (the advantages take no measurable time)

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
@@ -47,9 +48,12 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
     # thread around it; its answers are checked like a function's
     spec = cfg.reward.function or redact_url(cfg.reward.url)
     timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
+    # reward.timeout_s = null: a call that is never stopped, by the watchdog neither
+    exempt = {"limit_s": None} if cfg.reward.timeout_s is None else {}
     try:
-        scores = call_reward_function(fn, spec, list(rollout.prompts),
-                                      list(rollout.responses), columns, timeout_s)
+        with watchdog.phase("reward call", **exempt):
+            scores = call_reward_function(fn, spec, list(rollout.prompts),
+                                          list(rollout.responses), columns, timeout_s)
     except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
         error = e
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
@@ -81,7 +85,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     else:
         batches, order = _micro_batches(rollout, cfg)
         parts, cuts = [], []
-        for rows in batches:
+        for k, rows in enumerate(batches):
+            watchdog.progress(k)
             ids, am, part_cut = reward_encode(rollout.slice(rows))
             parts.append(engines.reward.scores(ids.to(device), am.to(device)))
             cuts.append(part_cut.to(device))
@@ -105,7 +110,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     batches, order, mine = _model_micro_batches(rollout, cfg)
     packed = cfg.ppo.micro_batch_tokens is not None
     logp, ref_logp, values, entropy = [], [], [], []
-    for rows in batches:
+    for k, rows in enumerate(batches):
+        watchdog.progress(k)
         mb = rollout.slice(rows)
         lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed)
         logp.append(lp)

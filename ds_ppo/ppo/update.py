@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, value_loss
 from ds_ppo.config import Config, grad_accum_steps
 from ds_ppo.containers import Experience
@@ -111,6 +112,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             acc.add_mean("padding/update_positions_per_token",
                          *exp.rollout.positions(batches, packed, len(mine)))
             for step, mb_rows in enumerate(batches):
+                watchdog.progress(step)
                 idle = step >= len(mine)  # idle: no gradient, no statistics
                 boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)
@@ -158,7 +160,8 @@ def micro_batch_step(mb: Experience, engines, cfg: Config, weight: float, bounda
                                     token_weights=pg_weights)
     step_losses = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
-        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div, weights)
+        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div, weights,
+                          clip=p.kl_clip)
         step_losses["loss/kl"] = kl_term.detach()
         pg_loss = pg_loss + p.kl_loss_coef * kl_term
     engines.policy.backward_step(pg_loss * weight, boundary=boundary)

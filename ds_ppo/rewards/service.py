@@ -8,11 +8,12 @@ Contract (one POST per `reward.batch_size` responses, JSON both ways):
     response  200 {"scores": [float, ...]}  one finite number per response, in request order
 
 Each rank posts its own share of the rollout, `reward.concurrency` requests in flight at once.
-A connection error, a timeout (`reward.timeout_s` per request) or a 5xx answer is retried
-`reward.retries` times with exponential back-off, then the job stops with an error naming the
-URL and what came back; a 4xx answer or a malformed body (not JSON, no `scores`, the wrong
-count, a non-number) stops it at once, quoting the body's start. User and password in the URL
-are sent (HTTP basic auth, by requests) but never printed or logged: see `redact_url`.
+A connection error, a timeout (`reward.timeout_s` for the whole request: connecting, sending and
+the answer's last byte, `ds_ppo.http_deadline`) or a 5xx answer is retried `reward.retries`
+times with exponential back-off, then the job stops with an error naming the URL and what came
+back; a 4xx answer, an answer over MAX_ANSWER_BYTES (8 MiB) or a malformed body (not JSON, no
+`scores`, the wrong count, a non-number) stops it at once, quoting the body's start. User and
+password in the URL are sent (HTTP basic auth) but never printed or logged: see `redact_url`.
 
 On several ranks a call also has a deadline (`deadline_s`, set from dist_timeout_minutes): the
 ranks agree on the scores' outcome with a collective, so a rank whose requests keep failing
@@ -21,6 +22,7 @@ fail on its timeout without it. Attempts and back-off are shortened to fit the d
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import queue
@@ -30,7 +32,9 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from ds_ppo import watchdog
 from ds_ppo.errors import RewardError
+from ds_ppo.http_deadline import AnswerTooLarge, Connection, HttpTimeout
 from ds_ppo.redaction import redact_url
 
 BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
@@ -59,8 +63,10 @@ class RewardService:
 
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
                  timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None,
+                 max_answer_bytes: int = MAX_BODY_BYTES) -> None:
         self.url, self.shown = url, redact_url(url)
+        self.max_answer_bytes = max_answer_bytes
         self.deadline_s = deadline_s
         self.batch_size, self.concurrency, self.timeout_s = batch_size, concurrency, timeout_s
         self.max_retries, self.backoff_s = retries, backoff_s
@@ -123,20 +129,17 @@ class RewardService:
             raise RuntimeError(f"reward.url = {self.shown}: a request got no answer")
         return results  # type: ignore[return-value]
 
-    def _take_session(self):
-        import requests
-
+    def _take_session(self) -> Connection:
         try:
             return self._sessions.get_nowait()
         except queue.Empty:
-            return requests.Session()
+            return Connection(self.url)
 
     def _post(self, payload: dict[str, Any], session, failed: threading.Event,
               end: float | None = None) -> Answer:
         """One request with its retries (none once another request of the call `failed`, none
-        past the call's deadline `end`, a time.monotonic() value)."""
-        import requests
-
+        past the call's deadline `end`, a time.monotonic() value). Each attempt counts as the
+        rank's progress for the watchdog."""
         body = json.dumps(payload, default=str).encode()
         expected = len(payload["responses"])
         what = "no attempt fitted in the call's deadline"
@@ -153,45 +156,31 @@ class RewardService:
                 if left <= 0:
                     raise self._out_of_time(what)
                 timeout = left if timeout is None else min(timeout, left)
-            try:
-                r = session.post(self.url, data=body, timeout=timeout, stream=True,
-                                 headers={"Content-Type": "application/json"})
-                text = self._read_body(r)
-            except requests.Timeout:
+            watchdog.progress()
+            try:  # the whole request, to the answer's last byte, within `timeout`
+                r = session.post(body, timeout, max_bytes=self.max_answer_bytes)
+            except HttpTimeout:
                 what = (f"no answer within reward.timeout_s = {self.timeout_s} s"
                         if timeout == self.timeout_s else
                         f"no answer within the {timeout:.1f} s left before the deadline")
                 continue
-            except requests.RequestException as err:
-                what = f"{type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
+            except AnswerTooLarge as err:
+                raise self._error(f"answered {err}; refused unread", "return a {\"scores\": [...]} body") from None
+            except (OSError, http.client.HTTPException) as err:
+                what = f"ConnectionError: {type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
                 continue
-            if r.status_code >= 500:
-                what = f"HTTP {r.status_code}: {self._quote(text)}"
+            if r.status >= 500:
+                what = f"HTTP {r.status}: {self._quote(r.text)}"
                 continue
-            if r.status_code != 200:
-                raise self._error(f"answered HTTP {r.status_code}: {self._quote(text)}",
+            if r.status != 200:
+                raise self._error(f"answered HTTP {r.status}: {self._quote(r.text)}",
                                   "check the request format (README: reward service contract) "
                                   "and the service's log")
-            return Answer(self._parse(text, expected), attempt)
+            return Answer(self._parse(r.text, expected), attempt)
         raise self._error(f"failed {self.max_retries + 1} times (reward.retries = "
                           f"{self.max_retries}); last: {what}",
                           "check that the service is up and answers within reward.timeout_s, "
                           "or raise reward.retries / reward.timeout_s")
-
-    def _read_body(self, r) -> str:
-        """The answer's body as text, decompressed (gzip, deflate) a chunk at a time and cut off
-        past MAX_BODY_BYTES: a small compressed answer may expand to gigabytes."""
-        chunks, size = [], 0
-        for chunk in r.iter_content(2**16):  # read to the end: the connection is reused
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                r.close()
-                raise self._error(
-                    f"answered a body larger than {MAX_BODY_BYTES // 2**20} MiB once "
-                    f"decompressed (Content-Encoding: {r.headers.get('Content-Encoding')}); "
-                    "refused unread", "return a {\"scores\": [...]} body")
-            chunks.append(chunk)
-        return b"".join(chunks).decode(r.encoding or "utf-8", errors="replace")
 
     def _out_of_time(self, what: str) -> RewardServiceError:
         return self._error(f"did not answer within the call's deadline of {self.deadline_s:.0f} s "

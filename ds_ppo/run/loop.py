@@ -6,11 +6,13 @@ import logging
 import math
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
@@ -78,6 +80,7 @@ def train(cfg: Config) -> TrainResult:
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
+    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
     status, unregistered = "FAILED", None
     # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
@@ -89,8 +92,10 @@ def train(cfg: Config) -> TrainResult:
                 exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
                                        kl_ctl.value, acc, metric_timer(acc))
                 # step 5. metrics, reduced across ranks; KL controller; logging
+                watchdog.at("metrics", iteration)
                 metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
-                                            cfg.ppo.samples_per_prompt)
+                                            cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
+                                            cfg.ppo.kl_clip)
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
                     metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
                                             eos_ids, reward_encode))
@@ -115,7 +120,8 @@ def train(cfg: Config) -> TrainResult:
             result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
                                                                 result.last_checkpoint)
             # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            unregistered = _register_at_end(cfg, tracker, result, state.iteration)
+            with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
+                unregistered = _register_at_end(cfg, tracker, result, state.iteration)
             status = "FINISHED"
         except RewardError as e:  # reward function or service failed: keep the last iteration
             raise _stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
@@ -123,7 +129,12 @@ def train(cfg: Config) -> TrainResult:
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
+        except Exception as e:
+            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
+                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
+            raise
         finally:
+            dog.stop()
             tracker.close(status)
     if unregistered is not None:
         raise unregistered
@@ -142,9 +153,20 @@ def _register_at_end(cfg: Config, tracker, result: TrainResult,
     return None
 
 
+def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
+    """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
+    from ds_ppo.config import watchdog_limit_s
+
+    token = dist.broadcast_object(uuid.uuid4().hex if dist.is_main() else None)  # collective
+    return watchdog.install(watchdog.Watchdog(
+        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
+        run_token=token)).start()
+
+
 def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                               cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
+    with watchdog.phase("save", state.iteration):
+        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
     if dist.is_main():
         log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
     return path
@@ -349,8 +371,9 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         export_dir = str(out / "final")
         # written aside and renamed into place; marked as ds_ppo's: `ds-ppo export --out
         # output_dir/final` may replace it
-        export_final(engines.policy, tokenizer, out / "final",
-                     DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}")
+        with watchdog.phase("export", state.iteration):
+            export_final(engines.policy, tokenizer, out / "final",
+                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}")
         if dist.is_main():
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)

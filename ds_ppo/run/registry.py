@@ -141,20 +141,33 @@ def _register(cfg: Config, tracker, name: str, model_dir: Path, iteration: int,
         tags["flavor"] = _log_model(client, run_id, model_dir, path, Path(cfg.output_dir))
     else:
         tags["export_dir"] = str(model_dir)
-        client.log_dict(run_id, {"export_dir": str(model_dir), "format": "huggingface",
-                                 "load": "AutoModelForCausalLM.from_pretrained(export_dir)"},
-                        f"{path}/reference.json")
+        _bounded(lambda: client.log_dict(
+            run_id, {"export_dir": str(model_dir), "format": "huggingface",
+                     "load": "AutoModelForCausalLM.from_pretrained(export_dir)"},
+            f"{path}/reference.json"), "logging the reference")
     try:
-        client.create_registered_model(name)
+        _bounded(lambda: client.create_registered_model(name), "creating the registered model")
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    version = client.create_model_version(
+    version = _bounded(lambda: client.create_model_version(
         name, f"runs:/{run_id}/{path}", run_id=run_id, tags=tags,
-        description=f"ds_ppo policy after iteration {iteration} ({model_dir})")
+        description=f"ds_ppo policy after iteration {iteration} ({model_dir})"),
+        "creating the model version")
     log.info("registered the policy of iteration %d as %s version %s%s", iteration, name,
              version.version, "" if cfg.tracking.register_copy else f" (by reference: {model_dir})")
     return version
+
+
+# Whole-call deadline of each registry metadata call (a server that answers a byte at a time
+# defeats MLflow's per-read MLFLOW_HTTP_REQUEST_TIMEOUT); the model upload itself is not bounded
+REGISTRY_CALL_S = 120.0
+
+
+def _bounded(fn, what: str):
+    from ds_ppo.http_deadline import call_within
+
+    return call_within(fn, REGISTRY_CALL_S, f"the MLflow registry call {what}")
 
 
 def _log_model(client, run_id: str, model_dir: Path, path: str, scratch: Path) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_ppo.algo import explained_variance, group_score_stats, log_ratio_clamped
+from ds_ppo.algo import explained_variance, group_score_stats, kl_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator, std_from_moments
@@ -23,8 +23,10 @@ log = logging.getLogger("ds_ppo")
 
 
 def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
-                       t_iter: float, group_size: int = 1) -> dict[str, float]:
-    """Add this iteration's rollout statistics to `acc` and reduce everything across ranks."""
+                      t_iter: float, group_size: int = 1, kl_estimator: str = "k1",
+                      kl_clip: float | None = None) -> dict[str, float]:
+    """Add this iteration's rollout statistics to `acc` and reduce everything across ranks
+    (kl_estimator, kl_clip: ppo.kl_estimator and ppo.kl_clip, for kl/clamped_frac)."""
     mask = exp.mask.float()
     n = float(len(exp))
     scores = exp.scores.float()
@@ -36,8 +38,8 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     seq_kl = (exp.kl * mask).sum(1)
     acc.add_mean("kl/sequence_mean", float(seq_kl.sum()), n)
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
-    acc.add_tensor_mean("kl/clamped_frac",
-                        log_ratio_clamped(exp.old_logprobs - exp.ref_logprobs).float(), mask)
+    acc.add_tensor_mean("kl/clamped_frac", kl_clamped(exp.old_logprobs, exp.ref_logprobs,
+                                                      kl_estimator, kl_clip).float(), mask)
     acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)
     acc.add_mean("response/length_mean", float(lengths.sum()), n)

@@ -248,3 +248,36 @@ def test_registering_a_checkpoint_does_not_hold_other_ranks_in_a_collective(monk
     assert registry.register_at_checkpoint(cfg, None, ckpt, 3, []) is None  # not due
     assert calls == [(ckpt.parent, f"registering {ckpt} in the MLflow model registry")]
     assert registered == [2]
+
+
+def test_a_registry_call_that_never_finishes_is_given_up_with_a_warning(tmp_path, monkeypatch,
+                                                                         caplog):
+    """MLflow's own HTTP client bounds each read only: a registry server that drips its answer
+    would hold the end of a finished run. Each metadata call has a whole-call deadline
+    (REGISTRY_CALL_S); past it the registration is a warning (the export is on disk)."""
+    import threading
+    import time
+    import types
+
+    from ds_ppo.run import registry
+
+    class DrippingClient:
+        def log_dict(self, *a, **kw):
+            pass
+
+        def create_registered_model(self, name):
+            pass
+
+        def create_model_version(self, *a, **kw):
+            threading.Event().wait()  # the answer never completes
+
+    monkeypatch.setattr(registry, "REGISTRY_CALL_S", 0.5)
+    monkeypatch.setattr(registry, "_is_main", lambda: True)
+    cfg = load_config(None, ["tracking.register_model=tiny", "tracking.register_copy=false"])
+    tracker = types.SimpleNamespace(client=DrippingClient(), run_id="r1")
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="ds_ppo"):
+        assert registry.register_policy(cfg, tracker, tmp_path, 3) is None
+    assert time.monotonic() - t0 < 3
+    assert "the MLflow registry call creating the model version did not finish within 0.5 s" \
+        in caplog.text

@@ -1,0 +1,189 @@
+"""The watchdog (ds_ppo/watchdog.py) in process: a fake store, an exit that records its code.
+
+The real thing (two gloo ranks, one stopped with SIGSTOP, the other's line, exit code and the
+resume) is tests/dist/test_watchdog_dist.py.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from ds_ppo import watchdog
+from ds_ppo.watchdog import EXIT_HANG, Watchdog
+
+
+class Exited(BaseException):
+    pass
+
+
+class FakeStore:
+    """set/get/check of a dict, as a TCPStore client; `frozen` makes every call block forever
+    (a store whose host, rank 0, is stopped)."""
+
+    def __init__(self):
+        self.data, self.frozen = {}, threading.Event()
+
+    def _wait(self):
+        if self.frozen.is_set():
+            threading.Event().wait()  # never returns (a daemon thread: abandoned)
+
+    def set(self, key, value):
+        self._wait()
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        self._wait()
+        return self.data[key]
+
+    def check(self, keys):
+        self._wait()
+        return all(k in self.data for k in keys)
+
+    def add(self, key, n):
+        self._wait()
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+
+def run_until_exit(dog: Watchdog, timeout: float = 10.0) -> list[int]:
+    """Start `dog` with an exit that records the code; wait for it."""
+    codes: list[int] = []
+    done = threading.Event()
+
+    def record(code):
+        codes.append(code)
+        done.set()
+        threading.Event().wait()  # os._exit never returns: the (daemon) thread stays here
+    dog._exit = record
+    dog.start()
+    return codes if done.wait(timeout) else []
+
+
+def test_a_stuck_phase_names_itself_and_the_rank_that_did_not_arrive(tmp_path, capsys):
+    store = FakeStore()
+    # rank 1 beat once from "generation" and then stopped (SIGSTOP: its beat never moves)
+    store.set("ds_ppo_watchdog/beat/1", json.dumps({"seq": 3, "phase": "generation",
+                                                    "iteration": 7, "micro": None, "idle_s": 0}))
+    # rank 2 beats on, in the same phase as rank 0 (it waits too)
+    stop = threading.Event()
+
+    def rank2():
+        n = 0
+        while not stop.wait(0.05):
+            n += 1
+            store.set("ds_ppo_watchdog/beat/2", json.dumps(
+                {"seq": n, "phase": "update", "iteration": 7, "micro": 2, "idle_s": 0}))
+    threading.Thread(target=rank2, daemon=True).start()
+    dog = Watchdog(0.6, rank=0, world_size=3, store=store, out_dir=tmp_path, beat_s=0.1)
+    t0 = time.monotonic()
+    with dog.phase("update", 7):
+        dog.progress(2)
+        codes = run_until_exit(dog)
+    stop.set()
+    assert codes == [EXIT_HANG] and time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "watchdog" in ln]
+    assert len(line) == 1, err
+    assert "rank 0 in update (iteration 7, micro-batch 2): no progress for" in line[0]
+    assert "did not arrive: rank 1 (last in generation (iteration 7))" in line[0]
+    assert "rank 2" not in line[0]  # alive, in the same phase: waiting like rank 0
+    assert f"exit {EXIT_HANG}" in line[0] and "resume" in line[0]
+    stacks = (tmp_path / "hang-0.txt").read_text()
+    assert "did not arrive: rank 1" in stacks and "Thread" in stacks and "test_watchdog" in stacks
+    assert store.data["ds_ppo_watchdog/hang"] == b"0"  # the other ranks stop with it
+
+
+def test_progress_keeps_it_quiet_and_exempt_phases_have_no_limit(tmp_path):
+    dog = Watchdog(0.4, out_dir=tmp_path, beat_s=0.05)
+    codes: list[int] = []
+    dog._exit = codes.append
+    dog.start()
+    with dog.phase("update", 1):
+        for k in range(6):  # 0.6 s of micro-batches, each well inside the limit
+            dog.progress(k)
+            time.sleep(0.1)
+    with dog.phase("registering the policy", limit_s=None):
+        time.sleep(0.6)
+    dog.stop()
+    assert codes == []
+
+
+def test_a_hang_declared_by_another_rank_stops_this_one(tmp_path, capsys):
+    store = FakeStore()
+    dog = Watchdog(60.0, rank=1, world_size=2, store=store, out_dir=tmp_path, beat_s=0.05)
+    store.set("ds_ppo_watchdog/beat/0", json.dumps({"seq": 1, "phase": "scoring",
+                                                    "iteration": 2, "micro": 0, "idle_s": 0}))
+    store.set("ds_ppo_watchdog/hang", "0")
+    with dog.phase("scoring", 2):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG]
+    err = capsys.readouterr().err
+    assert "rank 1 in scoring (iteration 2): rank 0 saw a hang" in err
+    assert (tmp_path / "hang-1.txt").exists()
+
+
+def test_a_stopped_store_host_is_named_and_does_not_hang_the_watchdog(tmp_path, capsys):
+    """Rank 0 holds the TCPStore: stopped, every store call waits forever (its client has no
+    read timeout); the watchdog gives each call up and still reports, in bounded time."""
+    store = FakeStore()
+    dog = Watchdog(0.5, rank=1, world_size=2, store=store, out_dir=tmp_path, beat_s=0.1,
+                   store_timeout_s=0.3)
+    store.frozen.set()
+    t0 = time.monotonic()
+    with dog.phase("generation", 4):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG] and time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert "rank 1 in generation (iteration 4)" in err
+    assert "the job's store (on rank 0's node) does not answer: rank 0 is stopped or gone" in err
+
+
+def test_the_process_record_is_a_no_op_without_a_thread():
+    with watchdog.phase("scoring", 3):
+        watchdog.progress(1)
+        phase, idle = watchdog.current()._current()
+        assert (phase.name, phase.iteration, phase.micro) == ("scoring", 3, 1) and idle < 1
+    watchdog.at("metrics", 3)
+    with watchdog.phase("save"):  # the iteration of the loop's record
+        assert watchdog.current()._current()[0].where() == "save (iteration 3)"
+
+
+def test_a_slower_rank_that_still_progresses_is_waited_for(tmp_path, capsys):
+    """Rank 0 waits (in a collective) past its limit while rank 1 still works (its progress
+    moves the shared counter): no alarm until rank 1 stops too."""
+    store = FakeStore()
+    works_until = time.monotonic() + 1.0
+
+    def rank1():
+        n = 0
+        while time.monotonic() < works_until:
+            n += 1
+            store.set("ds_ppo_watchdog/beat/1", json.dumps(
+                {"seq": n, "phase": "generation", "iteration": 5, "micro": n, "idle_s": 0}))
+            store.add("ds_ppo_watchdog/alive", 1)
+            time.sleep(0.1)
+    threading.Thread(target=rank1, daemon=True).start()
+    dog = Watchdog(0.3, rank=0, world_size=2, store=store, out_dir=tmp_path, beat_s=0.1)
+    with dog.phase("scoring", 5):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG] and time.monotonic() > works_until
+    assert "did not arrive: rank 1 (last in generation (iteration 5, micro-batch" \
+        in capsys.readouterr().err
+
+
+def test_collective_failures_are_told_apart_from_other_errors():
+    """What the loop hands to the watchdog instead of printing a bare gloo/NCCL traceback."""
+    import torch.distributed as tdist
+
+    from ds_ppo.engine.dist import is_collective_failure
+
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:7372")
+    timeout = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+               "120000ms for recv operation to complete")
+    assert is_collective_failure(RuntimeError(gloo))
+    assert is_collective_failure(RuntimeError(timeout))
+    assert is_collective_failure(tdist.DistBackendError("NCCL watchdog timeout"))
+    assert not is_collective_failure(RuntimeError("shape mismatch"))
+    assert not is_collective_failure(ValueError("Connection closed by peer"))
