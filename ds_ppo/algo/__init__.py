@@ -22,7 +22,7 @@ from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_
 from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
                  KLEstimator, kl_estimate, log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
-from .losses import policy_loss, value_loss
+from .losses import lm_loss, policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, response_mask
 from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
                       packed_layout, response_predictors, token_budget_batches, unpack)
@@ -40,6 +40,7 @@ __all__ = [
     "group_advantages",
     "group_score_stats",
     "kl_loss",
+    "lm_loss",
     "loss_divisor",
     "loss_token_weights",
     "AdaptiveKLController",

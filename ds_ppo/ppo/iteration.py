@@ -14,6 +14,7 @@ import torch
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
+from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.rollout import make_rollout
@@ -42,6 +43,7 @@ class IterationInputs:
     gen_mode: str  # generation mode (engine.generation.choose_mode)
     eos_ids: list[int]  # the ids that end a response (rollout.stop_token_ids)
     reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
+    ptx: PtxStream | None = None  # PPO-ptx rows per mini-batch (ppo.ptx_coef); None: off
 
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
@@ -64,7 +66,7 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
         exp = add_advantages(exp, cfg, kl_coef)
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with timed("update"):
-        ppo_update(exp, engines, cfg, iteration, acc)
+        ppo_update(exp, engines, cfg, iteration, acc, run.ptx)
     return exp, generated
 
 
