@@ -684,3 +684,15 @@ def test_algo_modules_import_only_torch():
             words = line.split()
             if len(words) >= 2 and words[0] in ("import", "from") and not words[1].startswith("."):
                 assert words[1].split(".")[0] in allowed, f"{path.name}: {line}"
+
+
+def test_lm_loss_is_the_masked_nll_over_the_given_token_count():
+    from ds_ppo.algo import lm_loss
+
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, float("nan"), 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert float(lm_loss(logprobs, mask)) == pytest.approx(3.5 / 3)  # this batch's tokens
+    assert float(lm_loss(logprobs, mask, num_tokens=7.0)) == pytest.approx(3.5 / 7)
+    lp = logprobs.clone().requires_grad_()
+    lm_loss(lp, mask, num_tokens=7.0).backward()
+    assert lp.grad.tolist() == [[-1 / 7, -1 / 7, 0.0], [-1 / 7, 0.0, 0.0]]  # masked: exactly 0
