@@ -192,12 +192,10 @@ PTX_KEYS = LOSS_KEYS + ("loss/ptx", "ema/distance")
 
 def test_ptx_and_ema_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
     """ppo.ptx_coef: the LM loss is a token mean over the global mini-batch's ptx rows, so the
-    update (and the EMA that follows it) is the same at one and two ranks and for any
-    micro-batch split."""
+    update (and the EMA that follows it, each rank its own ZeRO-3 partitions) is the same at
+    one and two ranks (its micro-batch split: tests/stages/test_recipe_extras.py)."""
     one, two = one_rank["zero3_ptx_ema"], two_ranks["zero3_ptx_ema"]
     assert not _close(one, two, keys=PTX_KEYS)
-    assert not _close(two, two_ranks["zero3_ptx_ema_micro2"], keys=PTX_KEYS)
-    assert not _close(one, one_rank["zero3_ptx_ema_micro2"], keys=PTX_KEYS)
     assert one["loss/ptx"] > 1.0 and one["ema/distance"] > 0
     # and ptx changes the update: the second step's policy loss differs from the plain run's
     assert one["policy/approx_kl"] != one_rank["zero3_micro4"]["policy/approx_kl"]

@@ -417,11 +417,9 @@ def main() -> None:
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
             "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
-        # the RLHF recipe's extras (issue 27): PPO-ptx with the EMA, micro 4 and 2; the critic
-        # from a reward model's export
+        # the RLHF recipe's extras (issue 27): PPO-ptx with the EMA; the critic from a reward
+        # model's export
         "zero3_ptx_ema": lambda: ptx_ema_update(work, "z3ptx", ["ppo.micro_batch_size=4"]),
-        "zero3_ptx_ema_micro2": lambda: ptx_ema_update(work, "z3ptx2",
-                                                       ["ppo.micro_batch_size=2"]),
         "value_from_rm": lambda: value_from_reward_model(work),
     }
     for name, fn in scenarios.items():
