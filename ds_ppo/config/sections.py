@@ -298,7 +298,7 @@ class PPOConfig(Section):
         "policy generates but takes no optimizer step (OpenRLHF's freezing_actor_steps, verl's "
         "critic_warmup), so a critic started from a reward model or the policy learns the "
         "returns before its advantages steer the policy. They count towards `iterations` and "
-        "use prompts like any other; metric critic_warmup is 1 in them.")
+        "use prompts like any other; metric value/warmup is 1 in them.")
     ptx_coef: float = Field(
         0.0, ge=0, description="PPO-ptx (InstructGPT, Ouyang et al. 2022, eq. 2): weight of a "
         "language-modelling loss on data.ptx_path's rows added to the policy loss in every "

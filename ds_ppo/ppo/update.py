@@ -85,7 +85,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     train_policy = not critic_warmup(cfg, iteration)
     ptx = ptx if train_policy and p.ptx_coef > 0 else None
     if critic_warmup(cfg, 1):  # a run with a warm-up says which iterations are
-        acc.add_replicated("critic_warmup", 0.0 if train_policy else 1.0)
+        acc.add_replicated("value/warmup", 0.0 if train_policy else 1.0)
     engines.policy.train()
     if critic is not None:
         critic.train()

@@ -6,12 +6,13 @@ uninterrupted run's, EMA distance included."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import SMALL, read_metrics, run_cli
+from conftest import REPO, SMALL, read_metrics, run_cli
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/")
 WARMUP = 2
@@ -53,9 +54,12 @@ def test_critic_warmup_leaves_the_policy_and_trains_the_value(full_run):
     _, full, _ = full_run
     rows = read_metrics(full)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]  # warm-up iterations count
-    assert [r["critic_warmup"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
+    assert [r["value/warmup"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
     assert ["loss/policy" in r or "loss/ptx" in r for r in rows] == [False, False, True, True]
     assert all(r["loss/ptx"] > 0 for r in rows[WARMUP:])
+    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`",
+                                (REPO / "docs" / "METRICS.md").read_text()))
+    assert set(rows[-1]) - {"iteration"} <= documented, set(rows[-1]) - documented
     # the EMA equals the weights until the policy's first step, then lags behind them
     assert [r["ema/distance"] > 0 for r in rows] == [False, False, True, True]
     init = load_file(full / "init_models" / "policy" / "model.safetensors")

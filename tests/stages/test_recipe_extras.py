@@ -245,12 +245,12 @@ def test_critic_warmup_trains_the_value_model_only():
         update.ppo_update(_experience(cfg, engines), engines, cfg, iteration, acc)
         m = acc.reduce()
         policy_grads = [g for g in _grads(fakes.policy.module).values() if g is not None]
-        assert m["critic_warmup"] == float(warm)
+        assert m["value/warmup"] == float(warm)
         assert ("loss/policy" in m) is not warm and "loss/value" in m
         assert (not policy_grads) is warm  # in the warm-up no backward reaches the policy
         assert any(g is not None and g.abs().max() > 0 for g in _grads(fakes.value.module).values())
         assert len(steps) == (0 if warm else 1)  # the EMA follows policy steps only
-    assert "critic_warmup" not in _metrics_without_warmup()
+    assert "value/warmup" not in _metrics_without_warmup()
 
 
 def _metrics_without_warmup():
