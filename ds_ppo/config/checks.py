@@ -34,7 +34,8 @@ def optimizer_steps(cfg: Config, role: str = "value") -> int:
 
 def critic_warmup(cfg: Config, iteration: int) -> bool:
     """Iteration `iteration` (1-based) trains the value model only (ppo.critic_warmup_iterations)."""
-    return cfg.ppo.uses_critic and iteration <= cfg.ppo.critic_warmup_iterations
+    warmup = cfg.ppo.critic_warmup_iterations
+    return cfg.ppo.uses_critic and warmup > 0 and iteration <= warmup
 
 
 def value_init_source(cfg: Config) -> str:

@@ -101,12 +101,14 @@ class ParamEMA:
         with torch.no_grad():
             for p, s in zip(self.params, self.shadow):
                 _local(p).copy_(s)
+        _refresh_gathered(self.params)
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, w in zip(self.params, saved):
                     _local(p).copy_(w)
+            _refresh_gathered(self.params)
 
     # --------------------------------------------------------------------- checkpoints
     def save(self, directory: Path) -> None:
@@ -132,6 +134,25 @@ class ParamEMA:
                     raise KeyError(f"{name} has no EMA in {directory}")
                 _fill(s, _offset(p), _numel(p), [(int(st[f"at.{name}"][0]), st[f"ema.{name}"])
                                                  for st in states])
+
+
+def _refresh_gathered(params: list[torch.nn.Parameter]) -> None:
+    """After a write into ZeRO-3 partitions: parameters whose whole copy is materialised (those
+    below stage3_param_persistence_threshold stay gathered between steps, as the optimizer
+    re-gathers them after its step) are released and the persistent ones gathered again from
+    the new partitions. Collective under ZeRO-3 (every rank holds the same parameters)."""
+    partitioned = [p for p in params if getattr(p, "ds_tensor", None) is not None]
+    if not partitioned:  # no ZeRO-3: the weights are the storage
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    stale = [p for p in partitioned if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if not stale:
+        return
+    stale[0].partition(stale)  # frees each whole copy, keeps the partitions
+    persistent = [p for p in stale if getattr(p, "ds_persist", False)]
+    if persistent:
+        persistent[0].all_gather(persistent)
 
 
 def _fill(target: torch.Tensor, start: int, numel: int,

@@ -205,3 +205,10 @@ def test_value_model_from_a_reward_model_export(one_rank, two_ranks):
     for res in (one_rank["value_from_rm"], two_ranks["value_from_rm"]):
         assert res["max_diff"] < 1e-5, res
         assert len(set(res["scores"])) == 3  # three different rows, three different scores
+
+
+def test_ema_on_zero3_swaps_in_the_assembled_partitions_and_back(one_rank, two_ranks):
+    for res in (one_rank["ema_swap"], two_ranks["ema_swap"]):
+        assert res["swapped_wrong"] == [] and res["ema_differs"], res
+        assert res["persistent"] > 0  # norms stay gathered on ZeRO-3: refreshed too
+        assert res["restored"] and res["reloaded_equal"]

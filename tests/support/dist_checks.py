@@ -123,6 +123,59 @@ def ptx_ema_update(work: Path, name: str, extra: list[str]) -> dict:
                                              "policy.ema_decay=0.5"], PTX_KEYS)
 
 
+def ema_swap(work: Path) -> dict:
+    """policy.ema_decay on ZeRO-3 (forced, also on one rank): one iteration through the stages,
+    then the EMA swapped in is, gathered, the EMA assembled from every rank's pieces (persistent
+    small parameters, norms, included), and swapped out the weights are back bit for bit; a
+    fresh EMA loaded from a save equals it."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.ema import ParamEMA
+    from ds_ppo.engine.roles import init_engines
+
+    cfg = cfg_for(work, "ema", ["iterations=1", "policy.ema_decay=0.5",
+                                "deepspeed.policy.zero_stage=3"])
+    tok = load_tokenizer("builtin:tiny", work / "ema")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    ema = engines.policy.ema
+    _stages(cfg, engines, tok, 0, "gathered")
+    after = gathered(engines.policy.module)
+    pieces = dist.gather_objects([(n, int(st[f"at.{n}"][0]), st[f"ema.{n}"])
+                                  for st in [_ema_state(ema)] for n in ema.names])
+    full = {}
+    for rank_pieces in pieces:
+        for name, offset, t in rank_pieces:
+            full.setdefault(name, []).append((offset, t.reshape(-1)))
+    with ema.swapped_in():
+        swapped = gathered(engines.policy.module)
+    back = gathered(engines.policy.module)
+    wrong = []
+    for name, parts in full.items():
+        flat = torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])])
+        want = flat[:after[name].numel()].view_as(after[name])
+        if not torch.equal(swapped[name], want):
+            wrong.append(name)
+    (work / "ema_save").mkdir(exist_ok=True)
+    ema.save(work / "ema_save")
+    dist.barrier()
+    other = ParamEMA(engines.policy.module, 0.5)
+    other.load(work / "ema_save", same_world=True)
+    persistent = [n for n, p in engines.policy.module.named_parameters()
+                  if getattr(p, "ds_persist", False)]
+    return {"swapped_wrong": wrong, "persistent": len(persistent),
+            "restored": all(torch.equal(after[k], back[k]) for k in after),
+            "ema_differs": any(not torch.equal(after[k], swapped[k]) for k in after),
+            "reloaded_equal": all(torch.equal(a, b) for a, b in zip(ema.shadow, other.shadow))}
+
+
+def _ema_state(ema) -> dict:
+    """This rank's EMA as `save` writes it (names, offsets, pieces)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ema.save(Path(d))
+        return torch.load(next(Path(d).glob("rank_*.pt")), weights_only=True)
+
+
 def value_from_reward_model(work: Path) -> dict:
     """value.path = a reward model's export (LlamaForSequenceClassification, num_labels 1) with
     the same model as reward.model, on ZeRO-3: before any training, the value model's value
@@ -421,6 +474,7 @@ def main() -> None:
         # model's export
         "zero3_ptx_ema": lambda: ptx_ema_update(work, "z3ptx", ["ppo.micro_batch_size=4"]),
         "value_from_rm": lambda: value_from_reward_model(work),
+        "ema_swap": lambda: ema_swap(work),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):
