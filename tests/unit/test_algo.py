@@ -372,7 +372,7 @@ def test_gae_blocked_matches_loop(T, block, gamma, lam):
 def test_gae_above_threshold_is_blocked_and_equal():
     import importlib
 
-    gae_module = importlib.import_module("ds_ppo.algo.gae")  # the name gae is the function
+    gae_module = importlib.import_module("ds_ppo.algo.returns")
     T = gae_module.BLOCKED_ABOVE + 77
     gen = torch.Generator().manual_seed(5)
     mask = random_prefix_mask(3, T, gen)
