@@ -184,7 +184,7 @@ def _experience(cfg, engines):
     responses = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (4, 1, 6, 3)]
     with torch.no_grad():
         exp = scoring.score(_padded_rollout(prompts, responses, P=6, T=7), engines, cfg, None)
-        return advantages.add_advantages(exp, cfg, 0.1)
+        return advantages.add_advantages(exp, advantages.advantage_settings(cfg, 0.1))
 
 
 def _grads(module):
