@@ -25,7 +25,8 @@ def _comparable(row: dict) -> dict:
 def _args(out, ptx, iterations: int = 4) -> list[str]:
     return ["train", *SMALL, f"iterations={iterations}", "checkpoint.every=1", "checkpoint.keep_last=4",
             f"ppo.critic_warmup_iterations={WARMUP}", "policy.ema_decay=0.8",
-            "ppo.ptx_coef=0.2", f"data.ptx_path={ptx}", f"output_dir={out}"]
+            "ppo.ptx_coef=0.2", f"data.ptx_path={ptx}", f"output_dir={out}",
+            "checkpoint.export_at_end=true"]
 
 
 def _rewound(full, target, iteration: int):
@@ -72,6 +73,12 @@ def test_critic_warmup_leaves_the_policy_and_trains_the_value(full_run):
     assert any(not (weights(WARMUP + 1)[k] == init[k]).all() for k in init)
     value1, value2 = weights(1, "hf_value"), weights(2, "hf_value")
     assert any(not (value1[k] == value2[k]).all() for k in value1)  # the value model trains
+    # the EMA's export beside the policy's: a plain HF model, not the trained weights
+    from transformers import AutoModelForCausalLM
+
+    final, ema = (load_file(full / d / "model.safetensors") for d in ("final", "final_ema"))
+    assert final.keys() == ema.keys() and any(not (final[k] == ema[k]).all() for k in final)
+    AutoModelForCausalLM.from_pretrained(full / "final_ema")
 
 
 @pytest.mark.parametrize("at", [1, 3])
