@@ -54,6 +54,7 @@ _EXPORTS = {
     "kl_loss": "aggregation",
     "KLEstimator": "kl",
     "last_valid_index": "masks",
+    "lm_loss": "losses",
     "LOG_RATIO_CLAMP": "kl",
     "log_ratio_clamped": "kl",
     "logprobs_from_logits": "logits",

@@ -171,3 +171,15 @@ def value_loss(
     with torch.no_grad():
         stats = {"vf_clip_frac": clip_frac, "values_mean": masked_mean(values, mask)}
     return loss, stats
+
+
+def lm_loss(logprobs: torch.Tensor, mask: torch.Tensor,
+            num_tokens: float | None = None) -> torch.Tensor:
+    """Language-modelling loss of PPO-ptx (Ouyang et al. 2022, "Training language models to
+    follow instructions with human feedback", eq. 2: the objective adds
+    gamma x E_{x ~ D_pretrain}[log pi(x)]), negated to be minimised: the negative log-likelihood
+    of the masked tokens, -sum(logprobs) / num_tokens (`_reduce`'s normalisation: None = this
+    micro-batch's token mean; the global mini-batch's ptx token count makes accumulated
+    micro-batch gradients one token mean over all ranks). `logprobs` (B, T) of the target
+    tokens at temperature 1."""
+    return _reduce(-_zero_outside(logprobs, mask), mask, num_tokens)

@@ -19,11 +19,38 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def optimizer_steps(cfg: Config) -> int:
-    """Optimizer steps of the whole run (each role): iterations x epochs x mini-batches."""
+def steps_per_iteration(cfg: Config) -> int:
+    """Optimizer steps of one iteration (each trained role): epochs x mini-batches."""
     p = cfg.ppo
-    return cfg.iterations * p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt
-                                            // p.mini_batch_size)
+    return p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt // p.mini_batch_size)
+
+
+def optimizer_steps(cfg: Config, role: str = "value") -> int:
+    """Optimizer steps of the whole run of `role`: iterations x epochs x mini-batches; the
+    policy takes none in the ppo.critic_warmup_iterations (its LR schedule spans the rest)."""
+    iterations = cfg.iterations
+    if role == "policy":
+        iterations = max(1, iterations - cfg.ppo.critic_warmup_iterations)
+    return iterations * steps_per_iteration(cfg)
+
+
+def critic_warmup(cfg: Config, iteration: int) -> bool:
+    """Iteration `iteration` (1-based) trains the value model only (ppo.critic_warmup_iterations)."""
+    warmup = cfg.ppo.critic_warmup_iterations
+    return cfg.ppo.uses_critic and warmup > 0 and iteration <= warmup
+
+
+def value_init_source(cfg: Config) -> str:
+    """Where the value model starts (value.init_from resolved; the engine and `ds-ppo plan` both
+    ask here): `path` (value.path / value.arch), `reward` (reward.model) or `policy`. auto: path
+    when value.path or value.arch is given (e.g. a reward model's export), else the reward model
+    if there is one, else the policy."""
+    v = cfg.value
+    if v.init_from != "auto":
+        return v.init_from
+    if v.path is not None or v.arch is not None:
+        return "path"
+    return "reward" if cfg.reward.model is not None else "policy"
 
 
 def reference_from_policy_base(cfg: Config) -> bool:
@@ -44,7 +71,7 @@ def validate(cfg: Config, world_size: int) -> None:
     (one checker per part of the config, each returning its problems)."""
     problems = []
     for check in (_batch_problems, _reward_problems, _model_problems, _generation_problems,
-                  _deepspeed_problems, _tracking_problems):
+                  _deepspeed_problems, _tracking_problems, _recipe_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -253,6 +280,26 @@ def watchdog_limit_s(cfg: Config) -> float | None:
     return timeout_s - 0.5 * (timeout_s - call_deadline(cfg.dist_timeout_minutes, 2))
 
 
+def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
+    """The RLHF recipe's extras: the critic warm-up, the policy's EMA and PPO-ptx."""
+    p, problems = cfg.ppo, []
+    if p.critic_warmup_iterations and not p.uses_critic:
+        problems.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} warms up "
+                        f"a value model, but ppo.advantage_estimator = "
+                        f"{p.advantage_estimator!r} has none: set it to 0, or use "
+                        "ppo.advantage_estimator=gae")
+    if p.critic_warmup_iterations >= cfg.iterations:
+        problems.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} must be "
+                        f"less than iterations = {cfg.iterations}, or the policy never trains")
+    if cfg.policy.ema_decay is not None and cfg.policy.lora is not None:
+        problems.append(f"policy.ema_decay = {cfg.policy.ema_decay} with policy.lora: an EMA of "
+                        "LoRA adapters is not supported; drop one of them")
+    if p.ptx_coef > 0 and cfg.data.ptx_path is None:
+        problems.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_path (a file of `text` "
+                        "rows, or prompt + `completion` rows), or set ppo.ptx_coef=0")
+    return problems
+
+
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
     problems, n = [], p.samples_per_prompt
@@ -307,6 +354,9 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
                    f"{r.timeout_s:g} s, but the watchdog stops a rank after {limit:.0f} s "
                    "without progress: raise watchdog_minutes (and dist_timeout_minutes) or "
                    "lower reward.timeout_s")
+    if cfg.data.ptx_path is not None and p.ptx_coef == 0:
+        out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
+                   "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

@@ -36,7 +36,8 @@ def missing_local(spec: str | None) -> bool:
 def missing_paths(cfg: Config) -> list[str]:
     """One problem per config key whose local path does not exist (hub names are not checked:
     reaching the hub is the real start's business)."""
-    keys = {"data.path": cfg.data.path, "policy.path": cfg.policy.path,
+    keys = {"data.path": cfg.data.path, "data.ptx_path": cfg.data.ptx_path,
+            "policy.path": cfg.policy.path,
             "policy.tokenizer": cfg.policy.tokenizer, "value.path": cfg.value.path,
             "value.tokenizer": cfg.value.tokenizer, "reference.path": cfg.reference.path,
             "reward.model": cfg.reward.model, "reward.tokenizer": cfg.reward.tokenizer}

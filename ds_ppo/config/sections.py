@@ -93,6 +93,14 @@ class PolicyConfig(ModelSource, Optim):
     """The trained policy (actor)."""
 
     lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(role="policy", head=""))
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1, description="Keep an exponential moving average of the policy's "
+        "weights (DeepSpeed-Chat's --enable_ema), updated after every policy optimizer step: "
+        "ema = d x ema + (1 - d) x weights (e.g. 0.992). Each rank keeps the float32 EMA of its "
+        "own ZeRO-3 partition (4 bytes per parameter / ZeRO group, on the device of the "
+        "partition: CPU with deepspeed.policy.offload_param); checkpointed and resumed exactly, "
+        "evaluated next to the policy (eval_ema/* metrics), exported as output_dir/final_ema. "
+        "null: no EMA. Not with policy.lora.")
 
 
 class ValueConfig(ModelSource, Optim):
@@ -103,8 +111,11 @@ class ValueConfig(ModelSource, Optim):
         "auto",
         description="Where the value model's weights come from: `reward` = the reward model "
         "(backbone and score head, as DeepSpeed-Chat does), `policy` = the policy's backbone with "
-        "a new head, `path` = this section's own path/arch; auto = reward when reward.model is "
-        "set, else policy.")
+        "a new head, `path` = this section's own path/arch (value.path may be a reward model's "
+        "export, an AutoModelForSequenceClassification directory with num_labels 1: its score "
+        "head becomes the value head, as DeepSpeed-Chat and OpenRLHF start the critic); auto = "
+        "path when value.path or value.arch is set, else reward when reward.model is set, else "
+        "policy.")
     lora: LoraConfig | None = Field(None, description=_LORA_DOC.format(
         role="value", head=" and the scalar head (always fully trained)"))
 
@@ -317,6 +328,17 @@ class PPOConfig(Section):
               "one's token mean (GRPO); seq_mean_token_sum_norm = mean over sequences of each "
               "one's token sum / generation.max_new_tokens (Dr. GRPO). The value loss is always "
               "a token mean.")
+    critic_warmup_iterations: int = Field(
+        0, ge=0, description="The first N iterations train the value model only (gae): the "
+        "policy generates but takes no optimizer step (OpenRLHF's freezing_actor_steps, verl's "
+        "critic_warmup), so a critic started from a reward model or the policy learns the "
+        "returns before its advantages steer the policy. They count towards `iterations` and "
+        "use prompts like any other; metric value/warmup is 1 in them.")
+    ptx_coef: float = Field(
+        0.0, ge=0, description="PPO-ptx (InstructGPT, Ouyang et al. 2022, eq. 2): weight of a "
+        "language-modelling loss on data.ptx_path's rows added to the policy loss in every "
+        "mini-batch (each optimizer step takes mini_batch_size ptx rows, split over the ranks; "
+        "the loss is a token mean over the whole global mini-batch's ptx tokens). 0 = off.")
     filter_zero_std_groups: bool = Field(
         False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
         "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
@@ -361,6 +383,15 @@ class DataConfig(Section):
         "error", description="A malformed row stops before training (error) or is counted and "
         "skipped (skip).")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch with the run's seed.")
+    ptx_path: str | None = Field(
+        None, description="PPO-ptx rows (ppo.ptx_coef): a JSON/JSONL/CSV/Parquet file (read as "
+        "data.path is) whose rows hold `text` (pretraining text: the loss on every token after "
+        "the first) or data.prompt_key + `completion` (SFT rows: the loss on the completion and "
+        "its EOS).")
+    ptx_format: Literal["auto", "json", "jsonl", "csv", "parquet", "disk", "hub"] = Field(
+        "auto", description="How to read data.ptx_path; auto decides by file ending.")
+    ptx_max_len: int = Field(512, gt=1, description="Longest ptx row in tokens: a text keeps "
+                             "its start, a prompt its end, a completion its start.")
     reward_keys: list[str] = Field(
         default_factory=list, description="Dataset columns passed to reward.function as keyword "
         "arguments (to reward.url as JSON lists), one value per response, e.g. [answer] for a "

@@ -84,12 +84,16 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
             (tmp / "rng").mkdir()
+            if getattr(engines.policy, "ema", None) is not None:
+                (tmp / "ema").mkdir()
         dist.barrier()
         # a LoRA role saves no frozen base: it is rebuilt from its path on resume
         engines.policy.save_checkpoint(tmp / "policy", TAG)
         if engines.value is not None:  # critic-free estimators have no value model to save
             engines.value.save_checkpoint(tmp / "value", TAG)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
+        if getattr(engines.policy, "ema", None) is not None:  # each rank its own partitions
+            engines.policy.ema.save(tmp / "ema")
         _fault_point("save", state.iteration, tmp)
         save_adapters(engines.policy, tmp / "hf")  # a LoRA policy's adapters (small; collective)
         if save_hf_weights:  # collective gathers; the ranks of node 0 write safetensors
@@ -273,6 +277,25 @@ def _workers_for(ds_dir: Path) -> list[str]:
                              max(shards), len(shards))
 
 
+def _load_ema(path: Path, engines, same_world: bool) -> None:
+    """The policy's EMA (policy.ema_decay) from the checkpoint; one saved without an EMA starts
+    it from the resumed weights (with a warning)."""
+    ema = getattr(engines.policy, "ema", None)
+    if ema is None:
+        return
+    if not (path / "ema").is_dir():
+        ema.reset()
+        if dist.is_main():
+            log.warning("%s holds no EMA of the policy (saved without policy.ema_decay): the "
+                        "EMA starts from the resumed weights", path)
+        return
+    try:
+        ema.load(path / "ema", same_world)
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError,
+            pickle.UnpicklingError) as e:
+        raise unusable(path, path / "ema", f"cannot be read ({type(e).__name__}: {e})") from None
+
+
 def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerState:
     """Restore engines (weights, optimizer, LR schedule), RNG of this rank, trainer state.
     `universal`: load the universal-format copy (engines built with load_universal).
@@ -297,6 +320,7 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
                            f"cannot be loaded ({type(e).__name__}: {_first_line(e)})") from None
         if loaded is None:
             raise unusable(path, path / role / tag, "holds no checkpoint DeepSpeed can load")
+    _load_ema(path, engines, same_world=state.world_size == dist.world_size())
     if state.world_size == dist.world_size():
         rng_file = path / "rng" / f"rank_{dist.rank():05d}.pt"
         try:

@@ -119,7 +119,23 @@ class _LogProbs:
 
 
 class PolicyRole(_LogProbs, TrainedRole):
-    """The policy: a causal LM, trained."""
+    """The policy: a causal LM, trained; with policy.ema_decay, the moving average of its
+    weights (`engine/ema.py`)."""
+
+    def __init__(self, engine, ema=None) -> None:
+        super().__init__(engine)
+        self.ema = ema  # engine.ema.ParamEMA, or None
+
+    def update_ema(self) -> None:
+        """After an optimizer step: the EMA takes its share of the new weights (no-op without
+        policy.ema_decay; local to each rank, no communication)."""
+        if self.ema is not None:
+            self.ema.update()
+
+    def ema_distance(self) -> float | None:
+        """||EMA - weights||_2 over the trained parameters, all ranks' partitions (collective
+        under ZeRO-3); None without an EMA."""
+        return self.ema.distance() if self.ema is not None else None
 
     def empty_partition_cache(self) -> None:
         """Release ZeRO-3 parameters a forward outside the engine's step left gathered."""

@@ -21,14 +21,15 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ds_ppo.config import Config, optimizer_steps, reference_from_policy_base
+from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
+                           value_init_source)
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
@@ -213,22 +214,25 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
         model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, output_head=head)
     opt = _optimizer(lora.trainable(model), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
-    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, optimizer_steps(cfg))), ds
+    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy,
+                                                             optimizer_steps(cfg, "policy"))), ds
 
 
 def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
                   reward_shares_tokenizer: bool) -> str:
-    """The value model reads the policy's token ids, so it can start from the reward model only
-    when the two share a tokenizer (auto then falls back to the policy)."""
-    mode = cfg.value.init_from
-    if mode == "auto":
-        mode = "reward" if cfg.reward.model is not None and reward_shares_tokenizer else "policy"
+    """The value model's weights (`config.value_init_source`). It reads the policy's token ids,
+    so it can start from the reward model only when the two share a tokenizer (auto then falls
+    back to the policy)."""
+    mode = value_init_source(cfg)
     if mode == "reward" and not reward_shares_tokenizer:
-        from ds_ppo.errors import ConfigError
+        if cfg.value.init_from == "auto":
+            mode = "policy"
+        else:
+            from ds_ppo.errors import ConfigError
 
-        raise ConfigError("value.init_from = 'reward' needs the reward model to share the "
-                          "policy's tokenizer (the value model reads policy token ids); use "
-                          "value.init_from=policy")
+            raise ConfigError("value.init_from = 'reward' needs the reward model to share the "
+                              "policy's tokenizer (the value model reads policy token ids); use "
+                              "value.init_from=policy")
     if mode == "reward":
         return cfg.reward.model
     if mode == "path":
@@ -236,9 +240,38 @@ def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
     return policy_path
 
 
-def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
+def value_head_mapping(config) -> dict[str, str] | None:
+    """Checkpoint key renames that carry a sequence-classification export's `score` head (a
+    reward model: AutoModelForSequenceClassification, num_labels 1) into the per-token head of
+    the AutoModelForTokenClassification built from `config`: None when that head is `score`
+    too (Llama, Qwen, Mistral, ...: loaded as is), else score -> its head (e.g. GPT-2's
+    `classifier`). Decided on an empty (meta) model, before any weight loads."""
     from transformers import AutoModelForTokenClassification
 
+    if not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+        return None
+    with torch.device("meta"):
+        probe = AutoModelForTokenClassification.from_config(config)
+    if hasattr(probe, "score"):
+        return None
+    return {r"^score\.": "classifier."}
+
+
+def load_value_model(source: str, config, ds_config: dict | None = None, **kwargs):
+    """The value model: AutoModelForTokenClassification (one label) from `source`, a causal LM,
+    a token-classification model or a reward model's export (its score head becomes the value
+    head: `value_head_mapping`); with `ds_config`, loaded as that DeepSpeed config partitions it
+    (ZeRO-3: inside zero.Init)."""
+    from transformers import AutoModelForTokenClassification
+
+    mapping = value_head_mapping(config)  # before zero.Init: the probe is an empty model
+    if mapping is not None:
+        kwargs["key_mapping"] = mapping
+    with _zero_init_for(ds_config) if ds_config is not None else nullcontext():
+        return AutoModelForTokenClassification.from_pretrained(source, config=config, **kwargs)
+
+
+def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
     config, dropped = _model_config(source, cfg.value.disable_dropout, num_labels=1)
     dropped.pop("classifier_dropout", None)  # the value head stays deterministic
     # A value model must be deterministic (no dropout) and match the reward model's head (no bias)
@@ -246,9 +279,8 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     config.classifier_dropout = 0.0
     config.token_classification_bias = False
     ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source), universal)
-    with _zero_init_for(ds):
-        model = AutoModelForTokenClassification.from_pretrained(
-            source, config=config, **_load_kwargs(dtype, cfg.value.attn_implementation))
+    model = load_value_model(source, config, ds,
+                             **_load_kwargs(dtype, cfg.value.attn_implementation))
     model.ds_ppo_dropout = dropped
     if cfg.value.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -339,7 +371,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
     else:
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
-    return Engines(policy=PolicyRole(policy),
+    ema = None
+    if cfg.policy.ema_decay is not None:  # engine/ema.py: each rank its own partitions
+        from ds_ppo.engine.ema import ParamEMA
+
+        ema = ParamEMA(policy.module, cfg.policy.ema_decay)
+    return Engines(policy=PolicyRole(policy, ema),
                    value=ValueRole(value) if value is not None else None,
                    reference=ReferenceRole(reference),
                    reward=RewardRole(reward) if reward is not None else None,

@@ -3,7 +3,7 @@ phases of an iteration (generation, scoring, training)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ds_ppo.config import Config, lora_output_head, reference_from_policy_base, validate
 from ds_ppo.errors import ConfigError
@@ -139,8 +139,26 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
         states = inference_states(shape.params, shape.largest_layer_params,
                                   cluster.gpus_per_node, cluster.nodes, d.zero_stage,
                                   d.offload_param)
+    if role == "policy" and cfg.policy.ema_decay is not None and shape is not None:
+        states = _with_ema(states, shape.params, cluster, d)
     return RolePlan(role, shape, trained, d.zero_stage, d.offload_optimizer and trained,
                     d.offload_param, states)
+
+
+def ema_bytes_per_rank(params: int, world_size: int, zero_stage: int) -> int:
+    """policy.ema_decay (engine/ema.py): a float32 EMA of each rank's own partition, 4 bytes per
+    parameter divided by the ZeRO-3 group; without ZeRO-3 every rank holds the whole."""
+    return 4 * params // (world_size if zero_stage == 3 else 1)
+
+
+def _with_ema(states: ModelStates, params: int, cluster: Cluster, d) -> ModelStates:
+    """The policy's states plus its EMA: on the GPU beside its partitions, or with
+    offload_param (the partitions on CPU) in each node's CPU memory."""
+    per_rank = ema_bytes_per_rank(params, cluster.world_size, d.zero_stage)
+    if d.offload_param and d.zero_stage == 3:
+        return replace(states, cpu_bytes_per_node=states.cpu_bytes_per_node
+                       + per_rank * cluster.gpus_per_node)
+    return replace(states, gpu_bytes_per_rank=states.gpu_bytes_per_rank + per_rank)
 
 
 def _forward_gather(rp: RolePlan) -> int:
@@ -253,6 +271,13 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
                          f"{' and the output head' if head else ''}: {_params(n)} adapter "
                          f"params ({100 * n / shape.params:.2f}%) with grads and optimizer "
                          "state; the base is frozen 16-bit weights")
+    if cfg.policy.ema_decay is not None:
+        pol = roles["policy"]
+        ema = ema_bytes_per_rank(pol.shape.params, cluster.world_size, pol.zero_stage)
+        notes.append(f"policy.ema_decay: the policy's float32 EMA, {ema / GiB:.2f} GiB per rank "
+                     f"({'each rank its ZeRO-3 partition' if pol.zero_stage == 3 else 'whole'}"
+                     f"; {'in CPU memory' if pol.offload_param and pol.zero_stage == 3 else 'on the GPU'}"
+                     "), counted in the policy's model states")
     if reference_from_policy_base(cfg):
         notes.append("reference: the policy's base with its adapters off (no reference role; "
                      "its scoring forward costs what the policy's does)")

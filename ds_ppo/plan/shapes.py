@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ds_ppo.config import Config, reference_from_policy_base
+from ds_ppo.config import Config, reference_from_policy_base, value_init_source
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation_choice import decoder_linears
 
@@ -132,9 +132,7 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
     ref_hf, ref_src = (policy_hf, policy_src) if cfg.reference.path is None else \
         other("reference.path", cfg.reference.path)
 
-    init = cfg.value.init_from
-    if init == "auto":
-        init = "reward" if cfg.reward.model is not None else "policy"
+    init = value_init_source(cfg)  # as the engine decides
     if init == "reward" and reward_hf is not None:
         value_hf, value_src = reward_hf, reward_src
     elif init == "path":

@@ -15,6 +15,7 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
+from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.rollout import generation_metrics, make_rollout
@@ -44,6 +45,7 @@ class IterationInputs:
     gen_mode: str  # generation mode (engine.generation.choose_mode)
     eos_ids: list[int]  # the ids that end a response (rollout.stop_token_ids)
     reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
+    ptx: PtxStream | None = None  # PPO-ptx rows per mini-batch (ppo.ptx_coef); None: off
 
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
@@ -69,7 +71,7 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
         exp = add_advantages(exp, advantage_settings(cfg, kl_coef))
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with _stage(timed, "update", iteration):
-        ppo_update(exp, engines, cfg, iteration, acc)
+        ppo_update(exp, engines, cfg, iteration, acc, run.ptx)
     return exp, generated
 
 

@@ -19,12 +19,16 @@ the gradient is the same sum as without packing.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ds_ppo import watchdog
-from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, value_loss
-from ds_ppo.config import Config, grad_accum_steps
+from ds_ppo.algo import (kl_loss, lm_loss, loss_divisor, loss_token_weights, policy_loss,
+                         value_loss)
+from ds_ppo.config import Config, critic_warmup, grad_accum_steps
 from ds_ppo.containers import Experience
+from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
 from ds_ppo.role_names import TRAINED_ROLES
@@ -72,31 +76,52 @@ def _policy_mask_and_weights(mb: Experience, cfg: Config, filtered: bool):
     return pg_mask, weights, mb.is_weights if weights is None else weights * mb.is_weights
 
 
-def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator) -> None:
+@dataclass
+class _Step:
+    """What every micro-batch of one optimizer step shares (host values, ranks alike)."""
+
+    n_tok: float  # valid response tokens of the global mini-batch (value loss divisor)
+    pg_div: float  # the policy loss's divisor (ppo.loss_aggregation)
+    n_steps: int  # micro-batches every rank runs (packed: the most any rank has)
+    train_policy: bool  # False in the critic warm-up (ppo.critic_warmup_iterations)
+    ptx_rows: list[int] | None  # this rank's PPO-ptx rows of this step (None: off)
+    ptx_tok: float  # ptx target tokens of the global mini-batch (the LM loss's divisor)
+
+
+def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator,
+               ptx: PtxStream | None = None) -> None:
     """Train the policy (and the value model, if the estimator has one) on one rollout's
-    experience; adds loss statistics to `acc`."""
+    experience; adds loss statistics to `acc`. In the critic warm-up (`critic_warmup`) only the
+    value model trains. `ptx`: the PPO-ptx rows, whose LM loss (x ppo.ptx_coef) joins each
+    policy step."""
     p = cfg.ppo
     world = dist.world_size()
-    accum = grad_accum_steps(cfg, world)
     per_rank_mini = p.mini_batch_size // world
-    scale = float(world * accum)
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.response_lens  # host: token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
     packed = p.micro_batch_tokens is not None
+    train_policy = not critic_warmup(cfg, iteration)
+    ptx = ptx if train_policy and p.ptx_coef > 0 else None
+    if critic_warmup(cfg, 1):  # a run with a warm-up says which iterations are
+        acc.add_replicated("value/warmup", 0.0 if train_policy else 1.0)
     engines.policy.train()
     if critic is not None:
         critic.train()
     for epoch in range(p.ppo_epochs):
         minibatches = minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
                                      iteration)
+        ptx_rows = [ptx.minibatch(iteration, epoch * len(minibatches) + j) if ptx else None
+                    for j in range(len(minibatches))]
         # per global mini-batch (sum over ranks), one all-reduce per epoch: its valid tokens
-        # (the value loss's divisor) and the policy loss's divisor (ppo.loss_aggregation)
+        # (the value loss's divisor), the policy loss's divisor (ppo.loss_aggregation) and
+        # its PPO-ptx target tokens
         counts = dist.all_reduce_sum(torch.tensor(
             [[float(sum(lens[i] for i in rows)),
-              loss_divisor([pg_lens[i] for i in rows if kept[i]], p.loss_aggregation)]
-             for rows in minibatches], dtype=torch.float64))
+              loss_divisor([pg_lens[i] for i in rows if kept[i]], p.loss_aggregation),
+              float(ptx.tokens(mine)) if ptx else 0.0]
+             for rows, mine in zip(minibatches, ptx_rows)], dtype=torch.float64))
         # longest rows first; the order within a mini-batch does not change its gradient
         # (each micro-batch loss is normalised by the whole mini-batch's count)
         micro = [exp.rollout.token_micro_batches(p.micro_batch_tokens, rows) if packed
@@ -104,74 +129,108 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
         steps = [len(m) for m in micro]
         if packed:  # per mini-batch, the most micro-batches of any rank (one all-reduce)
             steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
-        for mine, n_steps, (n_tok, pg_div) in zip(micro, steps, counts.tolist()):
-            n_tok, pg_div = max(n_tok, 1.0), max(pg_div, 1.0)
-            # device tensors, read once per mini-batch: no host sync between micro-batches
-            losses, stats = [], {}
-            batches = exp.rollout.with_idle(mine, n_steps)  # then zero-weight repeats
-            acc.add_mean("padding/update_positions_per_token",
-                         *exp.rollout.positions(batches, packed, len(mine)))
-            for step, mb_rows in enumerate(batches):
-                watchdog.progress(step)
-                idle = step >= len(mine)  # idle: no gradient, no statistics
-                boundary = (step == n_steps - 1) if packed else None  # the optimizer step
-                mb = exp.slice(mb_rows)
-                step_losses, named = micro_batch_step(
-                    mb, engines, cfg, weight=0.0 if idle else scale, boundary=boundary,
-                    pg_div=pg_div, n_tok=n_tok, packed=packed, filtered=exp.train_rows is not None)
-                if idle:
-                    continue
-                losses.append(torch.stack(list(step_losses.values())).double())
-                # stats are per-micro-batch token means: weight them by tokens for a global mean
-                n_valid = mb.mask.sum().double()
-                for k, v in named.items():
-                    stats.setdefault(k, []).append(torch.stack([v.double() * n_valid, n_valid]))
-            sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
-            for k, (total, count) in zip(stats, sums.tolist()):  # one read for all statistics
-                acc.add_mean(k, total, count)
-            # summed over ranks, this step's losses are the global mini-batch's aggregates
-            totals = dist.all_reduce_sum(torch.stack(losses).sum(dim=0)).tolist()
-            for name, total in zip(step_losses, totals):
-                acc.add_replicated(name, total)
-            # global gradient norms of the step just taken (before clipping; identical on ranks)
-            for role in TRAINED_ROLES:
-                engine = getattr(engines, role)
-                norm = engine.grad_norm() if engine is not None else None
-                if norm is not None:
-                    acc.add_replicated(f"{role}/grad_norm", norm)
+        for mine, n_steps, (n_tok, pg_div, ptx_tok), rows in zip(micro, steps, counts.tolist(),
+                                                                  ptx_rows):
+            step = _Step(max(n_tok, 1.0), max(pg_div, 1.0), n_steps, train_policy, rows,
+                         max(ptx_tok, 1.0))
+            _optimizer_step(exp, mine, step, engines, cfg, acc, ptx)
 
 
-def micro_batch_step(mb: Experience, engines, cfg: Config, weight: float, boundary: bool | None,
-                     pg_div: float, n_tok: float, packed: bool, filtered: bool
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Forward, loss and backward of one micro-batch for the policy (and the critic, if any).
+def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines, cfg: Config,
+                    acc: Accumulator, ptx: PtxStream | None) -> None:
+    """One optimizer step of each trained role over this rank's micro-batches `mine` of a
+    mini-batch (then idle ones up to step.n_steps), and its statistics into `acc`."""
+    p = cfg.ppo
+    world = dist.world_size()
+    scale = float(world * grad_accum_steps(cfg, world))
+    critic = engines.value
+    packed = p.micro_batch_tokens is not None
+    # device tensors, read once per mini-batch: no host sync between micro-batches
+    losses, stats = [], {}
+    batches = exp.rollout.with_idle(mine, step.n_steps)  # then zero-weight repeats
+    acc.add_mean("padding/update_positions_per_token",
+                 *exp.rollout.positions(batches, packed, len(mine)))
+    for k, mb_rows in enumerate(batches):
+        watchdog.progress(k)
+        weight = scale if k < len(mine) else 0.0  # idle: no gradient, no statistics
+        boundary = (k == step.n_steps - 1) if packed else None  # the optimizer step
+        mb = exp.slice(mb_rows)
+        step_losses, named = {}, {}
+        if step.train_policy:
+            # with PPO-ptx the ptx micro-batches follow: the policy's step comes after them
+            policy_boundary = False if step.ptx_rows is not None else boundary
+            pg_loss, pg_stats, extra = _policy_loss(mb, engines, cfg, step, packed)
+            engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary)
+            step_losses.update(extra)
+            named.update({f"policy/{k}": v for k, v in pg_stats.items()})
+        if critic is not None:
+            values = critic.values(mb.rollout, packed=packed)
+            vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
+                                           clip_eps=p.value_clip_eps, num_tokens=step.n_tok)
+            critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
+            step_losses["loss/value"] = vf_loss.detach()
+            named.update({f"value/{k}": v for k, v in vf_stats.items()})
+        if k >= len(mine):
+            continue
+        losses.append(torch.stack(list(step_losses.values())).double())
+        # stats are per-micro-batch token means: weight them by tokens for a global mean
+        n_valid = mb.mask.sum().double()
+        for name, v in named.items():
+            stats.setdefault(name, []).append(torch.stack([v.double() * n_valid, n_valid]))
+    names = list(step_losses)
+    total = torch.stack(losses).sum(dim=0)
+    if step.ptx_rows is not None:  # PPO-ptx: its micro-batches, then the policy's step
+        names.append("loss/ptx")
+        total = torch.cat([total, _ptx_backward(ptx, step, engines, cfg, scale)[None]])
+    if step.train_policy:
+        engines.policy.update_ema()  # policy.ema_decay: after the optimizer step
+    sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
+    for name, (tot, count) in zip(stats, sums.tolist()):  # one read for all statistics
+        acc.add_mean(name, tot, count)
+    # summed over ranks, this step's losses are the global mini-batch's aggregates
+    for name, value in zip(names, dist.all_reduce_sum(total).tolist()):
+        acc.add_replicated(name, value)
+    # global gradient norms of the step just taken (before clipping; identical on ranks)
+    for role in TRAINED_ROLES if step.train_policy else ("value",):
+        engine = getattr(engines, role)
+        norm = engine.grad_norm() if engine is not None else None
+        if norm is not None:
+            acc.add_replicated(f"{role}/grad_norm", norm)
 
-    `weight` scales the losses for the backward (world size x accumulation steps; 0 for an idle
-    micro-batch, which still runs the collectives); `pg_div` / `n_tok` are the global
-    mini-batch's divisors of the policy and value losses; `boundary` marks the optimizer step
-    of a packed mini-batch. Returns (this micro-batch's losses, its named statistics), detached
-    0-dim device tensors."""
+
+def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool):
+    """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
+    loss), its statistics, and the detached terms as metrics."""
     p = cfg.ppo
     logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed)
-    pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, filtered)
+    pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
-                                    clip_eps=p.clip_eps, num_tokens=pg_div,
+                                    clip_eps=p.clip_eps, num_tokens=step.pg_div,
                                     clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
                                     token_weights=pg_weights)
-    step_losses = {"loss/policy": pg_loss.detach()}
+    terms = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
-        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div, weights,
-                          clip=p.kl_clip)
-        step_losses["loss/kl"] = kl_term.detach()
+        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, step.pg_div,
+                          weights, clip=p.kl_clip)
+        terms["loss/kl"] = kl_term.detach()
         pg_loss = pg_loss + p.kl_loss_coef * kl_term
-    engines.policy.backward_step(pg_loss * weight, boundary=boundary)
-    named = {f"policy/{k}": v for k, v in pg_stats.items()}
-    critic = engines.value  # None with a critic-free estimator
-    if critic is not None:
-        values = critic.values(mb.rollout, packed=packed)
-        vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
-                                       clip_eps=p.value_clip_eps, num_tokens=n_tok)
-        critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
-        step_losses["loss/value"] = vf_loss.detach()
-        named.update({f"value/{k}": v for k, v in vf_stats.items()})
-    return step_losses, named
+    return pg_loss, pg_stats, terms
+
+
+def _ptx_backward(ptx: PtxStream, step: _Step, engines, cfg: Config,
+                  scale: float) -> torch.Tensor:
+    """PPO-ptx (InstructGPT eq. 2): backward of ppo.ptx_coef x the LM loss on this rank's ptx
+    rows of the step, in micro-batches of ppo.micro_batch_size (the same count on every rank),
+    each normalised by the global mini-batch's ptx tokens; the policy's optimizer step on the
+    last. Returns this rank's share of the LM loss (detached)."""
+    p = cfg.ppo
+    rows = step.ptx_rows
+    chunks = [rows[i:i + p.micro_batch_size] for i in range(0, len(rows), p.micro_batch_size)]
+    total = torch.zeros((), dtype=torch.float64, device=engines.device)
+    for k, chunk in enumerate(chunks):
+        batch = ptx.batch(chunk, engines.device)
+        logprobs, _ = engines.policy.logprobs(batch, 1.0)  # the model's own distribution
+        loss = lm_loss(logprobs, batch.mask, num_tokens=step.ptx_tok)
+        engines.policy.backward_step(p.ptx_coef * loss * scale, boundary=k == len(chunks) - 1)
+        total = total + loss.detach().double()
+    return total

@@ -61,7 +61,7 @@ def train(cfg: Config) -> TrainResult:
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
-    tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
+    tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
     resume_from, universal = _find_resume(cfg)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
@@ -76,7 +76,8 @@ def train(cfg: Config) -> TrainResult:
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
-    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode)
+    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
+                          _ptx_stream(cfg, ptx_rows, tokenizer))
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
@@ -97,8 +98,8 @@ def train(cfg: Config) -> TrainResult:
                                             cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
                                             cfg.ppo.kl_clip)
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                    metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
-                                            eos_ids, reward_encode))
+                    metrics.update(_evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
+                                             eos_ids, reward_encode))
                 kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
                 reporter.report(metrics, iteration, exp)
                 result.history.append(metrics)
@@ -204,7 +205,39 @@ def _load_data(cfg: Config, out: Path):
     if cfg.reward.model is not None:
         reward_encode = reward_encoder(cfg, tokenizer, load_tokenizer(
             cfg.reward.tokenizer or cfg.reward.model, out))
-    return tokenizer, prompts, eval_prompts, reward_encode
+    ptx_rows = None
+    if cfg.ppo.ptx_coef > 0:  # PPO-ptx rows (data.ptx_path)
+        from ds_ppo.data.ptx import load_ptx
+
+        ptx_rows = load_ptx(cfg.data.ptx_path, cfg.data.ptx_format, cfg.data.prompt_key,
+                            cfg.data.ptx_max_len, tokenizer)
+        log.info("PPO-ptx: %d rows from %s (ppo.ptx_coef = %g)", len(ptx_rows),
+                 cfg.data.ptx_path, cfg.ppo.ptx_coef)
+    return tokenizer, prompts, eval_prompts, reward_encode, ptx_rows
+
+
+def _ptx_stream(cfg: Config, rows, tokenizer):
+    """This rank's PPO-ptx rows per mini-batch (None without ppo.ptx_coef)."""
+    if rows is None:
+        return None
+    from ds_ppo.config import steps_per_iteration
+    from ds_ppo.data.ptx import PtxStream
+
+    return PtxStream(rows, cfg.ppo.mini_batch_size, steps_per_iteration(cfg), dist.rank(),
+                     dist.world_size(), cfg.seed, tokenizer.pad_token_id)
+
+
+def _evaluate(eval_prompts, engines: Engines, cfg: Config, tokenizer, gen_mode: str,
+              eos_ids: list[int], reward_encode) -> dict[str, float]:
+    """The eval/* metrics of the policy; with policy.ema_decay also eval_ema/* of its EMA
+    (swapped into the policy's weights for the evaluation, then swapped back)."""
+    metrics = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids, reward_encode)
+    if engines.policy.ema is not None:
+        with engines.policy.ema.swapped_in():
+            ema = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids,
+                           reward_encode)
+        metrics.update({k.replace("eval/", "eval_ema/", 1): v for k, v in ema.items()})
+    return metrics
 
 
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
@@ -377,4 +410,12 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         if dist.is_main():
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)
+        if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
+            with engines.policy.ema.swapped_in():
+                export_engine(engines.policy, tokenizer, out / "final_ema",
+                              DTYPES[cfg.checkpoint.export_dtype])
+            if dist.is_main():
+                write_marker(out / "final_ema", f"the run in {out} (EMA)",
+                             DTYPES[cfg.checkpoint.export_dtype], with_value=False)
+                log.info("exported the policy's EMA to %s", out / "final_ema")
     return last_checkpoint, export_dir

@@ -81,6 +81,9 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     m["lr/policy"] = engines.policy.lr()
     if engines.value is not None:
         m["lr/value"] = engines.value.lr()
+    ema_distance = engines.policy.ema_distance()  # collective under ZeRO-3
+    if ema_distance is not None:
+        m["ema/distance"] = ema_distance
     return m
 
 
@@ -122,7 +125,9 @@ class Reporter:
         return (f"iter {iteration:>4}/{cfg.iterations} | score {metrics['score/mean']:+.4f} "
                 f"| kl {metrics['kl/sequence_mean']:+.4f} "
                 f"| entropy {metrics['policy/entropy']:.3f} "
-                f"| pg {metrics['loss/policy']:+.4f} "
+                + (f"| pg {metrics['loss/policy']:+.4f} " if "loss/policy" in metrics
+                   else "| pg critic warm-up ") +
+                (f"| ptx {metrics['loss/ptx']:.4f} " if "loss/ptx" in metrics else "")
                 + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
                 f"| len {metrics['response/length_mean']:.1f} "
                 f"| gen {metrics['time/generation_s']:.1f}s "

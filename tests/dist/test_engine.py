@@ -184,3 +184,31 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
         assert res["merged_replica_vs_policy_max"] < 1e-5
         assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters
+
+
+# ------------------------------------------------------ the RLHF recipe's extras (issue 27)
+PTX_KEYS = LOSS_KEYS + ("loss/ptx", "ema/distance")
+
+
+def test_ptx_and_ema_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """ppo.ptx_coef: the LM loss is a token mean over the global mini-batch's ptx rows, so the
+    update (and the EMA that follows it, each rank its own ZeRO-3 partitions) is the same at
+    one and two ranks (its micro-batch split: tests/stages/test_recipe_extras.py)."""
+    one, two = one_rank["zero3_ptx_ema"], two_ranks["zero3_ptx_ema"]
+    assert not _close(one, two, keys=PTX_KEYS)
+    assert one["loss/ptx"] > 1.0 and one["ema/distance"] > 0
+    # and ptx changes the update: the second step's policy loss differs from the plain run's
+    assert one["policy/approx_kl"] != one_rank["zero3_micro4"]["policy/approx_kl"]
+
+
+def test_value_model_from_a_reward_model_export(one_rank, two_ranks):
+    for res in (one_rank["value_from_rm"], two_ranks["value_from_rm"]):
+        assert res["max_diff"] < 1e-5, res
+        assert len(set(res["scores"])) == 3  # three different rows, three different scores
+
+
+def test_ema_on_zero3_swaps_in_the_assembled_partitions_and_back(one_rank, two_ranks):
+    for res in (one_rank["ema_swap"], two_ranks["ema_swap"]):
+        assert res["swapped_wrong"] == [] and res["ema_differs"], res
+        assert res["persistent"] > 0  # norms stay gathered on ZeRO-3: refreshed too
+        assert res["restored"] and res["reloaded_equal"]

@@ -107,6 +107,119 @@ def group_update(work: Path, name: str, extra: list[str]) -> dict:
         decode.next_tokens = original
 
 
+PTX_KEYS = LOSS_KEYS + ("loss/ptx", "ema/distance")
+
+
+def ptx_ema_update(work: Path, name: str, extra: list[str]) -> dict:
+    """`first_update` with PPO-ptx (text rows) and the policy's EMA: the LM loss of each
+    optimizer step and the EMA's distance from the weights after the two steps, reduced over
+    the ranks (each rank wrote the same rows into a file of its own)."""
+    ptx = work / f"ptx_rank{dist.rank()}.jsonl"
+    ptx.write_text("".join(json.dumps({"text": t}) + "\n" for t in (
+        "the cat sat on the mat", "a good day for a walk", "we love the sea and the sun",
+        "my aunt is happy today", "the dog runs in the park", "i like warm bread and tea",
+        "you are kind", "they sing in the morning", "he reads a long book")))
+    return first_update(work, name, extra + [f"data.ptx_path={ptx}", "ppo.ptx_coef=0.5",
+                                             "policy.ema_decay=0.5"], PTX_KEYS)
+
+
+def ema_swap(work: Path) -> dict:
+    """policy.ema_decay on ZeRO-3 (forced, also on one rank): one iteration through the stages,
+    then the EMA swapped in is, gathered, the EMA assembled from every rank's pieces (persistent
+    small parameters, norms, included), and swapped out the weights are back bit for bit; a
+    fresh EMA loaded from a save equals it."""
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.ema import ParamEMA
+    from ds_ppo.engine.roles import init_engines
+
+    cfg = cfg_for(work, "ema", ["iterations=1", "policy.ema_decay=0.5",
+                                "deepspeed.policy.zero_stage=3"])
+    tok = load_tokenizer("builtin:tiny", work / "ema")
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    ema = engines.policy.ema
+    _stages(cfg, engines, tok, 0, "gathered")
+    after = gathered(engines.policy.module)
+    pieces = dist.gather_objects([(n, int(st[f"at.{n}"][0]), st[f"ema.{n}"])
+                                  for st in [_ema_state(ema)] for n in ema.names])
+    full = {}
+    for rank_pieces in pieces:
+        for name, offset, t in rank_pieces:
+            full.setdefault(name, []).append((offset, t.reshape(-1)))
+    with ema.swapped_in():
+        swapped = gathered(engines.policy.module)
+    back = gathered(engines.policy.module)
+    wrong = []
+    for name, parts in full.items():
+        flat = torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])])
+        want = flat[:after[name].numel()].view_as(after[name])
+        if not torch.equal(swapped[name], want):
+            wrong.append(name)
+    (work / "ema_save").mkdir(exist_ok=True)
+    ema.save(work / "ema_save")
+    dist.barrier()
+    other = ParamEMA(engines.policy.module, 0.5)
+    other.load(work / "ema_save", same_world=True)
+    persistent = [n for n, p in engines.policy.module.named_parameters()
+                  if getattr(p, "ds_persist", False)]
+    return {"swapped_wrong": wrong, "persistent": len(persistent),
+            "restored": all(torch.equal(after[k], back[k]) for k in after),
+            "ema_differs": any(not torch.equal(after[k], swapped[k]) for k in after),
+            "reloaded_equal": all(torch.equal(a, b) for a, b in zip(ema.shadow, other.shadow))}
+
+
+def _ema_state(ema) -> dict:
+    """This rank's EMA as `save` writes it (names, offsets, pieces)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ema.save(Path(d))
+        return torch.load(next(Path(d).glob("rank_*.pt")), weights_only=True)
+
+
+def value_from_reward_model(work: Path) -> dict:
+    """value.path = a reward model's export (LlamaForSequenceClassification, num_labels 1) with
+    the same model as reward.model, on ZeRO-3: before any training, the value model's value
+    before a row's last token equals the reward engine's score of the row without that token
+    (the same hidden state, the same score head)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from ds_ppo.data.ptx import lm_rollout
+    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.engine.roles import init_engines
+
+    tok = load_tokenizer("builtin:tiny", work / "vrm")
+    rm_dir = work / "rm_export"
+
+    def build():
+        if (rm_dir / "config.json").exists():
+            return
+        torch.manual_seed(3)
+        rm = LlamaForSequenceClassification(LlamaConfig(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+            pad_token_id=tok.pad_token_id))
+        rm.save_pretrained(work / "rm_export.tmp")
+        tok.save_pretrained(work / "rm_export.tmp")
+        (work / "rm_export.tmp").rename(rm_dir)
+    dist.main_does(build, work, "building the reward model export")
+    cfg = cfg_for(work, "vrm", ["reward.function=null", f"reward.model={rm_dir}",
+                                f"value.path={rm_dir}"])
+    engines = init_engines(cfg, tok, torch.device("cpu"))
+    rows = [tok(t).input_ids for t in ("the cat sat on", "my aunt is happy", "a good day")]
+    rollout = lm_rollout([r[:2] for r in rows], [r[2:] for r in rows], tok.pad_token_id,
+                         torch.device("cpu"))
+    with torch.no_grad():
+        values = engines.value.values(rollout)
+        short = rollout.slice(list(range(len(rows))))
+        short.mask = rollout.mask.clone()
+        last = torch.tensor(rollout.response_lens) - 1
+        short.mask[torch.arange(len(rows)), last] = False
+        scores = engines.reward.scores(short.input_ids, short.attention_mask)
+    picked = values[torch.arange(len(rows)), last]
+    return {"values": picked.tolist(), "scores": scores.tolist(),
+            "max_diff": float((picked - scores).abs().max())}
+
+
 def critic_free_engines(work: Path) -> dict:
     """A critic-free estimator builds no value engine."""
     from ds_ppo.data.tokenizer import load_tokenizer
@@ -358,6 +471,11 @@ def main() -> None:
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
             "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
+        # the RLHF recipe's extras (issue 27): PPO-ptx with the EMA; the critic from a reward
+        # model's export
+        "zero3_ptx_ema": lambda: ptx_ema_update(work, "z3ptx", ["ppo.micro_batch_size=4"]),
+        "value_from_rm": lambda: value_from_reward_model(work),
+        "ema_swap": lambda: ema_swap(work),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

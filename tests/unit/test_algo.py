@@ -675,3 +675,16 @@ def test_import_pulls_no_deepspeed_or_transformers():
         "[m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'transformers')]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT)
+
+
+def test_lm_loss_is_the_masked_nll_over_the_given_token_count():
+    from ds_ppo.algo import lm_loss
+
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, float("nan"), 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert float(lm_loss(logprobs, mask)) == pytest.approx(3.5 / 3)  # this batch's tokens
+    assert float(lm_loss(logprobs, mask, num_tokens=7.0)) == pytest.approx(3.5 / 7)
+    lp = logprobs.clone().requires_grad_()
+    lm_loss(lp, mask, num_tokens=7.0).backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 7, -1 / 7, 0.0], [-1 / 7, 0.0, 0.0]]))
+    assert (lp.grad[~mask] == 0).all()  # masked positions (NaN included): exactly 0

@@ -538,3 +538,46 @@ def test_continuous_batching_is_decided_in_one_place():
                               "own", 32)
     with pytest.raises(ConfigError, match="generation.continuous=true needs our decoding loop"):
         choose_loop(gen("generation.continuous=true"), "zero3", None)
+
+
+# ------------------------------------------------- the RLHF recipe's extras (issue 27)
+@pytest.mark.parametrize("overrides, key, fix", [
+    (["ppo.critic_warmup_iterations=2", *GRPO], "ppo.critic_warmup_iterations = 2",
+     "ppo.advantage_estimator=gae"),
+    (["ppo.critic_warmup_iterations=40"], "ppo.critic_warmup_iterations = 40",
+     "less than iterations = 40"),
+    (["policy.ema_decay=0.99", "policy.lora.r=8"], "policy.ema_decay = 0.99", "drop one"),
+    (["ppo.ptx_coef=0.1"], "ppo.ptx_coef = 0.1", "needs data.ptx_path"),
+])
+def test_recipe_extras_rules_name_key_and_fix(overrides, key, fix):
+    assert fix in problem_line(config_error(overrides), key)
+
+
+def test_recipe_extras_ranges_and_warnings():
+    from ds_ppo.config import config_warnings
+
+    for bad in ("policy.ema_decay=1", "policy.ema_decay=0", "ppo.ptx_coef=-1",
+                "ppo.critic_warmup_iterations=-1", "data.ptx_max_len=1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[-1]):
+            load_config(None, [bad])
+    (warning,) = config_warnings(load_config(None, ["data.ptx_path=x.jsonl"]))
+    assert "data.ptx_path = 'x.jsonl' is ignored: ppo.ptx_coef = 0" in warning
+    validate(load_config(None, ["ppo.ptx_coef=0.5", "data.ptx_path=x.jsonl",
+                                "policy.ema_decay=0.99", "ppo.critic_warmup_iterations=5"]), 1)
+
+
+def test_value_starts_from_its_path_under_auto_and_the_policy_schedule_skips_the_warmup():
+    """value.path (e.g. a reward model's export) is where an auto value model starts; with a
+    critic warm-up the policy's LR schedule spans only the iterations that train it."""
+    from ds_ppo.config import optimizer_steps, value_init_source
+
+    def source(*o):
+        return value_init_source(load_config(None, list(o)))
+
+    assert source() == "policy"
+    assert source("reward.model=/rm") == "reward"
+    assert source("reward.model=/rm", "value.path=/rm_export") == "path"
+    assert source("value.arch={model_type: llama}") == "path"
+    assert source("value.path=/v", "value.init_from=policy") == "policy"
+    cfg = load_config(None, ["ppo.critic_warmup_iterations=10"])  # tiny: 40 x 2 epochs x 2
+    assert optimizer_steps(cfg) == 160 and optimizer_steps(cfg, "policy") == 120

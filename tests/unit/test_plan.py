@@ -565,3 +565,26 @@ def test_70b_lora_fits_one_node_where_full_70b_does_not():
     assert base < lora.roles["policy"].states.resident_bytes < 1.05 * base
     assert lora.roles["policy"].states.resident_bytes < \
         full.roles["policy"].states.resident_bytes / 5
+
+
+def test_policy_ema_is_counted_per_rank_partition():
+    """policy.ema_decay: 4 bytes per policy parameter divided by the ZeRO-3 group, on the GPU
+    beside the partitions, or in CPU memory with the policy's parameters offloaded."""
+    cluster = P.Cluster(1, 8, 80 * GiB)
+
+    def policy_states(*overrides):
+        cfg = load_config("8b", list(overrides))
+        p = P.compute_plan(cfg, P.resolve_shapes(cfg), cluster)
+        return p.roles["policy"].states, p
+
+    base, _ = policy_states()
+    ema, plan = policy_states("policy.ema_decay=0.992")
+    params = plan.roles["policy"].shape.params
+    assert ema.gpu_bytes_per_rank - base.gpu_bytes_per_rank == 4 * params // 8
+    assert ema.cpu_bytes_per_node == base.cpu_bytes_per_node
+    assert any("policy.ema_decay" in n and "ZeRO-3 partition" in n for n in plan.notes)
+    off = ["deepspeed.policy.offload_param=true", "deepspeed.policy.offload_optimizer=true"]
+    base, _ = policy_states(*off)
+    ema, _ = policy_states(*off, "policy.ema_decay=0.992")
+    assert ema.gpu_bytes_per_rank == base.gpu_bytes_per_rank
+    assert ema.cpu_bytes_per_node - base.cpu_bytes_per_node == 4 * params // 8 * 8
