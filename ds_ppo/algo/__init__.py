@@ -12,6 +12,7 @@ Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
+Supervised jobs (supervised.py): nll_sum (SFT), bradley_terry + pair_stats (reward model).
 """
 
 from .gae import gae, gae_blocked, gae_loop, gae_matmul
@@ -28,6 +29,7 @@ from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative
                       packed_layout, response_predictors, token_budget_batches, unpack)
 from .shaping import shape_rewards
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
+from .supervised import bradley_terry, nll_sum, pair_stats
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -48,6 +50,9 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "block_tokens",
+    "bradley_terry",
+    "nll_sum",
+    "pair_stats",
     "decode_attention_mask",
     "entropy_from_logits",
     "explained_variance",

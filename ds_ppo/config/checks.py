@@ -81,19 +81,7 @@ def validate(cfg: Config, world_size: int) -> None:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
-    for name in TRAINED_ROLES:
-        m = getattr(cfg, name)
-        if m.path is not None and m.arch is not None:
-            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
-                            "(path loads weights, arch builds a randomly initialised model)")
-        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
-            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
-        if m.arch is not None and "model_type" not in m.arch:
-            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
-                            f"{name}.arch.model_type=llama)")
-    if cfg.policy.path is None and cfg.policy.arch is None:
-        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
-                        "or policy.arch (a random-init shape)")
+    problems += _model_problems(cfg, TRAINED_ROLES)
     if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
@@ -153,6 +141,64 @@ def validate(cfg: Config, world_size: int) -> None:
                         "reference, which checkpoint.keep_last pruning deletes later: set "
                         "tracking.register_copy=true, or tracking.register_every=0 (the final "
                         "export, never pruned, is registered either way)")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
+                        "directory")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _model_problems(cfg: Config, roles) -> list[str]:
+    """Checks of the trained roles' model sources and clipping (PPO: policy and value; the
+    supervised jobs: the policy section, their one trained model)."""
+    problems = []
+    for name in roles:
+        m = getattr(cfg, name)
+        if m.path is not None and m.arch is not None:
+            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
+                            "(path loads weights, arch builds a randomly initialised model)")
+        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
+            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
+        if m.arch is not None and "model_type" not in m.arch:
+            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
+                            f"{name}.arch.model_type=llama)")
+    if cfg.policy.path is None and cfg.policy.arch is None:
+        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
+                        "or policy.arch (a random-init shape)")
+    return problems
+
+
+def job_accum_steps(cfg: Config, job: str, world_size: int) -> int:
+    """Micro-batches accumulated per optimizer step on each rank of `ds-ppo sft` / `ds-ppo rm`
+    (`job`: the section's name)."""
+    j = getattr(cfg, job)
+    return max(1, j.batch_size // (j.micro_batch_size * world_size))
+
+
+def validate_job(cfg: Config, job: str, world_size: int) -> None:
+    """Cross-field checks of a supervised job (`job`: sft or rm), before any model loads; raises
+    ConfigError listing every problem with the key and a value that works."""
+    j, problems = getattr(cfg, job), []
+    if j.batch_size % (j.micro_batch_size * world_size):
+        problems.append(
+            f"{job}.batch_size = {j.batch_size} must be a multiple of {job}.micro_batch_size * "
+            f"world size = {j.micro_batch_size} * {world_size} (e.g. {job}.batch_size="
+            f"{j.micro_batch_size * world_size * max(1, j.batch_size // (j.micro_batch_size * world_size))})")
+    if cfg.data.path is None:
+        columns = ("data.prompt_key + sft.completion_key, or data.messages_key" if job == "sft"
+                   else "rm.chosen_key + rm.rejected_key (and data.prompt_key)")
+        problems.append(f"data.path = None: ds-ppo {job} trains on a dataset file with columns "
+                        f"{columns}; set data.path")
+    if job == "rm" and j.chosen_key == j.rejected_key:
+        problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
+    problems += _model_problems(cfg, ("policy",))
+    d = cfg.deepspeed.policy
+    if d.offload_param and d.zero_stage not in (3, "auto"):
+        problems.append(f"deepspeed.policy.offload_param = True needs deepspeed.policy."
+                        f"zero_stage = 3 (got {d.zero_stage}); or set "
+                        "deepspeed.policy.offload_param=false")
+    if d.config is not None and not Path(d.config).exists():
+        problems.append(f"deepspeed.policy.config = {d.config!r}: file does not exist")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")

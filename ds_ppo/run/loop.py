@@ -316,8 +316,9 @@ def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines:
 
 # ------------------------------------------------------------------------------ end
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
-            last_checkpoint: str | None):
-    """Save the final state (unless the last iteration was just saved) and export the policy."""
+            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
+    """Save the final state (unless the last iteration was just saved) and export the policy
+    (a supervised job's model: `model_class` names what it loads with)."""
     from ds_ppo.run.export import DTYPES, export_engine, write_marker
 
     out = Path(cfg.output_dir)
@@ -333,6 +334,7 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
             write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
                          with_value=False)
-            log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
-                     export_dir)
+            log.info("exported the %s to %s (load with %s.from_pretrained)",
+                     "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
+                     model_class)
     return last_checkpoint, export_dir
