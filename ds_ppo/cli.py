@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem-gib", type=float, default=None,
                    help="CPU memory per node (default: unchecked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--job", choices=["train", "sft", "rm"], default="train",
+                   help="plan `ds-ppo train` (default), `ds-ppo sft` or `ds-ppo rm`")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_plan)
 

@@ -11,7 +11,7 @@ and the rest; and writes the files each step reads:
 | pairs.jsonl | prompt, chosen (right), rejected (wrong) over all non-test problems | `ds-ppo rm` |
 | pairs_test.jsonl | the same for the test problems | `ds-ppo rm` data.eval_split |
 | rl.jsonl | prompt, answer: every non-test problem | `ds-ppo train` (answer: data.reward_keys) |
-| test.jsonl | prompt, answer: the test problems | `evaluate` (greedy exact match) |
+| test.jsonl | prompt, answer (= completion): the test problems | `evaluate` (greedy exact match), `ds-ppo sft` data.eval_split |
 
 A wrong answer is a near miss (the sum +-1, +-2 or +-10: the mistakes a model that almost adds
 makes) or, for every other one, any other sum. `exact_match` is the checker, usable as
@@ -75,7 +75,7 @@ def write_task(out_dir: str | Path, seed: int = 0, terms: int = 3, test: int = 2
         "pairs.jsonl": pairs(train),
         "pairs_test.jsonl": pairs(parts["test"]),
         "rl.jsonl": [{"prompt": p, "answer": a} for p, a in train],
-        "test.jsonl": [{"prompt": p, "answer": a} for p, a in parts["test"]],
+        "test.jsonl": [{"prompt": p, "answer": a, "completion": a} for p, a in parts["test"]],
     }
     paths = {}
     for name, content in rows.items():
