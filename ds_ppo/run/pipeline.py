@@ -4,9 +4,9 @@ each seed, on the digit-sum task (ds_ppo/envs/addition.py),
 1. `ds-ppo sft`   on the demonstrations of part of the problems (a random-init model);
 2. `ds-ppo rm`    on pairs (right vs wrong sum), starting from the SFT model; its pairwise
                   accuracy on the held-out problems' pairs is the last eval/accuracy;
-3. `ds-ppo train` from the SFT model, twice: GRPO with the exact-match checker as the reward,
-                  and PPO (gae, the value model from the reward model) with the learned reward
-                  model;
+3. `ds-ppo train` from the SFT model, twice: GRPO with the exact-match checker as the reward
+                  (at the same time as step 2: it needs no reward model), and PPO (gae, the
+                  value model from the reward model) with the learned reward model;
 
 then the greedy exact-match accuracy of the SFT model and of each RL model on the held-out
 problems (plain transformers on the exports, `envs.addition.evaluate`). Each step is its own
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,15 +44,26 @@ STEPS = {
 QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=12"]}
 
 
-def _run_step(name: str, args: list[str], log: Path) -> float:
-    """One step as its own process; returns its wall time. Its output goes to `log`."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ds_ppo", *args], stdout=f,
-                              stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"recipe step {name} failed (exit {proc.returncode}); see {log}")
-    return time.perf_counter() - t0
+# the steps in waves: a wave's steps run at once (GRPO needs no reward model)
+WAVES = (("sft",), ("rm", "grpo"), ("ppo",))
+
+
+def _run_steps(commands: dict[str, list[str]], logs: dict[str, Path]) -> dict[str, float]:
+    """Steps as processes of their own, all at once; returns each one's wall time. A tiny
+    model gains nothing from several threads per process, and on a shared CPU idle-spinning
+    threads cost time: one thread each unless OMP_NUM_THREADS is set."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0, procs, walls = time.perf_counter(), {}, {}
+    for name, args in commands.items():
+        with open(logs[name], "w") as f:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "ds_ppo", *args], stdout=f,
+                                           stderr=subprocess.STDOUT, env=env)
+    for name, proc in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"recipe step {name} failed (exit {proc.returncode}); see "
+                             f"{logs[name]}")
+        walls[name] = time.perf_counter() - t0
+    return walls
 
 
 def _last(metrics_file: Path, key: str) -> float | None:
@@ -86,22 +98,27 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
     client, parent = _parent_run(uri, "recipe", f"recipe seed {seed}")
     res: dict[str, float] = {"seed": seed}
     t_all = time.perf_counter()
-    for name in steps:
-        cmd, *overrides = STEPS[name]
-        args = [cmd, "--config", config, *[o.format(task=task, out=root) for o in overrides],
+    for wave in WAVES:
+        commands = {}
+        for name in (n for n in wave if n in steps):
+            cmd, *overrides = STEPS[name]
+            commands[name] = [
+                cmd, "--config", config, *[o.format(task=task, out=root) for o in overrides],
                 f"output_dir={root / name}", f"seed={seed}", f"tracking.uri={uri}",
                 "tracking.experiment=recipe", f"tracking.parent_run_id={parent}",
-                f"tracking.run_name={name} seed {seed}", *(QUICK.get(name, []) if quick else []),
-                *extra]
-        res[f"{name}_wall_s"] = _run_step(name, args, root / f"{name}.log")
-        if name in ("sft", "grpo", "ppo"):
-            res[f"{name}_acc"] = addition.evaluate(root / name / "final", task / "test.jsonl")
-        if name == "rm":
-            res["rm_acc"] = _last(root / "rm" / "metrics.jsonl", "eval/accuracy")
-        if name in ("grpo", "ppo"):  # the reward the RL step maximised, first vs last iteration
-            res[f"{name}_score_first"] = _first(root / name / "metrics.jsonl", "score/mean")
-            res[f"{name}_score_last"] = _last(root / name / "metrics.jsonl", "score/mean")
-        print(json.dumps({k: v for k, v in res.items() if k.startswith(name)}), flush=True)
+                f"tracking.run_name={name} seed {seed}",
+                *(QUICK.get(name, []) if quick else []), *extra]
+        walls = _run_steps(commands, {n: root / f"{n}.log" for n in commands})
+        for name in commands:
+            res[f"{name}_wall_s"] = walls[name]
+            if name in ("sft", "grpo", "ppo"):
+                res[f"{name}_acc"] = addition.evaluate(root / name / "final", task / "test.jsonl")
+            if name == "rm":
+                res["rm_acc"] = _last(root / "rm" / "metrics.jsonl", "eval/accuracy")
+            if name in ("grpo", "ppo"):  # the reward the RL step maximised: first vs last
+                res[f"{name}_score_first"] = _first(root / name / "metrics.jsonl", "score/mean")
+                res[f"{name}_score_last"] = _last(root / name / "metrics.jsonl", "score/mean")
+            print(json.dumps({k: v for k, v in res.items() if k.startswith(name)}), flush=True)
     res["wall_s"] = time.perf_counter() - t_all
     for k, v in res.items():
         if v is not None:
