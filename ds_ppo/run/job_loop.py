@@ -228,14 +228,15 @@ def evaluate(job: Job, cfg: Config, engines, data, pad_id: int) -> dict[str, flo
 
 def _step_metrics(job: Job, acc: Accumulator, engines, t_step: float, epoch: int
                   ) -> dict[str, float]:
-    """The step's statistics reduced across ranks: `loss/<job>` and `<job>/<name>` (global
-    means), `grad_norm`, `lr`, `epoch`, `time/step_s` (the slowest rank's)."""
+    """The step's statistics reduced across ranks (docs/METRICS.md): `loss/<job>` and
+    `<job>/<name>` (global means, `<job>/grad_norm` among them), `lr/<job>`, `<job>/epoch`,
+    `time/step_s` (the slowest rank's)."""
     acc.add_max("time/step_s", time.perf_counter() - t_step)
     m = acc.reduce()
-    out = {(f"loss/{job.name}" if k == "loss" else
-            k if "/" in k or k == "grad_norm" else f"{job.name}/{k}"): v for k, v in m.items()}
-    out["lr"] = engines.policy.lr()
-    out["epoch"] = float(epoch)
+    out = {(f"loss/{job.name}" if k == "loss" else k if "/" in k else f"{job.name}/{k}"): v
+           for k, v in m.items()}
+    out[f"lr/{job.name}"] = engines.policy.lr()
+    out[f"{job.name}/epoch"] = float(epoch)
     return out
 
 
@@ -259,7 +260,7 @@ def _report(cfg: Config, job: Job, tracker, metrics: dict[str, float], step: int
 def _stop_if_diverged(job: Job, metrics: dict[str, float], step: int, last: str | None) -> None:
     """Stop (every rank alike: the metrics are reduced) before a non-finite loss or gradient
     norm can be saved over good checkpoints."""
-    bad = {k: metrics[k] for k in (f"loss/{job.name}", "grad_norm")
+    bad = {k: metrics[k] for k in (f"loss/{job.name}", f"{job.name}/grad_norm")
            if k in metrics and not math.isfinite(metrics[k])}
     if bad:
         where = (f"the last checkpoint, {last}, was saved before it" if last

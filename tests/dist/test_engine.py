@@ -186,8 +186,10 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters
 
 
-SFT_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/sft", "grad_norm")) + ("eval/loss@1",)
-RM_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/rm", "rm/margin_mean", "grad_norm")) \
+SFT_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/sft", "sft/grad_norm")) \
+    + ("eval/loss@1",)
+RM_KEYS = tuple(f"{k}@{i}" for i in (0, 1)
+                for k in ("loss/rm", "rm/margin_mean", "rm/grad_norm")) \
     + ("eval/loss@1", "eval/margin_mean@1")
 
 

@@ -7,12 +7,13 @@ job computed. The 1-vs-2-rank invariance of both losses: tests/dist/test_engine.
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
 import torch
 
-from conftest import read_metrics
+from conftest import REPO, read_metrics
 from ds_ppo.config import load_config, validate_job
 from ds_ppo.run import job_loop
 from ds_ppo.run.preemption import Preempted
@@ -82,6 +83,8 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
         assert {k: v for k, v in ra.items() if not k.startswith(VOLATILE)} == \
             {k: v for k, v in rb.items() if not k.startswith(VOLATILE)}, ra["iteration"]
     assert [r["iteration"] for r in a if "eval/loss" in r] == [2, 4]  # {job}.eval_every=2
+    doc = (REPO / "docs" / "METRICS.md").read_text()  # every logged metric is documented
+    assert set(a[-1]) - {"iteration"} <= set(re.findall(r"`([a-z_]+/[a-z_]+)`", doc))
     loss = f"loss/{job}"
     assert a[-1][loss] < a[0][loss]  # it learns
     wa, wb = load_file(full / "final" / "model.safetensors"), \

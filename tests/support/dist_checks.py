@@ -312,8 +312,8 @@ def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
     return replica_out, zero3_out
 
 
-SUPERVISED_KEYS = {"sft": ("loss/sft", "grad_norm", "eval/loss"),
-                   "rm": ("loss/rm", "rm/accuracy", "rm/margin_mean", "grad_norm", "eval/loss",
+SUPERVISED_KEYS = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss"),
+                   "rm": ("loss/rm", "rm/accuracy", "rm/margin_mean", "rm/grad_norm", "eval/loss",
                           "eval/margin_mean")}
 
 
