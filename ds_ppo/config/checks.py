@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ds_ppo.algo.choices import ESTIMATORS
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
 from ds_ppo.rewards.service import call_deadline, worst_request_s
@@ -38,7 +39,18 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field checks that need the world size; raises ConfigError listing every problem."""
+    """Cross-field checks that need the world size; raises ConfigError listing every problem
+    (one checker per part of the config, each returning its problems)."""
+    problems = []
+    for check in (_batch_problems, _reward_problems, _model_problems, _generation_problems,
+                  _deepspeed_problems, _tracking_problems):
+        problems += check(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _batch_problems(cfg: Config, world_size: int) -> list[str]:
+    """Batch sizes against the world size, the estimator's needs and the PPO clips."""
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % world_size:
         problems.append(
@@ -58,6 +70,12 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    return problems
+
+
+def _reward_problems(cfg: Config, world_size: int) -> list[str]:
+    """Exactly one reward source, well formed, and the dataset columns it reads."""
+    problems = []
     from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
 
     r = cfg.reward
@@ -81,7 +99,32 @@ def validate(cfg: Config, world_size: int) -> None:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
-    problems += _model_problems(cfg, TRAINED_ROLES)
+    return problems
+
+
+def _source_problems(cfg: Config, roles) -> list[str]:
+    """The trained roles' model sources and clipping (PPO: policy and value; the supervised
+    jobs: the policy section, their one trained model)."""
+    problems = []
+    for name in roles:
+        m = getattr(cfg, name)
+        if m.path is not None and m.arch is not None:
+            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
+                            "(path loads weights, arch builds a randomly initialised model)")
+        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
+            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
+        if m.arch is not None and "model_type" not in m.arch:
+            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
+                            f"{name}.arch.model_type=llama)")
+    if cfg.policy.path is None and cfg.policy.arch is None:
+        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
+                        "or policy.arch (a random-init shape)")
+    return problems
+
+
+def _model_problems(cfg: Config, world_size: int) -> list[str]:
+    """Each model role: path or arch, clipping, LoRA and the reference's source."""
+    problems = _source_problems(cfg, TRAINED_ROLES)
     if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
@@ -97,6 +140,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.value.lora is not None and cfg.value.lora.output_head is True:
         problems.append("value.lora.output_head = True: the value model's scalar head is always "
                         "fully trained, never adapted; leave value.lora.output_head=auto")
+    return problems
+
+
+def _generation_problems(cfg: Config, world_size: int) -> list[str]:
+    """Generation lengths, tensor parallelism and the decoding loop's options."""
+    problems = []
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
@@ -117,6 +166,12 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
                         "set generation.loop=auto (HF generate for this kernel)")
+    return problems
+
+
+def _deepspeed_problems(cfg: Config, world_size: int) -> list[str]:
+    """Offload needs ZeRO-3; a DeepSpeed config file must exist."""
+    problems = []
     for role in ROLES:
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage not in (3, "auto"):
@@ -125,6 +180,12 @@ def validate(cfg: Config, world_size: int) -> None:
                             f"deepspeed.{role}.offload_param=false")
         if d.config is not None and not Path(d.config).exists():
             problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    return problems
+
+
+def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
+    """Model registry needs and the resume target."""
+    problems = []
     t, c = cfg.tracking, cfg.checkpoint
     if t.register_model is not None and not (t.enabled and c.export_at_end):
         problems.append(f"tracking.register_model = {t.register_model!r} registers the export "
@@ -144,27 +205,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-
-
-def _model_problems(cfg: Config, roles) -> list[str]:
-    """Checks of the trained roles' model sources and clipping (PPO: policy and value; the
-    supervised jobs: the policy section, their one trained model)."""
-    problems = []
-    for name in roles:
-        m = getattr(cfg, name)
-        if m.path is not None and m.arch is not None:
-            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
-                            "(path loads weights, arch builds a randomly initialised model)")
-        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
-            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
-        if m.arch is not None and "model_type" not in m.arch:
-            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
-                            f"{name}.arch.model_type=llama)")
-    if cfg.policy.path is None and cfg.policy.arch is None:
-        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
-                        "or policy.arch (a random-init shape)")
     return problems
 
 
@@ -191,7 +231,7 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
                         f"{columns}; set data.path")
     if job == "rm" and j.chosen_key == j.rejected_key:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
-    problems += _model_problems(cfg, ("policy",))
+    problems += _source_problems(cfg, ("policy",))
     d = cfg.deepspeed.policy
     if d.offload_param and d.zero_stage not in (3, "auto"):
         problems.append(f"deepspeed.policy.offload_param = True needs deepspeed.policy."
@@ -209,7 +249,7 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
     problems, n = [], p.samples_per_prompt
-    if p.advantage_estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+    if ESTIMATORS[p.advantage_estimator].groups and n < 2:
         problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
                         f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
                         "ppo.samples_per_prompt=4 (any n >= 2)")
