@@ -252,7 +252,7 @@ def _report(cfg: Config, job: Job, tracker, metrics: dict[str, float], step: int
     if step % cfg.log_every == 0 or step == total:
         evals = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
         print(f"{job.name} step {step:>5}/{total} | {job.progress(metrics)} "
-              f"| lr {metrics['lr']:.2e} | step {metrics['time/step_s']:.2f}s "
+              f"| lr {metrics[f'lr/{job.name}']:.2e} | step {metrics['time/step_s']:.2f}s "
               + (f"| {evals} " if evals else "")
               + f"| eta {format_duration(eta.left(total - step))}", flush=True)
 
