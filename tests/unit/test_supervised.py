@@ -125,8 +125,9 @@ def test_job_config_checks_name_key_and_fix():
     assert "sft.batch_size = 12 must be a multiple of sft.micro_batch_size * world size" in \
         str(e.value) and "data.path = None" in str(e.value)
     cfg = load_config(None, ["data.path=x.jsonl", "rm.batch_size=16", "rm.micro_batch_size=4",
-                             "rm.rejected_key=chosen"])
-    with pytest.raises(ConfigError, match="rm.chosen_key = rm.rejected_key"):
+                             "rm.rejected_key=chosen", "policy.lora.r=8"])
+    with pytest.raises(ConfigError, match="(?s)rm.chosen_key = rm.rejected_key.*policy.lora "
+                       "with ds-ppo rm"):
         validate_job(cfg, "rm", 2)
     assert job_accum_steps(cfg, "rm", 2) == 2
     ok = load_config(None, ["data.path=x.jsonl", "sft.batch_size=16", "sft.micro_batch_size=4"])
