@@ -148,3 +148,23 @@ def test_digit_sum_task_files_are_disjoint_and_checked(tmp_path):
         assert r["completion"] == str(int(a) + int(b))
     assert all(p["chosen"] != p["rejected"] for p in read["pairs.jsonl"])
     assert addition.exact_match([], [" 13", "14", "13 "], ["13", "13", "13"]) == [1.0, 0.0, 1.0]
+
+
+# --------------------------------------------------------------------- commands
+def test_dry_run_and_plan_of_the_jobs(tmp_path, capsys):
+    from ds_ppo.cli import main
+
+    rows = _write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+    assert main(["sft", "--dry-run", f"data.path={rows}"]) == 0
+    assert "config OK for world size 1" in capsys.readouterr().out
+    assert main(["rm", "--dry-run", f"data.path={tmp_path / 'none.jsonl'}"]) == 2
+    assert "data.path = " in capsys.readouterr().err
+    assert main(["sft", "--dry-run", f"data.path={rows}", "sft.batch_size=12"]) == 2
+    assert "sft.batch_size = 12 must be a multiple" in capsys.readouterr().err
+    # the plan: the one trained model, its micro-batch (rm: chosen + rejected rows)
+    assert main(["plan", "--job", "rm", "--json", "rm.micro_batch_size=4", "rm.max_len=64"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["job"] == "rm" and plan["micro_batch"] == {"rows": 8, "tokens": 64}
+    assert main(["plan", "--job", "sft", "sft.micro_batch_tokens=256"]) == 0
+    out = capsys.readouterr().out
+    assert "ds-ppo sft plan" in out and "1 row(s) x 512 tokens" in out and "fits" in out
