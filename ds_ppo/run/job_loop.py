@@ -101,7 +101,8 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
                 acc = Accumulator()
                 train_step(job, cfg, engines, data, sampler.indices(step - 1), acc,
                            tokenizer.pad_token_id)
-                metrics = _step_metrics(job, acc, engines, t_step, sampler.epoch(step - 1))
+                metrics = _step_metrics(job, acc, engines, t_step,
+                                         (step - 1) * section.batch_size // len(data))
                 # step 2. evaluation (every eval_every steps and after the last)
                 if eval_data is not None and (step == total or (
                         section.eval_every and step % section.eval_every == 0)):

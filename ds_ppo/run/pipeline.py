@@ -92,7 +92,8 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
     """The pipeline for one seed under out/seed<N>; returns its measurements."""
     root = out / f"seed{seed}"
     task = root / "task"
-    addition.write_task(task, seed=seed)
+    if not (task / "test.jsonl").exists():
+        addition.write_task(task, seed=seed)
     uri = f"sqlite:///{(out / 'mlruns' / 'mlflow.db').resolve()}"
     (out / "mlruns").mkdir(parents=True, exist_ok=True)
     client, parent = _parent_run(uri, "recipe", f"recipe seed {seed}")
@@ -100,7 +101,8 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
     t_all = time.perf_counter()
     for wave in WAVES:
         commands = {}
-        for name in (n for n in wave if n in steps):
+        # a step whose export exists is done (a pipeline run again continues where it stopped)
+        for name in (n for n in wave if n in steps and not (root / n / "final").exists()):
             cmd, *overrides = STEPS[name]
             commands[name] = [
                 cmd, "--config", config, *[o.format(task=task, out=root) for o in overrides],
@@ -109,8 +111,8 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
                 f"tracking.run_name={name} seed {seed}",
                 *(QUICK.get(name, []) if quick else []), *extra]
         walls = _run_steps(commands, {n: root / f"{n}.log" for n in commands})
-        for name in commands:
-            res[f"{name}_wall_s"] = walls[name]
+        for name in (n for n in wave if n in steps):
+            res[f"{name}_wall_s"] = walls.get(name)
             if name in ("sft", "grpo", "ppo"):
                 res[f"{name}_acc"] = addition.evaluate(root / name / "final", task / "test.jsonl")
             if name == "rm":
@@ -121,7 +123,7 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
             print(json.dumps({k: v for k, v in res.items() if k.startswith(name)}), flush=True)
     res["wall_s"] = time.perf_counter() - t_all
     for k, v in res.items():
-        if v is not None:
+        if v is not None and k != "seed":
             client.log_metric(parent, k, float(v))
     client.set_terminated(parent)
     return res
