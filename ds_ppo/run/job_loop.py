@@ -86,7 +86,7 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
     tracker = _open_tracker(cfg, resume_from)
     engines = init_job_engines(cfg, job.name, tokenizer, device, total)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
-    state = _start_or_resume(cfg, engines, resume_from)
+    state = _start_or_resume(cfg, job.name, engines, resume_from)
     state.mlflow_run_id = tracker.run_id
     sampler = PromptSampler(len(data), section.batch_size, dist.rank(), dist.world_size(),
                             cfg.seed, shuffle=cfg.data.shuffle)
@@ -153,13 +153,17 @@ def _load_data(cfg: Config, job: Job, out: Path):
     return tokenizer, data, eval_data
 
 
-def _start_or_resume(cfg: Config, engines, path: Path | None) -> TrainerState:
+def _start_or_resume(cfg: Config, job: str, engines, path: Path | None) -> TrainerState:
     world = dist.world_size()
     if path is None:
         start_metrics_log(cfg.output_dir, None)
-        return TrainerState(world_size=world, seed=cfg.seed,
+        return TrainerState(world_size=world, seed=cfg.seed, job=job,
                             lora_bases=lora.base_record(engines.lora_bases))
     saved = read_state(path)
+    if saved.job != job:
+        raise ConfigError(f"cannot resume from {path}: it is a checkpoint of `ds-ppo "
+                          f"{'train' if saved.job == 'ppo' else saved.job}`, not of `ds-ppo "
+                          f"{job}`; use another output_dir")
     if saved.world_size != world:
         raise ConfigError(f"{path} was saved on world size {saved.world_size}; a supervised job "
                           f"resumes on the same world size (this one: {world})")

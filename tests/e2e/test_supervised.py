@@ -87,6 +87,12 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
     assert set(a[-1]) - {"iteration"} <= set(re.findall(r"`([a-z_]+/[a-z_]+)`", doc))
     loss = f"loss/{job}"
     assert a[-1][loss] < a[0][loss]  # it learns
+    # `ds-ppo train` in that output_dir would not resume from a supervised job's checkpoint
+    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+    from ds_ppo.errors import UserError
+
+    with pytest.raises(UserError, match=f"checkpoint of `ds-ppo {job}`"):
+        check_estimator_family(latest_checkpoint(split), "grpo")
     wa, wb = load_file(full / "final" / "model.safetensors"), \
         load_file(split / "final" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
