@@ -34,14 +34,15 @@ STEPS = {
     "rm": ["rm", "data.path={task}/pairs.jsonl", "data.eval_split={task}/pairs_test.jsonl",
            "policy.arch=null", "policy.path={out}/sft/final"],
     "grpo": ["train", "data.path={task}/rl.jsonl", "policy.arch=null",
-             "policy.path={out}/sft/final", "policy.lr=1.0e-3", "data.reward_keys=[answer]"],
+             "policy.path={out}/sft/final", "policy.tokenizer=null", "policy.lr=5.0e-4",
+             "iterations=60", "data.reward_keys=[answer]"],
     "ppo": ["train", "data.path={task}/rl.jsonl", "policy.arch=null",
             "policy.path={out}/sft/final", "reward.function=null", "reward.model={out}/rm/final",
             "ppo.advantage_estimator=gae", "ppo.samples_per_prompt=1",
             "ppo.rollout_batch_size=128", "ppo.mini_batch_size=64", "ppo.micro_batch_size=64",
             "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "policy.lr=1.0e-3", "value.lr=3.0e-3"],
 }
-QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=12"]}
+QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=20"]}
 
 
 # the steps in waves: a wave's steps run at once (GRPO needs no reward model)
