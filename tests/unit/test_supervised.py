@@ -168,3 +168,20 @@ def test_dry_run_and_plan_of_the_jobs(tmp_path, capsys):
     assert main(["plan", "--job", "sft", "sft.micro_batch_tokens=256"]) == 0
     out = capsys.readouterr().out
     assert "ds-ppo sft plan" in out and "1 row(s) x 512 tokens" in out and "fits" in out
+
+
+def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
+    from ds_ppo.run.job_loop import total_steps
+
+    cfg = load_config(None, ["sft.epochs=3", "sft.batch_size=8"])
+    assert total_steps(cfg.sft, 20) == 3 * 2  # whole global batches per epoch
+    assert total_steps(load_config(None, ["sft.steps=5"]).sft, 20) == 5
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "the cat", "answer": "sat"}])
+    with pytest.raises(DataError, match="no column 'messages'"):
+        load_sft(_cfg(path), tok)  # no `completion` column: the rows would have to be chats
+    assert load_sft(_cfg(path, "sft.completion_key=answer"), tok).counted([0]) == \
+        len(tok("sat", add_special_tokens=False)["input_ids"]) + 1
+    pairs = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                           {"prompt": "a", "chosen": "b " * 30, "rejected": "c"}])
+    data = load_pairs(_cfg(pairs, "rm.max_len=10"), tok)
+    assert len(data) == 1 and data.stats["dropped_too_long"] == 1
