@@ -79,12 +79,13 @@ def _first(metrics_file: Path, key: str) -> float | None:
     return values[0] if values else None
 
 
-def _parent_run(uri: str, experiment: str, name: str):
+def _parent_run(uri: str, experiment: str, name: str, artifacts: Path):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        experiment, artifact_location=artifacts.resolve().as_uri())
     return client, client.create_run(exp_id, run_name=name).info.run_id
 
 
@@ -97,7 +98,8 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
         addition.write_task(task, seed=seed)
     uri = f"sqlite:///{(out / 'mlruns' / 'mlflow.db').resolve()}"
     (out / "mlruns").mkdir(parents=True, exist_ok=True)
-    client, parent = _parent_run(uri, "recipe", f"recipe seed {seed}")
+    client, parent = _parent_run(uri, "recipe", f"recipe seed {seed}",
+                                 out / "mlruns" / "artifacts")
     res: dict[str, float] = {"seed": seed}
     t_all = time.perf_counter()
     for wave in WAVES:
