@@ -1,4 +1,4 @@
-"""The `ds-ppo` command line: train, plan, export, tokenizer train, bench, config.
+"""The `ds-ppo` command line: train, sft, rm, plan, export, tokenizer train, bench, config.
 
 Each sub-command imports its heavy modules lazily, so `ds-ppo config` or a config error never
 waits for DeepSpeed to import. User errors (config, data, paths) print one message and exit 2
@@ -61,6 +61,40 @@ def _hide_secrets(urls: list[str | None]) -> None:
         if url and "://" in url:
             register_url(url)
     redact_output()
+
+
+def _job(args: argparse.Namespace) -> int:
+    """`ds-ppo sft` / `ds-ppo rm`: a supervised job on the same config tree, engine and run
+    directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/job_loop.py)."""
+    from ds_ppo.config import load_config, validate_job, world_size_from_env
+
+    cfg = load_config(args.config, args.overrides)
+    validate_job(cfg, args.command, world_size_from_env())
+    if args.dry_run:
+        from ds_ppo.config.paths import missing_paths
+        from ds_ppo.errors import ConfigError
+
+        missing = missing_paths(cfg, job=args.command)
+        if missing:
+            raise ConfigError("\\n  ".join(["local paths that do not exist:", *missing]))
+        print(f"config OK for world size {world_size_from_env()}")
+        return 0
+    from ds_ppo.run.job_loop import run_job
+    from ds_ppo.run.preemption import Preempted
+
+    if args.command == "sft":
+        from ds_ppo.sft import SFTJob as Job
+    else:
+        from ds_ppo.rm import RMJob as Job
+    try:
+        run_job(cfg, Job())
+    except Preempted as e:
+        print(f"ds-ppo: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ds-ppo: interrupted; nothing saved after the last checkpoint", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return 0
 
 
 def _check_resume_estimator(cfg) -> None:
@@ -137,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.kl_coef=0.05")
     p.set_defaults(func=_train)
 
+    for name, what in (("sft", "supervised fine-tuning of the policy on prompt + completion "
+                        "(or chat) rows (the sft section)"),
+                       ("rm", "train a reward model on preference pairs (the rm section)")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--config", default=None,
+                       help="YAML config file or preset name (default: the tiny preset)")
+        p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
+        p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                       help=argparse.SUPPRESS)
+        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. "
+                       f"{name}.batch_size=64")
+        p.set_defaults(func=_job)
+
     p = sub.add_parser("config", help="print the resolved config, or describe every key")
     p.add_argument("--config", default=None)
     p.add_argument("--describe", action="store_true", help="list every key with its doc")
@@ -151,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem-gib", type=float, default=None,
                    help="CPU memory per node (default: unchecked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--job", choices=["train", "sft", "rm"], default="train",
+                   help="plan `ds-ppo train` (default), `ds-ppo sft` or `ds-ppo rm`")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_plan)
 

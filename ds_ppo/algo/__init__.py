@@ -17,6 +17,7 @@ Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) 
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
+Supervised jobs (supervised.py): nll_sum (SFT), bradley_terry + pair_stats (reward model).
 """
 
 import importlib
@@ -28,6 +29,7 @@ _EXPORTS = {
     "advantages_for": "estimators",
     "block_causal_mask": "packing",
     "block_tokens": "sampling",
+    "bradley_terry": "supervised",
     "broadcast_to_tokens": "group",
     "cumulative_lengths": "packing",
     "decode_attention_mask": "masks",
@@ -68,6 +70,8 @@ _EXPORTS = {
     "masked_whiten": "stats",
     "next_tokens": "sampling",
     "next_tokens_with_logprobs": "sampling",
+    "nll_sum": "supervised",
+    "pair_stats": "supervised",
     "packed_layout": "packing",
     "PackedLayout": "packing",
     "policy_loss": "losses",

@@ -130,10 +130,11 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
-def _model_problems(cfg: Config, world_size: int) -> list[str]:
-    """Each model role: path or arch, clipping, LoRA and the reference's source."""
+def _source_problems(cfg: Config, roles) -> list[str]:
+    """The trained roles' model sources and clipping (PPO: policy and value; the supervised
+    jobs: the policy section, their one trained model)."""
     problems = []
-    for name in TRAINED_ROLES:
+    for name in roles:
         m = getattr(cfg, name)
         if m.path is not None and m.arch is not None:
             problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
@@ -152,6 +153,12 @@ def _model_problems(cfg: Config, world_size: int) -> list[str]:
     if cfg.policy.path is None and cfg.policy.arch is None:
         problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
                         "or policy.arch (a random-init shape)")
+    return problems
+
+
+def _model_problems(cfg: Config, world_size: int) -> list[str]:
+    """Each model role: path or arch, clipping, LoRA and the reference's source."""
+    problems = _source_problems(cfg, TRAINED_ROLES)
     if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
         problems.append("value.init_from = 'path' needs value.path or value.arch")
     if cfg.value.init_from == "reward" and cfg.reward.model is None:
@@ -298,6 +305,47 @@ def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
         problems.append(f"ppo.ptx_coef = {p.ptx_coef} needs data.ptx_path (a file of `text` "
                         "rows, or prompt + `completion` rows), or set ppo.ptx_coef=0")
     return problems
+
+
+def job_accum_steps(cfg: Config, job: str, world_size: int) -> int:
+    """Micro-batches accumulated per optimizer step on each rank of `ds-ppo sft` / `ds-ppo rm`
+    (`job`: the section's name)."""
+    j = getattr(cfg, job)
+    return max(1, j.batch_size // (j.micro_batch_size * world_size))
+
+
+def validate_job(cfg: Config, job: str, world_size: int) -> None:
+    """Cross-field checks of a supervised job (`job`: sft or rm), before any model loads; raises
+    ConfigError listing every problem with the key and a value that works."""
+    j, problems = getattr(cfg, job), []
+    if j.batch_size % (j.micro_batch_size * world_size):
+        problems.append(
+            f"{job}.batch_size = {j.batch_size} must be a multiple of {job}.micro_batch_size * "
+            f"world size = {j.micro_batch_size} * {world_size} (e.g. {job}.batch_size="
+            f"{j.micro_batch_size * world_size * max(1, j.batch_size // (j.micro_batch_size * world_size))})")
+    if cfg.data.path is None:
+        columns = ("data.prompt_key + sft.completion_key, or data.messages_key" if job == "sft"
+                   else "rm.chosen_key + rm.rejected_key (and data.prompt_key)")
+        problems.append(f"data.path = None: ds-ppo {job} trains on a dataset file with columns "
+                        f"{columns}; set data.path")
+    if job == "rm" and j.chosen_key == j.rejected_key:
+        problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
+    if job == "rm" and cfg.policy.lora is not None:
+        problems.append("policy.lora with ds-ppo rm: a reward model is trained fully (LoRA "
+                        "reward models are not supported yet); drop policy.lora")
+    problems += _source_problems(cfg, ("policy",))
+    d = cfg.deepspeed.policy
+    if d.offload_param and d.zero_stage not in (3, "auto"):
+        problems.append(f"deepspeed.policy.offload_param = True needs deepspeed.policy."
+                        f"zero_stage = 3 (got {d.zero_stage}); or set "
+                        "deepspeed.policy.offload_param=false")
+    if d.config is not None and not Path(d.config).exists():
+        problems.append(f"deepspeed.policy.config = {d.config!r}: file does not exist")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
+                        "directory")
+    if problems:
+        raise ConfigError("invalid config:\\n  " + "\\n  ".join(problems))
 
 
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:

@@ -33,14 +33,16 @@ def missing_local(spec: str | None) -> bool:
     return not Path(spec).expanduser().exists() and not is_hub_name(spec)
 
 
-def missing_paths(cfg: Config) -> list[str]:
+def missing_paths(cfg: Config, job: str | None = None) -> list[str]:
     """One problem per config key whose local path does not exist (hub names are not checked:
-    reaching the hub is the real start's business)."""
-    keys = {"data.path": cfg.data.path, "data.ptx_path": cfg.data.ptx_path,
-            "policy.path": cfg.policy.path,
-            "policy.tokenizer": cfg.policy.tokenizer, "value.path": cfg.value.path,
-            "value.tokenizer": cfg.value.tokenizer, "reference.path": cfg.reference.path,
-            "reward.model": cfg.reward.model, "reward.tokenizer": cfg.reward.tokenizer}
+    reaching the hub is the real start's business). `job`: sft or rm, which read the data and
+    the policy section only."""
+    keys = {"data.path": cfg.data.path, "policy.path": cfg.policy.path,
+            "policy.tokenizer": cfg.policy.tokenizer}
+    if job is None:
+        keys.update({"data.ptx_path": cfg.data.ptx_path, "value.path": cfg.value.path, "value.tokenizer": cfg.value.tokenizer,
+                     "reference.path": cfg.reference.path, "reward.model": cfg.reward.model,
+                     "reward.tokenizer": cfg.reward.tokenizer})
     split = cfg.data.eval_split
     if split and split.lower().endswith(FILE_ENDINGS):  # an evaluation file, not a split name
         keys["data.eval_split"] = split

@@ -25,19 +25,19 @@ ROLES = ("system", "user", "assistant")
 _LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 def _not_unicode(text: str, where: str) -> str | None:
-    """Why `text` cannot be encoded (a lone surrogate: JSON allows an unpaired \\uD83D escape,
+    """Why `text` cannot be encoded (a lone surrogate: JSON allows an unpaired \\\\uD83D escape,
     UTF-8 and the tokenizers do not), or None."""
     m = _SURROGATE.search(text)
     return None if m is None else (
         f"{where} holds a lone surrogate U+{ord(m.group()):04X} (character {m.start() + 1}): "
-        "not valid Unicode text (an unpaired \\uD8xx-\\uDFxx escape?)")
+        "not valid Unicode text (an unpaired \\\\uD8xx-\\\\uDFxx escape?)")
 
 
-def _check_text(value: Any, key: str) -> str | None:
+def check_text(value: Any, key: str) -> str | None:
     """Why a plain-text prompt is bad, or None."""
     if value is MISSING:
         return None  # reported by the caller, which knows the row's columns
@@ -50,7 +50,7 @@ def _check_text(value: Any, key: str) -> str | None:
     return _not_unicode(value, f"column {key!r}")
 
 
-def _check_messages(value: Any, key: str) -> tuple[list[dict[str, str]] | None, str | None]:
+def check_messages(value: Any, key: str) -> tuple[list[dict[str, str]] | None, str | None]:
     """(messages with only role/content, None) or (None, why they are bad)."""
     if value is None:
         return None, f"column {key!r} is null"
@@ -85,13 +85,17 @@ def _check_messages(value: Any, key: str) -> tuple[list[dict[str, str]] | None, 
     return out, None
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], key: str
-            ) -> tuple[str | None, str | None]:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], key: str,
+                generation_prompt: bool = True, allow_empty: bool = False
+                ) -> tuple[str | None, str | None]:
+    """(text, None) of chat messages rendered by the tokenizer's chat template (with the
+    assistant's generation prompt unless `generation_prompt` is False), or (None, why not)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's TemplateError and the template's own raise_exception
         return None, f"column {key!r}: the chat template rejected it ({type(e).__name__}: {e})"
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str) or (not allow_empty and not text.strip()):
         return None, f"column {key!r}: the chat template rendered an empty prompt"
     return text, None
 
@@ -139,19 +143,19 @@ def validate_rows(table: Table, rows: range, cfg: DataConfig,
             elif why is None and n > 0 and cell is None:  # a reward_keys value
                 why = f"column {col!r} (data.reward_keys) is null"
         if why is None and (isinstance(value, list) or key == cfg.messages_key):
-            messages, why = _check_messages(value, key)
+            messages, why = check_messages(value, key)
             if why is None:
                 if tokenizer.chat_template is None:
                     raise DataError(f"{table.source}: column {key!r} holds chat messages but the "
                                     "tokenizer has no chat template; use a tokenizer with one")
-                text, why = _render(tokenizer, messages, key)
+                text, why = render_chat(tokenizer, messages, key)
                 if why is None:
                     out.texts.append(text)
                     out.messages.append(messages)
                     out.chat.append(True)
                     out.where.append(table.where[i])
         elif why is None:
-            why = _check_text(value, key)
+            why = check_text(value, key)
             if why is None:
                 out.texts.append(value)
                 out.messages.append(None)

@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import subprocess

@@ -53,6 +53,7 @@ class TrainerState:
     seed: int = 0
     advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
     lora_bases: dict = field(default_factory=dict)  # LoRA role -> {path, fingerprint} of its base
+    job: str = "ppo"  # the command that wrote it: ppo (ds-ppo train), sft or rm (one model)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -238,7 +239,8 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     is there. Raises CheckpointError naming the file."""
     state = read_state(path)
     # a critic-free run (grpo, rloo, ...) saved no value model
-    for role in TRAINED_ROLES if estimator_spec(state.advantage_estimator).critic else ("policy",):
+    critic = state.job == "ppo" and estimator_spec(state.advantage_estimator).critic
+    for role in TRAINED_ROLES if critic else ("policy",):  # sft/rm: their one model as policy
         files = sorted((path / role / TAG).rglob("*.pt"))
         if not files:
             raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
@@ -326,7 +328,12 @@ def check_estimator_family(path: Path, estimator: str) -> None:
     the other way round (other changes of estimator are allowed)."""
     from ds_ppo.errors import UserError
 
-    saved = read_state(path).advantage_estimator
+    state = read_state(path)
+    if state.job != "ppo":
+        raise UserError(f"cannot resume from {path}: it is a checkpoint of `ds-ppo {state.job}`, "
+                        "not of a PPO run; start `ds-ppo train` in another output_dir (its "
+                        "export, output_dir/final, is the model to start from)")
+    saved = state.advantage_estimator
     had_value, critic = (path / "value").exists(), estimator_spec(estimator).critic
     if had_value != critic:
         what = {True: "with a value model", False: "without a value model"}

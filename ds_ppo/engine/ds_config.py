@@ -52,9 +52,11 @@ def template_path(cfg: Config, role: Role, world_size: int = 1, load_universal: 
 
 
 def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype,
-                    hidden_size: int, load_universal: bool = False) -> dict[str, Any]:
+                    hidden_size: int, load_universal: bool = False,
+                    batch: tuple[int, int] | None = None) -> dict[str, Any]:
     """The filled DeepSpeed config dict for `role` (train roles get optimizer-step batch sizes,
-    inference roles the scoring micro-batch)."""
+    inference roles the scoring micro-batch). `batch`: (micro-batch size, accumulation steps)
+    of a trained role that is not PPO's (`ds-ppo sft` / `ds-ppo rm`: their section's)."""
     path = template_path(cfg, role, world_size, load_universal)
     try:
         ds = json.loads(path.read_text())
@@ -63,7 +65,7 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     ds = copy.deepcopy(ds)
     d = getattr(cfg.deepspeed, role)
     if role in TRAINED_ROLES:
-        micro, accum = cfg.ppo.micro_batch_size, grad_accum_steps(cfg, world_size)
+        micro, accum = batch or (cfg.ppo.micro_batch_size, grad_accum_steps(cfg, world_size))
         clip = getattr(cfg, role).max_grad_norm
         ds["gradient_clipping"] = float(clip) if clip is not None else 0.0
     else:

@@ -72,12 +72,19 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)[keep][None]
     pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)
     kwargs = {"logits_to_keep": pred} if predictors_only else {}
+    out = packed_call(model, ids, layout, rollout.row_lens, **kwargs)
+    return out, pred
+
+
+def packed_call(model, ids: torch.Tensor, layout, lengths: list[int], **kwargs):
+    """The model's forward on one packed sequence `ids` (1, N) of rows with host `lengths`
+    (`layout`: their `algo.packed_layout`), attention confined to each row for the model's
+    attention kernel (module docstring); `kwargs` go to the model (e.g. logits_to_keep)."""
     impl = _attn_implementation(model)
     if impl is not None and impl.startswith("flash"):
         # no mask: the varlen kernels take the rows' bounds, from host lengths (given them,
         # transformers does not infer them from the position ids in every layer)
         mask = None
-        lengths = rollout.row_lens
         cu = cumulative_lengths(lengths, ids.device)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                       max_length_k=max(lengths))
@@ -87,9 +94,8 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
             mask = additive_mask(mask, torch.float32)
     else:  # another or an unknown one: transformers finds the rows from the position ids
         mask = None
-    out = model(input_ids=ids, attention_mask=mask, position_ids=layout.position_ids[None],
-                use_cache=False, **kwargs)
-    return out, pred
+    return model(input_ids=ids, attention_mask=mask, position_ids=layout.position_ids[None],
+                 use_cache=False, **kwargs)
 
 
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,

@@ -7,6 +7,7 @@ needs from DeepSpeed is written down here.
 - `ValueRole`:     per-token values, backward + optimizer step, lr, grad norm.
 - `ReferenceRole`: log-probs (an inference engine, or the LoRA policy with its adapters off).
 - `RewardRole`:    sequence scores (an inference engine around `forward.LastTokenScorer`).
+- `ScorerRole`:    a reward model in training (`ds-ppo rm`): sequence scores, backward + step.
 
 The forward math stays in ds_ppo/forward.py; every forward runs through the engine's own
 `forward` (ZeRO-3's root-module hooks).
@@ -160,4 +161,18 @@ class RewardRole(Role):
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """`forward.sequence_scores` through this role's engine: (B,) float32, from (B, L) ids
         and mask (any padding side)."""
+        return sequence_scores(self.engine, input_ids, attention_mask)
+
+
+class ScorerRole(TrainedRole):
+    """A reward model in training (`ds-ppo rm`): an engine around `forward.LastTokenScorer`, with
+    an optimizer. `module` is the HF sequence-classification model inside, which checkpoints'
+    safetensors copies and exports write (it loads as `reward.model`)."""
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module.model
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 scores at each row's last real token, differentiable (any padding)."""
         return sequence_scores(self.engine, input_ids, attention_mask)

@@ -197,10 +197,13 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
 
 
 # ------------------------------------------------------------------------ the roles
-def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: bool):
+def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: bool,
+                 batch: tuple[int, int] | None = None, total_steps: int | None = None):
+    """The policy's engine; `batch` (micro-batch, accumulation) and `total_steps` (of the LR
+    schedule) for a job other than PPO (`ds-ppo sft`), else from the ppo section."""
     from transformers import AutoModelForCausalLM
 
-    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal)
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal, batch)
     config, dropped = _model_config(path, cfg.policy.disable_dropout)
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
@@ -214,8 +217,8 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
         model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, output_head=head)
     opt = _optimizer(lora.trainable(model), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
-    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy,
-                                                             optimizer_steps(cfg, "policy"))), ds
+    steps = total_steps if total_steps is not None else optimizer_steps(cfg, "policy")
+    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, steps)), ds
 
 
 def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,

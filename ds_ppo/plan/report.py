@@ -154,6 +154,12 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     cpu = None if args.cpu_mem_gib is None else int(args.cpu_mem_gib * GiB)
     cluster = Cluster(args.nodes, args.gpus_per_node, int(args.gpu_mem_gib * GiB), cpu)
+    if getattr(args, "job", "train") != "train":  # ds-ppo sft / ds-ppo rm: one trained model
+        from ds_ppo.plan.job import format_job_plan, job_plan
+
+        p = job_plan(cfg, args.job, cluster)
+        print(json.dumps(p, indent=2) if args.json else format_job_plan(p, cluster))
+        return 0
     result = plan(cfg, cluster)
     if args.json:
         print(json.dumps(to_json(result), indent=2))

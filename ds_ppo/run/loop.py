@@ -389,10 +389,11 @@ def _stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Eng
 
 # ------------------------------------------------------------------------------ end
 def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
-            last_checkpoint: str | None):
-    """Save the final state (unless the last iteration was just saved) and export the policy."""
+            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
+    """Save the final state (unless the last iteration was just saved) and export the policy
+    (a supervised job's model: `model_class` names what it loads with)."""
     from ds_ppo.engine.export import export_final
-    from ds_ppo.run.export import DTYPES
+    from ds_ppo.run.export import DTYPES, export_engine, write_marker
 
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
@@ -408,8 +409,9 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             export_final(engines.policy, tokenizer, out / "final",
                          DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}")
         if dist.is_main():
-            log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
-                     export_dir)
+            log.info("exported the %s to %s (load with %s.from_pretrained)",
+                     "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
+                     model_class)
         if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
             with engines.policy.ema.swapped_in():
                 export_engine(engines.policy, tokenizer, out / "final_ema",

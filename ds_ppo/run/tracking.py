@@ -312,7 +312,9 @@ class MlflowTracker:
                 return reopened
         experiment_id = cls._experiment_id(client, cfg, embedded)
         name = cfg.tracking.run_name or Path(cfg.output_dir).resolve().name
-        run = client.create_run(experiment_id, run_name=name)
+        parent = cfg.tracking.parent_run_id  # a pipeline's step: shown as the parent's child
+        run = client.create_run(experiment_id, run_name=name,
+                                 tags={"mlflow.parentRunId": parent} if parent else None)
         return cls(client, uri, experiment_id, run.info.run_id, resumed=False)
 
     @classmethod

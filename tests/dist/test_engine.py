@@ -212,3 +212,27 @@ def test_ema_on_zero3_swaps_in_the_assembled_partitions_and_back(one_rank, two_r
         assert res["swapped_wrong"] == [] and res["ema_differs"], res
         assert res["persistent"] > 0  # norms stay gathered on ZeRO-3: refreshed too
         assert res["restored"] and res["reloaded_equal"]
+
+SFT_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/sft", "sft/grad_norm")) \\
+    + ("eval/loss@1",)
+RM_KEYS = tuple(f"{k}@{i}" for i in (0, 1)
+                for k in ("loss/rm", "rm/margin_mean", "rm/grad_norm")) \\
+    + ("eval/loss@1", "eval/margin_mean@1")
+
+
+def test_sft_loss_invariant_to_world_size_and_micro_batches(one_rank, two_ranks):
+    """ds-ppo sft: the same two optimizer steps at 1 and 2 ranks (2 or 1 micro-batches of 4 rows
+    per rank), padded or packed (the loss divided by the global step's token count)."""
+    ref = one_rank["sft_micro4"]
+    for run in (two_ranks["sft_micro4"], one_rank["sft_packed"], two_ranks["sft_packed"]):
+        assert not _close(ref, run, keys=SFT_KEYS)
+    assert ref["loss/sft@1"] < ref["loss/sft@0"]  # the first step changed the weights
+
+
+def test_rm_loss_invariant_to_world_size_and_micro_batches(one_rank, two_ranks):
+    """ds-ppo rm: the Bradley-Terry loss with margins divided by the global pair count (2 or 1
+    micro-batches of 4 pairs per rank)."""
+    ref = one_rank["rm_micro4"]
+    for run in (two_ranks["rm_micro4"],):
+        assert not _close(ref, run, keys=RM_KEYS)
+    assert ref["loss/rm@1"] != ref["loss/rm@0"]

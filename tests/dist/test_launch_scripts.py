@@ -12,7 +12,7 @@ import pytest
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SCRIPTS = ["_common.sh", "single_node.sh", "multi_node.sh", "multinode_localhost.sh",
-           "slurm.sbatch"]
+           "slurm.sbatch", "recipe_tiny.sh"]
 
 
 def run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None,

@@ -426,6 +426,57 @@ def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
     return replica_out, zero3_out
 
 
+SUPERVISED_KEYS = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss"),
+                   "rm": ("loss/rm", "rm/accuracy", "rm/margin_mean", "rm/grad_norm", "eval/loss",
+                          "eval/margin_mean")}
+
+
+def supervised_data(work: Path) -> Path:
+    """Rank 0 writes (once) SFT rows of varied lengths and preference pairs with margins."""
+    import json
+    import random
+
+    data = work / "supervised"
+    if dist.is_main() and not data.exists():
+        tmp = work / "supervised.tmp"
+        tmp.mkdir()
+        rng = random.Random(0)
+        words = "the cat sat on a mat and my aunt is happy good love sun".split()
+        sft, pairs = [], []
+        for i in range(32):
+            prompt = " ".join(rng.choice(words) for _ in range(1 + i % 5))
+            answer = " ".join(rng.choice(words) for _ in range(1 + (i * 7) % 6))
+            sft.append({"prompt": prompt, "completion": answer})
+            pairs.append({"prompt": prompt, "chosen": answer, "rejected": answer[::-1],
+                          "margin": (i % 3) * 0.5})
+        (tmp / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
+        (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+        tmp.rename(data)
+    dist.barrier()
+    return data
+
+
+def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
+    """Each step's loss statistics of two optimizer steps of `ds-ppo sft` / `ds-ppo rm` (the
+    second step's depend on the first update) and the evaluation after them."""
+    from ds_ppo.config import validate_job
+    from ds_ppo.rm import RMJob
+    from ds_ppo.run.job_loop import run_job
+    from ds_ppo.sft import SFTJob
+
+    data = supervised_data(work)
+    rows = "sft.jsonl" if job == "sft" else "pairs.jsonl"
+    cfg = load_config(None, [
+        "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
+        "checkpoint.export_at_end=false", "resume=never", f"output_dir={work / name}",
+        f"data.path={data / rows}", f"data.eval_split={data / rows}", "data.eval_size=8",
+        f"{job}.steps=2", f"{job}.batch_size=8", "rm.margin_key=margin"] + extra)
+    validate_job(cfg, job, dist.world_size())
+    history = run_job(cfg, SFTJob() if job == "sft" else RMJob()).history
+    return {f"{k}@{i}": h[k] for i, h in enumerate(history) for k in SUPERVISED_KEYS[job]
+            if k in h}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -476,6 +527,14 @@ def main() -> None:
         "zero3_ptx_ema": lambda: ptx_ema_update(work, "z3ptx", ["ppo.micro_batch_size=4"]),
         "value_from_rm": lambda: value_from_reward_model(work),
         "ema_swap": lambda: ema_swap(work),
+        # supervised jobs, ZeRO-3: 4 rows per micro-batch (one rank: 2 accumulated), or packed
+        "sft_micro4": lambda: supervised_steps(work, "sft", "sft4", [
+            "sft.micro_batch_size=4", "deepspeed.policy.zero_stage=3"]),
+        "sft_packed": lambda: supervised_steps(work, "sft", "sftpk", [
+            "sft.micro_batch_size=4", "sft.micro_batch_tokens=20",
+            "deepspeed.policy.zero_stage=3"]),
+        "rm_micro4": lambda: supervised_steps(work, "rm", "rm4", [
+            "rm.micro_batch_size=4", "deepspeed.policy.zero_stage=3"]),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

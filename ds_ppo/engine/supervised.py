@@ -1,0 +1,94 @@
+"""The one trained model of a supervised job, built like the PPO roles (engine/roles.py: the same
+loading under ZeRO-3's `zero.Init`, dropout switch, LoRA, optimizer, LR schedule, DeepSpeed config
+template) with the job's batch sizes and length:
+
+- `ds-ppo sft`: the policy, a causal LM (`PolicyRole`);
+- `ds-ppo rm`:  a reward model, AutoModelForSequenceClassification (num_labels 1) built from the
+  policy section's path or arch (its backbone; a new scalar head) and read at each row's last
+  real token by `forward.LastTokenScorer`, as the reward role of `ds-ppo train` reads it
+  (`ScorerRole`).
+
+Both use the policy section (model, optimizer, lora) and deepspeed.policy. The result is held in
+`JobEngines`, shaped like `Engines` where checkpoints and exports read it (a `policy`, no
+`value`), so engine/checkpoint.py saves and resumes it unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds_ppo.config import Config, job_accum_steps
+from ds_ppo.engine import dist, lora
+from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
+from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
+from ds_ppo.engine.roles import (_hidden_size, _init_policy, _initialize, _load_kwargs,
+                                 _lr_schedule, _model_config, _optimizer, _zero_init_for,
+                                 materialize_arch)
+
+log = logging.getLogger("ds_ppo")
+
+
+@dataclass
+class JobEngines:
+    """The trained model of a supervised job (as `policy`: the name checkpoints and exports use)."""
+
+    policy: PolicyRole | ScorerRole
+    ds_configs: dict[str, dict]
+    device: torch.device
+    dtype: torch.dtype
+    value: None = None  # no second trained model (checkpoint.py skips a missing role)
+    lora_bases: dict[str, str] = field(default_factory=dict)
+
+
+def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
+                     total_steps: int) -> JobEngines:
+    """Build the job's model (`job`: sft or rm) with an LR schedule of `total_steps` optimizer
+    steps; a random-init policy.arch is materialised on rank 0 first (under output_dir)."""
+    world = dist.world_size()
+    dtype = resolve_dtype(cfg.policy.dtype)
+    if cfg.policy.arch is not None:
+        path = materialize_arch(cfg.policy.arch, tokenizer,
+                                Path(cfg.output_dir) / "init_models" / "policy", cfg.seed)
+    else:
+        path = cfg.policy.path
+    section = getattr(cfg, job)
+    batch = (section.micro_batch_size, job_accum_steps(cfg, job, world))
+    if job == "sft":
+        engine, ds = _init_policy(cfg, path, world, device, dtype, False, batch, total_steps)
+        role = PolicyRole(engine)
+    else:
+        engine, ds = _init_scorer(cfg, path, world, device, dtype, batch, total_steps)
+        role = ScorerRole(engine)
+    lora_bases = {"policy": path} if cfg.policy.lora is not None else {}
+    if lora_bases and dist.is_main():
+        log.info("LoRA %s", lora.describe_trainable(job, role.module))
+    return JobEngines(policy=role, ds_configs={job: ds}, device=device, dtype=dtype,
+                      lora_bases=lora_bases)
+
+
+def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple[int, int],
+                 total_steps: int):
+    """A sequence-classification model (one label, no bias, as a reward model and the value
+    head built from it are) from `path`'s backbone, inside a `LastTokenScorer`, trained."""
+    from transformers import AutoModelForSequenceClassification
+
+    from ds_ppo.engine.forward import LastTokenScorer
+
+    config, dropped = _model_config(path, cfg.policy.disable_dropout, num_labels=1)
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), False, batch)
+    with _zero_init_for(ds):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))
+    model.ds_ppo_dropout = dropped
+    if cfg.policy.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if cfg.policy.lora is not None:  # the scalar head is trained fully
+        model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, head="score", causal_lm=False)
+    opt = _optimizer(lora.trainable(model), cfg.policy, device,
+                     cfg.deepspeed.policy.offload_optimizer)
+    return _initialize(LastTokenScorer(model), ds, opt,
+                       _lr_schedule(opt, cfg.policy, total_steps)), ds

@@ -1,0 +1,1 @@
+"""Task environments: generators of problems with checkable answers, and their checkers."""

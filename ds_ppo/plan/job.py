@@ -1,0 +1,74 @@
+"""`ds-ppo plan --job sft|rm`: the memory of a supervised job's one trained model per GPU, with the
+formulas of a PPO plan (plan/states.py, plan/activations.py): its model states under
+deepspeed.policy (ZeRO stage, offloads, LoRA) plus one micro-batch's forward and backward
+(`<job>.micro_batch_size` rows of `<job>.max_len` tokens, or with sft.micro_batch_tokens one packed
+sequence; a reward model's micro-batch holds the chosen and the rejected rows of its pairs; an SFT
+model's fp32 logits over the vocabulary, a reward model's one score per row).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ds_ppo.config import Config, lora_output_head
+from ds_ppo.plan.activations import logits_bytes, train_activation_bytes
+from ds_ppo.plan.phases import RUNTIME_OVERHEAD_BYTES, Cluster, _lora_states
+from ds_ppo.plan.shapes import _hf_config, lora_params, model_shape
+from ds_ppo.plan.states import GiB, train_states
+
+
+def job_plan(cfg: Config, job: str, cluster: Cluster) -> dict[str, Any]:
+    """The plan of `ds-ppo <job>` (sft or rm) on `cluster`: bytes per GPU by term, the peak, the
+    CPU bytes per node and whether it fits."""
+    from ds_ppo.errors import ConfigError
+
+    hf = _hf_config(cfg.policy.path, cfg.policy.arch)
+    if hf is None:
+        raise ConfigError(f"plan: cannot read the model's shape from policy.path = "
+                          f"{cfg.policy.path!r}; set policy.arch or a local policy.path")
+    shape = model_shape(hf, "causal" if job == "sft" else "sequence",
+                        "arch" if cfg.policy.arch is not None else f"path {cfg.policy.path}")
+    d = cfg.deepspeed.policy
+    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})
+    section, lora = getattr(cfg, job), cfg.policy.lora
+    if lora is not None:
+        head = job == "sft" and lora_output_head(lora, cfg.policy.arch is not None,
+                                                 bool(getattr(hf, "tie_word_embeddings", False)))
+        states = _lora_states(shape, lora_params(shape, lora, head)
+                              + (shape.hidden if job == "rm" else 0), cluster, d)
+    else:
+        states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
+                              cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
+    budget = getattr(section, "micro_batch_tokens", None)
+    rows = section.micro_batch_size * (2 if job == "rm" else 1)
+    tokens, rows = (section.max_len, rows) if budget is None else (max(budget, section.max_len), 1)
+    terms = {
+        "model states (weights, grads, optimizer)": states.resident_bytes,
+        "layer gather (weights + grads)": states.gather_bytes,
+        "activations" + (" (checkpointed)" if cfg.policy.gradient_checkpointing else ""):
+            train_activation_bytes(shape, tokens, rows, cfg.policy.gradient_checkpointing,
+                                   cfg.policy.attn_implementation == "eager"),
+        "logits": logits_bytes(shape, tokens, rows) if job == "sft" else 4 * rows,
+        "runtime overhead": RUNTIME_OVERHEAD_BYTES,
+    }
+    peak = sum(terms.values())
+    cpu = states.cpu_bytes_per_node
+    return {"job": job, "model": shape.source, "params": shape.params,
+            "zero_stage": d.zero_stage, "world_size": cluster.world_size,
+            "micro_batch": {"rows": rows, "tokens": tokens}, "terms_bytes": terms,
+            "peak_gpu_bytes": peak, "cpu_bytes_per_node": cpu,
+            "fits_gpu": peak <= cluster.gpu_mem_bytes,
+            "fits_cpu": None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes}
+
+
+def format_job_plan(p: dict[str, Any], cluster: Cluster) -> str:
+    gib = lambda n: f"{n / GiB:8.2f} GiB"  # noqa: E731
+    mb = p["micro_batch"]
+    out = [f"ds-ppo {p['job']} plan: {p['params'] / 1e6:.2f}M-parameter model ({p['model']}), "
+           f"ZeRO-{p['zero_stage']}, world size {p['world_size']}, micro-batch {mb['rows']} "
+           f"row(s) x {mb['tokens']} tokens", "", "per GPU:"]
+    out += [f"  {gib(v)}  {k}" for k, v in p["terms_bytes"].items()]
+    verdict = "fits" if p["fits_gpu"] else "does NOT fit"
+    out += [f"  {gib(p['peak_gpu_bytes'])}  peak: {verdict} in {cluster.gpu_mem_bytes / GiB:.0f} "
+            "GiB", f"CPU per node: {gib(p['cpu_bytes_per_node']).strip()}"
+            + ("" if p["fits_cpu"] is None else " (fits)" if p["fits_cpu"] else " (does NOT fit)")]
+    return "\n".join(out)

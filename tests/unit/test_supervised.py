@@ -1,0 +1,187 @@
+"""The supervised jobs' pure parts: their losses (hand-worked), their rows (data/supervised.py:
+prompt + completion, chat with assistant-only loss, preference pairs, bad rows, long rows), their
+config checks and the digit-sum task of the recipe (envs/addition.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ds_ppo.algo import bradley_terry, nll_sum, pair_stats
+from ds_ppo.config import job_accum_steps, load_config, validate_job
+from ds_ppo.data.supervised import chat_ids, load_pairs, load_sft
+from ds_ppo.data.tokenizer import load_tokenizer
+from ds_ppo.envs import addition
+from ds_ppo.errors import ConfigError, DataError
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer("builtin:tiny", tmp_path_factory.mktemp("cache"))
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(path, *extra):
+    return load_config(None, [f"data.path={path}", *extra])
+
+
+# ------------------------------------------------------------------------------ losses
+def test_bradley_terry_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
+    expected = [-math.log(1 / (1 + math.exp(-1.0))), -math.log(1 / (1 + math.exp(1.0)))]
+    assert bradley_terry(chosen, rejected).tolist() == pytest.approx(expected, rel=1e-6)
+    # a margin of 1 moves the first pair's difference from 1 to 0: log 2
+    with_margin = bradley_terry(chosen, rejected, torch.tensor([1.0, 0.0]))
+    assert with_margin[0].item() == pytest.approx(math.log(2), rel=1e-6)
+    stats = pair_stats(chosen, rejected)
+    assert stats["correct"].item() == 1 and stats["margin"].item() == pytest.approx(0.0)
+
+
+def test_nll_sum_is_a_sum():
+    assert nll_sum(torch.tensor([-1.0, -0.5, -2.0])).item() == pytest.approx(3.5)
+
+
+# -------------------------------------------------------------------------------- rows
+def test_sft_prompt_completion_rows_learn_the_completion_and_eos(tmp_path, tok):
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "the cat", "completion": "sat on a mat"}])
+    data = load_sft(_cfg(path), tok)
+    p = tok("the cat")["input_ids"]
+    c = tok("sat on a mat", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert data.ids == [p + c]
+    assert data.loss_mask == [[False] * len(p) + [True] * len(c)]
+    assert data.counted([0]) == len(c)
+
+
+def test_sft_chat_rows_learn_the_assistant_turns_only(tok):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good day"},
+            {"role": "user", "content": "and?"}, {"role": "assistant", "content": "love"}]
+    ids, mask = chat_ids(tok, msgs, "messages")
+    assert ids[-1] == tok.eos_token_id and mask[-1]
+    learned = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+    assert "good day" in learned and "love" in learned
+    assert "hi" not in learned and "and?" not in learned
+    # the unlearned tokens are exactly the prompts the chat template renders before each turn
+    first = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    n = len(tok(first, add_special_tokens=False)["input_ids"])
+    assert not any(mask[:n]) and mask[n]
+
+
+def test_sft_bad_rows_error_or_skip_and_long_rows_drop(tmp_path, tok):
+    rows = [{"prompt": "the cat", "completion": "sat"}, {"prompt": "a", "completion": 3},
+            {"prompt": "my aunt", "completion": " ".join(["happy"] * 40)},
+            {"prompt": "the sun"}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=r"(?s)2 bad row\(s\).*line 2: column 'completion' must be "
+                       r"a string.*line 4: missing column 'completion'"):
+        load_sft(_cfg(path), tok)
+    data = load_sft(_cfg(path, "data.on_bad_row=skip", "sft.max_len=20"), tok)
+    assert len(data) == 1
+    assert data.stats == {"rows": 4, "used": 1, "dropped_too_long": 1, "skipped_bad": 2,
+                          "max_len": 20, "longest": len(data.ids[0])}
+
+
+def test_sft_messages_column_and_a_chat_without_assistant(tmp_path, tok):
+    good = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "good"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}]}
+    path = _write(tmp_path / "d.jsonl", [good, bad])
+    with pytest.raises(DataError, match="line 2: column 'messages': no assistant message"):
+        load_sft(_cfg(path), tok)
+    assert len(load_sft(_cfg(path, "data.on_bad_row=skip"), tok)) == 1
+
+
+def test_pairs_with_prompt_margin_and_chat_forms(tmp_path, tok):
+    path = _write(tmp_path / "p.jsonl", [
+        {"prompt": "the cat", "chosen": "sat", "rejected": "sun", "m": 0.5},
+        {"prompt": "the cat", "chosen": "sat", "rejected": "sun", "m": "x"}])
+    with pytest.raises(DataError, match=r"line 2: column 'm' \(rm.margin_key\) must be a number"):
+        load_pairs(_cfg(path, "rm.margin_key=m"), tok)
+    pairs = load_pairs(_cfg(path, "rm.margin_key=m", "data.on_bad_row=skip"), tok)
+    p = tok("the cat")["input_ids"]
+    assert pairs.chosen == [p + tok("sat", add_special_tokens=False)["input_ids"]
+                            + [tok.eos_token_id]]
+    assert pairs.margin == [0.5]
+    chat = _write(tmp_path / "c.jsonl", [{
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
+        "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "sad"}]}])
+    pairs = load_pairs(_cfg(chat), tok)
+    assert pairs.margin is None and pairs.chosen[0][-1] == tok.eos_token_id
+    assert pairs.chosen[0] != pairs.rejected[0]
+    with pytest.raises(DataError, match=r"no column 'rejected'"):
+        load_pairs(_cfg(_write(tmp_path / "x.jsonl", [{"chosen": "a"}])), tok)
+
+
+# ------------------------------------------------------------------------------ config
+def test_job_config_checks_name_key_and_fix():
+    cfg = load_config(None, ["sft.batch_size=12", "sft.micro_batch_size=4"])
+    with pytest.raises(ConfigError) as e:
+        validate_job(cfg, "sft", 2)
+    assert "sft.batch_size = 12 must be a multiple of sft.micro_batch_size * world size" in \
+        str(e.value) and "data.path = None" in str(e.value)
+    cfg = load_config(None, ["data.path=x.jsonl", "rm.batch_size=16", "rm.micro_batch_size=4",
+                             "rm.rejected_key=chosen", "policy.lora.r=8"])
+    with pytest.raises(ConfigError, match="(?s)rm.chosen_key = rm.rejected_key.*policy.lora "
+                       "with ds-ppo rm"):
+        validate_job(cfg, "rm", 2)
+    assert job_accum_steps(cfg, "rm", 2) == 2
+    ok = load_config(None, ["data.path=x.jsonl", "sft.batch_size=16", "sft.micro_batch_size=4"])
+    validate_job(ok, "sft", 2)
+
+
+# -------------------------------------------------------------------------------- task
+def test_digit_sum_task_files_are_disjoint_and_checked(tmp_path):
+    paths = addition.write_task(tmp_path, seed=3, terms=2, test=20, sft=30)
+    read = {n: [json.loads(line) for line in p.read_text().splitlines()]
+            for n, p in paths.items()}
+    test = {r["prompt"] for r in read["test.jsonl"]}
+    assert len(test) == 20 and not test & {r["prompt"] for r in read["rl.jsonl"]}
+    assert not test & {r["prompt"] for r in read["pairs.jsonl"]}
+    assert len(read["rl.jsonl"]) == 80 and len(read["sft.jsonl"]) == 30
+    for r in read["sft.jsonl"]:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert r["completion"] == str(int(a) + int(b))
+    assert all(p["chosen"] != p["rejected"] for p in read["pairs.jsonl"])
+    assert addition.exact_match([], [" 13", "14", "13 "], ["13", "13", "13"]) == [1.0, 0.0, 1.0]
+
+
+# --------------------------------------------------------------------- commands
+def test_dry_run_and_plan_of_the_jobs(tmp_path, capsys):
+    from ds_ppo.cli import main
+
+    rows = _write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+    assert main(["sft", "--dry-run", f"data.path={rows}"]) == 0
+    assert "config OK for world size 1" in capsys.readouterr().out
+    assert main(["rm", "--dry-run", f"data.path={tmp_path / 'none.jsonl'}"]) == 2
+    assert "data.path = " in capsys.readouterr().err
+    assert main(["sft", "--dry-run", f"data.path={rows}", "sft.batch_size=12"]) == 2
+    assert "sft.batch_size = 12 must be a multiple" in capsys.readouterr().err
+    # the plan: the one trained model, its micro-batch (rm: chosen + rejected rows)
+    assert main(["plan", "--job", "rm", "--json", "rm.micro_batch_size=4", "rm.max_len=64"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["job"] == "rm" and plan["micro_batch"] == {"rows": 8, "tokens": 64}
+    assert main(["plan", "--job", "sft", "sft.micro_batch_tokens=256"]) == 0
+    out = capsys.readouterr().out
+    assert "ds-ppo sft plan" in out and "1 row(s) x 512 tokens" in out and "fits" in out
+
+
+def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
+    from ds_ppo.run.job_loop import total_steps
+
+    cfg = load_config(None, ["sft.epochs=3", "sft.batch_size=8"])
+    assert total_steps(cfg.sft, 20) == 3 * 2  # whole global batches per epoch
+    assert total_steps(load_config(None, ["sft.steps=5"]).sft, 20) == 5
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "the cat", "answer": "sat"}])
+    with pytest.raises(DataError, match="no column 'messages'"):
+        load_sft(_cfg(path), tok)  # no `completion` column: the rows would have to be chats
+    assert load_sft(_cfg(path, "sft.completion_key=answer"), tok).counted([0]) == \
+        len(tok("sat", add_special_tokens=False)["input_ids"]) + 1
+    pairs = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                           {"prompt": "a", "chosen": "b " * 30, "rejected": "c"}])
+    data = load_pairs(_cfg(pairs, "rm.max_len=10"), tok)
+    assert len(data) == 1 and data.stats["dropped_too_long"] == 1
