@@ -27,6 +27,10 @@ def _train(args: argparse.Namespace) -> int:
         from ds_ppo.rewards.call import load_reward_function
 
         load_reward_function(cfg.reward.function, cfg.data.reward_keys)
+    if cfg.env.function is not None:  # importable, and its methods take what they are given
+        from ds_ppo.envs.base import load_python_env
+
+        load_python_env(cfg.env.function, cfg.data.reward_keys)
     if args.dry_run:
         from ds_ppo.errors import ConfigError
         from ds_ppo.config.paths import missing_paths

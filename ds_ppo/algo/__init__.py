@@ -27,6 +27,7 @@ from .masks import decode_attention_mask, last_valid_index, response_mask
 from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
                       packed_layout, response_predictors, token_budget_batches, unpack)
 from .shaping import shape_rewards
+from .turns import from_model_tokens, is_prefix, model_token_order, to_model_tokens, turn_ends
 from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
 from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -78,4 +79,9 @@ __all__ = [
     "sample_from_logits",
     "shape_rewards",
     "value_loss",
+    "from_model_tokens",
+    "is_prefix",
+    "model_token_order",
+    "to_model_tokens",
+    "turn_ends",
 ]

@@ -337,7 +337,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
 
         reward_fn = RewardService.from_config(
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
-    else:
+    elif cfg.reward.function is not None:  # else an env's turn rewards are the only ones
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     return Engines(policy=PolicyRole(policy),
                    value=ValueRole(value) if value is not None else None,

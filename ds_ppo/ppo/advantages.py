@@ -12,7 +12,8 @@ from ds_ppo.containers import Experience
 
 def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     """KL-shaped per-token rewards (score at the last valid token; the KL term only with
-    ppo.kl_in_reward), then the advantages of ppo.advantage_estimator:
+    ppo.kl_in_reward; an episode's turn rewards at each turn's last model token), then the
+    advantages of ppo.advantage_estimator:
 
     - gae: GAE with the value model, whitened (over all ranks' valid tokens when
       ppo.whiten_across_ranks) if ppo.whiten_advantages;
@@ -25,6 +26,8 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
     rewards = shape_rewards(exp.scores, kl, mask, kl_coef if p.kl_in_reward else 0.0,
                             score_clip=cfg.reward.score_clip)
+    if exp.rollout.turn_rewards is not None:  # an episode: each turn's reward at its last token
+        rewards = rewards + exp.rollout.turn_rewards.masked_fill(~mask, 0.0)
     returns, train_rows = None, None
     if p.advantage_estimator == "gae":
         advantages, returns = gae(rewards, exp.old_values, mask, p.gamma, p.lam)
@@ -40,7 +43,7 @@ def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
         advantages = broadcast_to_tokens(
             group_advantages(seq_rewards, p.samples_per_prompt, p.advantage_estimator), mask)
     if p.filter_zero_std_groups:
-        _, constant = group_score_stats(exp.scores, p.samples_per_prompt)
+        _, constant = group_score_stats(exp.episode_scores, p.samples_per_prompt)
         train_rows = (~constant).repeat_interleave(p.samples_per_prompt).tolist()
     return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns,
                    train_rows=train_rows)

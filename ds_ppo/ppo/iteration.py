@@ -16,6 +16,7 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
 from ds_ppo.ppo.rollout import make_rollout
 from ds_ppo.ppo.advantages import add_advantages
 from ds_ppo.ppo.scoring import score
@@ -42,6 +43,7 @@ class IterationInputs:
     gen_mode: str  # generation mode (engine.generation.choose_mode)
     eos_ids: list[int]  # the ids that end a response (rollout.stop_token_ids)
     reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
+    env: Any = None  # an envs.runner.EnvRunner: multi-turn episodes (None: one response each)
 
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
@@ -54,8 +56,14 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
     cfg, engines = run.cfg, run.engines
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with timed("generation"):
-        rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
-                                          run.gen_mode, run.eos_ids)
+        if run.env is None:
+            rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
+                                              run.gen_mode, run.eos_ids)
+        else:  # episodes of model turns and environment observations
+            rollout, generated, stats = make_episodes(run.prompts, indices, engines, cfg,
+                                                      run.tokenizer, run.gen_mode, run.eos_ids,
+                                                      run.env)
+            add_episode_metrics(acc, stats)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with timed("scoring"):
         exp = score(rollout, engines, cfg, run.reward_encode)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ds_ppo.algo import kl_loss, loss_divisor, loss_token_weights, policy_loss, value_loss
-from ds_ppo.config import Config, grad_accum_steps
+from ds_ppo.config import Config, grad_accum_steps, max_model_tokens
 from ds_ppo.containers import Experience
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
@@ -62,7 +62,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     per_rank_mini = p.mini_batch_size // world
     scale = float(world * accum)
     critic = engines.value  # None with a critic-free estimator
-    lens = exp.rollout.response_lens  # host: token counts without a device read
+    lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     packed = p.micro_batch_tokens is not None
     engines.policy.train()
@@ -101,7 +101,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                 if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
                     pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
                 weights = None if p.loss_aggregation == "token_mean" else loss_token_weights(
-                    pg_mask, p.loss_aggregation, cfg.generation.max_new_tokens)
+                    pg_mask, p.loss_aggregation, max_model_tokens(cfg))
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages,
                                                 pg_mask, clip_eps=p.clip_eps, num_tokens=pg_div,
                                                 clip_eps_high=p.clip_eps_high,

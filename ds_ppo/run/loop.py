@@ -59,6 +59,7 @@ def train(cfg: Config) -> TrainResult:
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, eval_prompts, reward_encode = _load_data(cfg, out)
+    env = _environment(cfg)  # an env that does not import fails before models load
     resume_from, universal = _find_resume(cfg)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
@@ -73,7 +74,7 @@ def train(cfg: Config) -> TrainResult:
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
-    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode)
+    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode, env)
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
@@ -169,6 +170,17 @@ def _load_data(cfg: Config, out: Path):
         reward_encode = reward_encoder(cfg, tokenizer, load_tokenizer(
             cfg.reward.tokenizer or cfg.reward.model, out))
     return tokenizer, prompts, eval_prompts, reward_encode
+
+
+def _environment(cfg: Config):
+    """The env section's EnvRunner (multi-turn episodes), or None."""
+    if not cfg.env.enabled:
+        return None
+    from ds_ppo.envs.runner import EnvRunner
+    from ds_ppo.rewards.service import call_deadline
+
+    return EnvRunner(cfg.env, cfg.data.reward_keys,
+                     call_deadline(cfg.dist_timeout_minutes, dist.world_size()))
 
 
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
@@ -310,8 +322,8 @@ def _stop_on_reward_timeout(err: RewardTimeout, cfg: Config, out: Path, engines:
         last = str(latest)
     where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
              "to resume from it" if last else "no checkpoint was saved")
-    return RewardTimeout(f"{err}: stopped ({where}). Find what makes the function hang, or "
-                         "raise reward.timeout_s.")
+    fix = getattr(err, "fix", "Find what makes the function hang, or raise reward.timeout_s.")
+    return type(err)(f"{err}: stopped ({where}). {fix}")
 
 
 # ------------------------------------------------------------------------------ end

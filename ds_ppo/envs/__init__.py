@@ -1,0 +1,7 @@
+"""Environments for multi-turn rollouts (the `env` config section): the interface (`Step`,
+base.py), running one over a batch of episodes (runner.py), an HTTP environment (service.py),
+and the built-in example, a calculator tool (calculator.py). The episodes themselves are built
+in ds_ppo/ppo/episodes.py."""
+from ds_ppo.envs.base import EnvFailed, Step
+
+__all__ = ["EnvFailed", "Step"]
