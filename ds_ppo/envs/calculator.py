@@ -5,11 +5,11 @@ Task (`data.path: builtin:calculator`, ds_ppo/data/calculator.jsonl): questions 
 arithmetic; it can call the calculator. A model turn that contains `=` is a tool call (the
 preset's `env.stop: ["="]` ends the turn there): the calculator evaluates the last arithmetic
 expression written before it (the model's own, or else the question's) and answers with the
-result as the observation (" 7 ."). Any other turn is the answer: its first number is compared
+result as the observation (" 7"). Any other turn is the answer: its first number is compared
 with the row's answer.
 
-Rewards: CALL_REWARD for the first tool call of an episode, 1 for a correct answer (which ends
-the episode). A random policy stumbles on `=` in a few percent of its first turns and on the
+Rewards: CALL_REWARD for the first tool call of an episode; on the answer turn (which ends the
+episode) FORMAT_REWARD if it holds a number, plus 1 if that number is the answer. A random policy stumbles on `=` in a few percent of its first turns and on the
 right digit rarely; PPO makes both common (README "Environments and tools"). Step.info reports
 `tool_call` (the episode called the calculator) and `correct` on the answer turn: metrics
 env/tool_call and env/correct.
@@ -21,6 +21,7 @@ import re
 from ds_ppo.envs.base import Step
 
 CALL_REWARD = 0.2
+FORMAT_REWARD = 0.1
 _EXPR = re.compile(r"(\d+)\s*([-+*])\s*(\d+)")
 _NUMBER = re.compile(r"-?\d+")
 
@@ -47,12 +48,12 @@ class Calculator:
         if "=" in action and self.calls == 0:  # a tool call
             self.calls += 1
             result = evaluate(self.context.rsplit("=", 1)[0])
-            observation = " error ." if result is None else f" {result} ."
+            observation = " error" if result is None else f" {result}"
             self.context += observation
             return Step(observation, reward=CALL_REWARD)
         numbers = _NUMBER.findall(action)
         correct = bool(numbers) and numbers[0] == self.answer
-        return Step(None, reward=float(correct), done=True,
+        return Step(None, reward=FORMAT_REWARD * bool(numbers) + float(correct), done=True,
                     info={"tool_call": float(self.calls > 0), "correct": float(correct)})
 
 

@@ -184,3 +184,21 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
         assert res["merged_replica_vs_policy_max"] < 1e-5
         assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters
+
+
+# ---------------------------------------------------------------- multi-turn episodes
+ENV_KEYS = LOSS_KEYS + ("env/turns_mean", "env/observation_tokens_mean", "env/model_tokens_mean")
+
+
+def test_multi_turn_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """env.function: two-turn episodes (an observation between the turns, a reward per turn):
+    the same first update at one and two ranks, packed or not, and with LoRA."""
+    for res in (one_rank, two_ranks):
+        assert res["env_micro4"]["env/turns_mean"] == 2.0, res["env_micro4"]
+        assert res["env_micro4"]["env/observation_tokens_mean"] > 0
+        assert not _close(res["env_micro4"], res["env_packed"], keys=ENV_KEYS)
+        assert res["env_lora"]["kl/sequence_mean"] == 0.0
+    assert one_rank["env_micro4"]["loss/value"] > 0 and one_rank["env_micro4"]["loss/policy"] != 0
+    for name in ("env_micro4", "env_packed", "env_lora"):
+        assert not _close(one_rank[name], two_ranks[name], keys=ENV_KEYS), name
+    assert one_rank["env_packed"]["padding/update_positions_per_token"] == 1.0

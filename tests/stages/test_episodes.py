@@ -88,7 +88,7 @@ def _episodes(tok, monkeypatch, cfg, prompts_text, answers, script):
 
 
 def test_episode_tokens_masks_and_rewards_token_by_token(tok, monkeypatch):
-    """Episode 0 calls the calculator (turn 1 is cut after `=`), reads " 7 ." and answers 7;
+    """Episode 0 calls the calculator (turn 1 is cut after `=`), reads " 7" and answers 7;
     episode 1 answers at once, wrongly. Every token, mask bit and reward is checked."""
     cfg = _cfg("env.function=ds_ppo.envs.calculator:Calculator", "env.max_turns=3",
                "env.stop=[\"=\"]")
@@ -98,7 +98,7 @@ def test_episode_tokens_masks_and_rewards_token_by_token(tok, monkeypatch):
               [[love, eos]]]
     rollout, generated, stats, prompt_ids, policy = _episodes(
         tok, monkeypatch, cfg, ["what is 3 + 4 ?", "what is 2 + 2 ?"], ["7", "4"], script)
-    obs = _ids(tok, " 7 .")
+    obs = _ids(tok, " 7")
     want0 = [good, happy, eq] + obs + [seven, eos]
     model0 = [True] * 3 + [False] * len(obs) + [True] * 2
     T = len(want0)
@@ -110,15 +110,15 @@ def test_episode_tokens_masks_and_rewards_token_by_token(tok, monkeypatch):
     assert rollout.context[0].tolist() == [True] * T
     assert rollout.context[1].tolist() == [True, True] + [False] * (T - 2)
     rewards = torch.zeros(2, T)
-    rewards[0, 2], rewards[0, T - 1] = 0.2, 1.0  # the call turn's end, the answer's end
+    rewards[0, 2], rewards[0, T - 1] = 0.2, 1.1  # the call turn's end, the answer's end
     torch.testing.assert_close(rollout.turn_rewards, rewards)
     assert rollout.model_lens == [5, 2] and rollout.response_lens == [T, 2]
     assert rollout.ended.tolist() == [True, True]
     # the second turn's batch: episode 1 left it; its context is the prompt, turn 1, observation
     assert policy.contexts[1] == [prompt_ids[0] + [good, happy, eq] + obs]
-    assert [t["reward"] for t in rollout.transcripts[0]] == [0.2, 1.0]
-    assert rollout.transcripts[0][0]["observation"] == " 7 ."
-    assert rollout.responses[0] == " good happy= 7 .7"  # the whole episode as text
+    assert [t["reward"] for t in rollout.transcripts[0]] == [0.2, 1.1]
+    assert rollout.transcripts[0][0]["observation"] == " 7"
+    assert rollout.responses[0] == " good happy= 77"  # the whole episode as text
     assert (stats.turns, stats.observations, stats.generate_calls, stats.done) == (3, 1, 2, 2)
     assert stats.info == {"tool_call": [0.0, 1.0], "correct": [0.0, 1.0]}  # turn 1, turn 2
     assert stats.model_tokens == 7 and stats.observation_tokens == len(obs)
@@ -130,7 +130,7 @@ def test_observation_past_the_token_budget_ends_the_episode(tok, monkeypatch):
                "env.stop=[\"=\"]")
     eos, good = tok.eos_token_id, _ids(tok, "good")[-1]
     eq = _ids(tok, "=")[-1]
-    # 6 model tokens + the 4-token observation would pass 8: the episode ends, truncated
+    # 6 model tokens + the 2-token observation leave no room: the episode ends, truncated
     script = [[[good] * 5 + [eq]]]
     rollout, _, stats, _, policy = _episodes(tok, monkeypatch, cfg, ["what is 3 + 4 ?"], ["7"],
                                              script)
@@ -238,11 +238,11 @@ def test_http_environment_on_a_local_server(service):
     eps = runner.start(["what is 3 + 4 ?", "what is 1 + 1 ?", "what is 2 - 2 ?"],
                        [{"answer": "7"}, {"answer": "2"}, {"answer": "0"}])
     steps = runner.step(eps, [0, 1, 2], [" =", " 2", " 5"], 0)
-    assert steps[0] == Step(" 7 .", 0.2, False, {})
-    assert steps[1] == Step(None, 1.0, True, {"tool_call": 0.0, "correct": 1.0})
-    assert steps[2].reward == 0.0 and steps[2].done
+    assert steps[0] == Step(" 7", 0.2, False, {})
+    assert steps[1] == Step(None, 1.1, True, {"tool_call": 0.0, "correct": 1.0})
+    assert steps[2].reward == 0.1 and steps[2].done  # a number, the wrong one
     steps = runner.step(eps, [0], [" 7"], 1)  # the episode's history goes along
-    assert steps[0].reward == 1.0
+    assert steps[0].reward == 1.1
     sent = [r for r, _ in _CalculatorService.requests[-3:]]
     assert sorted(len(r["prompts"]) for r in sent[:2]) == [1, 2]  # env.batch_size, concurrent
     assert sent[-1]["actions"] == [[" =", " 7"]] and sent[-1]["responses"] == [" 7"]

@@ -107,6 +107,22 @@ def group_update(work: Path, name: str, extra: list[str]) -> dict:
         decode.next_tokens = original
 
 
+# multi-turn episodes (env.function): two turns, the first answered with an observation
+ENV_BASE = ["env.function=dist_checks:two_turns", "env.max_turns=2"]
+ENV_KEYS = LOSS_KEYS + ("env/turns_mean", "env/observation_tokens_mean", "env/model_tokens_mean")
+
+
+def two_turns(prompt: str, actions: list[str]) -> dict:
+    """A deterministic environment: each turn's reward is its share of positive words; the
+    first turn is answered with an observation, the second ends the episode."""
+    from ds_ppo.rewards.functions import positive_words
+
+    reward = positive_words([prompt], [actions[-1]])[0]
+    if len(actions) == 1:
+        return {"observation": " you are good and", "reward": reward, "done": False}
+    return {"observation": None, "reward": reward, "done": True}
+
+
 def critic_free_engines(work: Path) -> dict:
     """A critic-free estimator builds no value engine."""
     from ds_ppo.data.tokenizer import load_tokenizer
@@ -357,6 +373,12 @@ def main() -> None:
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
             "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
+        "env_micro4": lambda: first_update(work, "env4", ENV_BASE + ["ppo.micro_batch_size=4"],
+                                           ENV_KEYS),
+        "env_packed": lambda: first_update(work, "envpk", ENV_BASE + [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=40"], ENV_KEYS + PADDING_KEYS),
+        "env_lora": lambda: first_update(work, "envlora", ENV_BASE + [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"], ENV_KEYS),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):
