@@ -10,7 +10,7 @@ overrides, the key reference) and ``checks`` (cross-field validation and warning
 what you need from ``ds_ppo.config``: it re-exports every public name.
 """
 from ds_ppo.config.checks import (config_warnings, grad_accum_steps, lora_output_head,
-                                  max_model_tokens, optimizer_steps, reference_from_policy_base, validate,
+                                  max_model_tokens, max_response_tokens, optimizer_steps, reference_from_policy_base, validate,
                                   world_size_from_env)
 from ds_ppo.config.load import (MAX_YAML_VALUES, PRESETS_DIR, apply_overrides, describe,
                                 load_config, preset_names, preset_path, yaml_value)
@@ -25,6 +25,6 @@ __all__ = [
     "DeepSpeedConfig", "EnvConfig", "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PPOConfig",
     "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig", "RoleDeepSpeed",
     "Section", "TrackingConfig", "ValueConfig", "apply_overrides", "config_warnings", "describe",
-    "grad_accum_steps", "load_config", "lora_output_head", "max_model_tokens", "optimizer_steps", "preset_names", "preset_path",
+    "grad_accum_steps", "load_config", "lora_output_head", "max_model_tokens", "max_response_tokens", "optimizer_steps", "preset_names", "preset_path",
     "reference_from_policy_base", "validate", "world_size_from_env", "yaml_value",
 ]

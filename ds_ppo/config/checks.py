@@ -47,6 +47,12 @@ def max_model_tokens(cfg: Config) -> int:
     return min(g.max_new_tokens * e.max_turns, e.max_total_tokens)
 
 
+def max_response_tokens(cfg: Config) -> int:
+    """The longest response in the context: generation.max_new_tokens, or for a multi-turn
+    episode env.max_total_tokens (its turns and observations; what `ds-ppo plan` sizes)."""
+    return cfg.env.max_total_tokens if cfg.env.enabled else cfg.generation.max_new_tokens
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks that need the world size; raises ConfigError listing every problem."""
     p, problems = cfg.ppo, []
