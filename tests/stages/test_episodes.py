@@ -299,3 +299,19 @@ def test_forwards_read_the_observations_and_count_model_tokens_only(packed):
         full = model(torch.tensor([prompts[0] + responses[0]])).logits[0, 2:-1, 0]
         keep = rollout.mask[0]
         torch.testing.assert_close(values[0][keep], full[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_chat_observations_use_the_chat_template_and_transcripts_show_each_turn(tok):
+    """A chat prompt's observation is a message in the policy's chat template, closing the
+    model's turn (EOS first if it ended otherwise) and opening the next one."""
+    from ds_ppo.ppo.episodes import format_transcript, observation_tokens
+
+    ids = observation_tokens(tok, Step("the result is 7"), True, "tool", turn_ended=True)
+    assert tok.decode(ids) == "tool: the result is 7\nassistant:"  # the tiny template's form
+    as_message = observation_tokens(tok, Step({"role": "user", "content": "7"}), True, "tool",
+                                    turn_ended=False)
+    assert as_message[0] == tok.eos_token_id and tok.decode(as_message[1:]).startswith("user: 7")
+    assert observation_tokens(tok, Step(" 7"), False, "tool", True) == _ids(tok, " 7")
+    text = format_transcript([{"turn": 1, "model": " good =", "reward": 0.2, "observation": " 7"},
+                              {"turn": 2, "model": "7", "reward": 1.1, "observation": ""}])
+    assert text == "[turn 1, reward +0.2]  good =\n[observation]  7\n[turn 2, reward +1.1] 7"
