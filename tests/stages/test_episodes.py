@@ -315,3 +315,21 @@ def test_chat_observations_use_the_chat_template_and_transcripts_show_each_turn(
     text = format_transcript([{"turn": 1, "model": " good =", "reward": 0.2, "observation": " 7"},
                               {"turn": 2, "model": "7", "reward": 1.1, "observation": ""}])
     assert text == "[turn 1, reward +0.2]  good =\n[observation]  7\n[turn 2, reward +1.1] 7"
+
+
+def test_a_rank_whose_episodes_ended_keeps_generating_for_an_idle_row(tok, monkeypatch):
+    """While another rank has live episodes (simulated: the all-reduce says so), a rank whose
+    episodes have all ended still makes each generate call, for one idle row whose output is
+    dropped: ZeRO-3 and tensor-parallel generation are collective."""
+    cfg = _cfg("env.function=ds_ppo.envs.calculator:Calculator", "env.max_turns=3")
+    eos, love = tok.eos_token_id, _ids(tok, "love")[-1]
+    script = [[[love, eos], [love, love], [love, love]]]
+    alone = _episodes(tok, monkeypatch, cfg, ["what is 2 + 2 ?"], ["4"], script)
+    monkeypatch.setattr(episodes_module, "_any_rank",
+                        lambda flag, device: 2 if flag == 2 else 1)
+    idle = _episodes(tok, monkeypatch, cfg, ["what is 2 + 2 ?"], ["4"], script)
+    assert alone[2].generate_calls == 1 and idle[2].generate_calls == 3
+    assert len(idle[4].contexts) == 3 and all(len(c) == 1 for c in idle[4].contexts)
+    for a, b in zip(alone[0].__dict__.items(), idle[0].__dict__.items()):
+        assert a[0] == b[0]
+        assert torch.equal(a[1], b[1]) if isinstance(a[1], torch.Tensor) else a[1] == b[1], a[0]
