@@ -29,6 +29,10 @@ def _train(args: argparse.Namespace) -> int:
         from ds_ppo.rewards.call import load_reward_function
 
         load_reward_function(cfg.reward.function, cfg.data.reward_keys)
+    if cfg.env.function is not None:  # importable, and its methods take what they are given
+        from ds_ppo.envs.base import load_python_env
+
+        load_python_env(cfg.env.function, cfg.data.reward_keys)
     if args.dry_run:
         from ds_ppo.errors import ConfigError
         from ds_ppo.config.paths import missing_paths
@@ -76,7 +80,7 @@ def _job(args: argparse.Namespace) -> int:
 
         missing = missing_paths(cfg, job=args.command)
         if missing:
-            raise ConfigError("\\n  ".join(["local paths that do not exist:", *missing]))
+            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
         return 0
     from ds_ppo.run.job_loop import run_job

@@ -52,14 +52,16 @@ class Rollout:
 
     prompt_ids: torch.Tensor  # (B, P) long, left-padded with pad
     prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
-    response_ids: torch.Tensor  # (B, T) long, pad after the first EOS
-    mask: torch.Tensor  # (B, T) bool, True on response tokens that count (to first EOS incl.)
+    response_ids: torch.Tensor  # (B, T) long, pad after the first EOS (an episode: its end)
+    # (B, T) bool, True on response tokens that count (to first EOS incl.): the model's tokens;
+    # an episode's (ds_ppo.ppo.episodes) has holes where the environment's observations sit
+    mask: torch.Tensor
     ended: torch.Tensor  # (B,) bool, the response ended with EOS/stop (not truncated)
     prompts: list[str]  # B prompt texts
     responses: list[str]  # B decoded responses (special tokens removed)
     # host copies of the row lengths, so a micro-batch's bounds need no device sync
     prompt_lens: list[int]  # B real prompt tokens per row (prompt_mask.sum(1))
-    response_lens: list[int]  # B counted response tokens per row (mask.sum(1))
+    response_lens: list[int]  # B response tokens in the context per row (context.sum(1))
     extras: list[dict]  # B prompts' data.reward_keys values, for the reward function
     # B prompts' chat messages (None for a plain-text prompt), or None when the data has no
     # chats: a reward model with another tokenizer renders them with its own chat template
@@ -67,6 +69,23 @@ class Rollout:
     # (B, T) float32: each response token's log-prob under the distribution it was sampled
     # from (generation.loop=own; 0 outside mask), None when HF generate sampled it
     rollout_logprobs: torch.Tensor | None = None
+    # multi-turn episodes (None: one response per prompt, every response token counts)
+    context_mask: torch.Tensor | None = None  # (B, T) bool, True on model and observation tokens
+    model_lens: list[int] | None = None  # B model tokens per row (mask.sum(1)), host values
+    turn_rewards: torch.Tensor | None = None  # (B, T) float32, each turn's environment reward
+    # at its last model token, 0 elsewhere
+    transcripts: list | None = None  # B episodes' turns: {turn, model, reward, observation}
+
+    @property
+    def context(self) -> torch.Tensor:  # (B, T) bool
+        """The response tokens the model reads: every counted token, and an episode's
+        observations (which are not counted: no loss, no KL, no reward)."""
+        return self.mask if self.context_mask is None else self.context_mask
+
+    @property
+    def counted_lens(self) -> list[int]:
+        """B counted (model) tokens per row, host values: what losses and their divisors count."""
+        return self.response_lens if self.model_lens is None else self.model_lens
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P+T)
@@ -74,7 +93,7 @@ class Rollout:
 
     @property
     def attention_mask(self) -> torch.Tensor:  # (B, P+T) long
-        return torch.cat([self.prompt_mask, self.mask], dim=1).long()
+        return torch.cat([self.prompt_mask, self.context], dim=1).long()
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(input_ids (B, P'+T'), attention_mask (B, P'+T') long, T') without the columns no
@@ -85,12 +104,12 @@ class Rollout:
         lead = self.prompt_ids.shape[1] - max(self.prompt_lens, default=0)
         keep = max(self.response_lens, default=0)
         ids = torch.cat([self.prompt_ids[:, lead:], self.response_ids[:, :keep]], dim=1)
-        am = torch.cat([self.prompt_mask[:, lead:], self.mask[:, :keep]], dim=1).long()
+        am = torch.cat([self.prompt_mask[:, lead:], self.context[:, :keep]], dim=1).long()
         return ids, am, keep
 
     @property
     def row_lens(self) -> list[int]:
-        """Each row's real tokens, prompt + counted response (host values)."""
+        """Each row's real tokens, prompt + response (observations included; host values)."""
         return [p + r for p, r in zip(self.prompt_lens, self.response_lens)]
 
     def micro_batches(self, size: int, rows: list[int] | None = None) -> list[list[int]]:
@@ -119,7 +138,8 @@ class Rollout:
         """(token positions the forwards of these micro-batches compute, real tokens in them),
         from the host lengths: a micro-batch's forward is as wide as its longest prompt plus
         its longest counted response (`model_inputs`), or, packed, exactly its real tokens;
-        the real tokens are each row's prompt and counted response. Their ratio is the compute
+        the real tokens are each row's prompt and counted response (an episode's observations
+        too: context like the prompt, not padding). Their ratio is the compute
         spent on padding (1 = none). `mine`: only the first `mine` micro-batches hold this
         rank's rows, the rest are idle repeats (`with_idle`), computed but not real tokens."""
         computed = real = 0
@@ -173,6 +193,12 @@ class Experience:
     @property
     def mask(self) -> torch.Tensor:  # (B, T) bool
         return self.rollout.mask
+
+    @property
+    def episode_scores(self) -> torch.Tensor:  # (B,) float32
+        """Each response's whole reward before KL: its score, plus an episode's turn rewards."""
+        turns = self.rollout.turn_rewards
+        return self.scores if turns is None else self.scores + turns.sum(dim=1)
 
     def __len__(self) -> int:
         return len(self.rollout)

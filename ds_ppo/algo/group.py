@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 import torch
 
+from .turns import from_model_tokens, is_prefix, model_token_order, to_model_tokens
+
 GroupMethod = Literal["grpo", "dr_grpo", "rloo"]
 GROUP_METHODS: tuple[str, ...] = get_args(GroupMethod)
 
@@ -98,8 +100,8 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models", Sec. 3) takes them as advantages of the KL-shaped per-token rewards, then
     whitens them over the global batch. G is 0 at every masked position, so values of
-    ``rewards`` outside the mask never leak in, and a gap in a row's mask ends the sum before
-    it (a response mask is a prefix of its row: there the sum runs to the last valid token).
+    ``rewards`` outside the mask never leak in. A hole in a row's mask (a multi-turn episode's
+    observation) is no step: the sum and the discount carry across it (``algo.turns``).
 
     Args:
         rewards: (B, T) float per-token rewards (e.g. from ``shape_rewards``).
@@ -110,14 +112,11 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
         (B, T) returns in rewards' dtype.
     """
     mask = mask.bool()
+    if not is_prefix(mask):  # a multi-turn episode: the observations take no step
+        order = model_token_order(mask)
+        return from_model_tokens(discounted_returns(to_model_tokens(rewards, order),
+                                                    to_model_tokens(mask, order), gamma), order)
     r = torch.where(mask, rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device))
-    if not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # a gap in some row: the plain recursion
-        returns = torch.zeros_like(r)
-        running = torch.zeros_like(r[:, 0])
-        for t in reversed(range(r.shape[1])):
-            running = torch.where(mask[:, t], r[:, t] + gamma * running, torch.zeros_like(running))
-            returns[:, t] = running
-        return returns
     # prefix masks: G = r @ D with D[j, t] = gamma^(j - t) for j >= t, in float64 (as
     # gae_matmul: one matmul instead of T small steps)
     T = r.shape[-1]

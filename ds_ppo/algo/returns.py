@@ -8,12 +8,16 @@ Advantage Estimation", Eq. 16:
 
 Each response is one episode of T token-actions; the state after the last valid
 token (EOS, or truncation at T) is terminal: V = 0 there (the sequence score has
-already been paid as the last token's reward).
+already been paid as the last token's reward). A multi-turn response's mask has holes
+(the environment's observations): the recursion runs over the model's tokens only, the
+value after a turn's last token being the next turn's first (``algo.turns``).
 
 Imports only torch.
 """
 
 import torch
+
+from .turns import from_model_tokens, is_prefix, model_token_order, to_model_tokens
 
 
 def _masked_inputs(
@@ -159,7 +163,16 @@ def gae(
 
     Up to BLOCKED_ABOVE tokens one (T, T) matmul (``gae_matmul``), above it the blocked scan
     (``gae_blocked``): the same values, in O(B T) memory.
+
+    A mask with holes (a multi-turn episode: False on observation tokens between turns) is
+    run over each row's model tokens moved to the front: an observation takes no step, so
+    the return and the discount carry across it (``algo.turns``).
     """
+    if not is_prefix(mask):
+        order = model_token_order(mask)
+        adv, ret = gae(to_model_tokens(rewards, order), to_model_tokens(values, order),
+                       to_model_tokens(mask.bool(), order), gamma, lam)
+        return from_model_tokens(adv, order), from_model_tokens(ret, order)
     if rewards.shape[-1] > BLOCKED_ABOVE:
         return gae_blocked(rewards, values, mask, gamma, lam)
     return _GAE_IMPL(rewards, values, mask, gamma, lam)

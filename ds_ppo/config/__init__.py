@@ -10,13 +10,15 @@ overrides, the key reference) and ``checks`` (cross-field validation and warning
 what you need from ``ds_ppo.config``: it re-exports every public name.
 """
 from ds_ppo.config.checks import (config_warnings, critic_warmup, grad_accum_steps,
-                                  job_accum_steps, lora_output_head, optimizer_steps,
+                                  job_accum_steps, lora_output_head, max_model_tokens,
+                                  max_response_tokens, optimizer_steps,
                                   reference_from_policy_base, steps_per_iteration, validate,
                                   validate_job, value_init_source, watchdog_limit_s,
                                   world_size_from_env)
 from ds_ppo.config.load import (MAX_YAML_VALUES, PRESETS_DIR, apply_overrides, describe,
                                 load_config, preset_names, preset_path, yaml_value)
 from ds_ppo.config.sections import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig,
+                                    EnvConfig,
                                     GenerationConfig, LoraConfig, ModelSource, Optim, PolicyConfig,
                                     PPOConfig, ReferenceConfig, ReferenceDeepSpeed, RewardConfig,
                                     RMConfig, RoleDeepSpeed, Section, SFTConfig,
@@ -24,11 +26,12 @@ from ds_ppo.config.sections import (CheckpointConfig, Config, DataConfig, DeepSp
 
 __all__ = [
     "MAX_YAML_VALUES", "PRESETS_DIR", "CheckpointConfig", "Config", "DataConfig",
-    "DeepSpeedConfig", "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PPOConfig",
-    "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig", "RMConfig",
-    "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TrackingConfig", "ValueConfig",
-    "apply_overrides", "config_warnings", "critic_warmup", "describe", "grad_accum_steps",
-    "job_accum_steps", "load_config", "lora_output_head", "optimizer_steps", "preset_names",
-    "preset_path", "reference_from_policy_base", "steps_per_iteration", "validate",
-    "validate_job", "value_init_source", "watchdog_limit_s", "world_size_from_env", "yaml_value",
+    "DeepSpeedConfig", "EnvConfig", "GenerationConfig", "LoraConfig", "ModelSource", "Optim",
+    "PPOConfig", "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig",
+    "RMConfig", "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TrackingConfig",
+    "ValueConfig", "apply_overrides", "config_warnings", "critic_warmup", "describe",
+    "grad_accum_steps", "job_accum_steps", "load_config", "lora_output_head", "max_model_tokens",
+    "max_response_tokens", "optimizer_steps", "preset_names", "preset_path",
+    "reference_from_policy_base", "steps_per_iteration", "validate", "validate_job",
+    "value_init_source", "watchdog_limit_s", "world_size_from_env", "yaml_value",
 ]

@@ -66,12 +66,29 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
     return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
 
 
+def max_model_tokens(cfg: Config) -> int:
+    """The most model tokens one response can hold: generation.max_new_tokens, or for a
+    multi-turn episode that per turn times env.max_turns, at most env.max_total_tokens (the
+    L_max of ppo.loss_aggregation = seq_mean_token_sum_norm)."""
+    g, e = cfg.generation, cfg.env
+    if not e.enabled:
+        return g.max_new_tokens
+    return min(g.max_new_tokens * e.max_turns, e.max_total_tokens)
+
+
+def max_response_tokens(cfg: Config) -> int:
+    """The longest response in the context: generation.max_new_tokens, or for a multi-turn
+    episode env.max_total_tokens (its turns and observations; what `ds-ppo plan` sizes)."""
+    return cfg.env.max_total_tokens if cfg.env.enabled else cfg.generation.max_new_tokens
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks that need the world size; raises ConfigError listing every problem
     (one checker per part of the config, each returning its problems)."""
     problems = []
-    for check in (_batch_problems, _reward_problems, _model_problems, _generation_problems,
-                  _deepspeed_problems, _tracking_problems, _recipe_problems):
+    for check in (_batch_problems, _reward_problems, _env_problems, _model_problems,
+                  _generation_problems, _deepspeed_problems, _tracking_problems,
+                  _recipe_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -107,16 +124,18 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
     from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
 
     r = cfg.reward
-    if sum(x is not None for x in (r.function, r.model, r.url)) != 1:
+    sources = sum(x is not None for x in (r.function, r.model, r.url))
+    if sources > 1 or (sources == 0 and not cfg.env.enabled):
         problems.append("reward: set exactly one of reward.function (module:function), "
                         "reward.model and reward.url (got function="
-                        f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r})")
+                        f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r}); with "
+                        "an env, at most one (the environment's turn rewards may be all)")
     if r.url is not None and not r.url.startswith(("http://", "https://")):
         problems.append(f"reward.url = {redact_url(r.url)!r} must start with http:// or https://")
     if r.function is not None and ":" not in r.function:
         problems.append(f"reward.function = {r.function!r} must look like module:function")
     keys = cfg.data.reward_keys
-    if keys and r.function is None and r.url is None:
+    if keys and r.function is None and r.url is None and not cfg.env.enabled:
         problems.append(f"data.reward_keys = {keys}: only a reward.function or reward.url "
                         "takes dataset columns (a reward model reads the text)")
     if keys and cfg.data.path is None:
@@ -345,7 +364,32 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
     if problems:
-        raise ConfigError("invalid config:\\n  " + "\\n  ".join(problems))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _env_problems(cfg: Config, world_size: int) -> list[str]:
+    """The env section against the rest (multi-turn rollouts)."""
+    from ds_ppo.redaction import redact_url
+
+    e, out = cfg.env, []
+    if e.function is not None and e.url is not None:
+        out.append(f"env: set one of env.function ({e.function!r}) and env.url "
+                   f"({redact_url(e.url)!r}), not both")
+    if e.url is not None and not e.url.startswith(("http://", "https://")):
+        out.append(f"env.url = {redact_url(e.url)!r} must start with http:// or https://")
+    if e.function is not None and ":" not in e.function:
+        out.append(f"env.function = {e.function!r} must look like module:Name")
+    if not e.enabled:
+        return out
+    if e.max_total_tokens < cfg.generation.max_new_tokens:
+        out.append(f"env.max_total_tokens = {e.max_total_tokens} is less than one turn "
+                   f"(generation.max_new_tokens = {cfg.generation.max_new_tokens}); raise it")
+    if cfg.data.eval_split is not None:
+        out.append(f"data.eval_split = {cfg.data.eval_split!r}: evaluation runs single-turn "
+                   "and is not available with an env yet; set data.eval_split=null")
+    if any(not s for s in e.stop):
+        out.append(f"env.stop = {e.stop}: an empty string would end every turn at once")
+    return out
 
 
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:

@@ -513,6 +513,51 @@ class CheckpointConfig(Section):
         "for very large checkpoints on slow storage.")
 
 
+# ------------------------------------------------------------------------ environment
+class EnvConfig(Section):
+    """Multi-turn rollouts: each response is an episode of model turns and environment
+    observations (README "Environments and tools", docs/ENVIRONMENTS.md). Unset (no function,
+    no url): one prompt -> one response."""
+
+    function: str | None = Field(
+        None, description="module:Name of a Python environment, importable like "
+        "reward.function: a class (one instance per episode: reset(prompt, **keys), then "
+        "step(action) -> Step per model turn) or a stateless step function "
+        "f(prompt, actions, **keys) -> Step (actions: the model's turns so far). keys: the "
+        "row's data.reward_keys columns.")
+    url: str | None = Field(
+        None, description="An environment served over HTTP (the stateless step contract of "
+        "docs/ENVIRONMENTS.md), with reward.url's conventions: env.batch_size episodes per "
+        "request, env.concurrency in flight, env.retries, user:password@ sent as basic auth and "
+        "never shown.")
+    max_turns: int = Field(4, gt=0, description="Model turns per episode at most; an episode "
+                           "still going after them ends (metric env/out_of_turns_frac).")
+    max_total_tokens: int = Field(
+        512, gt=0, description="Response tokens per episode (model turns and observations "
+        "together) at most; a turn or observation that would pass it ends the episode there "
+        "(metric env/truncated_frac). generation.max_new_tokens limits each turn.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a model turn (e.g. </call>): the "
+        "turn is cut after the token that completes the first of them. Single tokens can also "
+        "go in generation.stop_tokens, which stop the decoding itself.")
+    observation_role: str = Field(
+        "tool", description="Chat prompts: the role of an observation given as text (a Step "
+        "may give a whole message instead).")
+    timeout_s: float | None = Field(
+        60.0, gt=0, description="Limit of one environment call (a reset or step of one episode; "
+        "env.url: one request, then retried). A call that raises or hangs stops the run with "
+        "its name after a checkpoint of the last completed iteration; null: no limit.")
+    concurrency: int = Field(16, gt=0, description="Environment calls in flight at once on "
+                             "each rank (Python: worker threads; env.url: requests).")
+    batch_size: int = Field(64, gt=0, description="env.url: episodes per request.")
+    retries: int = Field(3, ge=0, description="env.url: retries of a request after a connection "
+                         "error, a timeout or a 5xx answer (back-off 1, 2, 4... s).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.url is not None
+
+
 # -------------------------------------------------------------------------- deepspeed
 class RoleDeepSpeed(Section):
     config: str | None = Field(
@@ -560,6 +605,7 @@ class Config(Section):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

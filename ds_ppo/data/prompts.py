@@ -77,6 +77,21 @@ class PromptSet:
 
 
 # ------------------------------------------------------------------------------ builtin
+def builtin_data(path: str | None) -> str | None:
+    """data.path `builtin:NAME` -> the data file shipped as ds_ppo/data/NAME.jsonl (e.g.
+    builtin:calculator, the calculator environment's task); other paths unchanged."""
+    if path is None or not path.startswith("builtin:"):
+        return path
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    file = here / f"{path.partition(':')[2]}.jsonl"
+    if not file.is_file():
+        names = ", ".join(f"builtin:{p.stem}" for p in sorted(here.glob("*.jsonl")))
+        raise DataError(f"data.path = {path!r}: no such builtin data (there are: {names})")
+    return str(file)
+
+
 def builtin_prompts() -> list[str]:
     """The tiny default's prompts: the first 2, 3 or 4 words (cycling) of each corpus line.
 
@@ -152,7 +167,7 @@ def load_prompts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
             what concerns the whole source (unreadable, empty, no such column, nothing left).
     """
     split = cfg.split if split is None else split
-    path_str, fmt = cfg.path, cfg.format
+    path_str, fmt = builtin_data(cfg.path), cfg.format
     if split != cfg.split and is_file_spec(split):
         path_str, fmt, split = split, "auto", SINGLE_SPLIT  # eval_split given as a file
     name, start, end = parse_split(split)

@@ -25,16 +25,16 @@ ROLES = ("system", "user", "assistant")
 _LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
 
-_SURROGATE = re.compile("[\\ud800-\\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _not_unicode(text: str, where: str) -> str | None:
-    """Why `text` cannot be encoded (a lone surrogate: JSON allows an unpaired \\\\uD83D escape,
+    """Why `text` cannot be encoded (a lone surrogate: JSON allows an unpaired \\uD83D escape,
     UTF-8 and the tokenizers do not), or None."""
     m = _SURROGATE.search(text)
     return None if m is None else (
         f"{where} holds a lone surrogate U+{ord(m.group()):04X} (character {m.start() + 1}): "
-        "not valid Unicode text (an unpaired \\\\uD8xx-\\\\uDFxx escape?)")
+        "not valid Unicode text (an unpaired \\uD8xx-\\uDFxx escape?)")
 
 
 def check_text(value: Any, key: str) -> str | None:

@@ -67,7 +67,7 @@ def _packed_forward(model, rollout: Rollout, predictors_only: bool):
     packed positions predicting the counted response tokens (row-major order of rollout.mask).
     predictors_only: the model computes its logits at those positions only, (1, n, V)
     (`logits_to_keep` as indices), else at all N."""
-    keep = torch.cat([rollout.prompt_mask, rollout.mask], dim=1)
+    keep = torch.cat([rollout.prompt_mask, rollout.context], dim=1)  # observations too
     layout = packed_layout(keep)
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)[keep][None]
     pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)

@@ -372,7 +372,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
 
         reward_fn = RewardService.from_config(
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
-    else:
+    elif cfg.reward.function is not None:  # else an env's turn rewards are the only ones
         reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     ema = None
     if cfg.policy.ema_decay is not None:  # engine/ema.py: each rank its own partitions

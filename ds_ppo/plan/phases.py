@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ds_ppo.config import Config, lora_output_head, reference_from_policy_base, validate
+from ds_ppo.config import (Config, lora_output_head, max_response_tokens,
+                           reference_from_policy_base, validate)
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation_choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
@@ -172,8 +173,11 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
              if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
-    prompt, response = cfg.data.max_prompt_len, cfg.generation.max_new_tokens
+    # a multi-turn episode's response holds every turn and observation (env.max_total_tokens),
+    # and a later turn re-prefills the prompt and the episode so far
+    prompt, response = cfg.data.max_prompt_len, max_response_tokens(cfg)
     seq = prompt + response
+    prefill = seq - cfg.generation.max_new_tokens if cfg.env.enabled else prompt
     micro = cfg.ppo.micro_batch_size
     score_micro = cfg.ppo.score_micro_batch_size or micro
     budget = cfg.ppo.micro_batch_tokens
@@ -215,7 +219,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     gen_common = {
         "KV cache": kv_cache_bytes(ps, seq, batch) // kv_share,
         "prefill activations (one layer)": prefill_activation_bytes(
-            ps, prompt, batch, cfg.policy.attn_implementation == "eager", kv_share),
+            ps, prefill, batch, cfg.policy.attn_implementation == "eager", kv_share),
         "fp32 logits of one step": batch * ps.vocab * 4,
     }
     phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))

@@ -40,7 +40,7 @@ def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
 
 def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
     """KL-shaped per-token rewards (score at the last valid token; the KL term only with
-    ppo.kl_in_reward), then the advantages of ppo.advantage_estimator (`algo/estimators.py`:
+    ppo.kl_in_reward; an episode's turn rewards at each turn's last model token), then the advantages of ppo.advantage_estimator (`algo/estimators.py`:
     gae whitened if ppo.whiten_advantages; grpo, dr_grpo, rloo a group baseline on every token
     of the response, never whitened; reinforce_pp discounted returns whitened over the global
     batch). Critic-free estimators set returns = None (no value target)."""
@@ -49,12 +49,14 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
                      s.kl_clip).masked_fill(~mask, 0.0)
     rewards = shape_rewards(exp.scores, kl, mask, s.kl_coef if s.kl_in_reward else 0.0,
                             score_clip=s.score_clip)
+    if exp.rollout.turn_rewards is not None:  # an episode: each turn's reward at its last token
+        rewards = rewards + exp.rollout.turn_rewards.masked_fill(~mask, 0.0)
     advantages, returns = advantages_for(s.estimator, AdvantageInputs(
         rewards, mask, exp.old_values, group_size=s.group_size, gamma=s.gamma, lam=s.lam,
         whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks))
     train_rows = None
     if s.filter_zero_std_groups:
-        _, constant = group_score_stats(exp.scores, s.group_size)
+        _, constant = group_score_stats(exp.episode_scores, s.group_size)
         train_rows = (~constant).repeat_interleave(s.group_size).tolist()
     return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns,
                    train_rows=train_rows)

@@ -18,6 +18,7 @@ from ds_ppo.data.prompts import PromptSet
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
 from ds_ppo.ppo.rollout import generation_metrics, make_rollout
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import rollout_correction
@@ -46,6 +47,7 @@ class IterationInputs:
     eos_ids: list[int]  # the ids that end a response (rollout.stop_token_ids)
     reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
     ptx: PtxStream | None = None  # PPO-ptx rows per mini-batch (ppo.ptx_coef); None: off
+    env: Any = None  # an envs.runner.EnvRunner: multi-turn episodes (None: one response each)
 
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
@@ -58,8 +60,14 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
     cfg, engines = run.cfg, run.engines
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
-        rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
-                                          run.gen_mode, run.eos_ids)
+        if run.env is None:
+            rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
+                                              run.gen_mode, run.eos_ids)
+        else:  # episodes of model turns and environment observations
+            rollout, generated, stats = make_episodes(run.prompts, indices, engines, cfg,
+                                                      run.tokenizer, run.gen_mode, run.eos_ids,
+                                                      run.env)
+            add_episode_metrics(acc, stats)
     generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):

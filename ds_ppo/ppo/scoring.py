@@ -79,7 +79,9 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     rows whose input lost the start of its prompt to reward.max_len (None for a function)."""
     device = rollout.prompt_ids.device
     cut = None
-    if engines.reward_fn is not None:
+    if engines.reward_fn is None and engines.reward is None:  # an env's turn rewards are all
+        scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
+    elif engines.reward_fn is not None:
         scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg),
                               dtype=torch.float32, device=device)
     else:

@@ -26,7 +26,7 @@ import torch
 from ds_ppo import watchdog
 from ds_ppo.algo import (kl_loss, lm_loss, loss_divisor, loss_token_weights, policy_loss,
                          value_loss)
-from ds_ppo.config import Config, critic_warmup, grad_accum_steps
+from ds_ppo.config import Config, critic_warmup, grad_accum_steps, max_model_tokens
 from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
@@ -70,7 +70,7 @@ def _policy_mask_and_weights(mb: Experience, cfg: Config, filtered: bool):
         pg_mask = pg_mask & mb.is_kept
     agg = cfg.ppo.loss_aggregation
     weights = None if agg == "token_mean" else loss_token_weights(
-        pg_mask, agg, cfg.generation.max_new_tokens)
+        pg_mask, agg, max_model_tokens(cfg))
     if mb.is_weights is None:
         return pg_mask, weights, weights
     return pg_mask, weights, mb.is_weights if weights is None else weights * mb.is_weights
@@ -98,7 +98,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     world = dist.world_size()
     per_rank_mini = p.mini_batch_size // world
     critic = engines.value  # None with a critic-free estimator
-    lens = exp.rollout.response_lens  # host: token counts without a device read
+    lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
     packed = p.micro_batch_tokens is not None

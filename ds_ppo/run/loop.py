@@ -62,6 +62,7 @@ def train(cfg: Config) -> TrainResult:
 
     # step 0. data and models (data first: a bad dataset fails before any model loads)
     tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
+    env = _environment(cfg)  # an env that does not import fails before models load
     resume_from, universal = _find_resume(cfg)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
@@ -77,7 +78,7 @@ def train(cfg: Config) -> TrainResult:
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
     run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
-                          _ptx_stream(cfg, ptx_rows, tokenizer))
+                          _ptx_stream(cfg, ptx_rows, tokenizer), env)
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     reporter = Reporter(cfg, tracker, out)
@@ -240,6 +241,17 @@ def _evaluate(eval_prompts, engines: Engines, cfg: Config, tokenizer, gen_mode: 
     return metrics
 
 
+def _environment(cfg: Config):
+    """The env section's EnvRunner (multi-turn episodes), or None."""
+    if not cfg.env.enabled:
+        return None
+    from ds_ppo.envs.runner import EnvRunner
+    from ds_ppo.rewards.service import call_deadline
+
+    return EnvRunner(cfg.env, cfg.data.reward_keys,
+                     call_deadline(cfg.dist_timeout_minutes, dist.world_size()))
+
+
 def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
     DeepSpeed's universal format because the data-parallel world size changed."""
@@ -380,8 +392,9 @@ def _stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Eng
         last = str(latest)
     where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
              "to resume from it" if last else "no checkpoint was saved")
-    fix = ("Find what makes the function hang, or raise reward.timeout_s."
-           if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
+    fix = getattr(err, "fix", None) or (
+        "Find what makes the function hang, or raise reward.timeout_s."
+        if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
     stop = type(err)(f"{err}: stopped ({where}). {fix}")
     stop.after_update = err.after_update
     return stop

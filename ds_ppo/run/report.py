@@ -14,6 +14,7 @@ from ds_ppo.algo import explained_variance, group_score_stats, kl_clamped
 from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator, std_from_moments
+from ds_ppo.ppo.episodes import format_transcript
 from ds_ppo.run.progress import Eta, format_duration
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     (kl_estimator, kl_clip: ppo.kl_estimator and ppo.kl_clip, for kl/clamped_frac)."""
     mask = exp.mask.float()
     n = float(len(exp))
-    scores = exp.scores.float()
+    scores = exp.episode_scores.float()  # an episode's: its turn rewards and score
     acc.add_mean("score/mean", float(scores.sum()), n)
     acc.add_mean("score/sq_mean", float((scores ** 2).sum()), n)
     seq_reward = (exp.rewards * mask).sum(1)
@@ -56,7 +57,7 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
         acc.add_replicated("value/explained_variance",
                            float(explained_variance(exp.old_values, exp.returns, exp.mask)))
     if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
-        std, constant = group_score_stats(exp.scores, group_size)
+        std, constant = group_score_stats(exp.episode_scores, group_size)
         acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
         acc.add_mean("group/zero_std_frac", float(constant.sum()), float(constant.numel()))
     acc.add_sum("response/tokens_total", float(mask.sum()))
@@ -106,7 +107,10 @@ class Reporter:
             k = cfg.tracking.num_samples
             rows = [sample_row(p, r, s, extra) for p, r, s, extra in
                     zip(exp.rollout.prompts[:k], exp.rollout.responses[:k],
-                        exp.scores[:k].tolist(), exp.rollout.extras[:k])]
+                        exp.episode_scores[:k].tolist(), exp.rollout.extras[:k])]
+            if exp.rollout.transcripts is not None:  # an episode: each turn with its reward
+                for row, turns in zip(rows, exp.rollout.transcripts[:k]):
+                    row["turns"] = format_transcript(turns)
             rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
         if not dist.is_main():
             return

@@ -213,10 +213,10 @@ def test_ema_on_zero3_swaps_in_the_assembled_partitions_and_back(one_rank, two_r
         assert res["persistent"] > 0  # norms stay gathered on ZeRO-3: refreshed too
         assert res["restored"] and res["reloaded_equal"]
 
-SFT_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/sft", "sft/grad_norm")) \\
+SFT_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/sft", "sft/grad_norm")) \
     + ("eval/loss@1",)
 RM_KEYS = tuple(f"{k}@{i}" for i in (0, 1)
-                for k in ("loss/rm", "rm/margin_mean", "rm/grad_norm")) \\
+                for k in ("loss/rm", "rm/margin_mean", "rm/grad_norm")) \
     + ("eval/loss@1", "eval/margin_mean@1")
 
 
@@ -236,3 +236,20 @@ def test_rm_loss_invariant_to_world_size_and_micro_batches(one_rank, two_ranks):
     for run in (two_ranks["rm_micro4"],):
         assert not _close(ref, run, keys=RM_KEYS)
     assert ref["loss/rm@1"] != ref["loss/rm@0"]
+
+# ---------------------------------------------------------------- multi-turn episodes
+ENV_KEYS = LOSS_KEYS + ("env/turns_mean", "env/observation_tokens_mean", "env/model_tokens_mean")
+
+
+def test_multi_turn_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """env.function: two-turn episodes (an observation between the turns, a reward per turn):
+    the same first update at one and two ranks, packed or not, and with LoRA."""
+    for res in (one_rank, two_ranks):
+        assert res["env_micro4"]["env/turns_mean"] == 2.0, res["env_micro4"]
+        assert res["env_micro4"]["env/observation_tokens_mean"] > 0
+        assert not _close(res["env_micro4"], res["env_packed"], keys=ENV_KEYS)
+        assert res["env_lora"]["kl/sequence_mean"] == 0.0
+    assert one_rank["env_micro4"]["loss/value"] > 0 and one_rank["env_micro4"]["loss/policy"] != 0
+    for name in ("env_micro4", "env_packed", "env_lora"):
+        assert not _close(one_rank[name], two_ranks[name], keys=ENV_KEYS), name
+    assert one_rank["env_packed"]["padding/update_positions_per_token"] == 1.0

@@ -219,6 +219,21 @@ def value_from_reward_model(work: Path) -> dict:
     return {"values": picked.tolist(), "scores": scores.tolist(),
             "max_diff": float((picked - scores).abs().max())}
 
+# multi-turn episodes (env.function): two turns, the first answered with an observation
+ENV_BASE = ["env.function=dist_checks:two_turns", "env.max_turns=2"]
+ENV_KEYS = LOSS_KEYS + ("env/turns_mean", "env/observation_tokens_mean", "env/model_tokens_mean")
+
+
+def two_turns(prompt: str, actions: list[str]) -> dict:
+    """A deterministic environment: each turn's reward is its share of positive words; the
+    first turn is answered with an observation, the second ends the episode."""
+    from ds_ppo.rewards.functions import positive_words
+
+    reward = positive_words([prompt], [actions[-1]])[0]
+    if len(actions) == 1:
+        return {"observation": " you are good and", "reward": reward, "done": False}
+    return {"observation": None, "reward": reward, "done": True}
+
 
 def critic_free_engines(work: Path) -> dict:
     """A critic-free estimator builds no value engine."""
@@ -535,6 +550,12 @@ def main() -> None:
             "deepspeed.policy.zero_stage=3"]),
         "rm_micro4": lambda: supervised_steps(work, "rm", "rm4", [
             "rm.micro_batch_size=4", "deepspeed.policy.zero_stage=3"]),
+        "env_micro4": lambda: first_update(work, "env4", ENV_BASE + ["ppo.micro_batch_size=4"],
+                                           ENV_KEYS),
+        "env_packed": lambda: first_update(work, "envpk", ENV_BASE + [
+            "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=40"], ENV_KEYS + PADDING_KEYS),
+        "env_lora": lambda: first_update(work, "envlora", ENV_BASE + [
+            "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"], ENV_KEYS),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

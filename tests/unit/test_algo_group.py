@@ -93,17 +93,19 @@ def test_discounted_returns_match_a_loop_and_ignore_masked_values(gamma):
     assert torch.equal(got[~mask], torch.zeros(int((~mask).sum())))
 
 
-def test_discounted_returns_stop_at_a_gap_in_the_mask():
+def test_discounted_returns_carry_across_a_gap_in_the_mask():
+    """A gap is a multi-turn episode's observation: no step, the sum runs on after it."""
     mask = torch.tensor([[True, True, False, True, True], [True, False, False, False, False]])
     rewards = torch.arange(1.0, 11.0).reshape(2, 5)
     want = torch.zeros(2, 5)
-    for b in range(2):  # the literal recursion: G = 0 outside the mask
+    for b in range(2):  # the recursion over the row's masked tokens only
         running = 0.0
         for t in reversed(range(5)):
-            running = float(rewards[b, t]) + 0.5 * running if mask[b, t] else 0.0
-            want[b, t] = running
+            if mask[b, t]:
+                running = float(rewards[b, t]) + 0.5 * running
+                want[b, t] = running
     torch.testing.assert_close(discounted_returns(rewards, mask, 0.5), want)
-    assert want[0, 0] == 1 + 0.5 * 2  # not 1 + 0.5 * 2 + 0.125 * 4 + ...
+    assert want[0, 1] == 2 + 0.5 * (4 + 0.5 * 5)  # across the gap at column 2
 
 
 def _loop_policy_loss(logp, old, adv, lengths, eps, eps_high, dual):

@@ -588,3 +588,22 @@ def test_policy_ema_is_counted_per_rank_partition():
     ema, _ = policy_states(*off, "policy.ema_decay=0.992")
     assert ema.gpu_bytes_per_rank == base.gpu_bytes_per_rank
     assert ema.cpu_bytes_per_node - base.cpu_bytes_per_node == 4 * params // 8 * 8
+
+
+def test_multi_turn_plan_counts_the_whole_episode():
+    """With an env, a response is an episode of env.max_total_tokens (turns and observations):
+    the KV cache, the later turns' prefill and the scoring sequences are that long."""
+    base = load_config("70b")
+    multi = load_config("70b", ["env.function=ds_ppo.envs.calculator:Calculator",
+                                "env.max_total_tokens=8192", "data.reward_keys=[answer]"])
+    cluster = P.Cluster(8, 8, 80 * GiB)
+    a, b = P.plan(base, cluster), P.plan(multi, cluster)
+    assert (a.seq_response, b.seq_response) == (base.generation.max_new_tokens, 8192)
+    ps = b.roles["policy"].shape
+    gen = b.phases[0].transient
+    batch = multi.generation.batch_size
+    assert gen["KV cache"] == P.kv_cache_bytes(ps, multi.data.max_prompt_len + 8192, batch) // 8
+    assert gen["prefill activations (one layer)"] == P.prefill_activation_bytes(
+        ps, multi.data.max_prompt_len + 8192 - multi.generation.max_new_tokens, batch, False,
+        tp=8)
+    assert b.peak_gpu_bytes > a.peak_gpu_bytes

@@ -1,0 +1,285 @@
+"""Multi-turn rollouts: each response is an episode of model turns and environment observations.
+
+    prompt | turn 1 | observation 1 | turn 2 | observation 2 | ... | turn k
+
+Every turn, all live episodes of the rank generate their next turn in one batch through
+`generate()` (the same call as a single-turn rollout: the context so far is the prompt,
+re-prefilled, so no KV cache outlives a call; docs/ENVIRONMENTS.md measures what that costs).
+A turn ends at EOS, a generation.stop_tokens token, one of env.stop's strings (cut after it) or
+generation.max_new_tokens. The environment then steps every live episode at once
+(ds_ppo.envs.runner); an episode ends when it says done, after env.max_turns turns, or when its
+next turn would pass env.max_total_tokens (counted: env/truncated_frac). Ended episodes leave the
+batch. Observations are appended as plain text for plain prompts, with the policy's chat
+template for chat prompts.
+
+The `Rollout` holds the whole episode as the response: `mask` True on the model's tokens only
+(observations are holes), `context_mask` True on every response token (model and observation),
+`turn_rewards` the environment's reward of each turn at that turn's last model token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_ppo.config import Config
+from ds_ppo.containers import Rollout
+from ds_ppo.data.prompts import PromptSet, left_pad
+from ds_ppo.engine import dist
+from ds_ppo.engine.generation import Generated, generate
+from ds_ppo.envs.base import EnvFailed, Step
+from ds_ppo.rewards.encode import decode_responses
+
+
+@dataclass
+class EpisodeStats:
+    """This rank's episode statistics of one rollout (metrics `env/*`)."""
+
+    episodes: int = 0
+    turns: int = 0  # model turns, all episodes
+    observations: int = 0  # turns answered with a non-empty observation
+    done: int = 0  # episodes the environment ended
+    truncated: int = 0  # episodes ended by env.max_total_tokens
+    out_of_turns: int = 0  # episodes ended by env.max_turns
+    model_tokens: int = 0
+    observation_tokens: int = 0
+    calls: int = 0  # environment calls (resets and steps)
+    env_s: float = 0.0  # seconds in environment calls
+    generate_calls: int = 0
+    info: dict[str, list[float]] = field(default_factory=dict)  # Step.info values
+
+
+def cut_at_stop(tokenizer, context: list[int], tokens: list[int], stops: list[str]) -> list[int]:
+    """`tokens` up to and including the token that completes the first of the `stops` strings
+    in their decoded text (all of them when none occurs). `context`: the tokens before, so a
+    SentencePiece first word keeps its space."""
+    if not stops:
+        return tokens
+
+    def has_stop(k: int) -> bool:
+        text = decode_responses(tokenizer, [context], [tokens[:k]])[1][0]
+        return any(s in text for s in stops)
+
+    if not has_stop(len(tokens)):
+        return tokens
+    lo, hi = 1, len(tokens)  # the shortest prefix that holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+    return tokens[:lo]
+
+
+def observation_tokens(tokenizer, step: Step, chat: bool, role: str, turn_ended: bool
+                       ) -> list[int]:
+    """The observation of `step` as tokens: plain text as it is (no special tokens); for a
+    chat prompt, the observation as a message (`role`, unless it is one already) in the chat
+    template, closing the model's turn and opening the next (add_generation_prompt). A turn
+    that did not end with EOS (a stop string, max_new_tokens) gets EOS first."""
+    if not chat:
+        return tokenizer(step.text, add_special_tokens=False).input_ids if step.text else []
+    message = step.observation if isinstance(step.observation, dict) else {
+        "role": role, "content": step.text}
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(base + [message], tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(before):
+        raise EnvFailed(f"the chat template renders an observation message {message['role']!r} "
+                        "by changing the turns before it; set env.observation_role to a role "
+                        "the template appends (user, tool)")
+    ids = tokenizer(after[len(before):], add_special_tokens=False).input_ids
+    return ids if turn_ended else [tokenizer.eos_token_id] + ids
+
+
+def _any_rank(flag: int, device) -> int:
+    """The largest `flag` over the ranks (one all-reduce)."""
+    return int(dist.all_reduce_max(torch.tensor([float(flag)], dtype=torch.float64,
+                                                device=device)))
+
+
+def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
+                   eos_ids: list[int], pad_id: int) -> tuple[list[list[int]], Generated]:
+    """One generate() call over the contexts (left-padded): each row's counted tokens."""
+    ids, am = left_pad(contexts, pad_id)
+    gen = generate(engines.policy, ids.to(engines.device), am.to(engines.device).bool(),
+                   cfg.generation, mode, eos_ids, pad_id, engines.dtype,
+                   kept_replica=engines.replica)
+    engines.replica = gen.replica
+    counted = [[t for t, m in zip(row, keep) if m]
+               for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
+    return counted, gen
+
+
+def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
+                  mode: str, eos_ids: list[int], env) -> tuple[Rollout, Generated, EpisodeStats]:
+    """Episodes for the prompts at `indices` (this rank's shard; ppo.samples_per_prompt each,
+    next to each other, as `make_rollout`), with `env` (an EnvRunner). Collective: every rank
+    makes the same number of generate calls (a rank whose episodes have all ended generates
+    for one idle row, dropped), and an environment failure on any rank stops all ranks."""
+    e, n = cfg.env, cfg.ppo.samples_per_prompt
+    indices = [i for i in indices for _ in range(n)]
+    prompt_ids = [list(prompts.input_ids[i]) for i in indices]
+    chat = prompts.messages is not None
+    texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompt_ids]
+    extras = [prompts.extra(i) for i in indices]
+    stats = EpisodeStats(episodes=len(indices))
+    B, pad = len(indices), tokenizer.pad_token_id
+    response: list[list[int]] = [[] for _ in range(B)]
+    model: list[list[bool]] = [[] for _ in range(B)]
+    rewards: list[list[tuple[int, float]]] = [[] for _ in range(B)]  # (position, reward)
+    transcripts: list[list[dict]] = [[] for _ in range(B)]
+    done, truncated = [False] * B, [False] * B
+    error, episodes = None, None
+    try:
+        t0 = time.perf_counter()
+        episodes = env.start(texts, extras)
+        stats.env_s += time.perf_counter() - t0
+    except EnvFailed as err:
+        error = err
+    live = list(range(B)) if error is None else []
+    device = engines.device
+    gens = []
+    for turn in range(e.max_turns):
+        code = 2 if error is not None else 1 if live else 0
+        worst = _any_rank(code, device)
+        if worst == 2:
+            raise error if error is not None else EnvFailed(
+                f"{env.name} failed on another rank (its message is in that rank's log)")
+        if worst == 0:
+            break
+        rows = live or [0]  # a rank with no live episode still takes part in the call
+        counted, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows], engines,
+                                      cfg, mode, eos_ids, pad)
+        gens.append(gen)
+        stats.generate_calls += 1
+        if not live:
+            continue
+        actions = []
+        for toks, i in zip(counted, live):
+            ctx = prompt_ids[i] + response[i]
+            toks = cut_at_stop(tokenizer, ctx, toks, e.stop)
+            room = e.max_total_tokens - len(response[i])
+            if len(toks) > room:  # the turn would pass the episode's budget: it ends here
+                toks, truncated[i] = toks[:room], True
+            actions.append(decode_responses(tokenizer, [ctx], [toks])[1][0])
+            response[i] += toks
+            model[i] += [True] * len(toks)
+            stats.turns += 1
+        try:
+            t0 = time.perf_counter()
+            steps = env.step(episodes, live, actions, turn)
+            stats.env_s += time.perf_counter() - t0
+            stats.calls += len(live)
+        except EnvFailed as err:
+            error, live = err, []
+            continue
+        live = _append_observations(live, steps, actions, turn, response, model, rewards,
+                                    transcripts, done, truncated, tokenizer, chat, eos_ids,
+                                    cfg, stats)
+    if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
+        raise error if error is not None else EnvFailed(
+            f"{env.name} failed on another rank (its message is in that rank's log)")
+    stats.out_of_turns = sum(1 for i in range(B) if not done[i] and not truncated[i])
+    rollout = _episode_rollout(prompt_ids, texts, extras, response, model, rewards,
+                               transcripts, done, tokenizer, device, prompts, indices)
+    stats.model_tokens = sum(rollout.model_lens)
+    stats.observation_tokens = sum(rollout.response_lens) - stats.model_tokens
+    last = gens[-1]
+    generated = Generated(response_ids=rollout.response_ids, mask=rollout.mask,
+                          ended=rollout.ended, replica=engines.replica, loop=last.loop,
+                          decode_stats=[s for g in gens for s in g.decode_stats])
+    return rollout, generated, stats
+
+
+def _append_observations(live, steps, actions, turn, response, model, rewards, transcripts,
+                         done, truncated, tokenizer, chat, eos_ids, cfg, stats) -> list[int]:
+    """Record each live episode's turn (reward at its last model token, transcript), append
+    the observations of those that go on; the episodes still live."""
+    e = cfg.env
+    still = []
+    for i, step, action in zip(live, steps, actions):
+        if model[i]:
+            rewards[i].append((len(response[i]) - 1, step.reward))
+        transcripts[i].append({"turn": turn + 1, "model": action, "reward": step.reward,
+                               "observation": step.text})
+        for k, v in step.info.items():
+            stats.info.setdefault(k, []).append(float(v))
+        if step.text:
+            stats.observations += 1
+        if step.done:
+            done[i] = True
+        if step.done or truncated[i] or turn == e.max_turns - 1:
+            continue
+        ended = bool(model[i]) and response[i][-1] in eos_ids
+        obs = observation_tokens(tokenizer, step, chat, e.observation_role, ended)
+        if len(response[i]) + len(obs) >= e.max_total_tokens:  # no room for another turn
+            truncated[i] = True
+            continue
+        response[i] += obs
+        model[i] += [False] * len(obs)
+        still.append(i)
+    stats.truncated = sum(truncated)
+    stats.done = sum(done)
+    return still
+
+
+def _episode_rollout(prompt_ids, texts, extras, response, model, rewards, transcripts, done,
+                     tokenizer, device, prompts: PromptSet, indices) -> Rollout:
+    """The episodes as a Rollout (T = the longest episode's response tokens)."""
+    B, pad = len(response), tokenizer.pad_token_id
+    T = max([len(r) for r in response] + [1])
+    ids = torch.full((B, T), pad, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    context = torch.zeros(B, T, dtype=torch.bool)
+    turn_rewards = torch.zeros(B, T, dtype=torch.float32)
+    for i, (r, m) in enumerate(zip(response, model)):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        context[i, :len(r)] = True
+        for pos, reward in rewards[i]:
+            turn_rewards[i, pos] += reward
+    p_ids, p_mask = left_pad(prompt_ids, pad)
+    _, whole = decode_responses(tokenizer, prompt_ids, response)
+    return Rollout(prompt_ids=p_ids.to(device), prompt_mask=p_mask.to(device).bool(),
+                   response_ids=ids.to(device), mask=mask.to(device),
+                   ended=torch.tensor(done, dtype=torch.bool, device=device),
+                   prompts=texts, responses=whole, prompt_lens=[len(p) for p in prompt_ids],
+                   response_lens=[len(r) for r in response],
+                   extras=extras,
+                   messages=([prompts.chat(i) for i in indices]
+                             if prompts.messages is not None else None),
+                   context_mask=context.to(device), model_lens=[sum(m) for m in model],
+                   turn_rewards=turn_rewards.to(device), transcripts=transcripts)
+
+
+def add_episode_metrics(acc, stats: EpisodeStats) -> None:
+    """This rank's episode statistics into `acc` (means over every rank's episodes; the
+    environment's own Step.info numbers as env/<key>, the mean over the steps giving them)."""
+    n = float(stats.episodes)
+    acc.add_mean("env/turns_mean", stats.turns, n)
+    acc.add_mean("env/observations_mean", stats.observations, n)
+    acc.add_mean("env/done_frac", stats.done, n)
+    acc.add_mean("env/truncated_frac", stats.truncated, n)
+    acc.add_mean("env/out_of_turns_frac", stats.out_of_turns, n)
+    acc.add_mean("env/model_tokens_mean", stats.model_tokens, n)
+    acc.add_mean("env/observation_tokens_mean", stats.observation_tokens, n)
+    acc.add_sum("env/calls", stats.calls)
+    acc.add_max("time/env_s", stats.env_s)
+    acc.add_max("env/generate_calls", stats.generate_calls)
+    # every rank reports the same keys (a collective reduce): the union of the ranks' keys
+    keys = sorted(set().union(*dist.gather_objects(sorted(stats.info))))
+    for k in keys:
+        values = stats.info.get(k, [])
+        acc.add_mean(f"env/{k}", sum(values), len(values))
+
+
+def format_transcript(turns: list[dict]) -> str:
+    """An episode's turns as text for the samples table: each model turn with its reward,
+    then the observation."""
+    lines = []
+    for t in turns:
+        lines.append(f"[turn {t['turn']}, reward {t['reward']:+g}] {t['model']}")
+        if t["observation"]:
+            lines.append(f"[observation] {t['observation']}")
+    return "\n".join(lines)
