@@ -23,17 +23,10 @@ def _train(args: argparse.Namespace) -> int:
         for warning in config_warnings(cfg, world_size_from_env()):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
-    if cfg.reward.function is not None:  # importable, and takes data.reward_keys
-        from ds_ppo.rewards.call import load_reward_function
+    from ds_ppo.config.preflight import preflight
 
-        load_reward_function(cfg.reward.function, cfg.data.reward_keys)
+    preflight(cfg, paths=args.dry_run)  # data columns, the reward function; paths: dry run
     if args.dry_run:
-        from ds_ppo.errors import ConfigError
-        from ds_ppo.config.paths import missing_paths
-
-        missing = missing_paths(cfg)  # what a real start would trip over first
-        if missing:
-            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
         return 0
     from ds_ppo.run.preemption import Preempted
@@ -53,13 +46,13 @@ def _train(args: argparse.Namespace) -> int:
 def _check_resume_estimator(cfg) -> None:
     """The checkpoint a run would resume from must match its estimator family (with or without
     a value model): found here, before any model code loads (train() checks it again)."""
-    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+    from ds_ppo.engine.checkpoint_files import check_estimator_family, latest_checkpoint
 
     if cfg.resume == "never":
         return
     path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
     if cfg.resume != "auto":
-        from ds_ppo.engine.checkpoint import resolve_checkpoint
+        from ds_ppo.engine.checkpoint_files import resolve_checkpoint
 
         path = resolve_checkpoint(cfg.resume)
     if path is not None:

@@ -33,7 +33,6 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_ppo.engine import dist
 from ds_ppo.errors import CheckpointError, ConfigError, UserError
 from ds_ppo.role_names import TRAINED_ROLES
 
@@ -207,6 +206,8 @@ def find_resume(output_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint a run continues from (None: a fresh start), checked whole. Collective:
     rank 0 decides (and removes interrupted saves, renames newer checkpoints aside), every rank
     gets its answer or its error."""
+    from ds_ppo.engine import dist  # here: the rest of this module needs no torch (--dry-run)
+
     def decide() -> str | None:
         _clean_partial(checkpoints_dir(output_dir))
         if resume == "never":
