@@ -1,4 +1,4 @@
-"""The `ds-ppo` command line: train, plan, export, tokenizer train, bench, config.
+"""The `ds-ppo` command line: train, config, plan, export, generate, samples, tokenizer, bench.
 
 Each sub-command imports its heavy modules lazily, so `ds-ppo config` or a config error never
 waits for DeepSpeed to import. User errors (config, data, paths) print one message and exit 2
@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.add_argument("--model-type", choices=["unigram", "bpe"], default="bpe")
     t.set_defaults(func=_tokenizer_train)
+
+    from ds_ppo.run.generate import add_parser as add_generate  # both import torch lazily
+    from ds_ppo.run.samples import add_parser as add_samples
+
+    add_generate(sub)
+    add_samples(sub)
 
     p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases "
                        "(ds-ppo bench --help for its flags); --peer trl: ds_ppo beside TRL "

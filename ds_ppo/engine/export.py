@@ -61,11 +61,15 @@ def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
     write_marker(out_dir, str(ckpt.resolve()), dtype, with_value)
 
 
-def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool) -> None:
-    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it)."""
-    (out_dir / MARKER).write_text(json.dumps(
-        {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
-         "value": with_value}, indent=2) + "\n")
+def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool,
+                 iteration: int | None = None) -> None:
+    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it); a
+    run's own export at its end also records the iteration it holds."""
+    marker = {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
+              "value": with_value}
+    if iteration is not None:
+        marker["iteration"] = iteration
+    (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 def _copy_adapter(src: Path, target: Path) -> None:

@@ -2,8 +2,10 @@
 own module (rollout, scoring, update, metrics, checkpoint)."""
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -50,6 +52,9 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    finished = _already_finished(cfg)
+    if finished is not None:  # nothing to load, train or export
+        return finished
     quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(cfg.log_level)
@@ -90,11 +95,13 @@ def train(cfg: Config) -> TrainResult:
                 # step 5. metrics, reduced across ranks; KL controller; logging
                 metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                             cfg.ppo.samples_per_prompt)
+                eval_samples = None
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                    metrics.update(evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
-                                            eos_ids, reward_encode))
+                    eval_metrics, eval_samples = evaluate(eval_prompts, engines, cfg, tokenizer,
+                                                          gen_mode, eos_ids, reward_encode)
+                    metrics.update(eval_metrics)
                 kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
-                reporter.report(metrics, iteration, exp)
+                reporter.report(metrics, iteration, exp, eval_samples)
                 result.history.append(metrics)
                 _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
                                   grad_norms=engines.dtype != torch.float16)
@@ -137,6 +144,41 @@ def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, t
 
 
 # ------------------------------------------------------------------------- start-up
+def _already_finished(cfg: Config) -> TrainResult | None:
+    """The result of a run that is already complete: the checkpoint it would resume from holds
+    `iterations` (or more) and, with checkpoint.export_at_end, output_dir/final holds that
+    iteration's export. Read from the files alone, before any model (or DeepSpeed) loads; None
+    when there is something to do."""
+    from ds_ppo.engine.checkpoint_files import resolve_checkpoint
+    from ds_ppo.engine.export import MARKER
+    from ds_ppo.errors import UserError
+
+    try:
+        path = (None if cfg.resume == "never" else latest_checkpoint(cfg.output_dir)
+                if cfg.resume == "auto" else resolve_checkpoint(cfg.resume))
+        state = read_state(path) if path is not None else None
+    except UserError:  # an unusable checkpoint: the normal start names the problem
+        return None
+    if state is None or state.iteration < cfg.iterations:
+        return None
+    final = Path(cfg.output_dir) / "final"
+    if cfg.checkpoint.export_at_end:
+        try:
+            exported = json.loads((final / MARKER).read_text()).get("iteration")
+        except (OSError, ValueError):
+            exported = None
+        if exported != state.iteration:
+            return None  # the run stopped before its export: load the models to write it
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ds-ppo: the run in {cfg.output_dir} already completed {state.iteration} of "
+              f"iterations={cfg.iterations} ({path}"
+              + (f", exported to {final}" if cfg.checkpoint.export_at_end else "")
+              + "); nothing to train: raise iterations to continue", flush=True)
+    return TrainResult(output_dir=str(cfg.output_dir), last_checkpoint=str(path),
+                       export_dir=str(final) if cfg.checkpoint.export_at_end else None,
+                       mlflow_run_id=state.mlflow_run_id)
+
+
 def _warn(message: str | None) -> None:
     if message and dist.is_main():
         log.warning("%s", message)
@@ -332,7 +374,7 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         if dist.is_main():
             # marked as ds_ppo's: `ds-ppo export --out output_dir/final` may replace it
             write_marker(out / "final", f"the run in {out}", DTYPES[cfg.checkpoint.export_dtype],
-                         with_value=False)
+                         with_value=False, iteration=state.iteration)
             log.info("exported the policy to %s (load with AutoModelForCausalLM.from_pretrained)",
                      export_dir)
     return last_checkpoint, export_dir
