@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_ppo.run.log_setup import quiet_notices  # no library import
+
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_notices("debug" if "log_level=debug" in argv else "info")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":

@@ -90,6 +90,16 @@ def test_readme_prints_what_the_default_run_prints(default_run):
         "python -m tests.support.readme_lines --write")
 
 
+def test_start_up_says_each_roles_zero_stage_in_one_line_and_no_library_notices(default_run):
+    _, proc = default_run
+    assert ("ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), "
+            "reference 0 (auto)") in proc.stdout
+    assert "zero_stage auto ->" not in proc.stdout
+    for notice in ("Creating initial MLflow database tables", "Setting accelerator to",
+                   "FutureWarning"):
+        assert notice not in proc.stdout + proc.stderr, notice
+
+
 def test_a_finished_run_stops_before_loading_anything(default_run):
     """Re-running a finished run's command loads no model and exports nothing again."""
     out, _ = default_run
