@@ -29,6 +29,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"config OK for world size {world_size_from_env()}")
         return 0
+    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+
+    c = cfg.checkpoint
+    done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
+    if done is not None:  # a re-run of a finished run: stop before torch even imports
+        if os.environ.get("RANK", "0") == "0":
+            print(finished_message(cfg.output_dir, *done, cfg.iterations, c.export_at_end))
+        return 0
     from ds_ppo.run.preemption import Preempted
     from ds_ppo.run.loop import train
 

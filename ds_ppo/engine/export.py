@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import TAG
+from ds_ppo.engine.checkpoint_files import EXPORT_MARKER, TAG
 
 log = logging.getLogger("ds_ppo")
-MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
+MARKER = EXPORT_MARKER  # marks a directory an export wrote (engine/checkpoint_files.py)
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:

@@ -2,7 +2,6 @@
 own module (rollout, scoring, update, metrics, checkpoint)."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -145,37 +144,19 @@ def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, t
 
 # ------------------------------------------------------------------------- start-up
 def _already_finished(cfg: Config) -> TrainResult | None:
-    """The result of a run that is already complete: the checkpoint it would resume from holds
-    `iterations` (or more) and, with checkpoint.export_at_end, output_dir/final holds that
-    iteration's export. Read from the files alone, before any model (or DeepSpeed) loads; None
-    when there is something to do."""
-    from ds_ppo.engine.checkpoint_files import resolve_checkpoint
-    from ds_ppo.engine.export import MARKER
-    from ds_ppo.errors import UserError
+    """The result of a run that is already complete (`finished_run`), printed; else None."""
+    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
 
-    try:
-        path = (None if cfg.resume == "never" else latest_checkpoint(cfg.output_dir)
-                if cfg.resume == "auto" else resolve_checkpoint(cfg.resume))
-        state = read_state(path) if path is not None else None
-    except UserError:  # an unusable checkpoint: the normal start names the problem
+    c = cfg.checkpoint
+    done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
+    if done is None:
         return None
-    if state is None or state.iteration < cfg.iterations:
-        return None
-    final = Path(cfg.output_dir) / "final"
-    if cfg.checkpoint.export_at_end:
-        try:
-            exported = json.loads((final / MARKER).read_text()).get("iteration")
-        except (OSError, ValueError):
-            exported = None
-        if exported != state.iteration:
-            return None  # the run stopped before its export: load the models to write it
+    path, state = done
     if os.environ.get("RANK", "0") == "0":
-        print(f"ds-ppo: the run in {cfg.output_dir} already completed {state.iteration} of "
-              f"iterations={cfg.iterations} ({path}"
-              + (f", exported to {final}" if cfg.checkpoint.export_at_end else "")
-              + "); nothing to train: raise iterations to continue", flush=True)
+        print(finished_message(cfg.output_dir, path, state, cfg.iterations, c.export_at_end),
+              flush=True)
     return TrainResult(output_dir=str(cfg.output_dir), last_checkpoint=str(path),
-                       export_dir=str(final) if cfg.checkpoint.export_at_end else None,
+                       export_dir=str(Path(cfg.output_dir) / "final") if c.export_at_end else None,
                        mlflow_run_id=state.mlflow_run_id)
 
 
