@@ -8,6 +8,7 @@ import itertools
 import os
 from pathlib import Path
 
+from ds_ppo.algo.choices import ESTIMATORS
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
 from ds_ppo.rewards.service import call_deadline, worst_request_s
@@ -39,7 +40,18 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field checks that need the world size; raises ConfigError listing every problem."""
+    """Cross-field checks that need the world size; raises ConfigError listing every problem
+    (one checker per part of the config, each returning its problems)."""
+    problems = []
+    for check in (_batch_problems, _reward_problems, _model_problems, _generation_problems,
+                  _deepspeed_problems, _tracking_problems):
+        problems += check(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _batch_problems(cfg: Config, world_size: int) -> list[str]:
+    """Batch sizes against the world size, the estimator's needs and the PPO clips."""
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % world_size:
         problems.append(
@@ -59,6 +71,16 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    fix = working_batch_sizes(p, world_size)
+    if fix:  # the README promises a value that works
+        problems.append(f"batch sizes that work at world size {world_size}: "
+                        + " ".join(f"ppo.{k}={v}" for k, v in fix.items()))
+    return problems
+
+
+def _reward_problems(cfg: Config, world_size: int) -> list[str]:
+    """Exactly one reward source, well formed, and the dataset columns it reads."""
+    problems = []
     from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
 
     r = cfg.reward
@@ -82,6 +104,12 @@ def validate(cfg: Config, world_size: int) -> None:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
+    return problems
+
+
+def _model_problems(cfg: Config, world_size: int) -> list[str]:
+    """Each model role: path or arch, clipping, LoRA and the reference's source."""
+    problems = []
     for name in TRAINED_ROLES:
         m = getattr(cfg, name)
         if m.path is not None and m.arch is not None:
@@ -110,6 +138,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.value.lora is not None and cfg.value.lora.output_head is True:
         problems.append("value.lora.output_head = True: the value model's scalar head is always "
                         "fully trained, never adapted; leave value.lora.output_head=auto")
+    return problems
+
+
+def _generation_problems(cfg: Config, world_size: int) -> list[str]:
+    """Generation lengths, tensor parallelism and the decoding loop's options."""
+    problems = []
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
@@ -130,6 +164,12 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
                         "set generation.loop=auto (HF generate for this kernel)")
+    return problems
+
+
+def _deepspeed_problems(cfg: Config, world_size: int) -> list[str]:
+    """Offload needs ZeRO-3; a DeepSpeed config file must exist."""
+    problems = []
     for role in ROLES:
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage not in (3, "auto"):
@@ -138,6 +178,12 @@ def validate(cfg: Config, world_size: int) -> None:
                             f"deepspeed.{role}.offload_param=false")
         if d.config is not None and not Path(d.config).exists():
             problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    return problems
+
+
+def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
+    """Model registry needs and the resume target."""
+    problems = []
     t, c = cfg.tracking, cfg.checkpoint
     if t.register_model is not None and not (t.enabled and c.export_at_end):
         problems.append(f"tracking.register_model = {t.register_model!r} registers the export "
@@ -157,12 +203,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
-    fix = working_batch_sizes(p, world_size)
-    if fix:  # the README promises a value that works
-        problems.append(f"batch sizes that work at world size {world_size}: "
-                        + " ".join(f"ppo.{k}={v}" for k, v in fix.items()))
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return problems
 
 
 def _batch_sizes_fit(rollout: int, mini: int, micro: int, n: int, world: int) -> bool:
@@ -207,7 +248,7 @@ def working_batch_sizes(p: PPOConfig, world_size: int) -> dict[str, int] | None:
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
     problems, n = [], p.samples_per_prompt
-    if p.advantage_estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+    if ESTIMATORS[p.advantage_estimator].groups and n < 2:
         problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
                         f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
                         "ppo.samples_per_prompt=4 (any n >= 2)")
