@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Iterator
@@ -62,8 +63,8 @@ def head_looks_random_init(path: Path, name: str, config) -> str | None:
     index = path / "model.safetensors.index.json"
     files = ([path / json.loads(index.read_text())["weight_map"][name]] if index.is_file()
              else [path / "model.safetensors"])
-    if name not in json.loads(_safetensors_header(files[0])) if files[0].is_file() else True:
-        return None
+    if not files[0].is_file() or name not in json.loads(_safetensors_header(files[0])):
+        return None  # weights in another format (.bin): not looked at
     with safe_open(str(files[0]), framework="pt") as f:
         w = f.get_tensor(name).float()
     sigma = float(getattr(config, "initializer_range", 0.02) or 0.02)
