@@ -61,8 +61,8 @@ def head_looks_random_init(path: Path, name: str, config) -> str | None:
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
-    files = ([path / json.loads(index.read_text())["weight_map"][name]] if index.is_file()
-             else [path / "model.safetensors"])
+    files = ([path / json.loads(index.read_text())["weight_map"].get(name, "-")]
+             if index.is_file() else [path / "model.safetensors"])
     if not files[0].is_file() or name not in json.loads(_safetensors_header(files[0])):
         return None  # weights in another format (.bin): not looked at
     with safe_open(str(files[0]), framework="pt") as f:
