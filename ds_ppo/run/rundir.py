@@ -4,10 +4,10 @@ that loses no rows.
 - `lock_output_dir`: rank 0 holds `output_dir/.ds_ppo.lock` (host and pid) until the process
   exits. A second run on the same directory stops with `OutputDirBusy`; a lock left by a process
   that no longer exists on this host (a SIGKILL) is taken over with a warning.
-- `start_metrics_log`: (metrics.jsonl, and samples.jsonl alike) a resumed run keeps `metrics.jsonl`'s rows up to the resumed iteration (a
-  torn last line, cut by a kill or a full disk, is dropped with a warning; a malformed line
-  elsewhere is an error naming the file and line); a fresh start moves an existing log aside
-  (`metrics.jsonl.1`, ...) instead of truncating it.
+- `start_metrics_log`: a resumed run keeps `metrics.jsonl`'s rows (and `samples.jsonl`'s) up to
+  the resumed iteration (a torn last line, cut by a kill or a full disk, is dropped with a
+  warning; a malformed line elsewhere is an error naming the file and line); a fresh start moves
+  an existing log aside (`metrics.jsonl.1`, ...) instead of truncating it.
 """
 from __future__ import annotations
 
