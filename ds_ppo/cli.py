@@ -1,4 +1,5 @@
-"""The `ds-ppo` command line: train, sft, rm, plan, export, tokenizer train, bench, config.
+"""The `ds-ppo` command line: train, sft, rm, config, plan, export, generate, samples, tokenizer,
+bench.
 
 Each sub-command imports its heavy modules lazily, so `ds-ppo config` or a config error never
 waits for DeepSpeed to import. User errors (config, data, paths) print one message and exit 2
@@ -25,22 +26,23 @@ def _train(args: argparse.Namespace) -> int:
         for warning in config_warnings(cfg, world_size_from_env()):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
-    if cfg.reward.function is not None:  # importable, and takes data.reward_keys
-        from ds_ppo.rewards.call import load_reward_function
+    from ds_ppo.config.preflight import preflight
 
-        load_reward_function(cfg.reward.function, cfg.data.reward_keys)
+    preflight(cfg, paths=args.dry_run)  # data columns, the reward function; paths: dry run
     if cfg.env.function is not None:  # importable, and its methods take what they are given
         from ds_ppo.envs.base import load_python_env
 
         load_python_env(cfg.env.function, cfg.data.reward_keys)
     if args.dry_run:
-        from ds_ppo.errors import ConfigError
-        from ds_ppo.config.paths import missing_paths
-
-        missing = missing_paths(cfg)  # what a real start would trip over first
-        if missing:
-            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
         print(f"config OK for world size {world_size_from_env()}")
+        return 0
+    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+
+    c = cfg.checkpoint
+    done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
+    if done is not None:  # a re-run of a finished run: stop before torch even imports
+        if os.environ.get("RANK", "0") == "0":
+            print(finished_message(cfg.output_dir, *done, cfg.iterations, c.export_at_end))
         return 0
     from ds_ppo.run.preemption import Preempted
     from ds_ppo.run.loop import train
@@ -104,13 +106,13 @@ def _job(args: argparse.Namespace) -> int:
 def _check_resume_estimator(cfg) -> None:
     """The checkpoint a run would resume from must match its estimator family (with or without
     a value model): found here, before any model code loads (train() checks it again)."""
-    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+    from ds_ppo.engine.checkpoint_files import check_estimator_family, latest_checkpoint
 
     if cfg.resume == "never":
         return
     path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
     if cfg.resume != "auto":
-        from ds_ppo.engine.checkpoint import resolve_checkpoint
+        from ds_ppo.engine.checkpoint_files import resolve_checkpoint
 
         path = resolve_checkpoint(cfg.resume)
     if path is not None:
@@ -231,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model-type", choices=["unigram", "bpe"], default="bpe")
     t.set_defaults(func=_tokenizer_train)
 
+    from ds_ppo.run.generate import add_parser as add_generate  # both import torch lazily
+    from ds_ppo.run.samples import add_parser as add_samples
+
+    add_generate(sub)
+    add_samples(sub)
+
     p = sub.add_parser("bench", help="GPU/CPU benchmark of one PPO iteration's phases "
                        "(ds-ppo bench --help for its flags); --peer trl: ds_ppo beside TRL "
                        "(ds-ppo bench --peer trl --help)", add_help=False)
@@ -239,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_ppo.run.log_setup import quiet_notices  # no library import
+
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_notices("debug" if "log_level=debug" in argv else "info")
     from ds_ppo.run.tracking import quiet_mlflow
 
     quiet_mlflow()  # before anything imports mlflow (deepspeed does, for its monitor)

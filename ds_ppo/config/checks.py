@@ -4,6 +4,7 @@ numbers derived from several keys (optimizer steps, gradient accumulation).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -115,6 +116,10 @@ def _batch_problems(cfg: Config, world_size: int) -> list[str]:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    fix = working_batch_sizes(p, world_size)
+    if fix:  # the README promises a value that works
+        problems.append(f"batch sizes that work at world size {world_size}: "
+                        + " ".join(f"ppo.{k}={v}" for k, v in fix.items()))
     return problems
 
 
@@ -390,6 +395,45 @@ def _env_problems(cfg: Config, world_size: int) -> list[str]:
     if any(not s for s in e.stop):
         out.append(f"env.stop = {e.stop}: an empty string would end every turn at once")
     return out
+
+
+def _batch_sizes_fit(rollout: int, mini: int, micro: int, n: int, world: int) -> bool:
+    """Every batch-size rule: whole prompts per rank, mini-batches that split the iteration's
+    responses, whole prompts per rank in each mini-batch, whole micro-batches per rank."""
+    return (rollout % world == 0 and (rollout * n) % mini == 0 and mini % n == 0
+            and (mini // n) % world == 0 and mini % (micro * world) == 0)
+
+
+def working_batch_sizes(p: PPOConfig, world_size: int) -> dict[str, int] | None:
+    """The fewest, smallest changes to rollout_batch_size / mini_batch_size / micro_batch_size
+    that satisfy every batch-size rule at `world_size` ({} when they already do; None when no
+    value up to twice the given ones does)."""
+    n, w = p.samples_per_prompt, world_size
+    given = {"rollout_batch_size": p.rollout_batch_size, "mini_batch_size": p.mini_batch_size,
+             "micro_batch_size": p.micro_batch_size}
+    ranges = {"rollout_batch_size": range(w, 2 * p.rollout_batch_size + w, w),
+              "mini_batch_size": range(n * w, 2 * p.mini_batch_size + n * w, n * w),
+              "micro_batch_size": range(1, 2 * p.micro_batch_size + 1)}
+
+    def fits(v: dict[str, int]) -> bool:
+        return _batch_sizes_fit(v["rollout_batch_size"], v["mini_batch_size"],
+                                v["micro_batch_size"], n, w)
+
+    if fits(given):
+        return {}
+    for keys in (("mini_batch_size",), ("micro_batch_size",), ("rollout_batch_size",),
+                 ("mini_batch_size", "micro_batch_size"),
+                 ("rollout_batch_size", "mini_batch_size"),
+                 ("rollout_batch_size", "mini_batch_size", "micro_batch_size")):
+        best = None
+        for values in itertools.product(*(ranges[k] for k in keys)):
+            trial = {**given, **dict(zip(keys, values))}
+            cost = sum(abs(v - given[k]) / given[k] for k, v in zip(keys, values))
+            if fits(trial) and (best is None or cost < best[0]):
+                best = (cost, dict(zip(keys, values)))
+        if best is not None:
+            return best[1]
+    return None
 
 
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:

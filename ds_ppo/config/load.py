@@ -4,6 +4,7 @@ into the typed tree with errors that name the key; and the key reference (``desc
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import typing
@@ -105,6 +106,24 @@ def _section_type(model: type[BaseModel], key: str, optional: bool = False
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
+def _did_you_mean(model: type[BaseModel], prefix: list[str], key: str) -> str:
+    """`; did you mean 'ppo.kl_coef'?` for the closest key of `model` (a typo), else ''. A key
+    that belongs to another section (`ppo.lr`) names where it lives (`policy.lr`)."""
+    close = difflib.get_close_matches(key, _known_keys(model), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {'.'.join([*prefix, close[0]])!r}?"
+    elsewhere = [k for k in _all_keys(Config) if k.rsplit(".", 1)[-1] == key]
+    return f"; did you mean {' or '.join(map(repr, elsewhere[:3]))}?" if elsewhere else ""
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name in model.model_fields:
+        sub = _section_type(model, name, optional=True)
+        keys += _all_keys(sub, f"{prefix}{name}.") if sub is not None else [f"{prefix}{name}"]
+    return keys
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply dotted ``key=value`` overrides (values parsed as YAML) to a raw config dict."""
     data = dict(data)
@@ -122,7 +141,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for i, part in enumerate(parts):
             if model is not None and part not in model.model_fields:
                 where = ".".join(parts[:i]) or "the top level"
-                raise ConfigError(f"unknown config key {key!r}: {where} has no {part!r} "
+                raise ConfigError(f"unknown config key {key!r}: {where} has no {part!r}"
+                                  f"{_did_you_mean(model, parts[:i], part)} "
                                   f"(valid: {', '.join(_known_keys(model))})")
             if i == len(parts) - 1:
                 node[part] = value
@@ -145,7 +165,9 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
             for p in e["loc"][:-1]:
                 parent = _section_type(parent, str(p), optional=True) if parent else None
             valid = ", ".join(_known_keys(parent)) if parent else "?"
-            lines.append(f"unknown config key {loc!r} (valid here: {valid})")
+            hint = (_did_you_mean(parent, [str(p) for p in e["loc"][:-1]], str(e["loc"][-1]))
+                    if parent else "")
+            lines.append(f"unknown config key {loc!r}{hint} (valid here: {valid})")
         else:
             lines.append(f"{loc} = {_short(e.get('input'))}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)

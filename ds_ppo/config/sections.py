@@ -78,14 +78,16 @@ class LoraConfig(Section):
         "auto", description="The policy's output head (lm_head) gets an adapter too. auto = "
         "yes for a random-init policy.arch with an untied head (its small random weights bound "
         "the logits whatever the adapters below it learn: the tiny default does not learn "
-        "without), no for a model from a path. Policy only: a value model's scalar head is "
-        "always fully trained.")
+        "without), and for a model from a local path whose saved head still looks random-init "
+        "(std ~ initializer_range, rows of equal norm); no for other models from a path. "
+        "Policy only: a value model's scalar head is always fully trained.")
 
 
 _LORA_DOC = ("Train low-rank adapters on the frozen base instead of all weights (null: full "
              "fine-tuning): {{r (default 8), alpha (16; the update is alpha / r x B A), dropout "
              "(0), target_modules (all-linear, or a list of module names), output_head (auto: "
-             "adapt the output head too for a random-init policy.arch)}}, e.g. "
+             "adapt the output head too for a random-init policy.arch, or a loaded head that still "
+             "looks random-init)}}, e.g. "
              "{role}.lora.r=8. Only the adapters{head} have gradients and optimizer state.")
 
 

@@ -333,6 +333,40 @@ def read_table(path_str: str, fmt: str, split_name: str) -> Table:
             "parquet": _read_parquet}[fmt](path)
 
 
+def peek_columns(path_str: str, fmt: str, split_name: str, rows: int = 100
+                 ) -> tuple[str, list[str]] | None:
+    """(source, columns) of a local file of prompts, from its first `rows` rows (a CSV's header,
+    a Parquet file's schema), read cheaply for `ds-ppo train --dry-run`; None where only the real
+    read can tell (a save_to_disk directory, a hub name, a file that does not read as its
+    format: the real start reports those)."""
+    try:
+        fmt = _resolve_format(path_str, fmt)
+    except DataError:
+        return None
+    path = Path(path_str).expanduser()
+    if fmt == "hub" and path.is_dir() and (one := _split_file(path, split_name)) is not None:
+        fmt, path, split_name = _SUFFIX_FORMAT[one.suffix.lower()], one, SINGLE_SPLIT
+    if fmt in ("hub", "disk") or split_name != SINGLE_SPLIT or not path.is_file():
+        return None
+    try:
+        if fmt == "jsonl":
+            with path.open(encoding="utf-8-sig", errors="replace") as f:
+                text = "".join(line for line, _ in zip(f, range(rows)))
+            table = _read_jsonl(path, text)
+        elif fmt == "json":
+            table = _read_json(path)
+        elif fmt == "csv":
+            with path.open(encoding="utf-8-sig", errors="replace", newline="") as f:
+                return f"file {path}", [h.strip() for h in next(csv.reader(f), [])]
+        else:  # parquet: the schema, no rows
+            import pyarrow.parquet as pq
+
+            return f"file {path}", list(pq.read_schema(path).names)
+    except Exception:  # noqa: BLE001 (unreadable here: the real read names the problem)
+        return None
+    return (table.source, table.columns) if len(table) else None
+
+
 def describe_value(value: Any) -> str:
     """A value for a message: its type and its repr, cut to 40 characters."""
     r = repr(value)

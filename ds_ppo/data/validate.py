@@ -5,6 +5,7 @@ counted, logged and skipped instead. Chat rows are rendered with the tokenizer's
 """
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import re
@@ -112,23 +113,34 @@ class Valid:
     skipped: int = 0                                # bad rows skipped
 
 
+def column_problems(source: str, columns: list[str], cfg: DataConfig) -> list[str]:
+    """The prompt column (data.prompt_key, else data.messages_key) and every data.reward_keys
+    column must be among `columns`: one message per missing one, naming the key, the closest
+    column (a likely typo) and the columns there are."""
+    have = f"its columns are: {', '.join(map(repr, columns)) or '(none)'}"
+
+    def hint(name: str) -> str:
+        close = difflib.get_close_matches(name, columns, n=1, cutoff=0.6)
+        return f"did you mean {close[0]!r}? " if close else ""
+
+    problems = []
+    if cfg.prompt_key not in columns and cfg.messages_key not in columns:
+        problems.append(f"{source}: no column {cfg.prompt_key!r} (data.prompt_key) or "
+                        f"{cfg.messages_key!r} (data.messages_key); "
+                        f"{hint(cfg.prompt_key) or hint(cfg.messages_key)}{have}")
+    for k in cfg.reward_keys:
+        if k not in columns:
+            problems.append(f"{source}: no column {k!r} (data.reward_keys); {hint(k)}{have}")
+    return problems
+
+
 def validate_rows(table: Table, rows: range, cfg: DataConfig,
                   tokenizer: PreTrainedTokenizerBase) -> Valid:
     """Check each row of the split; render chat rows. Raises DataError unless skipping."""
-    if cfg.prompt_key in table.columns:
-        key = cfg.prompt_key
-    elif cfg.messages_key in table.columns:
-        key = cfg.messages_key
-    else:
-        raise DataError(
-            f"{table.source}: no column {cfg.prompt_key!r} (data.prompt_key) or "
-            f"{cfg.messages_key!r} (data.messages_key); its columns are: "
-            f"{', '.join(map(repr, table.columns)) or '(none)'}")
-    absent = [k for k in cfg.reward_keys if k not in table.columns]
-    if absent:
-        raise DataError(f"{table.source}: no column {', '.join(map(repr, absent))} "
-                        f"(data.reward_keys); its columns are: "
-                        f"{', '.join(map(repr, table.columns)) or '(none)'}")
+    problems = column_problems(table.source, table.columns, cfg)
+    if problems:
+        raise DataError("\n  ".join(problems))
+    key = cfg.prompt_key if cfg.prompt_key in table.columns else cfg.messages_key
     values = table.column(key)
     extra_values = {k: table.column(k) for k in cfg.reward_keys}
     bad: list[str] = []

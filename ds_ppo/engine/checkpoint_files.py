@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_ppo.algo.choices import estimator as estimator_spec
-from ds_ppo.engine import dist
 from ds_ppo.errors import CheckpointError, ConfigError, UserError
 from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
+# marks a directory an export wrote (engine/export.py): the source, dtype, and for a run's own
+# export at its end (output_dir/final) the iteration it holds
+EXPORT_MARKER = "ds_ppo_export.json"
 TAG = "ds"  # DeepSpeed tag inside each role's folder
 UNIVERSAL_TAG = "ds_universal"  # the same, converted for another world size
 _NAME = re.compile(r"iter_(\d+)")  # a checkpoint's directory name (fullmatch)
@@ -188,7 +190,7 @@ def verify_files(path: Path, command: str = "resume",
     """
     import time
 
-    from ds_ppo.engine import manifest
+    from ds_ppo.engine import dist, manifest  # here: this module needs no torch (--dry-run)
 
     start = time.perf_counter()
     mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes)
@@ -256,6 +258,8 @@ def find_resume(output_dir: str | Path, resume: str, verify: bool = True) -> Pat
     """The checkpoint a run continues from (None: a fresh start), checked whole (with `verify`,
     every file against the manifest). Collective: rank 0 decides (and removes interrupted
     saves, renames newer checkpoints aside), every rank gets its answer or its error."""
+    from ds_ppo.engine import dist  # here: the rest of this module needs no torch (--dry-run)
+
     def decide() -> str | None:
         _clean_partial(checkpoints_dir(output_dir))
         if resume == "never":
@@ -342,3 +346,36 @@ def check_estimator_family(path: Path, estimator: str) -> None:
             f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
             f"{estimator!r} ({what[critic]}); set ppo.advantage_estimator={saved} "
             "to continue that run, or start a new run in another output_dir")
+
+
+def finished_run(output_dir: str | Path, resume: str, iterations: int, export_at_end: bool
+                 ) -> tuple[Path, TrainerState] | None:
+    """(checkpoint, its state) when the run in output_dir is already complete: the checkpoint it
+    would resume from holds `iterations` (or more) and, with `export_at_end`, output_dir/final
+    holds that iteration's export. Read from the files alone (no torch), so a re-run stops
+    before anything loads; None when there is something to do (or a checkpoint is unusable:
+    the real start names the problem)."""
+    try:
+        path = (None if resume == "never" else latest_checkpoint(output_dir)
+                if resume == "auto" else resolve_checkpoint(resume))
+        state = read_state(path) if path is not None else None
+    except UserError:
+        return None
+    if state is None or state.iteration < iterations:
+        return None
+    if export_at_end:
+        try:
+            marker = json.loads((Path(output_dir) / "final" / EXPORT_MARKER).read_text())
+        except (OSError, ValueError):
+            marker = {}
+        if marker.get("iteration") != state.iteration:
+            return None  # the run stopped before its export: the models load to write it
+    return path, state
+
+
+def finished_message(output_dir: str | Path, path: Path, state: TrainerState, iterations: int,
+                     export_at_end: bool) -> str:
+    return (f"ds-ppo: the run in {output_dir} already completed {state.iteration} of "
+            f"iterations={iterations} ({path}"
+            + (f", exported to {Path(output_dir) / 'final'}" if export_at_end else "")
+            + "); nothing to train: raise iterations to continue")

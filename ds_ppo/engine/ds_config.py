@@ -79,9 +79,6 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     zero = ds.setdefault("zero_optimization", {})
     # a frozen role under ZeRO 1/2 has nothing to partition: it runs as a plain replica (stage 0)
     stage = d.stage(world_size, load_universal)
-    if d.zero_stage == "auto":
-        log.info("deepspeed.%s.zero_stage auto -> %d (world size %d%s)", role, stage, world_size,
-                 ", universal checkpoint" if load_universal else "")
     zero["stage"] = stage if role in TRAINED_ROLES or stage == 3 else 0
     if d.offload_optimizer and role in TRAINED_ROLES:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -105,3 +102,14 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
                           "precision, clipping, ZeRO bucket sizes): give them values in the "
                           "file, or remove them for DeepSpeed's defaults")
     return ds
+
+
+def describe_stages(cfg: Config, ds_configs: dict[str, dict], world_size: int,
+                    load_universal: bool = False) -> str:
+    """One line: the ZeRO stage each role's engine runs, `(auto)` where zero_stage auto chose
+    it (e.g. `ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), ...`)."""
+    parts = [f"{role} {ds.get('zero_optimization', {}).get('stage', 0)}"
+             + (" (auto)" if getattr(cfg.deepspeed, role).zero_stage == "auto" else "")
+             for role, ds in ds_configs.items()]
+    return (f"ZeRO stage per role (world size {world_size}"
+            + (", universal checkpoint" if load_universal else "") + "): " + ", ".join(parts))

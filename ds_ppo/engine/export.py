@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import TAG
+from ds_ppo.engine.checkpoint_files import EXPORT_MARKER, TAG
 
 log = logging.getLogger("ds_ppo")
-MARKER = "ds_ppo_export.json"  # marks a directory an offline export wrote
+MARKER = EXPORT_MARKER  # marks a directory an export wrote (engine/checkpoint_files.py)
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT directory's files
 
 
@@ -36,7 +36,8 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
     return save_module(engine.module, tokenizer, out_dir, dtype)
 
 
-def export_final(engine, tokenizer, final: Path, dtype: torch.dtype, source: str) -> Path:
+def export_final(engine, tokenizer, final: Path, dtype: torch.dtype, source: str,
+                 iteration: int | None = None) -> Path:
     """Collective: the end-of-run export. `export_engine` writes into `.final.tmp` next to
     `final`; then rank 0 marks it (ds_ppo_export.json) and renames it into place
     (`replace_dir`), so a kill at any moment leaves `final` as it was or complete, never a
@@ -50,7 +51,7 @@ def export_final(engine, tokenizer, final: Path, dtype: torch.dtype, source: str
     dist.barrier()
     export_engine(engine, tokenizer, tmp, dtype)  # ends with a barrier: every shard written
     if dist.is_main():
-        write_marker(tmp, source, dtype, with_value=False)
+        write_marker(tmp, source, dtype, with_value=False, iteration=iteration)
         replace_dir(tmp, final)
     dist.barrier()
     return final
@@ -178,11 +179,15 @@ def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
     write_marker(out_dir, str(ckpt.resolve()), dtype, with_value)
 
 
-def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool) -> None:
-    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it)."""
-    (out_dir / MARKER).write_text(json.dumps(
-        {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
-         "value": with_value}, indent=2) + "\n")
+def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool,
+                 iteration: int | None = None) -> None:
+    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it); a
+    run's own export at its end also records the iteration it holds."""
+    marker = {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
+              "value": with_value}
+    if iteration is not None:
+        marker["iteration"] = iteration
+    (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 def _copy_adapter(src: Path, target: Path) -> None:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Iterator
@@ -30,12 +31,51 @@ log = logging.getLogger("ds_ppo")
 ADAPTER = "default"  # peft's adapter name; ds_ppo trains one adapter per role
 
 
-def adapts_output_head(lora_cfg, random_init: bool, model: torch.nn.Module) -> bool:
-    """policy.lora.output_head resolved for `model` (`config.lora_output_head`)."""
+def adapts_output_head(lora_cfg, random_init: bool, model: torch.nn.Module,
+                       path: str | None = None) -> bool:
+    """policy.lora.output_head resolved for `model` (`config.lora_output_head`). With auto, a
+    model loaded from a local `path` counts as random-init when its saved head looks it
+    (`head_looks_random_init`)."""
     from ds_ppo.config import lora_output_head
 
-    return lora_output_head(lora_cfg, random_init,
-                            bool(getattr(model.config, "tie_word_embeddings", False)))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if (lora_cfg.output_head == "auto" and not random_init and not tied and path is not None
+            and Path(path).is_dir()):
+        head = next((f"{name}.weight" for name, m in model.named_modules()
+                     if m is model.get_output_embeddings()), None)
+        why = head_looks_random_init(Path(path), head, model.config) if head else None
+        if why:
+            random_init = True
+            if dist.is_main():
+                log.info("policy.lora.output_head auto: the output head of %s looks randomly "
+                         "initialised (%s); adapting it as well", path, why)
+    return lora_output_head(lora_cfg, random_init, tied)
+
+
+def head_looks_random_init(path: Path, name: str, config) -> str | None:
+    """Why the weight `name` saved under `path` (safetensors) looks freshly initialised, or None.
+    HF initialises an untied head as N(0, initializer_range^2): then its std is within 5% of
+    initializer_range, its mean near 0, and its rows' norms all alike (coefficient of variation
+    about 1 / sqrt(2 x hidden size)). A trained head's rows (frequent against rare tokens)
+    differ far more, so all three holding is taken as a random-init head."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    files = ([path / json.loads(index.read_text())["weight_map"].get(name, "-")]
+             if index.is_file() else [path / "model.safetensors"])
+    if not files[0].is_file() or name not in json.loads(_safetensors_header(files[0])):
+        return None  # weights in another format (.bin): not looked at
+    with safe_open(str(files[0]), framework="pt") as f:
+        w = f.get_tensor(name).float()
+    sigma = float(getattr(config, "initializer_range", 0.02) or 0.02)
+    std, mean = float(w.std()), float(w.mean())
+    norms = w.norm(dim=1)
+    cv = float(norms.std() / norms.mean())
+    limit = 2.0 / (2 * w.shape[1]) ** 0.5
+    if abs(std / sigma - 1) < 0.05 and abs(mean) < 0.1 * std and cv < limit:
+        return (f"weight std {std:.4f} ~ initializer_range {sigma:g}, row-norm variation "
+                f"{cv:.3f} < {limit:.3f}")
+    return None
 
 
 def _targets(model: torch.nn.Module, lora_cfg, output_head: bool) -> list[str] | str:

@@ -31,7 +31,7 @@ import torch
 from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
+from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
 
 log = logging.getLogger("ds_ppo")
@@ -213,7 +213,8 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if cfg.policy.lora is not None:
-        head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model)
+        head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model,
+                                       None if cfg.policy.arch is not None else path)
         model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, output_head=head)
     opt = _optimizer(lora.trainable(model), cfg.policy, device,
                      cfg.deepspeed.policy.offload_optimizer)
@@ -379,6 +380,8 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         from ds_ppo.engine.ema import ParamEMA
 
         ema = ParamEMA(policy.module, cfg.policy.ema_decay)
+    if dist.is_main():
+        log.info("%s", describe_stages(cfg, ds_configs, world, load_universal))
     return Engines(policy=PolicyRole(policy, ema),
                    value=ValueRole(value) if value is not None else None,
                    reference=ReferenceRole(reference),

@@ -25,12 +25,15 @@ def eval_indices(num_prompts: int, cfg: Config) -> list[int]:
 
 
 def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
-             eos_ids: list[int], reward_encode) -> dict[str, float]:
+             eos_ids: list[int], reward_encode
+             ) -> tuple[dict[str, float], list[tuple[str, str, float, dict]]]:
     """Collective. Metrics `eval/score_mean`, `eval/score_std`, `eval/length_mean`,
-    `eval/eos_rate` over every rank's greedy responses."""
+    `eval/eos_rate` over every rank's greedy responses; and this rank's first
+    tracking.num_samples (prompt, response, score, data.reward_keys values) for the eval
+    samples table."""
     indices = eval_indices(len(prompts.input_ids), cfg)
     if not indices:
-        return {}
+        return {}, []
     watchdog.at("evaluation")
     # greedy, one response per prompt (n greedy samples of a prompt would all be the same)
     greedy = cfg.model_copy(update={
@@ -50,4 +53,6 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     acc.add_mean("eval/eos_rate", float(rollout.ended.sum()), n)
     m = acc.reduce()
     m["eval/score_std"] = std_from_moments(m["eval/score_mean"], m.pop("eval/_score_sq"))
-    return m
+    k = cfg.tracking.num_samples
+    return m, list(zip(rollout.prompts[:k], rollout.responses[:k], scores[:k].tolist(),
+                       rollout.extras[:k]))

@@ -38,17 +38,45 @@ def load_reward_function(spec: str, keys: Sequence[str] = ()
         raise ConfigError(f"reward.function = {spec!r}: module {module_name!r} has no callable "
                           f"{attr!r}")
     try:
-        params = inspect.signature(fn).parameters.values()
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check (some builtins): call and see
         return fn
+    problem = signature_problem(signature, keys, attr)
+    if problem:
+        raise ConfigError(f"reward.function = {spec!r} {problem}")
+    return fn
+
+
+def signature_problem(signature: inspect.Signature, keys: Sequence[str], name: str = "f"
+                      ) -> str | None:
+    """Why a function `name` with `signature` cannot be called as f(prompts, responses,
+    **columns) with one column per name in `keys` (data.reward_keys), or None when it can."""
+    try:
+        signature.bind([], [], **{k: [] for k in keys})
+        return None
+    except TypeError:
+        pass
+    params = signature.parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        return ("must take the prompts and the responses as its first two positional "
+                f"arguments (it takes {len(positional)})")
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if not any(p.kind == p.VAR_KEYWORD for p in params):
         missing = [k for k in keys if k not in named]
         if missing:
-            raise ConfigError(f"reward.function = {spec!r} takes no keyword argument "
-                              f"{', '.join(missing)} (data.reward_keys); define it as "
-                              f"def {attr}(prompts, responses, {', '.join(keys)}): ...")
-    return fn
+            takes = [p.name for p in params if p.name in named][2:]
+            return (f"takes no keyword argument {', '.join(missing)} (data.reward_keys = "
+                    f"{list(keys)}; after prompts and responses it takes "
+                    f"{', '.join(takes) or 'nothing'}); define it as "
+                    f"def {name}({', '.join(['prompts', 'responses', *keys])}): ...")
+    rest = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty][2 if len(positional) >= 2 else len(positional):]
+    required = [p.name for p in rest if p.name not in keys]
+    return (f"requires argument {', '.join(required)}, which data.reward_keys = {list(keys)} "
+            f"does not supply: add {'it' if len(required) == 1 else 'them'} to "
+            "data.reward_keys (dataset columns passed by name), or give "
+            f"{'it' if len(required) == 1 else 'them'} a default")
 
 
 def _short(value: Any, limit: int = 80) -> str:

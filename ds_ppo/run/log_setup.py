@@ -6,15 +6,33 @@ import logging
 import sys
 import warnings
 
-from ds_ppo.engine import dist
 
 
-def quiet_libraries(log_level: str) -> None:
-    """Before DeepSpeed is imported: unless log_level = debug, no DeepSpeed accelerator notice and
-    no per-save "Writing model shards" progress bars from transformers."""
+# Loggers whose INFO lines say nothing a user acts on: MLflow creating (and migrating) the
+# embedded store's tables at a run's start
+_QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
+
+
+def quiet_notices(log_level: str) -> None:
+    """Cheap (no library import), before DeepSpeed or MLflow are imported: unless log_level =
+    debug, no DeepSpeed accelerator notice (printed at every DeepSpeed import) and no MLflow
+    database-creation lines. The command line calls it first thing."""
     if log_level == "debug":
         return
     logging.getLogger("DeepSpeed").addFilter(_no_accelerator_notice)  # a set: added once
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # transformers' deprecation notices about its own internals (e.g. arguments DeepSpeed or
+    # peft pass it), which a user of ds_ppo cannot act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+
+
+def quiet_libraries(log_level: str) -> None:
+    """Before DeepSpeed is imported: unless log_level = debug, `quiet_notices` and no per-save
+    "Writing model shards" progress bars from transformers."""
+    if log_level == "debug":
+        return
+    quiet_notices(log_level)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -27,6 +45,8 @@ def _no_accelerator_notice(record: logging.LogRecord) -> bool:
 def setup_logging(log_level: str = "info") -> None:
     """Every record as `[ds_ppo rank R] message` on stdout: INFO on rank 0, WARNING elsewhere, DEBUG
     everywhere with log_level = debug."""
+    from ds_ppo.engine import dist
+
     level = logging.INFO if dist.is_main() else logging.WARNING
     if log_level == "debug":
         level = logging.DEBUG

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 import uuid
@@ -53,6 +54,9 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    finished = _already_finished(cfg)
+    if finished is not None:  # nothing to load, train or export
+        return finished
     quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(cfg.log_level)
@@ -98,11 +102,13 @@ def train(cfg: Config) -> TrainResult:
                 metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                             cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
                                             cfg.ppo.kl_clip)
+                eval_samples = None
                 if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                    metrics.update(_evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode,
-                                             eos_ids, reward_encode))
+                    eval_metrics, eval_samples = _evaluate(eval_prompts, engines, cfg, tokenizer,
+                                                           gen_mode, eos_ids, reward_encode)
+                    metrics.update(eval_metrics)
                 kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
-                reporter.report(metrics, iteration, exp)
+                reporter.report(metrics, iteration, exp, eval_samples)
                 result.history.append(metrics)
                 _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
                                   grad_norms=engines.dtype != torch.float16)
@@ -175,6 +181,23 @@ def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, t
 
 
 # ------------------------------------------------------------------------- start-up
+def _already_finished(cfg: Config) -> TrainResult | None:
+    """The result of a run that is already complete (`finished_run`), printed; else None."""
+    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+
+    c = cfg.checkpoint
+    done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
+    if done is None:
+        return None
+    path, state = done
+    if os.environ.get("RANK", "0") == "0":
+        print(finished_message(cfg.output_dir, path, state, cfg.iterations, c.export_at_end),
+              flush=True)
+    return TrainResult(output_dir=str(cfg.output_dir), last_checkpoint=str(path),
+                       export_dir=str(Path(cfg.output_dir) / "final") if c.export_at_end else None,
+                       mlflow_run_id=state.mlflow_run_id)
+
+
 def _warn(message: str | None) -> None:
     if message and dist.is_main():
         log.warning("%s", message)
@@ -229,16 +252,17 @@ def _ptx_stream(cfg: Config, rows, tokenizer):
 
 
 def _evaluate(eval_prompts, engines: Engines, cfg: Config, tokenizer, gen_mode: str,
-              eos_ids: list[int], reward_encode) -> dict[str, float]:
-    """The eval/* metrics of the policy; with policy.ema_decay also eval_ema/* of its EMA
-    (swapped into the policy's weights for the evaluation, then swapped back)."""
-    metrics = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids, reward_encode)
+              eos_ids: list[int], reward_encode) -> tuple[dict[str, float], list]:
+    """The eval/* metrics and samples of the policy; with policy.ema_decay also eval_ema/* of
+    its EMA (swapped into the policy's weights for the evaluation, then swapped back)."""
+    metrics, samples = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids,
+                                reward_encode)
     if engines.policy.ema is not None:
         with engines.policy.ema.swapped_in():
-            ema = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids,
-                           reward_encode)
+            ema, _ = evaluate(eval_prompts, engines, cfg, tokenizer, gen_mode, eos_ids,
+                              reward_encode)
         metrics.update({k.replace("eval/", "eval_ema/", 1): v for k, v in ema.items()})
-    return metrics
+    return metrics, samples
 
 
 def _environment(cfg: Config):
@@ -420,7 +444,8 @@ def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
         # output_dir/final` may replace it
         with watchdog.phase("export", state.iteration):
             export_final(engines.policy, tokenizer, out / "final",
-                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}")
+                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}",
+                         iteration=state.iteration)
         if dist.is_main():
             log.info("exported the %s to %s (load with %s.from_pretrained)",
                      "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,

@@ -98,20 +98,25 @@ class Reporter:
         self.eta = Eta()  # rank 0's time left, from the mean of recent iterations
         self.warned_cut = False  # the reward-input cut is reported once per process
 
-    def report(self, metrics: dict[str, float], iteration: int, exp) -> None:
-        """Rank 0: progress line, metrics.jsonl (always, independent of MLflow), MLflow."""
+    def report(self, metrics: dict[str, float], iteration: int, exp,
+               eval_samples: list[tuple] | None = None) -> None:
+        """Rank 0: progress line (and an eval line when this iteration evaluated),
+        metrics.jsonl (always, independent of MLflow), samples.jsonl, MLflow."""
         cfg, tracker = self.cfg, self.tracker
-        rows = None
+        tables = {}  # "samples" (training) / "eval_samples": rows of every rank, collective
         every = cfg.tracking.log_samples_every
         if every and iteration % every == 0:
             k = cfg.tracking.num_samples
-            rows = [sample_row(p, r, s, extra) for p, r, s, extra in
-                    zip(exp.rollout.prompts[:k], exp.rollout.responses[:k],
-                        exp.episode_scores[:k].tolist(), exp.rollout.extras[:k])]
-            if exp.rollout.transcripts is not None:  # an episode: each turn with its reward
-                for row, turns in zip(rows, exp.rollout.transcripts[:k]):
+            r = exp.rollout
+            rows = [sample_row(p, resp, s, extra) for p, resp, s, extra in
+                    zip(r.prompts[:k], r.responses[:k], exp.episode_scores[:k].tolist(),
+                        r.extras[:k])]
+            if r.transcripts is not None:  # an episode: each turn with its reward
+                for row, turns in zip(rows, r.transcripts[:k]):
                     row["turns"] = format_transcript(turns)
-            rows = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
+            tables["samples"] = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
+        if eval_samples is not None:
+            tables["eval_samples"] = _gather_rows(eval_samples, cfg.tracking.num_samples)
         if not dist.is_main():
             return
         self.eta.tick(iteration, metrics["time/iteration_s"])
@@ -119,10 +124,32 @@ class Reporter:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         tracker.log_metrics(metrics, step=iteration)
-        if rows:
-            tracker.log_samples(rows, step=iteration)
+        self._log_samples(tables, iteration)
         if iteration % cfg.log_every == 0 or iteration == cfg.iterations:
             print(self.progress_line(metrics, iteration), flush=True)
+        if "eval/score_mean" in metrics:  # every evaluation, whatever log_every says
+            print(self.eval_line(metrics, iteration), flush=True)
+
+    def _log_samples(self, tables: dict[str, list[dict]], iteration: int) -> None:
+        """Each table into output_dir/samples.jsonl (one line per row, with its iteration and
+        split: the rows of the MLflow table) and into MLflow."""
+        lines = [json.dumps({"iteration": iteration,
+                             "split": "eval" if name == "eval_samples" else "train", **row},
+                            default=str)
+                 for name, rows in tables.items() for row in rows]
+        if lines:
+            with open(self.out / "samples.jsonl", "a") as f:
+                f.write("".join(line + "\n" for line in lines))
+        for name, rows in tables.items():
+            if rows:
+                self.tracker.log_samples(rows, step=iteration, name=name)
+
+    def eval_line(self, metrics: dict[str, float], iteration: int) -> str:
+        """`eval iter   20/40 | score +0.1234 (std 0.0812) | len 11.2 | eos 0.25`: greedy
+        responses to the evaluation prompts (data.eval_split)."""
+        return (f"eval {iteration:>4}/{self.cfg.iterations} "
+                f"| score {metrics['eval/score_mean']:+.4f} (std {metrics['eval/score_std']:.4f}) "
+                f"| len {metrics['eval/length_mean']:.1f} | eos {metrics['eval/eos_rate']:.2f}")
 
     def progress_line(self, metrics: dict[str, float], iteration: int) -> str:
         cfg = self.cfg
@@ -146,6 +173,13 @@ class Reporter:
                         "reward/input_cut_rate); raise reward.max_len if the reward model takes "
                         "longer inputs", iteration, 100 * metrics["reward/input_cut_rate"],
                         self.cfg.reward.max_len)
+
+
+def _gather_rows(samples, k: int) -> list[dict]:
+    """Collective: the first k sample rows over every rank's (prompt, response, score,
+    data.reward_keys values), rank 0's first."""
+    rows = [sample_row(p, r, s, extra) for p, r, s, extra in samples][:k]
+    return sum(dist.gather_objects(rows), [])[:k]
 
 
 def sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:

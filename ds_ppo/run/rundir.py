@@ -4,10 +4,10 @@ that loses no rows.
 - `lock_output_dir`: rank 0 holds `output_dir/.ds_ppo.lock` (host and pid) until the process
   exits. A second run on the same directory stops with `OutputDirBusy`; a lock left by a process
   that no longer exists on this host (a SIGKILL) is taken over with a warning.
-- `start_metrics_log`: a resumed run keeps `metrics.jsonl`'s rows up to the resumed iteration (a
-  torn last line, cut by a kill or a full disk, is dropped with a warning; a malformed line
-  elsewhere is an error naming the file and line); a fresh start moves an existing log aside
-  (`metrics.jsonl.1`, ...) instead of truncating it.
+- `start_metrics_log`: a resumed run keeps `metrics.jsonl`'s rows (and `samples.jsonl`'s) up to
+  the resumed iteration (a torn last line, cut by a kill or a full disk, is dropped with a
+  warning; a malformed line elsewhere is an error naming the file and line); a fresh start moves
+  an existing log aside (`metrics.jsonl.1`, ...) instead of truncating it.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ds_ppo.errors import OutputDirBusy, UserError
 log = logging.getLogger("ds_ppo")
 LOCK_NAME = ".ds_ppo.lock"
 METRICS_NAME = "metrics.jsonl"
+SAMPLES_NAME = "samples.jsonl"  # the sample tables, one row per sample (ds-ppo samples)
 
 
 # --------------------------------------------------------------------------- the lock
@@ -137,22 +138,27 @@ def start_metrics_log(output_dir: str | Path, resumed_iteration: int | None) -> 
 
 
 def _start_metrics_log(output_dir: Path, resumed_iteration: int | None) -> None:
-    path = output_dir / METRICS_NAME
+    for name in (METRICS_NAME, SAMPLES_NAME):  # both logs hold rows with an `iteration`
+        _start_log(output_dir / name, resumed_iteration)
+
+
+def _start_log(path: Path, resumed_iteration: int | None) -> None:
+    output_dir, name = path.parent, path.name
     if not path.exists():
         return
     if resumed_iteration is None:
         if path.stat().st_size == 0:
             return
         n = 1
-        while path.with_name(f"{METRICS_NAME}.{n}").exists():
+        while path.with_name(f"{name}.{n}").exists():
             n += 1
-        aside = path.with_name(f"{METRICS_NAME}.{n}")
+        aside = path.with_name(f"{name}.{n}")
         os.replace(path, aside)
         log.warning("a fresh start in %s: the earlier %s is kept as %s", output_dir,
-                    METRICS_NAME, aside.name)
+                    name, aside.name)
         return
     kept = [line for row, line in _parse_metrics(path) if row["iteration"] <= resumed_iteration]
-    tmp = path.with_name(METRICS_NAME + ".tmp")
+    tmp = path.with_name(name + ".tmp")
     try:
         tmp.write_text("".join(line + "\n" for line in kept))
     except OSError as e:

@@ -106,7 +106,7 @@ class Tracker(Protocol):
     lost_calls: int
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-    def log_samples(self, rows: list[dict], step: int) -> None: ...
+    def log_samples(self, rows: list[dict], step: int, name: str = "samples") -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dict(self, obj: dict, artifact_file: str) -> None: ...
     def log_params(self, params: dict[str, str]) -> None: ...
@@ -123,7 +123,7 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
-    def log_samples(self, rows: list[dict], step: int) -> None:
+    def log_samples(self, rows: list[dict], step: int, name: str = "samples") -> None:
         pass
 
     def log_text(self, text: str, artifact_file: str) -> None:
@@ -458,15 +458,16 @@ class MlflowTracker:
             self._guard(self.client.log_batch, self.run_id,
                         metrics=entries[i:i + _MAX_METRICS_PER_BATCH])
 
-    def log_samples(self, rows: list[dict], step: int) -> None:
-        """A table artifact samples/iter_<step>.json; columns = union of the rows' keys."""
+    def log_samples(self, rows: list[dict], step: int, name: str = "samples") -> None:
+        """A table artifact <name>/iter_<step>.json (name: samples, or eval_samples for the
+        evaluation's); columns = union of the rows' keys."""
         if self._already_logged(step) or not rows:
             return
         columns: list[str] = []
         for row in rows:
             columns += [k for k in row if k not in columns]
         table = {c: [_jsonable(row.get(c)) for row in rows] for c in columns}
-        path = f"samples/iter_{step:06d}.json"
+        path = f"{name}/iter_{step:06d}.json"
         try:
             import pandas  # noqa: F401  (log_table needs it)
         except ImportError:

@@ -334,6 +334,21 @@ def test_metrics_log_torn_last_line_dropped_malformed_line_named(tmp_path, caplo
     assert not path.exists() and (tmp_path / "metrics.jsonl.1").read_text() == '{"iteration": 1}\n'
 
 
+def test_samples_log_keeps_the_rows_up_to_the_resumed_iteration(tmp_path):
+    """samples.jsonl is trimmed on resume (and moved aside on a fresh start) as metrics.jsonl."""
+    from ds_ppo.run.rundir import start_metrics_log
+    from ds_ppo.run.samples import read_samples
+
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "split": "train", "prompt": "p",
+                                        "response": "r", "score": 0.0}) + "\n"
+                            for i in (2, 2, 4, 6)))
+    start_metrics_log(tmp_path, 4)  # iteration 6 runs again after the resume
+    assert [r["iteration"] for r in read_samples(tmp_path)] == [2, 2, 4]
+    start_metrics_log(tmp_path, None)
+    assert not path.exists() and (tmp_path / "samples.jsonl.1").exists()
+
+
 # --------------------------------------------------------------------------- 3. export
 def test_export_refuses_a_foreign_directory(tmp_path, capsys):
     from ds_ppo.cli import main

@@ -82,6 +82,37 @@ def test_run_params_metrics_tags_artifacts(tracked):
     assert [m.value for m in hist] == pytest.approx([r["score/mean"] for r in rows])
 
 
+def test_samples_and_evaluations_are_printed_and_kept_beside_mlflow(tracked, capsys):
+    """Each evaluation prints a line; samples.jsonl holds the rows of MLflow's samples and
+    eval_samples tables (once each across the resume), and `ds-ppo samples` reads them back."""
+    import json
+
+    from ds_ppo.cli import main
+
+    uri, out, run_id, first, resumed = tracked
+    assert "eval    2/4 | score +" in first.stdout and "eval    4/4 | score +" in first.stdout
+    assert "eval    6/6 | score +" in resumed.stdout
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["split"]) for r in rows] == [
+        (i, split) for i in (2, 4, 6) for split in ("train",) * 4 + ("eval",) * 4]
+    client = _client(uri)
+    for split, table in (("train", "samples"), ("eval", "eval_samples")):
+        path = client.download_artifacts(run_id, f"{table}/iter_000004.json", str(out.parent))
+        logged = json.loads(open(path).read())
+        mine = [r for r in rows if r["iteration"] == 4 and r["split"] == split]
+        table = [dict(zip(logged["columns"], values)) for values in logged["data"]]
+        assert [(t["prompt"], t["response"]) for t in table] == [
+            (r["prompt"], r["response"]) for r in mine]
+        # (MLflow's JSON table keeps 10 significant digits)
+        assert [t["score"] for t in table] == pytest.approx([r["score"] for r in mine], rel=1e-8)
+    assert main(["samples", str(out), "--iteration", "4", "--split", "eval"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"iteration 4: 4 samples from {out}/samples.jsonl")
+    assert f"response: {mine[0]['response']!r}" in shown
+    assert main(["samples", str(out), "--iteration", "3"]) == 2
+    assert "iterations with samples: 2, 4, 6" in capsys.readouterr().err
+
+
 def test_resume_continues_the_same_run(tracked):
     uri, out, run_id, _, resumed = tracked
     client, run = _run_of(uri, out)

@@ -76,6 +76,72 @@ def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
     assert steps == list(range(1, 41))
 
 
+def test_readme_prints_what_the_default_run_prints(default_run):
+    """The README's lines of the tiny default are this run's (to regenerate them after a change
+    of the training numbers: python -m tests.support.readme_lines --write)."""
+    from support.readme_lines import blocks, progress_lines
+
+    _, proc = default_run
+    printed = progress_lines(proc.stdout)
+    shown = next(lines for overrides, lines in blocks((REPO / "README.md").read_text())
+                 if not overrides)
+    assert shown and {i: printed.get(i) for i in shown} == shown, (
+        "README.md's lines of `ds-ppo train` differ from the run's; regenerate them with "
+        "python -m tests.support.readme_lines --write")
+
+
+def test_start_up_says_each_roles_zero_stage_in_one_line_and_no_library_notices(default_run):
+    _, proc = default_run
+    assert ("ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), "
+            "reference 0 (auto)") in proc.stdout
+    assert "zero_stage auto ->" not in proc.stdout
+    for notice in ("Creating initial MLflow database tables", "Setting accelerator to",
+                   "FutureWarning"):
+        assert notice not in proc.stdout + proc.stderr, notice
+
+
+def test_a_finished_run_stops_before_loading_anything(default_run):
+    """Re-running a finished run's command loads no model and exports nothing again."""
+    out, _ = default_run
+    final = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    proc = run_cli(["train", f"output_dir={out}"], cwd=out.parent, timeout=300)
+    assert "already completed 40 of iterations=40" in proc.stdout
+    assert "nothing to train" in proc.stdout
+    for later in ("built", "generation: mode", "exported the policy", "MLflow: run"):
+        assert later not in proc.stdout, later
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == final
+
+
+def test_generate_from_an_export_and_from_a_checkpoint(default_run, capsys):
+    """`ds-ppo generate`: greedy responses of the export equal HF generate's on the same text
+    (through the chat template when asked); a run's output_dir means its latest checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_ppo.cli import main
+    from ds_ppo.run.generate import model_dir
+
+    out, _ = default_run
+    assert model_dir(str(out)) == out / "checkpoints" / "iter_000040" / "hf"
+    assert model_dir(str(out / "final")) == out / "final"
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final").float()
+    assert tok.chat_template  # the tiny tokenizer has one: the prompt becomes a user turn
+    for flags, text in (([], tok.apply_chat_template([{"role": "user", "content": "the cat"}],
+                                                     add_generation_prompt=True, tokenize=False)),
+                        (["--no-chat-template"], "the cat")):
+        # the rendered template holds its special tokens; plain text gets the tokenizer's
+        ids = tok(text, return_tensors="pt", add_special_tokens=bool(flags))["input_ids"]
+        want = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False,
+                                         pad_token_id=tok.pad_token_id)[0, ids.shape[1]:],
+                          skip_special_tokens=True)
+        assert main(["generate", "--model", str(out / "final"), "--max-new-tokens", "8",
+                     *flags, "the cat"]) == 0
+        assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", "--model", str(out), "--max-new-tokens", "8", "--temperature",
+                 "1.0", "the cat", "my aunt is"]) == 0
+    assert capsys.readouterr().out.startswith("'the cat' -> '")
+
+
 def _export_and_generate(script: str, cwd: Path) -> list:
     """Run generation code in a fresh interpreter that never imports ds_ppo."""
     code = script + "\nimport sys, json; assert not any(m.startswith('ds_ppo') for m in sys.modules)"
@@ -175,6 +241,7 @@ def test_bad_data_exits_cleanly_naming_file_and_line(tmp_path):
     assert "skipped" in ok.stdout + ok.stderr
     row = read_metrics(tmp_path / "o2")[0]
     assert 0.0 <= row["eval/score_mean"] <= 1.0 and row["eval/length_mean"] > 0
+    assert f"eval    1/1 | score {row['eval/score_mean']:+.4f}" in ok.stdout  # printed, too
 
 
 def test_divergence_stops_before_saving_nan_weights(tmp_path):

@@ -1,0 +1,82 @@
+"""The README's printed training lines, regenerated from a run of the code.
+
+A README code block of progress lines (`iter    1/40 | score ...`) follows a marker line
+`<!-- readme-lines: ds-ppo train OVERRIDES -->` that names the command printing them. From the
+repository root:
+
+    python -m tests.support.readme_lines            # run each marked command, print its lines
+    python -m tests.support.readme_lines --write    # ... and write them into README.md
+
+Runs use one torch thread (OMP_NUM_THREADS=1, as the tests run ds_ppo): the lines are then the
+same on every run and machine; other thread counts change the last digits. Each line is cut
+after `len` (times and eta vary): `... | len 12.0 | ...`. tests/e2e/test_train.py checks the
+block of the plain `ds-ppo train` against its run of the tiny default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"<!-- readme-lines: ds-ppo train(?P<args>[^>]*)-->\n(?P<cmd>(?:.*\n)*?)```\n"
+                    r"(?P<body>(?:.*\n)*?)```\n")
+_LINE = re.compile(r"^iter +(\d+)/\d+ \|")
+
+
+def cut(line: str) -> str:
+    """A progress line as the README shows it: up to its `len` column, then `| ...`."""
+    return line.split(" | gen ")[0] + " | ..." if " | gen " in line else line
+
+
+def progress_lines(stdout: str) -> dict[int, str]:
+    """Iteration -> its printed progress line, cut as the README shows it."""
+    return {int(m.group(1)): cut(line) for line in stdout.splitlines()
+            if (m := _LINE.match(line))}
+
+
+def blocks(readme: str) -> list[tuple[list[str], dict[int, str]]]:
+    """(overrides, {iteration: line}) of every marked block of progress lines."""
+    found = []
+    for m in MARKER.finditer(readme):
+        found.append((m.group("args").split(), progress_lines(m.group("body"))))
+    return found
+
+
+def run(overrides: list[str]) -> str:
+    """The stdout of `ds-ppo train OVERRIDES` in a fresh output_dir, one torch thread."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MLFLOW_TRACKING_URI")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "ds_ppo", "train", f"output_dir={tmp}/out",
+                               *overrides], cwd=tmp, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"ds-ppo train {' '.join(overrides)} exited {proc.returncode}:\n"
+                         f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="update README.md in place")
+    args = parser.parse_args(argv)
+    path = REPO / "README.md"
+    readme = path.read_text()
+    for overrides, shown in blocks(readme):
+        printed = progress_lines(run(overrides))
+        new = "\n".join(printed[i] for i in shown) + "\n"
+        print(f"ds-ppo train {' '.join(overrides)}\n{new}")
+        old_body = "\n".join(shown.values()) + "\n"
+        readme = readme.replace(old_body, new, 1)
+    if args.write:
+        path.write_text(readme)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
