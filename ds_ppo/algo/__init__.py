@@ -8,7 +8,8 @@ no transformers, no trainer state.
 Decoding: decode_attention_mask, block_tokens -> filter_logits -> next_tokens (sampling on the
 device, no host sync).
 
-Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
+Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden states: no
+(B, T, V) logits for long responses) -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
@@ -22,6 +23,7 @@ from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_
 from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
                  KLEstimator, kl_estimate, log_ratio_clamped)
 from .logits import entropy_from_logits, logprobs_from_logits
+from .tiled import tiled_logprobs
 from .losses import policy_loss, value_loss
 from .masks import decode_attention_mask, last_valid_index, response_mask
 from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
@@ -77,5 +79,6 @@ __all__ = [
     "response_mask",
     "sample_from_logits",
     "shape_rewards",
+    "tiled_logprobs",
     "value_loss",
 ]

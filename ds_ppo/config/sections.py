@@ -234,6 +234,17 @@ class PPOConfig(Section):
         "runs alone), each one sequence without padding; ranks with fewer micro-batches run "
         "zero-weight ones. micro_batch_size then only sets DeepSpeed's bookkeeping, and "
         "score_micro_batch_size only the reward model's micro-batches.")
+    tiled_logits: Literal["auto"] | bool = Field(
+        "auto", description="Log-probs and entropies of the policy and reference from the final "
+        "hidden states, the output head applied logits_tile_tokens positions at a time (its "
+        "backward recomputes each tile): no (B, T, V) logits tensor (16 GiB in fp32 for one "
+        "32k-token response of a 128k vocabulary), the same numbers. auto: tiled when a "
+        "forward's response logits would exceed 2^26 elements (positions x vocabulary; "
+        "docs/PERFORMANCE.md, Long context).")
+    logits_tile_tokens: int = Field(
+        1024, gt=0, description="Positions per tile of tiled_logits: the tile's logits (tile x "
+        "vocabulary, in fp32 about 4 bytes each, x2-3 while reduced) are the only vocabulary-wide "
+        "tensors alive.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
                             "the mini-batches (the same samples in each at any world size).")
     clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")

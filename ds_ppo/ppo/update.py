@@ -96,7 +96,8 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                 boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)
                 logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature,
-                                                      packed=packed)
+                                                      packed=packed, tiled=p.tiled_logits,
+                                                      tile_tokens=p.logits_tile_tokens)
                 pg_mask = mb.mask
                 if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
                     pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
