@@ -81,10 +81,16 @@ class _TiledLogprobs(torch.autograd.Function):
                 ctx.hook(i == len(tiles) - 1)
             h = hidden[s].detach().requires_grad_(grad_hidden is not None)
             with torch.enable_grad():
-                lp, _ = _tile_stats(ctx.head(h), labels[s], False)
-            # accumulates the head's parameter gradients (.grad) tile by tile, like
-            # reentrant activation checkpointing
-            torch.autograd.backward(lp, grad_logprobs[s])
+                logits = ctx.head(h)  # (n, V), its graph through the head only
+            # d log p_y / d z_k = 1[k = y] - p_k, written in place into one (n, V) buffer
+            z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+            z -= torch.logsumexp(z, dim=-1, keepdim=True)
+            g = grad_logprobs[s].unsqueeze(-1).to(z.dtype)
+            grad_logits = z.exp_().mul_(-g).scatter_add_(-1, labels[s].unsqueeze(-1), g)
+            # accumulates the head's parameter gradients (.grad) tile by tile, as reentrant
+            # activation checkpointing does
+            torch.autograd.backward(logits, grad_logits.to(logits.dtype))
+            del logits, z, grad_logits  # else two tiles' (n, V) tensors meet at the next head call
             if grad_hidden is not None:
                 grad_hidden[s] = h.grad
         return grad_hidden, None, None, None, None, None
