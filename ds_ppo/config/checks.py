@@ -33,13 +33,21 @@ def reference_from_policy_base(cfg: Config) -> bool:
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
-    """Micro-batches accumulated per optimizer step on each rank."""
-    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
+    """Micro-batches accumulated per optimizer step on each rank (of world / N data-parallel
+    ranks with deepspeed.sequence_parallel_size = N: a sequence-parallel group shares its rows)."""
+    sp = cfg.deepspeed.sequence_parallel_size
+    data_parallel = world_size // sp if world_size % sp == 0 else world_size
+    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * data_parallel)
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field checks that need the world size; raises ConfigError listing every problem."""
-    p, problems = cfg.ppo, []
+    """Cross-field checks that need the world size; raises ConfigError listing every problem.
+    The batch rules hold per data-parallel rank: with deepspeed.sequence_parallel_size = N the
+    N ranks of a sequence-parallel group share their rows (world / N data-parallel ranks)."""
+    p, problems = cfg.ppo, sequence_parallel_problems(cfg, world_size)
+    sp = cfg.deepspeed.sequence_parallel_size
+    if world_size % sp == 0:
+        world_size //= sp
     if p.rollout_batch_size % world_size:
         problems.append(
             f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
@@ -160,6 +168,60 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | None:
+    """Ulysses' head split (engine/sequence_parallel.py asks here too): the attention heads
+    divide by the SP size, the KV heads divide by it or it by them (then replicated)."""
+    if heads % size:
+        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {heads} attention "
+                f"heads, not divisible by {size}; use a size that divides {heads}")
+    if kv_heads % size and size % kv_heads:
+        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {kv_heads} KV heads; "
+                f"the size must divide them or be a multiple of them")
+    return None
+
+
+def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
+    """(attention heads, KV heads) from an arch dict or a local config.json (plain json: the
+    dry run loads no transformers); None when neither says."""
+    import json
+
+    fields = arch
+    if fields is None and path is not None and (Path(path) / "config.json").is_file():
+        fields = json.loads((Path(path) / "config.json").read_text())
+    fields = (fields or {}).get("text_config", fields) or {}
+    heads = fields.get("num_attention_heads")
+    if heads is None:
+        return None
+    return int(heads), int(fields.get("num_key_value_heads") or heads)
+
+
+def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
+    """deepspeed.sequence_parallel_size: divides the world size and every sharded model's heads
+    (those whose shape can be read without loading them), with an attention kernel Ulysses
+    takes."""
+    n, problems = cfg.deepspeed.sequence_parallel_size, []
+    if n == 1:
+        return problems
+    if world_size % n:
+        problems.append(f"deepspeed.sequence_parallel_size = {n} must divide the world size "
+                        f"{world_size} (the data-parallel group is world / {n})")
+    models = [("policy", cfg.policy.path, cfg.policy.arch, cfg.policy.attn_implementation)]
+    if cfg.reference.path is not None:
+        models.append(("reference", cfg.reference.path, None, cfg.policy.attn_implementation))
+    if cfg.ppo.uses_critic and (cfg.value.path or cfg.value.arch):
+        models.append(("value", cfg.value.path, cfg.value.arch, cfg.value.attn_implementation))
+    for role, path, arch, attn in models:
+        if attn == "eager":
+            problems.append(f"deepspeed.sequence_parallel_size = {n}: {role}.attn_implementation "
+                            "= eager needs the full L x L mask Ulysses drops; use sdpa or "
+                            "flash_attention_2")
+        heads = _model_heads(path, arch)
+        problem = heads and heads_problem(*heads, n, f"the {role} model")
+        if problem:
+            problems.append(problem)
+    return problems
+
+
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
     problems, n = [], p.samples_per_prompt
@@ -207,6 +269,10 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
                        "less a margin: the other ranks wait for the scores in a collective), so "
                        "the last attempts are cut short. Lower reward.timeout_s / reward.retries "
                        "or raise dist_timeout_minutes")
+    if cfg.deepspeed.sequence_parallel_size > 1:
+        out.append(f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: "
+                   "checked and planned, but training refuses it in this version (the loop "
+                   "does not split its data-parallel group yet; docs/PERFORMANCE.md)")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

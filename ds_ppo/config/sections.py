@@ -430,6 +430,19 @@ class DeepSpeedConfig(Section):
     value: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
     reference: ReferenceDeepSpeed = Field(default_factory=ReferenceDeepSpeed)
     reward: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+    sequence_parallel_size: int = Field(
+        1, gt=0, description="Ranks that share one long row (DeepSpeed Ulysses sequence "
+        "parallelism, ALST): its tokens are split across N consecutive ranks, attention "
+        "exchanges them for heads (all-to-all), so each rank holds 1/N of the row's activations. "
+        "For the policy, reference and value forwards of rows longer than "
+        "sequence_parallel_min_tokens; the data-parallel group is world / N. N must divide the "
+        "world size and the models' attention heads (KV heads: divide or be divided by N); "
+        "sdpa or flash attention. Planned by `ds-ppo plan`; the training loop does not split "
+        "its data-parallel group yet and refuses N > 1 (docs/PERFORMANCE.md, Long context).")
+    sequence_parallel_min_tokens: int = Field(
+        8192, gt=0, description="With sequence_parallel_size > 1: rows of at least this many "
+        "tokens (prompt + response) are split across the sequence-parallel group; shorter ones "
+        "run whole on each rank.")
 
 
 # ------------------------------------------------------------------------------- root

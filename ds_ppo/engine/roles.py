@@ -32,6 +32,7 @@ from ds_ppo.config import Config, optimizer_steps, reference_from_policy_base
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
+from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
 
@@ -295,6 +296,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
     from ds_ppo.rewards.call import load_reward_function
 
+    if cfg.deepspeed.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: the "
+            "sequence-parallel forward exists (engine/sequence_parallel.py, tested on 2 ranks) but "
+            "the training loop does not yet split its data-parallel group into SP groups; set "
+            "deepspeed.sequence_parallel_size=1 (ds-ppo plan models it; docs/PERFORMANCE.md)")
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     init_dir = Path(cfg.output_dir) / "init_models"

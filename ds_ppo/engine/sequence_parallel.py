@@ -34,18 +34,6 @@ _SHARDED = contextvars.ContextVar("ds_ppo_sequence_parallel", default=False)
 _REGISTERED: dict[str, dict] = {}  # kernel name -> {"group", "core", "ulysses": {shape: attn}}
 
 
-def check_shape(heads: int, kv_heads: int, size: int, where: str) -> None:
-    """Ulysses' head split: the attention heads divide by the SP size, the KV heads divide by it
-    or it by them (KV heads are then replicated). Raises ConfigError naming `where`."""
-    if heads % size:
-        raise ConfigError(f"deepspeed.sequence_parallel_size = {size}: {where} has {heads} "
-                          f"attention heads, not divisible by {size}; use a size that divides "
-                          f"{heads}")
-    if kv_heads % size and size % kv_heads:
-        raise ConfigError(f"deepspeed.sequence_parallel_size = {size}: {where} has {kv_heads} "
-                          f"KV heads; the size must divide them or be a multiple of them")
-
-
 def new_group(size: int):
     """This rank's SP group: consecutive ranks [k*size, (k+1)*size) (DeepSpeed's
     parallel_state_sp layout, so ranks of one group share a node). Collective."""
@@ -61,6 +49,14 @@ def register(hf_config, group) -> None:
     L x L mask Ulysses drops)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from ds_ppo.config.checks import heads_problem
+
+    text = hf_config.get_text_config()
+    heads = text.num_attention_heads
+    problem = heads_problem(heads, getattr(text, "num_key_value_heads", None) or heads,
+                            dist_size(group), "the model")
+    if problem:
+        raise ConfigError(problem)
     impl = hf_config._attn_implementation
     if impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
         raise ConfigError(f"deepspeed.sequence_parallel_size > 1 needs attn_implementation sdpa "
@@ -96,6 +92,12 @@ def _ulysses(state: dict, module):
             kv_head_count=kv, num_hidden_layers=cfg.num_hidden_layers,
             process_group=state["group"], seq_length_is_variable=True)
     return state["ulysses"][key]
+
+
+def dist_size(group) -> int:
+    import deepspeed.comm as dist
+
+    return dist.get_world_size(group)
 
 
 @contextmanager
