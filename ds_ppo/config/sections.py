@@ -39,6 +39,11 @@ class ModelSource(Section):
         "sdpa", description="Attention kernel passed to transformers.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (trainable roles only).")
+    tiled_mlp: bool = Field(
+        False, description="Run each gated MLP (Llama-style gate/up/down) of the update's "
+        "forwards on slices of about hidden_size tokens, recomputed in backward (DeepSpeed ALST's "
+        "TiledMLP; trainable roles only): for long rows, one slice's MLP intermediates at a time "
+        "instead of the row's, for one more MLP forward per layer.")
     disable_dropout: bool = Field(
         True, description="Set every dropout probability of the model's config to 0 before "
         "loading (as DeepSpeed-Chat does for RLHF): with dropout, old and new log-probs (and "

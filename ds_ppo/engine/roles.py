@@ -31,6 +31,7 @@ import torch
 from ds_ppo.config import Config, optimizer_steps, reference_from_policy_base
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
+from ds_ppo.engine.tiled_mlp import tile_mlps
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
 from ds_ppo.errors import ConfigError
 
@@ -208,6 +209,8 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     model.ds_ppo_dropout = dropped
     if cfg.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.policy.tiled_mlp:
+        tile_mlps(model)
     model.config.use_cache = False
     if cfg.policy.lora is not None:
         head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model)
@@ -253,6 +256,8 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     model.ds_ppo_dropout = dropped
     if cfg.value.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.value.tiled_mlp:
+        tile_mlps(model)
     model.config.use_cache = False
     if cfg.value.lora is not None:  # the scalar head (score or classifier) is trained fully
         head = "score" if hasattr(model, "score") else "classifier"

@@ -114,3 +114,33 @@ def test_lora_reference_keeps_adapters_off_for_the_tiled_head():
         on, _ = response_logprobs(FakeEngine(model), rollout, 1.0, tiled=True, tile_tokens=4)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     assert (on - want)[rollout.mask].abs().max() > 1e-2
+
+
+def test_tiled_mlp_equals_plain_mlp_in_the_update_only():
+    """policy.tiled_mlp: a row of 83 tokens (hidden 32: 3 slices) gives the same log-probs and
+    gradients through DeepSpeed's TiledMLP; scoring (no grad) keeps the plain MLP."""
+    from ds_ppo.engine.tiled_mlp import tile_mlps
+
+    rollout = _padded_rollout([[5, 6, 7]], [[3 + i % 40 for i in range(80)]], P=3, T=80)
+    outs = []
+    for tiled in (False, True):
+        policy = _llama().train()
+        calls = []
+        if tiled:
+            assert tile_mlps(policy) == 2
+            policy.model.layers[0].mlp.gate_proj.register_forward_hook(
+                lambda m, args, out: calls.append(args[0].shape[-2]))
+        lp, _ = response_logprobs(policy, rollout, 1.0)
+        (lp * rollout.mask).sum().backward()
+        outs.append((lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+        if tiled:
+            assert calls == [28, 28, 27] * 2  # forward slices, then recomputed in backward
+            calls.clear()
+            with torch.no_grad():
+                response_logprobs(policy, rollout, 1.0)
+            assert calls == [83]  # scoring: the plain MLP
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=ATOL, rtol=0)
+    for name, g in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], g, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="no gated MLP"):
+        tile_mlps(torch.nn.Linear(2, 2))

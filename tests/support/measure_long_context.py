@@ -8,7 +8,7 @@ context".
 Each (length, mode) runs in a fresh process, since peak RSS (ru_maxrss) is a process maximum.
 Modes: untiled (ppo.tiled_logits=false: the (1, T, V) logits of today), tiled
 (ppo.tiled_logits=true), tiled_ckpt (tiled + the policy's gradient checkpointing, as
-policy.gradient_checkpointing enables it). The model: a Llama shape with a 32k vocabulary and a
+policy.gradient_checkpointing enables it), tiled_ckpt_mlp (also policy.tiled_mlp). The model: a Llama shape with a 32k vocabulary and a
 small body (hidden 64, 2 layers, 4 heads, MLP 128; ~4.2M parameters, 98% of them the embedding
 and output head), fp32, policy and reference; the row is a 64-token prompt plus T - 64 response
 tokens, critic-free (reinforce_pp: no value model, whose scalar head has no vocabulary term).
@@ -52,8 +52,12 @@ def one(tokens: int, mode: str) -> dict:
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                         attn_implementation="sdpa")
     policy, reference = LlamaForCausalLM(shape), LlamaForCausalLM(shape).eval()
-    if mode == "tiled_ckpt":  # as engine/roles.py enables policy.gradient_checkpointing
+    if mode.startswith("tiled_ckpt"):  # as engine/roles.py enables policy.gradient_checkpointing
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "tiled_ckpt_mlp":  # and policy.tiled_mlp
+        from ds_ppo.engine.tiled_mlp import tile_mlps
+
+        tile_mlps(policy)
     T = tokens - PROMPT
     g = torch.Generator().manual_seed(1)
     rollout = Rollout(
@@ -103,7 +107,7 @@ def grid(lengths: list[int], modes: list[str], skip: set[tuple[int, str]]) -> li
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int)
-    ap.add_argument("--mode", choices=["untiled", "tiled", "tiled_ckpt"])
+    ap.add_argument("--mode", choices=["untiled", "tiled", "tiled_ckpt", "tiled_ckpt_mlp"])
     ap.add_argument("--grid", help="comma-separated row lengths: every mode at each")
     ap.add_argument("--modes", default="untiled,tiled,tiled_ckpt")
     ap.add_argument("--skip", default="", help="length:mode pairs to leave out, comma-separated")
