@@ -74,3 +74,12 @@ def test_long_context_presets_validate_and_fit(name, nodes, world):
     assert not [n for n in plan.notes if "does not validate" in n]
     assert all("logits (tiled" in " ".join(p.transient) for p in plan.phases
                if p.name in ("training: policy", "scoring: policy"))
+
+
+def test_untiled_logits_that_do_not_fit_name_the_tiling_lever():
+    """8b-long untiled: 60.9 GiB per GPU, of which 24.2 GiB logits; tiled 37.9 GiB. On 40 GiB
+    GPUs tiling is the biggest lever (offloading the optimizer saves 15 GiB) and fits."""
+    plan = P.plan(load_config("8b-long", ["ppo.tiled_logits=false"]), P.Cluster(1, 8, 40 * GiB))
+    assert not plan.fits
+    assert plan.biggest_lever.lever.overrides == ("ppo.tiled_logits=auto",)
+    assert plan.biggest_lever.fits_after
