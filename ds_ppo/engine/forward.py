@@ -19,7 +19,7 @@ memory, instead of the L x L scores of the masked math kernel).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -128,7 +128,7 @@ def _packed_forward(model, rollout: Rollout, keep: Literal["predictors", "all", 
     return out, pred
 
 
-def _causal_lm(model):
+def causal_lm(model):
     """The Hugging Face causal LM inside a DeepSpeed engine (`.module`), a role wrapper such as
     lora.AdaptersOff (`.engine`) or a test's FakeEngine; a PEFT model forwards to its base."""
     for _ in range(4):
@@ -141,9 +141,10 @@ def _causal_lm(model):
     return model
 
 
-def _head(lm, temperature: float):
-    """(n, H) final hidden states -> (n, V) logits as the model's own forward computes them
-    (its output layer, Gemma-2's final logit soft-capping), divided by the temperature."""
+def output_head(lm, temperature: float):
+    """(head, grad_ready): head maps (n, H) final hidden states to (n, V) logits as the model's
+    own forward computes them (its output layer, Gemma-2's final logit soft-capping), divided by
+    the temperature; grad_ready is tiled_logprobs' before_backward_tile for ZeRO."""
     out = lm.get_output_embeddings()
     cap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
 
@@ -164,36 +165,52 @@ def _head(lm, temperature: float):
     return head, grad_ready
 
 
-def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool,
-                             packed: bool, tile_tokens: int):
-    """`response_logprobs`, the output head applied tile by tile to the final hidden states
-    (module docstring). The model runs through its own forward (the engine's: ZeRO-3's root
-    hooks) with no logits kept; a forward hook on the decoder reads its output. A LoRA
-    reference (lora.AdaptersOff) keeps its adapters off for the head's calls too."""
-    off = getattr(model, "adapters_off", None)
-    runner = model.engine if off is not None else model
-    lm = _causal_lm(model)
-    seen = []
+@contextmanager
+def _decoder_output(lm):
+    """A list that receives the (B, L, H) final hidden states (after the last norm) of each
+    forward of `lm`'s decoder inside the block (a forward hook)."""
+    seen: list[torch.Tensor] = []
     hook = lm.get_decoder().register_forward_hook(
         lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else
                                         out.last_hidden_state))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def final_hidden(runner, lm, **inputs) -> torch.Tensor:
+    """(B, L, H) final hidden states of a forward of `runner` (the engine's own forward:
+    ZeRO-3's root hooks) in which the model computes no logits (`logits_to_keep` = no
+    position); `lm` is the HF model inside it (`causal_lm`)."""
+    empty = torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device)
+    with _decoder_output(lm) as seen:
+        runner(**inputs, use_cache=False, logits_to_keep=empty)
+    return seen[-1]
+
+
+def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool,
+                             packed: bool, tile_tokens: int):
+    """`response_logprobs`, the output head applied tile by tile to the final hidden states
+    (module docstring). A LoRA reference (lora.AdaptersOff) keeps its adapters off for the
+    head's calls too."""
+    off = getattr(model, "adapters_off", None)
+    runner = model.engine if off is not None else model
+    lm = causal_lm(model)
     with off() if off is not None else nullcontext():
-        try:
-            if packed:
+        if packed:
+            with _decoder_output(lm) as seen:
                 _, pred = _packed_forward(runner, rollout, keep="none")
-                hidden = seen[-1][:, pred]  # (1, n, H)
-                labels = rollout.response_ids[rollout.mask][None]  # (1, n)
-            else:
-                ids, am, keep = rollout.model_inputs()
-                L = ids.shape[1]
-                runner(input_ids=ids, attention_mask=_unpadded_mask(rollout, am),
-                       position_ids=position_ids(am), use_cache=False,
-                       logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))
-                hidden = seen[-1][:, L - keep - 1:L - 1]  # (B, T', H)
-                labels = ids[:, L - keep:]
-        finally:
-            hook.remove()
-        head, grad_ready = _head(lm, temperature)
+            hidden = seen[-1][:, pred]  # (1, n, H)
+            labels = rollout.response_ids[rollout.mask][None]  # (1, n)
+        else:
+            ids, am, keep = rollout.model_inputs()
+            L = ids.shape[1]
+            hidden = final_hidden(runner, lm, input_ids=ids, position_ids=position_ids(am),
+                                  attention_mask=_unpadded_mask(rollout, am)
+                                  )[:, L - keep - 1:L - 1]  # (B, T', H)
+            labels = ids[:, L - keep:]
+        head, grad_ready = output_head(lm, temperature)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
                                            grad_ready)
     if packed:
@@ -204,7 +221,7 @@ def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_e
 
 
 def _vocab(model) -> int:
-    return int(_causal_lm(model).get_output_embeddings().out_features)
+    return int(causal_lm(model).get_output_embeddings().out_features)
 
 
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,

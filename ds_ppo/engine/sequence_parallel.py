@@ -28,6 +28,7 @@ import torch
 
 from ds_ppo.algo import tiled_logprobs
 from ds_ppo.containers import Rollout
+from ds_ppo.engine.forward import causal_lm, final_hidden, output_head
 from ds_ppo.errors import ConfigError
 
 _SHARDED = contextvars.ContextVar("ds_ppo_sequence_parallel", default=False)
@@ -138,8 +139,6 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
     forward.response_logprobs. Collective in forward and backward."""
     import deepspeed.comm as dist
 
-    from ds_ppo.engine.forward import _causal_lm, _head
-
     if len(rollout) != 1:
         raise ValueError(f"row_logprobs takes one row, got {len(rollout)}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -150,22 +149,15 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
     s = -(-L // size)  # shard length; the row is padded at its end (causal: nothing sees it)
     ids = torch.nn.functional.pad(ids, (0, s * size + 1 - L), value=int(ids[0, -1]))
     mine = slice(rank * s, (rank + 1) * s)
-    lm = _causal_lm(model)
-    seen = []
-    hook = lm.get_decoder().register_forward_hook(
-        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else
-                                        out.last_hidden_state))
-    try:
-        with sharded():
-            model(input_ids=ids[:, mine], attention_mask=None, use_cache=False,
-                  position_ids=torch.arange(mine.start, mine.stop, device=ids.device)[None],
-                  logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))
-    finally:
-        hook.remove()
-    head, grad_ready = _head(lm, temperature)
+    lm = causal_lm(model)
+    with sharded():
+        hidden = final_hidden(model, lm, input_ids=ids[:, mine], attention_mask=None,
+                              position_ids=torch.arange(mine.start, mine.stop,
+                                                        device=ids.device)[None])
+    head, grad_ready = output_head(lm, temperature)
     # every local position predicts the next token (labels shifted by one; the pads' are junk)
     labels = ids[:, mine.start + 1:mine.stop + 1]
-    lp, ent = tiled_logprobs(seen[-1], labels, head, tile_tokens, with_entropy, grad_ready)
+    lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready)
     T = rollout.response_ids.shape[1]
 
     def response(piece: torch.Tensor) -> torch.Tensor:  # this rank's (1, s) -> the row's (1, T)

@@ -347,6 +347,13 @@ def main() -> None:
         "zero2_micro4": lambda: first_update(work, "z2m4", [
             "ppo.micro_batch_size=4", "deepspeed.policy.zero_stage=2",
             "deepspeed.value.zero_stage=2"]),
+        # tiled logits (the head 4 positions at a time): ZeRO reduces the head's gradient once,
+        # after its last tile's backward (ds_grad_is_ready), and the update equals the untiled one
+        "zero3_tiled": lambda: first_update(work, "z3tl", [
+            "ppo.micro_batch_size=4", "ppo.tiled_logits=true", "ppo.logits_tile_tokens=4"]),
+        "zero2_tiled": lambda: first_update(work, "z2tl", [
+            "ppo.micro_batch_size=4", "ppo.tiled_logits=true", "ppo.logits_tile_tokens=4",
+            "deepspeed.policy.zero_stage=2", "deepspeed.value.zero_stage=2"]),
         "varied_zero3": lambda: varied_lengths(work, "zero3"),
         "varied_gathered": lambda: varied_lengths(work, "gathered"),
         "replica": lambda: replica_and_roles(work),
