@@ -83,3 +83,29 @@ def test_untiled_logits_that_do_not_fit_name_the_tiling_lever():
     assert not plan.fits
     assert plan.biggest_lever.lever.overrides == ("ppo.tiled_logits=auto",)
     assert plan.biggest_lever.fits_after
+
+
+def test_discounted_returns_of_long_responses_scan_in_blocks():
+    """reinforce_pp's returns above gae.BLOCKED_ABOVE tokens: the blocked scan (no (T, T)
+    float64 matrix: 8 GiB at T = 32768, found by measure_long_context.py at 16k tokens) gives
+    the literal recursion's values."""
+    import torch
+
+    from ds_ppo.algo import discounted_returns
+    from ds_ppo.algo.gae import BLOCKED_ABOVE
+    from support.big_tensors import LargestTensor
+
+    T = BLOCKED_ABOVE + 300
+    lengths = [T, 700, 0]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    rewards = torch.randn(3, T, generator=torch.Generator().manual_seed(0)) * 0.1
+    want = torch.zeros(3, T, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        running = 0.0
+        for t in reversed(range(n)):
+            running = float(rewards[b, t]) + 0.999 * running
+            want[b, t] = running
+    with LargestTensor() as seen:
+        got = discounted_returns(rewards, mask, 0.999)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert seen.numel < T * T // 4
