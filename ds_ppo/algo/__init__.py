@@ -1,6 +1,9 @@
 """Pure PPO math for LLM RLHF: masks and masked statistics, KL estimators and
 controllers, reward shaping, GAE, policy/value losses, log-probs from logits.
 
+Names are loaded lazily (PEP 562): `ds_ppo.algo.choices`, the table of named choices
+(estimators, KL estimators, loss aggregations) that the config reads, imports no torch.
+
 Free functions over (B, T) response-token tensors (B = sequences, T = response
 tokens) with ``mask`` True on tokens that count. Imports only torch: no deepspeed,
 no transformers, no trainer state.
@@ -15,70 +18,75 @@ Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) 
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 """
 
-from .gae import gae, gae_blocked, gae_loop, gae_matmul
-from .aggregation import (LOSS_AGGREGATIONS, LossAggregation, kl_loss, loss_divisor,
-                          loss_token_weights)
-from .group import (GROUP_METHODS, GroupMethod, broadcast_to_tokens, discounted_returns,
-                    group_advantages, group_score_stats)
-from .kl import (KL_ESTIMATORS, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController,
-                 KLEstimator, kl_estimate, log_ratio_clamped)
-from .logits import entropy_from_logits, logprobs_from_logits
-from .tiled import tiled_logprobs
-from .losses import policy_loss, value_loss
-from .masks import decode_attention_mask, last_valid_index, response_mask
-from .packing import (PackedLayout, additive_mask, block_causal_mask, cumulative_lengths,
-                      packed_layout, response_predictors, token_budget_batches, unpack)
-from .shaping import shape_rewards
-from .sampling import block_tokens, filter_logits, next_tokens, sample_from_logits
-from .stats import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
+import importlib
 
-__all__ = [
-    "GROUP_METHODS",
-    "GroupMethod",
-    "LOSS_AGGREGATIONS",
-    "LossAggregation",
-    "broadcast_to_tokens",
-    "discounted_returns",
-    "group_advantages",
-    "group_score_stats",
-    "kl_loss",
-    "loss_divisor",
-    "loss_token_weights",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "KLEstimator",
-    "KL_ESTIMATORS",
-    "LOG_RATIO_CLAMP",
-    "block_tokens",
-    "decode_attention_mask",
-    "entropy_from_logits",
-    "explained_variance",
-    "filter_logits",
-    "gae",
-    "gae_blocked",
-    "gae_loop",
-    "gae_matmul",
-    "PackedLayout",
-    "additive_mask",
-    "block_causal_mask",
-    "cumulative_lengths",
-    "packed_layout",
-    "response_predictors",
-    "token_budget_batches",
-    "unpack",
-    "kl_estimate",
-    "last_valid_index",
-    "log_ratio_clamped",
-    "logprobs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "next_tokens",
-    "policy_loss",
-    "response_mask",
-    "sample_from_logits",
-    "shape_rewards",
-    "tiled_logprobs",
-    "value_loss",
-]
+# exported name -> the module (in this package) that defines it
+_EXPORTS = {
+    "AdaptiveKLController": "kl",
+    "additive_mask": "packing",
+    "advantages_for": "estimators",
+    "block_causal_mask": "packing",
+    "block_tokens": "sampling",
+    "broadcast_to_tokens": "group",
+    "cumulative_lengths": "packing",
+    "decode_attention_mask": "masks",
+    "discounted_returns": "group",
+    "entropy_from_logits": "logits",
+    "estimator": "choices",
+    "ESTIMATORS": "choices",
+    "EstimatorSpec": "choices",
+    "explained_variance": "stats",
+    "filter_logits": "sampling",
+    "FixedKLController": "kl",
+    "gae": "returns",
+    "gae_blocked": "returns",
+    "gae_loop": "returns",
+    "gae_matmul": "returns",
+    "group_advantages": "group",
+    "GROUP_METHODS": "group",
+    "group_score_stats": "group",
+    "GroupMethod": "group",
+    "kl_estimate": "kl",
+    "KL_ESTIMATORS": "kl",
+    "kl_loss": "aggregation",
+    "KLEstimator": "kl",
+    "last_valid_index": "masks",
+    "LOG_RATIO_CLAMP": "kl",
+    "log_ratio_clamped": "kl",
+    "logprobs_from_logits": "logits",
+    "LOSS_AGGREGATIONS": "aggregation",
+    "loss_divisor": "aggregation",
+    "loss_token_weights": "aggregation",
+    "LossAggregation": "aggregation",
+    "masked_mean": "stats",
+    "masked_sum": "stats",
+    "masked_var": "stats",
+    "masked_whiten": "stats",
+    "next_tokens": "sampling",
+    "packed_layout": "packing",
+    "PackedLayout": "packing",
+    "policy_loss": "losses",
+    "response_mask": "masks",
+    "response_predictors": "packing",
+    "sample_from_logits": "sampling",
+    "shape_rewards": "shaping",
+    "tiled_logprobs": "tiled",
+    "token_budget_batches": "packing",
+    "unpack": "packing",
+    "value_loss": "losses",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -14,15 +14,12 @@ mini-batch at once, whatever the split:
 Shapes: (B, T) response tokens, ``mask`` True on tokens that count. Imports only torch.
 """
 
-from typing import Literal, get_args
-
 import torch
 
-from .kl import KLEstimator, kl_estimate
+from .choices import LOSS_AGGREGATIONS, KLEstimator, LossAggregation
+from .kl import kl_estimate
 from .stats import masked_sum
 
-LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 def loss_token_weights(mask: torch.Tensor, mode: LossAggregation,

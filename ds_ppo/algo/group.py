@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 import torch
 
-from .gae import BLOCKED_ABOVE, gae_blocked
+from .returns import BLOCKED_ABOVE, gae_blocked
 
 GroupMethod = Literal["grpo", "dr_grpo", "rloo"]
 GROUP_METHODS: tuple[str, ...] = get_args(GroupMethod)

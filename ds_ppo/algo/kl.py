@@ -3,12 +3,9 @@
 Imports only torch (and stdlib typing).
 """
 
-from typing import Literal, get_args
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+from .choices import KL_ESTIMATORS, KLEstimator  # noqa: F401  (re-exported)
 
 # Bound on a log-ratio before it is squared (k2) or exponentiated (k3, the PPO ratio): e^20 ~ 5e8
 # is far beyond any ratio a healthy update sees, yet exp and its gradient stay finite in float32

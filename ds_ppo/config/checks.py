@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ds_ppo.algo.choices import ESTIMATORS
 from ds_ppo.config.sections import Config, PPOConfig
 from ds_ppo.errors import ConfigError
 from ds_ppo.rewards.service import call_deadline, worst_request_s
@@ -35,19 +36,34 @@ def reference_from_policy_base(cfg: Config) -> bool:
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches accumulated per optimizer step on each rank (of world / N data-parallel
     ranks with deepspeed.sequence_parallel_size = N: a sequence-parallel group shares its rows)."""
-    sp = cfg.deepspeed.sequence_parallel_size
-    data_parallel = world_size // sp if world_size % sp == 0 else world_size
-    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * data_parallel)
+    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size
+                                       * data_parallel_size(cfg, world_size))
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field checks that need the world size; raises ConfigError listing every problem.
-    The batch rules hold per data-parallel rank: with deepspeed.sequence_parallel_size = N the
-    N ranks of a sequence-parallel group share their rows (world / N data-parallel ranks)."""
-    p, problems = cfg.ppo, sequence_parallel_problems(cfg, world_size)
+    """Cross-field checks that need the world size; raises ConfigError listing every problem
+    (one checker per part of the config, each returning its problems). The batch rules hold per
+    data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
+    sequence-parallel group share their rows (world / N data-parallel ranks)."""
+    problems = _batch_problems(cfg, data_parallel_size(cfg, world_size))
+    for check in (_reward_problems, _model_problems, _generation_problems,
+                  _deepspeed_problems, _tracking_problems, sequence_parallel_problems):
+        problems += check(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks with rows of their own: world / deepspeed.sequence_parallel_size (the world when
+    it does not divide: that problem is reported on its own)."""
     sp = cfg.deepspeed.sequence_parallel_size
-    if world_size % sp == 0:
-        world_size //= sp
+    return world_size // sp if world_size % sp == 0 else world_size
+
+
+def _batch_problems(cfg: Config, world_size: int) -> list[str]:
+    """Batch sizes against the (data-parallel) world size, the estimator's needs and the PPO
+    clips."""
+    p, problems = cfg.ppo, []
     if p.rollout_batch_size % world_size:
         problems.append(
             f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
@@ -66,6 +82,12 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{p.micro_batch_size * world_size}")
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+    return problems
+
+
+def _reward_problems(cfg: Config, world_size: int) -> list[str]:
+    """Exactly one reward source, well formed, and the dataset columns it reads."""
+    problems = []
     from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
 
     r = cfg.reward
@@ -89,6 +111,12 @@ def validate(cfg: Config, world_size: int) -> None:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
+    return problems
+
+
+def _model_problems(cfg: Config, world_size: int) -> list[str]:
+    """Each model role: path or arch, clipping, LoRA and the reference's source."""
+    problems = []
     for name in TRAINED_ROLES:
         m = getattr(cfg, name)
         if m.path is not None and m.arch is not None:
@@ -117,6 +145,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.value.lora is not None and cfg.value.lora.output_head is True:
         problems.append("value.lora.output_head = True: the value model's scalar head is always "
                         "fully trained, never adapted; leave value.lora.output_head=auto")
+    return problems
+
+
+def _generation_problems(cfg: Config, world_size: int) -> list[str]:
+    """Generation lengths, tensor parallelism and the decoding loop's options."""
+    problems = []
     g = cfg.generation
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
@@ -137,6 +171,12 @@ def validate(cfg: Config, world_size: int) -> None:
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
                         "set generation.loop=auto (HF generate for this kernel)")
+    return problems
+
+
+def _deepspeed_problems(cfg: Config, world_size: int) -> list[str]:
+    """Offload needs ZeRO-3; a DeepSpeed config file must exist."""
+    problems = []
     for role in ROLES:
         d = getattr(cfg.deepspeed, role)
         if d.offload_param and d.zero_stage not in (3, "auto"):
@@ -145,6 +185,12 @@ def validate(cfg: Config, world_size: int) -> None:
                             f"deepspeed.{role}.offload_param=false")
         if d.config is not None and not Path(d.config).exists():
             problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+    return problems
+
+
+def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
+    """Model registry needs and the resume target."""
+    problems = []
     t, c = cfg.tracking, cfg.checkpoint
     if t.register_model is not None and not (t.enabled and c.export_at_end):
         problems.append(f"tracking.register_model = {t.register_model!r} registers the export "
@@ -164,8 +210,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return problems
 
 
 def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | None:
@@ -225,7 +270,7 @@ def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
     problems, n = [], p.samples_per_prompt
-    if p.advantage_estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+    if ESTIMATORS[p.advantage_estimator].groups and n < 2:
         problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
                         f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
                         "ppo.samples_per_prompt=4 (any n >= 2)")

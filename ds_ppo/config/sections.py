@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
+                                 describe_estimators)
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are frozen."""
@@ -258,7 +261,8 @@ class PPOConfig(Section):
     vf_coef: float = Field(0.5, gt=0, description="Value loss coefficient.")
     kl_coef: float = Field(0.1, ge=0, description="KL penalty coefficient in the reward "
                            "(the initial value when kl_controller=adaptive).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator.")
+    kl_estimator: KLEstimator = Field("k1", description="Per-token KL estimator (k1, k2, k3: "
+                                      "Schulman 2020).")
     kl_controller: Literal["fixed", "adaptive"] = Field(
         "fixed", description="adaptive: Ziegler et al. 2019 controller towards kl_target.")
     kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target KL per sequence.")
@@ -269,20 +273,19 @@ class PPOConfig(Section):
                                     "(gae; reinforce_pp always whitens, grpo/dr_grpo/rloo never).")
     whiten_across_ranks: bool = Field(
         True, description="Whitening statistics over all ranks' tokens (else per rank).")
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
-        "gae", description="gae: PPO with a value model (critic) and GAE. Critic-free, no value "
-        "model at all: grpo (group-normalised scores, Shao et al. 2024), dr_grpo (group-centred, "
-        "Liu et al. 2025), rloo (leave-one-out baseline, Ahmadian et al. 2024), all three with "
-        "samples_per_prompt >= 2; reinforce_pp (discounted KL-shaped returns whitened over the "
-        "global batch, Hu 2025).")
+    advantage_estimator: EstimatorName = Field(
+        "gae", description="How a response's tokens get their advantages (the table "
+        "ds_ppo/algo/choices.py): " + describe_estimators() + ". Every estimator but gae is "
+        "critic-free: no value model at all.")
     samples_per_prompt: int = Field(
         1, gt=0, description="Responses sampled per prompt (n); an iteration has "
         "rollout_batch_size x n responses, a prompt's n next to each other on one rank. "
         "mini_batch_size counts responses and must be a multiple of n.")
     kl_in_reward: bool = Field(
         True, description="KL penalty (kl_coef x per-token KL) in the reward. Default: true for "
-        "gae, reinforce_pp and rloo; false for grpo and dr_grpo (GRPO puts the KL in the loss: "
-        "kl_loss_coef).")
+        + ", ".join(n for n, s in ESTIMATORS.items() if s.kl_in_reward) + "; false for "
+        + " and ".join(n for n, s in ESTIMATORS.items() if not s.kl_in_reward)
+        + " (GRPO puts the KL in the loss: kl_loss_coef).")
     kl_loss_coef: float = Field(
         0.0, description="Weight of a KL(policy || reference) loss term (estimator kl_estimator; "
         "k3 is GRPO's), aggregated like the policy loss; 0 = off. Must be >= 0.")
@@ -292,7 +295,7 @@ class PPOConfig(Section):
     dual_clip: float | None = Field(
         None, description="Dual clip c > 1 (Ye et al. 2020): the loss of a token with negative "
         "advantage is at most -A x c; null = off.")
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = \
+    loss_aggregation: LossAggregation = \
         Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
               "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "
               "one's token mean (GRPO); seq_mean_token_sum_norm = mean over sequences of each "
@@ -306,15 +309,15 @@ class PPOConfig(Section):
     @classmethod
     def _estimator_defaults(cls, data: Any) -> Any:
         # kl_in_reward's default depends on the estimator (GRPO and Dr. GRPO: KL in the loss)
-        if isinstance(data, dict) and "kl_in_reward" not in data and \
-                data.get("advantage_estimator") in ("grpo", "dr_grpo"):
+        spec = ESTIMATORS.get(data.get("advantage_estimator")) if isinstance(data, dict) else None
+        if spec is not None and "kl_in_reward" not in data and not spec.kl_in_reward:
             data = {**data, "kl_in_reward": False}
         return data
 
     @property
     def uses_critic(self) -> bool:
-        """True when the estimator needs a value model (gae)."""
-        return self.advantage_estimator == "gae"
+        """True when the estimator needs a value model (gae; algo/choices.ESTIMATORS)."""
+        return ESTIMATORS[self.advantage_estimator].critic
 
 
 # ------------------------------------------------------------------------------- data

@@ -57,10 +57,6 @@ class PromptSampler:
         n = self.num_prompts
         return [self._perm(p // n)[p % n] for p in positions]
 
-    def epoch(self, iteration: int) -> int:
-        """The epoch of the first prompt of iteration ``iteration``'s global batch (0-based)."""
-        return iteration * self.global_batch_size // self.num_prompts
-
     def global_indices(self, iteration: int) -> list[int]:
         """The whole global batch of iteration ``iteration``: B prompt indices."""
         b = self.global_batch_size

@@ -33,6 +33,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_ppo.algo.choices import estimator as estimator_spec
 from ds_ppo.engine import dist
 from ds_ppo.errors import CheckpointError, ConfigError, UserError
 from ds_ppo.role_names import TRAINED_ROLES
@@ -191,7 +192,7 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     is there. Raises CheckpointError naming the file."""
     state = read_state(path)
     # a critic-free run (grpo, rloo, ...) saved no value model
-    for role in TRAINED_ROLES if state.advantage_estimator == "gae" else ("policy",):
+    for role in TRAINED_ROLES if estimator_spec(state.advantage_estimator).critic else ("policy",):
         files = sorted((path / role / TAG).rglob("*.pt"))
         if not files:
             raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
@@ -271,11 +272,11 @@ def check_estimator_family(path: Path, estimator: str) -> None:
     from ds_ppo.errors import UserError
 
     saved = read_state(path).advantage_estimator
-    had_value = (path / "value").exists()
-    if had_value != (estimator == "gae"):
+    had_value, critic = (path / "value").exists(), estimator_spec(estimator).critic
+    if had_value != critic:
         what = {True: "with a value model", False: "without a value model"}
         raise UserError(
             f"cannot resume from {path}: it was trained with ppo.advantage_estimator = "
             f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
-            f"{estimator!r} ({what[estimator == 'gae']}); set ppo.advantage_estimator={saved} "
+            f"{estimator!r} ({what[critic]}); set ppo.advantage_estimator={saved} "
             "to continue that run, or start a new run in another output_dir")

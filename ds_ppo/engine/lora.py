@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Iterator
@@ -236,10 +235,6 @@ def check_base(recorded: dict | None, base_paths: dict[str, str], checkpoint: Pa
 def describe_trainable(name: str, module: torch.nn.Module) -> str:
     n, total = count_params(trainable(module)), count_params(module.parameters())
     return f"{name}: {n:,} trainable of {total:,} parameters ({100 * n / max(total, 1):.2f}%)"
-
-
-def read_adapter_config(directory: Path) -> dict:
-    return json.loads((Path(directory) / "adapter_config.json").read_text())
 
 
 def trainable_counts(engines) -> dict[str, str]:

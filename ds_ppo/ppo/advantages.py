@@ -2,45 +2,56 @@
 Experience that scoring filled."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from ds_ppo.algo import (broadcast_to_tokens, discounted_returns, gae, group_advantages,
-                         group_score_stats, kl_estimate, masked_sum, masked_whiten, shape_rewards)
+from ds_ppo.algo import group_score_stats, kl_estimate, shape_rewards
+from ds_ppo.algo.estimators import AdvantageInputs, advantages_for
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience
 
 
-def add_advantages(exp: Experience, cfg: Config, kl_coef: float) -> Experience:
-    """KL-shaped per-token rewards (score at the last valid token; the KL term only with
-    ppo.kl_in_reward), then the advantages of ppo.advantage_estimator:
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """Everything stage 3 reads: the config's keys and the live KL coefficient (the KL
+    controller's value this iteration; `ppo.kl_coef` is only its starting value)."""
 
-    - gae: GAE with the value model, whitened (over all ranks' valid tokens when
-      ppo.whiten_across_ranks) if ppo.whiten_advantages;
-    - grpo, dr_grpo, rloo: each response's summed reward against its group's
-      (`group_advantages`), on every token of the response; never whitened;
-    - reinforce_pp: discounted returns of the rewards, whitened over the global batch.
-    Critic-free estimators set returns = None (no value target)."""
+    kl_coef: float
+    kl_estimator: str
+    kl_in_reward: bool
+    score_clip: float | None
+    estimator: str
+    group_size: int
+    gamma: float
+    lam: float
+    whiten: bool
+    whiten_across_ranks: bool
+    filter_zero_std_groups: bool
+
+
+def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
+    """Stage 3's settings from the config, with the controller's current `kl_coef`."""
     p = cfg.ppo
+    return AdvantageSettings(kl_coef, p.kl_estimator, p.kl_in_reward, cfg.reward.score_clip,
+                             p.advantage_estimator, p.samples_per_prompt, p.gamma, p.lam,
+                             p.whiten_advantages, p.whiten_across_ranks, p.filter_zero_std_groups)
+
+
+def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
+    """KL-shaped per-token rewards (score at the last valid token; the KL term only with
+    ppo.kl_in_reward), then the advantages of ppo.advantage_estimator (`algo/estimators.py`:
+    gae whitened if ppo.whiten_advantages; grpo, dr_grpo, rloo a group baseline on every token
+    of the response, never whitened; reinforce_pp discounted returns whitened over the global
+    batch). Critic-free estimators set returns = None (no value target)."""
     mask = exp.mask
-    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, p.kl_estimator).masked_fill(~mask, 0.0)
-    rewards = shape_rewards(exp.scores, kl, mask, kl_coef if p.kl_in_reward else 0.0,
-                            score_clip=cfg.reward.score_clip)
-    returns, train_rows = None, None
-    if p.advantage_estimator == "gae":
-        advantages, returns = gae(rewards, exp.old_values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, shift_mean=True,
-                                       distributed=p.whiten_across_ranks)
-    elif p.advantage_estimator == "reinforce_pp":
-        # Hu 2025: global-batch normalisation of the returns (all ranks), the estimator itself
-        advantages = masked_whiten(discounted_returns(rewards, mask, p.gamma), mask,
-                                   shift_mean=True, distributed=True)
-    else:  # a sequence-level group baseline; the group's rows sit next to each other
-        seq_rewards = masked_sum(rewards, mask, dim=-1)
-        advantages = broadcast_to_tokens(
-            group_advantages(seq_rewards, p.samples_per_prompt, p.advantage_estimator), mask)
-    if p.filter_zero_std_groups:
-        _, constant = group_score_stats(exp.scores, p.samples_per_prompt)
-        train_rows = (~constant).repeat_interleave(p.samples_per_prompt).tolist()
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, s.kl_estimator).masked_fill(~mask, 0.0)
+    rewards = shape_rewards(exp.scores, kl, mask, s.kl_coef if s.kl_in_reward else 0.0,
+                            score_clip=s.score_clip)
+    advantages, returns = advantages_for(s.estimator, AdvantageInputs(
+        rewards, mask, exp.old_values, group_size=s.group_size, gamma=s.gamma, lam=s.lam,
+        whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks))
+    train_rows = None
+    if s.filter_zero_std_groups:
+        _, constant = group_score_stats(exp.scores, s.group_size)
+        train_rows = (~constant).repeat_interleave(s.group_size).tolist()
     return replace(exp, rewards=rewards, kl=kl, advantages=advantages, returns=returns,
                    train_rows=train_rows)

@@ -17,7 +17,7 @@ from ds_ppo.data.prompts import PromptSet
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.rollout import make_rollout
-from ds_ppo.ppo.advantages import add_advantages
+from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.scoring import score
 from ds_ppo.ppo.update import ppo_update
 
@@ -61,7 +61,7 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
         exp = score(rollout, engines, cfg, run.reward_encode)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
     with timed("advantages"):
-        exp = add_advantages(exp, cfg, kl_coef)
+        exp = add_advantages(exp, advantage_settings(cfg, kl_coef))
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with timed("update"):
         ppo_update(exp, engines, cfg, iteration, acc)

@@ -92,38 +92,13 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             acc.add_mean("padding/update_positions_per_token",
                          *exp.rollout.positions(batches, packed, len(mine)))
             for step, mb_rows in enumerate(batches):
-                weight = scale if step < len(mine) else 0.0  # idle: no gradient, no statistics
+                idle = step >= len(mine)  # idle: no gradient, no statistics
                 boundary = (step == n_steps - 1) if packed else None  # the optimizer step
                 mb = exp.slice(mb_rows)
-                logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature,
-                                                      packed=packed, tiled=p.tiled_logits,
-                                                      tile_tokens=p.logits_tile_tokens)
-                pg_mask = mb.mask
-                if exp.train_rows is not None:  # rows of dropped groups: no loss, no gradient
-                    pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
-                weights = None if p.loss_aggregation == "token_mean" else loss_token_weights(
-                    pg_mask, p.loss_aggregation, cfg.generation.max_new_tokens)
-                pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages,
-                                                pg_mask, clip_eps=p.clip_eps, num_tokens=pg_div,
-                                                clip_eps_high=p.clip_eps_high,
-                                                dual_clip=p.dual_clip, token_weights=weights)
-                step_losses = {"loss/policy": pg_loss.detach()}
-                if p.kl_loss_coef > 0:
-                    kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div,
-                                      weights)
-                    step_losses["loss/kl"] = kl_term.detach()
-                    pg_loss = pg_loss + p.kl_loss_coef * kl_term
-                engines.policy.backward_step(pg_loss * weight, boundary=boundary)
-                named = {f"policy/{k}": v for k, v in pg_stats.items()}
-
-                if critic is not None:
-                    values = critic.values(mb.rollout, packed=packed)
-                    vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
-                                                   clip_eps=p.value_clip_eps, num_tokens=n_tok)
-                    critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
-                    step_losses["loss/value"] = vf_loss.detach()
-                    named.update({f"value/{k}": v for k, v in vf_stats.items()})
-                if step >= len(mine):
+                step_losses, named = micro_batch_step(
+                    mb, engines, cfg, weight=0.0 if idle else scale, boundary=boundary,
+                    pg_div=pg_div, n_tok=n_tok, packed=packed, filtered=exp.train_rows is not None)
+                if idle:
                     continue
                 losses.append(torch.stack(list(step_losses.values())).double())
                 # stats are per-micro-batch token means: weight them by tokens for a global mean
@@ -143,3 +118,43 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
                 norm = engine.grad_norm() if engine is not None else None
                 if norm is not None:
                     acc.add_replicated(f"{role}/grad_norm", norm)
+
+
+def micro_batch_step(mb: Experience, engines, cfg: Config, weight: float, boundary: bool | None,
+                     pg_div: float, n_tok: float, packed: bool, filtered: bool
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Forward, loss and backward of one micro-batch for the policy (and the critic, if any).
+
+    `weight` scales the losses for the backward (world size x accumulation steps; 0 for an idle
+    micro-batch, which still runs the collectives); `pg_div` / `n_tok` are the global
+    mini-batch's divisors of the policy and value losses; `boundary` marks the optimizer step
+    of a packed mini-batch. Returns (this micro-batch's losses, its named statistics), detached
+    0-dim device tensors."""
+    p = cfg.ppo
+    logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed,
+                                          tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens)
+    pg_mask = mb.mask
+    if filtered:  # rows of dropped groups (ppo.filter_zero_std_groups): no loss, no gradient
+        pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
+    weights = None if p.loss_aggregation == "token_mean" else loss_token_weights(
+        pg_mask, p.loss_aggregation, cfg.generation.max_new_tokens)
+    pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
+                                    clip_eps=p.clip_eps, num_tokens=pg_div,
+                                    clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
+                                    token_weights=weights)
+    step_losses = {"loss/policy": pg_loss.detach()}
+    if p.kl_loss_coef > 0:
+        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, pg_div, weights)
+        step_losses["loss/kl"] = kl_term.detach()
+        pg_loss = pg_loss + p.kl_loss_coef * kl_term
+    engines.policy.backward_step(pg_loss * weight, boundary=boundary)
+    named = {f"policy/{k}": v for k, v in pg_stats.items()}
+    critic = engines.value  # None with a critic-free estimator
+    if critic is not None:
+        values = critic.values(mb.rollout, packed=packed)
+        vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
+                                       clip_eps=p.value_clip_eps, num_tokens=n_tok)
+        critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
+        step_losses["loss/value"] = vf_loss.detach()
+        named.update({f"value/{k}": v for k, v in vf_stats.items()})
+    return step_losses, named

@@ -199,7 +199,8 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
         reward_fn=lambda prompts, responses: [float(len(r)) for r in responses], reward=None)
     cfg = _cfg(*UPDATE, *extra)
     with torch.no_grad():
-        exp = advantages.add_advantages(scoring.score(rollout, engines, cfg, None), cfg, 0.1)
+        exp = advantages.add_advantages(scoring.score(rollout, engines, cfg, None),
+                                             advantages.advantage_settings(cfg, 0.1))
     acc = Accumulator()
     update.ppo_update(exp, engines, cfg, 1, acc)
     grads = {f"{role}.{n}": p.grad.clone() for role in ("policy", "value")

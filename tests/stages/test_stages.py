@@ -484,7 +484,7 @@ def test_every_role_forward_goes_through_its_engine():
 
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
     from ds_ppo.engine.forward import LastTokenScorer
-    from ds_ppo.ppo.advantages import add_advantages
+    from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.scoring import score
 
     value = LlamaForTokenClassification(LlamaConfig(
@@ -505,7 +505,7 @@ def test_every_role_forward_goes_through_its_engine():
         roles, 2)  # 3 rows in micro-batches of 2
     assert exp.scores.shape == (3,)
     # the update: one mini-batch of 2 rows, one micro-batch, one forward of policy and value
-    ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, Accumulator())
+    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, cfg, 1, Accumulator())
     assert {role: fakes[role].calls for role in roles} == {
         "policy": 3, "reference": 2, "value": 3, "reward": 2}
 
@@ -528,7 +528,7 @@ def test_scoring_and_the_update_use_only_the_role_methods():
 
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
     from ds_ppo.engine.forward import LastTokenScorer
-    from ds_ppo.ppo.advantages import add_advantages
+    from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.scoring import score
 
     value = LlamaForTokenClassification(LlamaConfig(
@@ -550,7 +550,7 @@ def test_scoring_and_the_update_use_only_the_role_methods():
                "ppo.ppo_epochs=1")
     exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
     acc = Accumulator()
-    ppo_update(add_advantages(exp, cfg, 0.1), engines, cfg, 1, acc)
+    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, cfg, 1, acc)
     assert steps == {"policy": 2, "value": 2}  # one mini-batch of 2 rows, micro-batches of 1
     assert math.isnan(engines.policy.lr())  # the stand-in engine has no optimizer
     assert "policy/grad_norm" not in acc.reduce()  # DeepSpeed computed none

@@ -123,7 +123,7 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     from ds_ppo.data.prompts import load_prompts
     from ds_ppo.metrics import Accumulator
     from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
-    from ds_ppo.ppo.advantages import add_advantages
+    from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.scoring import score
     from ds_ppo.ppo.update import ppo_update
 
@@ -132,7 +132,8 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     prompts = load_prompts(cfg.data, tok)
     rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
                               engines, cfg, tok, mode, stop_token_ids(tok, cfg))
-    exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
+    exp = add_advantages(score(rollout, engines, cfg, None),
+                         advantage_settings(cfg, cfg.ppo.kl_coef))
     ppo_update(exp, engines, cfg, iteration, Accumulator())
     return rollout
 

@@ -26,7 +26,7 @@ from conftest import FakeEngine  # noqa: E402
 from ds_ppo.config import load_config  # noqa: E402
 from ds_ppo.containers import Rollout  # noqa: E402
 from ds_ppo.metrics import Accumulator  # noqa: E402
-from ds_ppo.ppo.advantages import add_advantages  # noqa: E402
+from ds_ppo.ppo.advantages import add_advantages, advantage_settings  # noqa: E402
 from ds_ppo.ppo.scoring import score  # noqa: E402
 from ds_ppo.ppo.update import ppo_update  # noqa: E402
 
@@ -91,7 +91,7 @@ def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
     sync(rollout)
     t0 = time.perf_counter()
     with torch.no_grad():
-        exp = add_advantages(score(rollout, engines, cfg, None), cfg, 0.1)
+        exp = add_advantages(score(rollout, engines, cfg, None), advantage_settings(cfg, 0.1))
     sync(rollout)
     scored = time.perf_counter() - t0
     acc = Accumulator()

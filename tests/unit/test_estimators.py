@@ -14,7 +14,7 @@ from ds_ppo.config import load_config
 from ds_ppo.containers import Experience, Rollout
 from ds_ppo.data.prompts import PromptSampler
 from ds_ppo.errors import UserError
-from ds_ppo.ppo.advantages import add_advantages
+from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.update import minibatch_rows
 from conftest import mask_from_lengths
 
@@ -70,7 +70,7 @@ LENGTHS = [5, 3, 4, 1, 2, 5, 5, 3]
 def test_group_estimators_give_each_response_its_group_advantage(estimator):
     cfg = load_config(None, [f"ppo.advantage_estimator={estimator}", "ppo.samples_per_prompt=4"])
     exp, mask = _experience(SCORES, LENGTHS)
-    out = add_advantages(exp, cfg, kl_coef=0.1)
+    out = add_advantages(exp, advantage_settings(cfg, kl_coef=0.1))
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1")
     seq = torch.tensor(SCORES)
     if estimator == "rloo":  # kl_in_reward defaults to true for rloo, false for (dr_)grpo
@@ -85,7 +85,7 @@ def test_group_estimators_give_each_response_its_group_advantage(estimator):
 def test_reinforce_pp_whitens_discounted_kl_shaped_returns():
     cfg = load_config(None, ["ppo.advantage_estimator=reinforce_pp", "ppo.gamma=0.9"])
     exp, mask = _experience(SCORES, LENGTHS)
-    out = add_advantages(exp, cfg, kl_coef=0.1)
+    out = add_advantages(exp, advantage_settings(cfg, kl_coef=0.1))
     assert cfg.ppo.kl_in_reward
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1")
     rewards = torch.where(mask, -0.1 * kl, 0.0)
@@ -101,7 +101,7 @@ def test_filter_zero_std_groups_marks_the_rows_of_constant_groups():
     cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4",
                              "ppo.filter_zero_std_groups=true"])
     exp, _ = _experience(SCORES, LENGTHS)
-    out = add_advantages(exp, cfg, kl_coef=0.1)
+    out = add_advantages(exp, advantage_settings(cfg, kl_coef=0.1))
     assert out.train_rows == [True] * 4 + [False] * 4
     assert out.slice([0, 5]).train_rows == [True, False]
 

@@ -143,3 +143,45 @@ def test_the_readmes_system_section_names_files_that_exist():
     missing = sorted(n for n in names if not (root / "ds_ppo" / n).exists()
                      and not (root / n).exists())
     assert not missing, missing
+
+
+def layering_violations(package: Path = PACKAGE) -> list[str]:
+    """`module -> import` pairs that break the layering:
+    - ds_ppo.algo imports nothing but torch, the standard library and itself;
+    - ds_ppo.ppo (the PPO stages) never imports ds_ppo.run (the run around a job);
+    - ds_ppo.engine never imports the stages or the run (ppo, run)."""
+    import sys
+
+    bad = []
+    for name, file in _modules(package).items():
+        for target, line in _imports(name, file):
+            top = target.split(".")[0]
+            where = f"{file.relative_to(package.parent)}:{line} {target}"
+            if name.startswith("ds_ppo.algo"):
+                if top not in ("torch", "__future__") and top not in sys.stdlib_module_names \
+                        and not target.startswith("ds_ppo.algo"):
+                    bad.append(where)
+            if name.startswith("ds_ppo.ppo") and target.startswith("ds_ppo.run"):
+                bad.append(where)
+            if name.startswith("ds_ppo.engine") and \
+                    target.startswith(("ds_ppo.run", "ds_ppo.ppo")):
+                bad.append(where)
+    return bad
+
+
+def test_the_layers_import_downwards_only():
+    assert layering_violations() == []
+
+
+def test_the_layering_scan_finds_violations(tmp_path):
+    pkg = tmp_path / "ds_ppo"
+    for sub in ("algo", "ppo", "engine", "run"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "algo" / "kl.py").write_text("import torch\nimport numpy\nfrom . import stats\n")
+    (pkg / "ppo" / "update.py").write_text("def f():\n    from ds_ppo.run.loop import train\n")
+    (pkg / "engine" / "roles.py").write_text("from ds_ppo.ppo import scoring\n")
+    assert layering_violations(pkg) == ["ds_ppo/algo/kl.py:2 numpy",
+                                        "ds_ppo/engine/roles.py:1 ds_ppo.ppo.scoring",
+                                        "ds_ppo/ppo/update.py:2 ds_ppo.run.loop.train"]

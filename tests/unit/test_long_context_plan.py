@@ -86,13 +86,13 @@ def test_untiled_logits_that_do_not_fit_name_the_tiling_lever():
 
 
 def test_discounted_returns_of_long_responses_scan_in_blocks():
-    """reinforce_pp's returns above gae.BLOCKED_ABOVE tokens: the blocked scan (no (T, T)
+    """reinforce_pp's returns above returns.BLOCKED_ABOVE tokens: the blocked scan (no (T, T)
     float64 matrix: 8 GiB at T = 32768, found by measure_long_context.py at 16k tokens) gives
     the literal recursion's values."""
     import torch
 
     from ds_ppo.algo import discounted_returns
-    from ds_ppo.algo.gae import BLOCKED_ABOVE
+    from ds_ppo.algo.returns import BLOCKED_ABOVE
     from support.big_tensors import LargestTensor
 
     T = BLOCKED_ABOVE + 300

@@ -1,0 +1,67 @@
+"""The named choices of the PPO math, one table each: advantage estimators, KL estimators and
+loss aggregations. The config's literal types, its checks, `ds-ppo config --describe`, the
+advantage stage and the README's estimator table all read these tables (a test ties them
+together), so a new estimator is one row here plus one registered function in
+`algo/estimators.py`.
+
+Imports no torch: the config reads this module, and `--dry-run` must stay quick.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One advantage estimator (`ppo.advantage_estimator`)."""
+
+    name: str
+    baseline: str  # what a response is compared against (README's table)
+    critic: bool  # trains a value model
+    groups: bool  # compares the responses to one prompt: needs ppo.samples_per_prompt >= 2
+    kl_in_reward: bool  # default of ppo.kl_in_reward (False: the KL goes in the loss)
+    paper: str
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
+    EstimatorSpec("gae", "a learned critic, GAE", critic=True, groups=False, kl_in_reward=True,
+                  paper="Schulman et al. 2016, High-Dimensional Continuous Control Using GAE"),
+    EstimatorSpec("grpo", "the group's mean score, divided by its std", critic=False, groups=True,
+                  kl_in_reward=False, paper="Shao et al. 2024, DeepSeekMath, Sec. 4.1.2"),
+    EstimatorSpec("dr_grpo", "the group's mean score", critic=False, groups=True,
+                  kl_in_reward=False,
+                  paper="Liu et al. 2025, Understanding R1-Zero-Like Training, Sec. 3.2"),
+    EstimatorSpec("rloo", "the mean score of the group's other responses", critic=False,
+                  groups=True, kl_in_reward=True,
+                  paper="Ahmadian et al. 2024, Back to Basics, Eq. 5"),
+    EstimatorSpec("reinforce_pp", "none: discounted KL-shaped returns whitened over the global "
+                  "batch", critic=False, groups=False, kl_in_reward=True,
+                  paper="Hu 2025, REINFORCE++, Sec. 3"),
+)}
+
+# the config's literal type, from the table (pydantic validates against it)
+EstimatorName = Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
+
+
+def estimator(name: str) -> EstimatorSpec:
+    """The table row of `name`; ValueError naming the valid ones."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: "
+                         f"{', '.join(ESTIMATORS)}") from None
+
+
+def describe_estimators() -> str:
+    """One sentence per estimator, for the config key's description."""
+    return "; ".join(f"{s.name}: baseline {s.baseline}"
+                     f"{', value model' if s.critic else ''}"
+                     f"{', samples_per_prompt >= 2' if s.groups else ''} ({s.paper})"
+                     for s in ESTIMATORS.values())

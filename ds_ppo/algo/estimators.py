@@ -1,0 +1,92 @@
+"""The advantage estimators, one registered function each (the registry reads
+`algo/choices.ESTIMATORS` for everything but the math).
+
+Each function takes the KL-shaped per-token rewards of a batch and returns
+``(advantages, returns)``: (B, T) advantages, and (B, T) value targets or None for a critic-free
+estimator. Whitening over ranks is an all-reduce (``masked_whiten(distributed=True)``); group
+baselines are per-rank (a prompt's group never spans ranks).
+
+Imports only torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .choices import ESTIMATORS
+from .group import broadcast_to_tokens, discounted_returns, group_advantages
+from .returns import gae
+from .stats import masked_sum, masked_whiten
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read. B = sequences, T = response tokens."""
+
+    rewards: torch.Tensor  # (B, T) KL-shaped per-token rewards, 0 outside the mask
+    mask: torch.Tensor  # (B, T) bool, True on response tokens that count
+    values: torch.Tensor | None  # (B, T) the value model's old values (critic estimators)
+    group_size: int = 1  # ppo.samples_per_prompt: a group's rows sit next to each other
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True  # ppo.whiten_advantages (gae)
+    whiten_across_ranks: bool = True  # whitening statistics over all ranks' tokens
+
+
+Estimate = Callable[[AdvantageInputs], "tuple[torch.Tensor, torch.Tensor | None]"]
+_FUNCTIONS: dict[str, Estimate] = {}
+
+
+def register_estimator(name: str) -> Callable[[Estimate], Estimate]:
+    """Decorator: `fn` computes the advantages of the table row `name` (algo/choices.py)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"{name!r} has no row in algo/choices.ESTIMATORS")
+
+    def add(fn: Estimate) -> Estimate:
+        _FUNCTIONS[name] = fn
+        return fn
+    return add
+
+
+def advantages_for(name: str, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages, returns) of estimator `name`; returns is None when it has no critic."""
+    if name not in _FUNCTIONS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(_FUNCTIONS)}")
+    return _FUNCTIONS[name](x)
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(_FUNCTIONS)
+
+
+@register_estimator("gae")
+def _gae(x: AdvantageInputs):
+    # GAE with the value model (Schulman et al. 2016); whitened over the valid tokens
+    advantages, returns = gae(x.rewards, x.values, x.mask, x.gamma, x.lam)
+    if x.whiten:
+        advantages = masked_whiten(advantages, x.mask, shift_mean=True,
+                                   distributed=x.whiten_across_ranks)
+    return advantages, returns
+
+
+@register_estimator("reinforce_pp")
+def _reinforce_pp(x: AdvantageInputs):
+    # Hu 2025: global-batch normalisation of the returns (all ranks) is the estimator itself
+    return masked_whiten(discounted_returns(x.rewards, x.mask, x.gamma), x.mask,
+                         shift_mean=True, distributed=True), None
+
+
+def _group(method: str) -> Estimate:
+    def estimate(x: AdvantageInputs):
+        # a sequence-level baseline over the group's summed rewards, on every token of the row
+        seq_rewards = masked_sum(x.rewards, x.mask, dim=-1)
+        return broadcast_to_tokens(group_advantages(seq_rewards, x.group_size, method),
+                                   x.mask), None
+    estimate.__name__ = f"_{method}"
+    return estimate
+
+
+for _method in ("grpo", "dr_grpo", "rloo"):  # group.group_advantages holds the three formulas
+    register_estimator(_method)(_group(_method))
