@@ -40,7 +40,7 @@ def one(tokens: int, mode: str) -> dict:
     from ds_ppo.containers import Rollout
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole
     from ds_ppo.metrics import Accumulator
-    from ds_ppo.ppo.advantages import add_advantages
+    from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.scoring import score
     from ds_ppo.ppo.update import ppo_update
 
@@ -76,7 +76,8 @@ def one(tokens: int, mode: str) -> dict:
     base = _rss_mib()
     t0 = time.perf_counter()
     with torch.no_grad():
-        exp = add_advantages(score(rollout, engines, cfg, None), cfg, cfg.ppo.kl_coef)
+        exp = add_advantages(score(rollout, engines, cfg, None),
+                             advantage_settings(cfg, cfg.ppo.kl_coef))
     t1 = time.perf_counter()
     ppo_update(exp, engines, cfg, 1, Accumulator())
     t2 = time.perf_counter()
