@@ -313,6 +313,14 @@ def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
     return replica_out, zero3_out
 
 
+def sequence_parallel() -> dict:
+    """One row with SP = 2 (DeepSpeed Ulysses) against SP = 1: largest differences over both
+    ranks (sp_checks.compare)."""
+    import sp_checks
+
+    return sp_checks.compare()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -365,6 +373,8 @@ def main() -> None:
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
             "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
+        # last: it registers the Ulysses attention (switched off outside its own forwards)
+        "sequence_parallel": lambda: sequence_parallel() if dist.world_size() == 2 else {},
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

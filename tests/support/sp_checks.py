@@ -1,7 +1,7 @@
-"""Run on 2 CPU ranks (torchrun / the deepspeed launcher): one long row's log-probs, PPO loss and
-gradients with sequence parallelism (SP = 2, DeepSpeed Ulysses, engine/sequence_parallel.py)
-against SP = 1 on the same row, computed on each rank. Prints one JSON line per rank:
-the largest differences (tests/stages/test_long_context.py asserts them)."""
+"""On 2 CPU ranks (a scenario of dist_checks.py, or run alone under torchrun): one row's log-probs,
+PPO loss and gradients with sequence parallelism (SP = 2, DeepSpeed Ulysses,
+engine/sequence_parallel.py) against SP = 1 on the same row, computed on each rank. `compare`
+returns the largest differences over both ranks (tests/dist/test_engine.py asserts them)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,16 +11,15 @@ import sys
 import torch
 
 
-def main() -> None:
+def compare() -> dict:
+    """Collective on a world of 2 ranks (the process group initialised)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ds_ppo.algo import policy_loss
     from ds_ppo.containers import Rollout
     from ds_ppo.engine import sequence_parallel as sp
-    from ds_ppo.engine.dist import init_distributed, rank
     from ds_ppo.engine.forward import response_logprobs
 
-    init_distributed()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -61,18 +60,29 @@ def main() -> None:
     sp.sharded = contextlib.nullcontext
     with torch.no_grad():
         alone, _ = sp.row_logprobs(model, rollout, 0.7, group, tile_tokens=8)
-    print(json.dumps({
-        "rank": rank(),
+    diffs = {
         "logprobs": float((lp - ref).abs().max()),
         "entropy": float((ent - ref_ent).abs().max()),
         "loss": float((loss - ref_loss).abs()),
         "grads": max(float((summed[n] - ref_grads[n]).abs().max()) for n in ref_grads),
         "grad_scale": max(float(ref_grads[n].abs().max()) for n in ref_grads),
         "unsharded_after": float((again - ref).abs().max()),
-        "masked_zero": bool((lp[~rollout.mask] == 0).all()),
-        "ulysses_shapes": len(sp._REGISTERED["sdpa"]["ulysses"]),
-        "without_exchange": float((alone - ref).abs().max()),
-    }), flush=True)
+        "masked_nonzero": float(lp[~rollout.mask].abs().max()),
+        "ulysses_shapes": float(len(sp._REGISTERED["sdpa"]["ulysses"])),
+        "without_exchange": -float((alone - ref).abs().max()),  # negated: the max is the least
+    }
+    worst = torch.tensor(list(diffs.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # over both ranks
+    out = dict(zip(diffs, worst.tolist()))
+    out["without_exchange"] = -out["without_exchange"]
+    return out
+
+
+def main() -> None:
+    from ds_ppo.engine.dist import init_distributed, rank
+
+    init_distributed()
+    print(json.dumps({"rank": rank(), **compare()}), flush=True)
 
 
 if __name__ == "__main__":
