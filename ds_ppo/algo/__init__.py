@@ -11,7 +11,8 @@ no transformers, no trainer state.
 Decoding: decode_attention_mask, block_tokens -> filter_logits -> next_tokens (sampling on the
 device, no host sync).
 
-Data flow: response_mask -> logprobs_from_logits -> shape_rewards -> gae ->
+Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden states: no
+(B, T, V) logits for long responses) -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
@@ -87,6 +88,7 @@ _EXPORTS = {
     "sample_from_logits": "sampling",
     "shape_rewards": "shaping",
     "to_model_tokens": "turns",
+    "tiled_logprobs": "tiled",
     "token_budget_batches": "packing",
     "turn_ends": "turns",
     "unpack": "packing",

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import torch
 
 from .turns import from_model_tokens, is_prefix, model_token_order, to_model_tokens
+from .returns import BLOCKED_ABOVE, gae_blocked
 
 GroupMethod = Literal["grpo", "dr_grpo", "rloo"]
 GROUP_METHODS: tuple[str, ...] = get_args(GroupMethod)
@@ -117,9 +118,12 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
         return from_model_tokens(discounted_returns(to_model_tokens(rewards, order),
                                                     to_model_tokens(mask, order), gamma), order)
     r = torch.where(mask, rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    T = r.shape[-1]
+    if T > BLOCKED_ABOVE:  # long responses: GAE with lambda = 1 and no values is exactly G,
+        # scanned in blocks in O(B T) memory (the (T, T) matrix below: 8 GiB at T = 32768)
+        return gae_blocked(r, torch.zeros_like(r), mask, gamma, 1.0)[0]
     # prefix masks: G = r @ D with D[j, t] = gamma^(j - t) for j >= t, in float64 (as
     # gae_matmul: one matmul instead of T small steps)
-    T = r.shape[-1]
     idx = torch.arange(T, device=r.device)
     exponent = (idx.unsqueeze(1) - idx.unsqueeze(0)).double()  # [j, t] = j - t
     discount = torch.where(exponent >= 0,

@@ -63,8 +63,10 @@ def reference_from_policy_base(cfg: Config) -> bool:
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
-    """Micro-batches accumulated per optimizer step on each rank."""
-    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size * world_size)
+    """Micro-batches accumulated per optimizer step on each rank (of world / N data-parallel
+    ranks with deepspeed.sequence_parallel_size = N: a sequence-parallel group shares its rows)."""
+    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size
+                                       * data_parallel_size(cfg, world_size))
 
 
 def max_model_tokens(cfg: Config) -> int:
@@ -85,18 +87,28 @@ def max_response_tokens(cfg: Config) -> int:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks that need the world size; raises ConfigError listing every problem
-    (one checker per part of the config, each returning its problems)."""
-    problems = []
-    for check in (_batch_problems, _reward_problems, _env_problems, _model_problems,
-                  _generation_problems, _deepspeed_problems, _tracking_problems,
-                  _recipe_problems):
+    (one checker per part of the config, each returning its problems). The batch rules hold per
+    data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
+    sequence-parallel group share their rows (world / N data-parallel ranks)."""
+    problems = _batch_problems(cfg, data_parallel_size(cfg, world_size))
+    for check in (_reward_problems, _env_problems, _model_problems, _generation_problems,
+                  _deepspeed_problems, _tracking_problems, _recipe_problems,
+                  sequence_parallel_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """Ranks with rows of their own: world / deepspeed.sequence_parallel_size (the world when
+    it does not divide: that problem is reported on its own)."""
+    sp = cfg.deepspeed.sequence_parallel_size
+    return world_size // sp if world_size % sp == 0 else world_size
+
+
 def _batch_problems(cfg: Config, world_size: int) -> list[str]:
-    """Batch sizes against the world size, the estimator's needs and the PPO clips."""
+    """Batch sizes against the (data-parallel) world size, the estimator's needs and the PPO
+    clips."""
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % world_size:
         problems.append(
@@ -280,6 +292,60 @@ def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
                         "directory")
+    return problems
+
+
+def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | None:
+    """Ulysses' head split (engine/sequence_parallel.py asks here too): the attention heads
+    divide by the SP size, the KV heads divide by it or it by them (then replicated)."""
+    if heads % size:
+        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {heads} attention "
+                f"heads, not divisible by {size}; use a size that divides {heads}")
+    if kv_heads % size and size % kv_heads:
+        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {kv_heads} KV heads; "
+                f"the size must divide them or be a multiple of them")
+    return None
+
+
+def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
+    """(attention heads, KV heads) from an arch dict or a local config.json (plain json: the
+    dry run loads no transformers); None when neither says."""
+    import json
+
+    fields = arch
+    if fields is None and path is not None and (Path(path) / "config.json").is_file():
+        fields = json.loads((Path(path) / "config.json").read_text())
+    fields = (fields or {}).get("text_config", fields) or {}
+    heads = fields.get("num_attention_heads")
+    if heads is None:
+        return None
+    return int(heads), int(fields.get("num_key_value_heads") or heads)
+
+
+def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
+    """deepspeed.sequence_parallel_size: divides the world size and every sharded model's heads
+    (those whose shape can be read without loading them), with an attention kernel Ulysses
+    takes."""
+    n, problems = cfg.deepspeed.sequence_parallel_size, []
+    if n == 1:
+        return problems
+    if world_size % n:
+        problems.append(f"deepspeed.sequence_parallel_size = {n} must divide the world size "
+                        f"{world_size} (the data-parallel group is world / {n})")
+    models = [("policy", cfg.policy.path, cfg.policy.arch, cfg.policy.attn_implementation)]
+    if cfg.reference.path is not None:
+        models.append(("reference", cfg.reference.path, None, cfg.policy.attn_implementation))
+    if cfg.ppo.uses_critic and (cfg.value.path or cfg.value.arch):
+        models.append(("value", cfg.value.path, cfg.value.arch, cfg.value.attn_implementation))
+    for role, path, arch, attn in models:
+        if attn == "eager":
+            problems.append(f"deepspeed.sequence_parallel_size = {n}: {role}.attn_implementation "
+                            "= eager needs the full L x L mask Ulysses drops; use sdpa or "
+                            "flash_attention_2")
+        heads = _model_heads(path, arch)
+        problem = heads and heads_problem(*heads, n, f"the {role} model")
+        if problem:
+            problems.append(problem)
     return problems
 
 
@@ -493,6 +559,10 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
     if cfg.data.ptx_path is not None and p.ptx_coef == 0:
         out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
                    "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")
+    if cfg.deepspeed.sequence_parallel_size > 1:
+        out.append(f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: "
+                   "checked and planned, but training refuses it in this version (the loop "
+                   "does not split its data-parallel group yet; docs/PERFORMANCE.md)")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

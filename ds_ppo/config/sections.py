@@ -43,6 +43,11 @@ class ModelSource(Section):
         "sdpa", description="Attention kernel passed to transformers.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (trainable roles only).")
+    tiled_mlp: bool = Field(
+        False, description="Run each gated MLP (Llama-style gate/up/down) of the update's "
+        "forwards on slices of about hidden_size tokens, recomputed in backward (DeepSpeed ALST's "
+        "TiledMLP; trainable roles only): for long rows, one slice's MLP intermediates at a time "
+        "instead of the row's, for one more MLP forward per layer.")
     disable_dropout: bool = Field(
         True, description="Set every dropout probability of the model's config to 0 before "
         "loading (as DeepSpeed-Chat does for RLHF): with dropout, old and new log-probs (and "
@@ -264,6 +269,17 @@ class PPOConfig(Section):
         "runs alone), each one sequence without padding; ranks with fewer micro-batches run "
         "zero-weight ones. micro_batch_size then only sets DeepSpeed's bookkeeping, and "
         "score_micro_batch_size only the reward model's micro-batches.")
+    tiled_logits: Literal["auto"] | bool = Field(
+        "auto", description="Log-probs and entropies of the policy and reference from the final "
+        "hidden states, the output head applied logits_tile_tokens positions at a time (its "
+        "backward recomputes each tile): no (B, T, V) logits tensor (16 GiB in fp32 for one "
+        "32k-token response of a 128k vocabulary), the same numbers. auto: tiled when a "
+        "forward's response logits would exceed 2^26 elements (positions x vocabulary; "
+        "docs/PERFORMANCE.md, Long context).")
+    logits_tile_tokens: int = Field(
+        1024, gt=0, description="Positions per tile of tiled_logits: the tile's logits (tile x "
+        "vocabulary, in fp32 about 4 bytes each, x2-3 while reduced) are the only vocabulary-wide "
+        "tensors alive.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
                             "the mini-batches (the same samples in each at any world size).")
     clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")
@@ -598,6 +614,19 @@ class DeepSpeedConfig(Section):
     value: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
     reference: ReferenceDeepSpeed = Field(default_factory=ReferenceDeepSpeed)
     reward: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+    sequence_parallel_size: int = Field(
+        1, gt=0, description="Ranks that share one long row (DeepSpeed Ulysses sequence "
+        "parallelism, ALST): its tokens are split across N consecutive ranks, attention "
+        "exchanges them for heads (all-to-all), so each rank holds 1/N of the row's activations. "
+        "For the policy, reference and value forwards of rows longer than "
+        "sequence_parallel_min_tokens; the data-parallel group is world / N. N must divide the "
+        "world size and the models' attention heads (KV heads: divide or be divided by N); "
+        "sdpa or flash attention. Planned by `ds-ppo plan`; the training loop does not split "
+        "its data-parallel group yet and refuses N > 1 (docs/PERFORMANCE.md, Long context).")
+    sequence_parallel_min_tokens: int = Field(
+        8192, gt=0, description="With sequence_parallel_size > 1: rows of at least this many "
+        "tokens (prompt + response) are split across the sequence-parallel group; shorter ones "
+        "run whole on each rank.")
 
 
 # ------------------------------------------------------------------------------- root

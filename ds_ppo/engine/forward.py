@@ -9,15 +9,31 @@ ds_ppo.algo.packing), position ids restarting at 0 for each row, attention confi
 with flash-attention the varlen kernels get the rows' bounds (`cu_seq_lens_*`, `max_length_*`;
 no mask); with sdpa/eager a block-diagonal causal 4D mask is passed, which transformers uses as
 given. The outputs are unpacked into the (B, T) response layout.
+
+Tiled (ppo.tiled_logits): the model runs without its output head (`logits_to_keep` = no
+position) and the final hidden states of the response predictors go through the head a tile of
+ppo.logits_tile_tokens positions at a time (ds_ppo.algo.tiled_logprobs): no (B, T, V) logits,
+in forward or backward. A micro-batch without padding (one row, or rows of equal lengths)
+passes no attention mask: sdpa then runs its causal kernel (on CPU the flash kernel, O(L)
+memory, instead of the L x L scores of the masked math kernel).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Literal
 
 import torch
 
 from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths,
                          entropy_from_logits, logprobs_from_logits, packed_layout,
-                         response_predictors, unpack)
+                         response_predictors, tiled_logprobs, unpack)
 from ds_ppo.containers import Rollout
+
+# ppo.tiled_logits = auto tiles a forward whose response logits would hold more elements than
+# this (positions x vocabulary; 256 MiB in fp32: 2k positions of a 32k vocabulary, 512 of a
+# 128k one). Scoring costs nothing more tiled; the update recomputes each tile's head matmul
+# in backward (docs/PERFORMANCE.md, "Long context", measures both).
+AUTO_TILE_ELEMENTS = 2**26
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -25,12 +41,29 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _response_logits(model, ids: torch.Tensor, am: torch.Tensor, num_response: int,
-                     temperature: float) -> torch.Tensor:
+def tile_logits(setting: Literal["auto"] | bool, positions: int, vocab: int) -> bool:
+    """Whether a forward scoring `positions` response tokens over a vocabulary of `vocab`
+    computes its log-probs tile by tile (ppo.tiled_logits; auto: when its logits would hold
+    more than AUTO_TILE_ELEMENTS). The engine and the planner both decide here."""
+    if setting == "auto":
+        return positions * vocab > AUTO_TILE_ELEMENTS
+    return bool(setting)
+
+
+def _unpadded_mask(rollout: Rollout, am: torch.Tensor) -> torch.Tensor | None:
+    """`am`, or None when it has no padding (host lengths: every row has the longest prompt and
+    response), so attention takes its causal kernel instead of a materialised mask."""
+    if len(set(rollout.prompt_lens)) == 1 and len(set(rollout.response_lens)) == 1:
+        return None
+    return am
+
+
+def _response_logits(model, ids: torch.Tensor, am: torch.Tensor, mask: torch.Tensor | None,
+                     num_response: int, temperature: float) -> torch.Tensor:
     """(B, T, V) logits predicting the last T tokens of `ids`, divided by the sampling
     temperature. Only the last T + 1 positions' logits are computed (`logits_to_keep`), so the
     prompt logits are never materialised."""
-    out = model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(am),
                 logits_to_keep=num_response + 1, use_cache=False)
     return _tempered(out.logits[:, :-1], temperature)
 
@@ -62,16 +95,17 @@ def _attn_implementation(model) -> str | None:
     return None
 
 
-def _packed_forward(model, rollout: Rollout, predictors_only: bool):
+def _packed_forward(model, rollout: Rollout, keep: Literal["predictors", "all", "none"]):
     """The model's output on the rollout's rows packed into one sequence (1, N), and (n,) the
     packed positions predicting the counted response tokens (row-major order of rollout.mask).
-    predictors_only: the model computes its logits at those positions only, (1, n, V)
-    (`logits_to_keep` as indices), else at all N."""
-    keep = torch.cat([rollout.prompt_mask, rollout.context], dim=1)  # observations too
-    layout = packed_layout(keep)
-    ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)[keep][None]
+    keep: where the model computes its logits: at those positions only, (1, n, V)
+    (`logits_to_keep` as indices), at all N, or nowhere (the caller reads the hidden states)."""
+    keep_mask = torch.cat([rollout.prompt_mask, rollout.context], dim=1)  # observations too
+    layout = packed_layout(keep_mask)
+    ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)[keep_mask][None]
     pred = response_predictors(layout.place, rollout.prompt_ids.shape[1], rollout.mask)
-    kwargs = {"logits_to_keep": pred} if predictors_only else {}
+    kwargs = {"predictors": {"logits_to_keep": pred}, "all": {},
+              "none": {"logits_to_keep": pred[:0]}}[keep]
     out = packed_call(model, ids, layout, rollout.row_lens, **kwargs)
     return out, pred
 
@@ -88,6 +122,8 @@ def packed_call(model, ids: torch.Tensor, layout, lengths: list[int], **kwargs):
         cu = cumulative_lengths(lengths, ids.device)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                       max_length_k=max(lengths))
+    elif len(lengths) == 1:  # one row: plain causal attention
+        mask = None
     elif impl in ("sdpa", "eager"):
         mask = block_causal_mask(layout.row_of)
         if impl == "eager":  # eager adds the mask to its scores; sdpa takes bool (True = attend)
@@ -98,15 +134,119 @@ def packed_call(model, ids: torch.Tensor, layout, lengths: list[int], **kwargs):
                  use_cache=False, **kwargs)
 
 
+def causal_lm(model):
+    """The Hugging Face causal LM inside a DeepSpeed engine (`.module`), a role wrapper such as
+    lora.AdaptersOff (`.engine`) or a test's FakeEngine; a PEFT model forwards to its base."""
+    for _ in range(4):
+        inner = getattr(model, "engine", None)
+        if inner is None:
+            inner = getattr(model, "module", None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def output_head(lm, temperature: float):
+    """(head, grad_ready): head maps (n, H) final hidden states to (n, V) logits as the model's
+    own forward computes them (its output layer, Gemma-2's final logit soft-capping), divided by
+    the temperature; grad_ready is tiled_logprobs' before_backward_tile for ZeRO."""
+    out = lm.get_output_embeddings()
+    cap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = out(hidden)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return _tempered(logits, temperature)
+
+    params = [p for p in out.parameters() if p.requires_grad]
+
+    def grad_ready(last: bool) -> None:
+        # ZeRO reduces a parameter's gradient when autograd accumulates it: only after the
+        # last tile's backward (DeepSpeed's flag for tiled compute, as its TiledMLP sets it)
+        for p in params:
+            p.ds_grad_is_ready = last
+
+    return head, grad_ready
+
+
+@contextmanager
+def _decoder_output(lm):
+    """A list that receives the (B, L, H) final hidden states (after the last norm) of each
+    forward of `lm`'s decoder inside the block (a forward hook)."""
+    seen: list[torch.Tensor] = []
+    hook = lm.get_decoder().register_forward_hook(
+        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else
+                                        out.last_hidden_state))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def final_hidden(runner, lm, **inputs) -> torch.Tensor:
+    """(B, L, H) final hidden states of a forward of `runner` (the engine's own forward:
+    ZeRO-3's root hooks) in which the model computes no logits (`logits_to_keep` = no
+    position); `lm` is the HF model inside it (`causal_lm`)."""
+    empty = torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device)
+    with _decoder_output(lm) as seen:
+        runner(**inputs, use_cache=False, logits_to_keep=empty)
+    return seen[-1]
+
+
+def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool,
+                             packed: bool, tile_tokens: int):
+    """`response_logprobs`, the output head applied tile by tile to the final hidden states
+    (module docstring). A LoRA reference (lora.AdaptersOff) keeps its adapters off for the
+    head's calls too."""
+    off = getattr(model, "adapters_off", None)
+    runner = model.engine if off is not None else model
+    lm = causal_lm(model)
+    with off() if off is not None else nullcontext():
+        if packed:
+            with _decoder_output(lm) as seen:
+                _, pred = _packed_forward(runner, rollout, keep="none")
+            hidden = seen[-1][:, pred]  # (1, n, H)
+            labels = rollout.response_ids[rollout.mask][None]  # (1, n)
+        else:
+            ids, am, keep = rollout.model_inputs()
+            L = ids.shape[1]
+            hidden = final_hidden(runner, lm, input_ids=ids, position_ids=position_ids(am),
+                                  attention_mask=_unpadded_mask(rollout, am)
+                                  )[:, L - keep - 1:L - 1]  # (B, T', H)
+            labels = ids[:, L - keep:]
+        head, grad_ready = output_head(lm, temperature)
+        logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
+                                           grad_ready)
+    if packed:
+        return unpack(logprobs[0], rollout.mask), (
+            unpack(entropy[0], rollout.mask) if with_entropy else None)
+    T = rollout.response_ids.shape[1]
+    return _full_width(logprobs, T), (_full_width(entropy, T) if with_entropy else None)
+
+
+def _vocab(model) -> int:
+    return int(causal_lm(model).get_output_embeddings().out_features)
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,
-                      packed: bool = False):
+                      packed: bool = False, tiled: Literal["auto"] | bool = False,
+                      tile_tokens: int = 1024):
     """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked). The
     forward runs on `rollout.model_inputs()` (unused padding dropped); the columns after the
     longest counted response are 0, and like every masked position they mean nothing.
     packed: the rows packed into one sequence (module docstring); only the counted response
-    tokens' logits are computed, and every position outside rollout.mask is 0."""
+    tokens' logits are computed, and every position outside rollout.mask is 0.
+    tiled (ppo.tiled_logits; `tile_logits` decides auto): the output head runs `tile_tokens`
+    positions at a time on the final hidden states; the same numbers, no (B, T, V) logits."""
+    positions = sum(rollout.response_lens) if packed else \
+        len(rollout) * max(rollout.response_lens, default=0)
+    if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
+        return _tiled_response_logprobs(model, rollout, temperature, with_entropy, packed,
+                                        tile_tokens)
     if packed:
-        out, _ = _packed_forward(model, rollout, predictors_only=True)
+        out, _ = _packed_forward(model, rollout, keep="predictors")
         logits = _tempered(out.logits, temperature)  # (1, n, V)
         labels = rollout.response_ids[rollout.mask][None]  # (1, n)
         logprobs = unpack(logprobs_from_logits(logits, labels)[0], rollout.mask)
@@ -115,7 +255,7 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
         return logprobs, entropy
     ids, am, keep = rollout.model_inputs()
     T = rollout.response_ids.shape[1]
-    logits = _response_logits(model, ids, am, keep, temperature)
+    logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep, temperature)
     logprobs = logprobs_from_logits(logits, ids[:, ids.shape[1] - keep:])
     entropy = _full_width(entropy_from_logits(logits.detach()), T) if with_entropy else None
     return _full_width(logprobs, T), entropy
@@ -123,13 +263,14 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
 
 def response_values(value_model, rollout: Rollout, packed: bool = False) -> torch.Tensor:
     """(B, T) float32 value of the state before each response token (the per-token head's output
-    at position P - 1 + t); masked positions as in `response_logprobs` (also `packed`)."""
+    at position P - 1 + t); masked positions as in `response_logprobs` (also `packed`). Values
+    are never tiled: the head's output is (B, L, 1)."""
     if packed:
-        out, pred = _packed_forward(value_model, rollout, predictors_only=False)
+        out, pred = _packed_forward(value_model, rollout, keep="all")
         return unpack(out.logits[0, pred, 0].float(), rollout.mask)
     ids, am, keep = rollout.model_inputs()
-    out = value_model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
-                      use_cache=False)
+    out = value_model(input_ids=ids, attention_mask=_unpadded_mask(rollout, am),
+                      position_ids=position_ids(am), use_cache=False)
     values = out.logits.squeeze(-1)[:, ids.shape[1] - keep - 1:ids.shape[1] - 1]  # (B, T')
     return _full_width(values.float(), rollout.response_ids.shape[1])
 

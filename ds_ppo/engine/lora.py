@@ -144,8 +144,13 @@ class AdaptersOff:
     def __init__(self, policy_engine):
         self.engine = policy_engine
 
+    def adapters_off(self):
+        """The context in which the policy's adapters are off (also for calls of its output head
+        outside the forward: forward.py's tiled log-probs)."""
+        return self.engine.module.disable_adapter()
+
     def __call__(self, **inputs):
-        with self.engine.module.disable_adapter():
+        with self.adapters_off():
             return self.engine(**inputs)
 
 

@@ -32,7 +32,9 @@ from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
+from ds_ppo.engine.tiled_mlp import tile_mlps
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
+from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
 
@@ -211,6 +213,8 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     model.ds_ppo_dropout = dropped
     if cfg.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.policy.tiled_mlp:
+        tile_mlps(model)
     model.config.use_cache = False
     if cfg.policy.lora is not None:
         head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model,
@@ -288,6 +292,8 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     model.ds_ppo_dropout = dropped
     if cfg.value.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.value.tiled_mlp:
+        tile_mlps(model)
     model.config.use_cache = False
     if cfg.value.lora is not None:  # the scalar head (score or classifier) is trained fully
         head = "score" if hasattr(model, "score") else "classifier"
@@ -331,6 +337,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
     from ds_ppo.rewards.call import load_reward_function
 
+    if cfg.deepspeed.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: the "
+            "sequence-parallel forward exists (engine/sequence_parallel.py, tested on 2 ranks) but "
+            "the training loop does not yet split its data-parallel group into SP groups; set "
+            "deepspeed.sequence_parallel_size=1 (ds-ppo plan models it; docs/PERFORMANCE.md)")
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     init_dir = Path(cfg.output_dir) / "init_models"

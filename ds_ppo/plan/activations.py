@@ -62,6 +62,12 @@ def logits_bytes(shape: ModelShape, tokens: int, batch: int) -> int:
     return batch * tokens * shape.vocab * (2 + 4)
 
 
+def tiled_logits_bytes(shape: ModelShape, tile_tokens: int) -> int:
+    """Tiled logits (ppo.tiled_logits, ds_ppo.algo.tiled): one tile's 16-bit logits, their fp32
+    copy and, in backward, the fp32 gradient buffer; whatever the response length."""
+    return tile_tokens * shape.vocab * (2 + 4 + 4)
+
+
 def kv_cache_bytes(shape: ModelShape, tokens: int, batch: int) -> int:
     """16-bit K and V of every layer for `batch` sequences of `tokens` tokens."""
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch * 2

@@ -30,6 +30,9 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
         if rp.trained and not getattr(cfg, role).gradient_checkpointing:
             levers.append(Lever(f"gradient checkpointing for the {role}",
                                 (f"{role}.gradient_checkpointing=true",)))
+    if cfg.ppo.tiled_logits is False:
+        levers.append(Lever("tile the logits (the head 1024 positions at a time)",
+                            ("ppo.tiled_logits=auto",)))
     if plan.generation_mode == "gathered" and plan.tp_unsupported is None:
         levers.append(Lever("split the generation replica over the GPUs of a node",
                             ("generation.mode=tensor_parallel",)))

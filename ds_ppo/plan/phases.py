@@ -8,9 +8,11 @@ from dataclasses import dataclass, field, replace
 from ds_ppo.config import (Config, lora_output_head, max_response_tokens,
                            reference_from_policy_base, validate)
 from ds_ppo.errors import ConfigError
+from ds_ppo.engine.forward import tile_logits
 from ds_ppo.engine.generation_choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
-                                     prefill_activation_bytes, train_activation_bytes)
+                                     prefill_activation_bytes, tiled_logits_bytes,
+                                     train_activation_bytes)
 from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params
 from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
@@ -182,13 +184,27 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     score_micro = cfg.ppo.score_micro_batch_size or micro
     budget = cfg.ppo.micro_batch_tokens
 
+    sp = cfg.deepspeed.sequence_parallel_size
+    sharded = sp > 1 and seq >= cfg.deepspeed.sequence_parallel_min_tokens
+
     def micro_shape(rows: int, tokens: int) -> tuple[int, int]:
-        """(tokens, sequences) of one micro-batch of a policy/reference/value forward: `rows`
-        rows of `tokens`, or packed, one sequence of at most the budget (a longer row alone)."""
+        """(tokens, sequences) on one rank in one policy/reference/value forward: `rows` rows of
+        `tokens`, or packed, one sequence of at most the budget (a longer row alone); a row
+        split across the sequence-parallel group, its 1/sp share, one row at a time."""
+        if sharded:
+            return -(-tokens // sp), 1
         return (tokens, rows) if budget is None else (max(budget, tokens), 1)
-    # a rank's responses: its prompts x ppo.samples_per_prompt
+
+    def logits(shape: ModelShape, tokens: int, rows: int) -> tuple[str, int]:
+        """The logits term of a policy/reference forward, tiled as forward.tile_logits decides."""
+        if tile_logits(cfg.ppo.tiled_logits, tokens * rows, shape.vocab):
+            tile = min(cfg.ppo.logits_tile_tokens, tokens * rows)
+            return f"logits (tiled, {tile} positions)", tiled_logits_bytes(shape, tile)
+        return "logits", logits_bytes(shape, tokens, rows)
+    # a rank's responses: its prompts x ppo.samples_per_prompt (the ranks of a
+    # sequence-parallel group share theirs)
     per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
-                                / cluster.world_size))
+                                / (cluster.world_size // max(1, min(sp, cluster.world_size)))))
     # a rank decodes at most its own responses at once (a tensor-parallel group: tp x that)
     gen_batch = min(cfg.generation.batch_size or per_rank, per_rank)
     pol = roles["policy"]
@@ -238,7 +254,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         t = {"layer gather": _forward_gather(rp),
              "activations (one layer)": layer_activation_bytes(rp.shape, tokens, rows, eager)}
         if role in ("policy", "reference"):
-            t["logits"] = logits_bytes(rp.shape, tokens, rows)
+            name, size = logits(rp.shape, tokens, rows)
+            t[name] = size
         phases.append(Phase(f"scoring: {role}", t))
 
     # training: forward + backward of one micro-batch of each trained role
@@ -251,7 +268,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
                  train_activation_bytes(rp.shape, tokens, rows, section.gradient_checkpointing,
                                         section.attn_implementation == "eager")}
         if role == "policy":
-            t["logits"] = logits_bytes(rp.shape, tokens, rows)
+            name, size = logits(rp.shape, tokens, rows)
+            t[name] = size
         phases.append(Phase(f"training: {role}", t))
 
     peak = max(phases, key=lambda p: p.total(resident))
@@ -263,6 +281,14 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
             notes.append(f"{role} dtype fp32: the plan assumes 16-bit weights and activations; "
                          "fp32 roughly doubles both")
             break
+    if sp > 1:
+        notes.append(f"deepspeed.sequence_parallel_size = {sp}: " + (
+            f"rows of {seq} tokens are split over {sp} ranks ({-(-seq // sp)} tokens each, "
+            f"one row per forward); data-parallel group {cluster.world_size // sp}"
+            if sharded else f"rows of {seq} tokens stay whole (below "
+            f"deepspeed.sequence_parallel_min_tokens = "
+            f"{cfg.deepspeed.sequence_parallel_min_tokens})")
+            + "; training refuses sequence_parallel_size > 1 in this version")
     if "value" not in roles:
         notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
                      "no value model (no weights, gradients or optimizer state for it)")

@@ -111,14 +111,15 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         critic.eval()
     batches, order, mine = _model_micro_batches(rollout, cfg)
     packed = cfg.ppo.micro_batch_tokens is not None
+    tiling = {"tiled": cfg.ppo.tiled_logits, "tile_tokens": cfg.ppo.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
     for k, rows in enumerate(batches):
         watchdog.progress(k)
         mb = rollout.slice(rows)
-        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed)
+        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed, **tiling)
         logp.append(lp)
         entropy.append(ent)
-        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed)[0])
+        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, **tiling)[0])
         if critic is not None:
             values.append(critic.values(mb, packed=packed))
     del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches

@@ -202,7 +202,8 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
     """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
     loss), its statistics, and the detached terms as metrics."""
     p = cfg.ppo
-    logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed)
+    logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed,
+                                          tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens)
     pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
                                     clip_eps=p.clip_eps, num_tokens=step.pg_div,

@@ -72,6 +72,28 @@ def test_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
     assert one_rank["zero3_micro4"]["loss/policy"] != 0
 
 
+@pytest.mark.parametrize("stage", ["zero3", "zero2"])
+def test_tiled_logits_first_update_equals_untiled(one_rank, two_ranks, stage):
+    """ppo.tiled_logits=true with 4-position tiles through the real engines: the same first
+    update as the untiled run (ZeRO-3 gathers the head for each tile's call, and ZeRO-2/3 reduce
+    its gradient once, after the last tile)."""
+    for res in (one_rank, two_ranks):
+        assert not _close(res[f"{stage}_micro4"], res[f"{stage}_tiled"])
+
+
+def test_sequence_parallel_2_equals_1_logprobs_loss_and_gradients(two_ranks):
+    """deepspeed.sequence_parallel_size = 2 (engine/sequence_parallel.py, DeepSpeed Ulysses) on 2
+    gloo ranks: one row's log-probs, entropies, PPO loss and summed gradients equal SP = 1's
+    (fp32; tests/support/sp_checks.py), worst over both ranks. Plain forwards of the same
+    process are untouched by the registration; without the exchange the check would fail."""
+    r = two_ranks["sequence_parallel"]
+    assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 and r["loss"] < 1e-6, r
+    assert r["grads"] < 1e-5 * max(1.0, r["grad_scale"]), r
+    assert r["unsharded_after"] == 0.0 and r["masked_nonzero"] == 0.0, r
+    assert r["ulysses_shapes"] == 1, r  # the sharded forward went through Ulysses
+    assert r["without_exchange"] > 1e-3, r  # and the test can fail
+
+
 def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):
     assert not _close(one_rank["zero3_micro4"], one_rank["zero2_micro4"])
     assert not _close(two_ranks["zero3_micro4"], two_ranks["zero2_micro4"])

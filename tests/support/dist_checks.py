@@ -492,6 +492,14 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
             if k in h}
 
 
+def sequence_parallel() -> dict:
+    """One row with SP = 2 (DeepSpeed Ulysses) against SP = 1: largest differences over both
+    ranks (sp_checks.compare)."""
+    import sp_checks
+
+    return sp_checks.compare()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -527,6 +535,13 @@ def main() -> None:
         "zero2_micro4": lambda: first_update(work, "z2m4", [
             "ppo.micro_batch_size=4", "deepspeed.policy.zero_stage=2",
             "deepspeed.value.zero_stage=2"]),
+        # tiled logits (the head 4 positions at a time): ZeRO reduces the head's gradient once,
+        # after its last tile's backward (ds_grad_is_ready), and the update equals the untiled one
+        "zero3_tiled": lambda: first_update(work, "z3tl", [
+            "ppo.micro_batch_size=4", "ppo.tiled_logits=true", "ppo.logits_tile_tokens=4"]),
+        "zero2_tiled": lambda: first_update(work, "z2tl", [
+            "ppo.micro_batch_size=4", "ppo.tiled_logits=true", "ppo.logits_tile_tokens=4",
+            "deepspeed.policy.zero_stage=2", "deepspeed.value.zero_stage=2"]),
         "varied_zero3": lambda: varied_lengths(work, "zero3"),
         "varied_gathered": lambda: varied_lengths(work, "gathered"),
         "replica": lambda: replica_and_roles(work),
@@ -556,6 +571,8 @@ def main() -> None:
             "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=40"], ENV_KEYS + PADDING_KEYS),
         "env_lora": lambda: first_update(work, "envlora", ENV_BASE + [
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"], ENV_KEYS),
+        # last: it registers the Ulysses attention (switched off outside its own forwards)
+        "sequence_parallel": lambda: sequence_parallel() if dist.world_size() == 2 else {},
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):

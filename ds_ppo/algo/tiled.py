@@ -1,0 +1,128 @@
+"""Token log-probs and entropies from hidden states, the output head applied one tile of tokens
+at a time: the (B, T, V) logits are never materialised, in forward or in backward.
+
+`logits.py` works from logits the model already computed, so a (B, T, V) tensor in the model's
+dtype exists (for one 32k-token row of a 128k vocabulary, 8 GiB in bf16, 16 GiB in fp32).
+Here the caller passes the final hidden states (B, T, H) and the head (hidden -> logits);
+each tile of at most `tile_tokens` positions goes through the head, is reduced to one float per
+position and dropped. Backward recomputes each tile's logits (one more head matmul per tile,
+as activation checkpointing does for a layer) and accumulates the head's parameter gradients
+tile by tile; the Function itself saves only the hidden states, the labels and nothing of size
+V. The same idea as Liger-Kernel's fused linear cross-entropy and DeepSpeed ALST's
+TiledFusedLogitsLoss (Bekman et al. 2025), for per-token log-probs rather than a scalar loss.
+
+Shapes: B = sequences, T = positions whose next token is scored, H = hidden size, V =
+vocabulary. Outputs are float32 (float64 for float64 inputs).
+
+Imports only torch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # (n, H) hidden -> (n, V) logits
+
+
+def _tile_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n,) log p(label) and (n,) entropy (or None) of (n, V) logits, computed in at least
+    float32 (the formulas of logits.py: log p_y = z_y - logsumexp(z);
+    H = logsumexp(z) - sum_k p_k z_k)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logprobs, entropy
+
+
+def _tiles(n: int, tile_tokens: int) -> list[slice]:
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    return [slice(a, min(a + tile_tokens, n)) for a in range(0, n, tile_tokens)]
+
+
+class _TiledLogprobs(torch.autograd.Function):
+    """(N, H) hidden -> (N,) log-probs [, (N,) entropy, not differentiable]; see the module
+    docstring. `before_backward_tile(last)` runs before each tile's backward (ZeRO uses it to
+    reduce the head's gradient once, after the last tile)."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, head, tile_tokens, with_entropy, before_backward_tile):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
+        with torch.no_grad():
+            for s in _tiles(n, tile_tokens):
+                lp, ent = _tile_stats(head(hidden[s]), labels[s], with_entropy)
+                logprobs[s] = lp
+                if with_entropy:
+                    entropy[s] = ent
+        ctx.save_for_backward(hidden, labels)
+        ctx.head, ctx.tile_tokens, ctx.hook = head, tile_tokens, before_backward_tile
+        if entropy is None:
+            return logprobs, None
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, labels = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        tiles = _tiles(hidden.shape[0], ctx.tile_tokens)
+        for i, s in enumerate(tiles):
+            if ctx.hook is not None:
+                ctx.hook(i == len(tiles) - 1)
+            h = hidden[s].detach().requires_grad_(grad_hidden is not None)
+            with torch.enable_grad():
+                logits = ctx.head(h)  # (n, V), its graph through the head only
+            # d log p_y / d z_k = 1[k = y] - p_k, written in place into one (n, V) buffer
+            z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+            z -= torch.logsumexp(z, dim=-1, keepdim=True)
+            g = grad_logprobs[s].unsqueeze(-1).to(z.dtype)
+            grad_logits = z.exp_().mul_(-g).scatter_add_(-1, labels[s].unsqueeze(-1), g)
+            # accumulates the head's parameter gradients (.grad) tile by tile, as reentrant
+            # activation checkpointing does
+            torch.autograd.backward(logits, grad_logits.to(logits.dtype))
+            del logits, z, grad_logits  # else two tiles' (n, V) tensors meet at the next head call
+            if grad_hidden is not None:
+                grad_hidden[s] = h.grad
+        return grad_hidden, None, None, None, None, None
+
+
+def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_tokens: int,
+                   with_entropy: bool = False,
+                   before_backward_tile: Callable[[bool], None] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(hidden))[label] per position (and the entropy of that softmax), the head
+    applied `tile_tokens` positions at a time.
+
+    Args:
+        hidden: (B, T, H) final hidden states aligned with labels (hidden[:, t] predicts
+            labels[:, t]); may be a non-contiguous slice; with grad for the update.
+        labels: (B, T) long token ids in [0, V) (also at masked positions).
+        head: (n, H) -> (n, V) logits (the output layer, a temperature division included); its
+            parameters get their gradients during backward, tile by tile.
+        tile_tokens: positions per tile; peak extra memory about tile_tokens x V x (logits'
+            bytes + 4 for the float32 copy), x2 in backward.
+        with_entropy: also return the entropy (a metric: not differentiable).
+        before_backward_tile: called with `last` (bool) before each tile's backward.
+
+    Returns:
+        (B, T) float32 log-probs (nats), differentiable w.r.t. hidden and the head's
+        parameters; (B, T) float32 entropy (nats) or None.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(f"expected hidden (B, T, H) and labels (B, T); got "
+                         f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
+    B, T, H = hidden.shape
+    flat = hidden.reshape(B * T, H)
+    lp, ent = _TiledLogprobs.apply(flat, labels.reshape(B * T).long(), head, tile_tokens,
+                                   with_entropy, before_backward_tile)
+    return lp.view(B, T), (ent.view(B, T) if ent is not None else None)

@@ -1,0 +1,87 @@
+"""ds_ppo.algo.tiled: log-probs and entropies from hidden states, the output head applied tile by
+tile, equal to the untiled computation (values and gradients, fp32) and never creating a
+vocabulary-wide tensor larger than one tile's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_ppo.algo import entropy_from_logits, logprobs_from_logits, tiled_logprobs
+from support.big_tensors import LargestTensor
+
+B, T, H, V = 2, 23, 8, 97
+
+
+def _setup(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(H, V, bias=True).to(dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    # a non-contiguous slice, as forward.py passes hidden[:, P-1:L-1]
+    hidden = torch.randn(B, T + 3, H, generator=g).to(dtype)[:, 2:-1].requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=g)
+    upstream = torch.randn(B, T, generator=g)
+    return head, hidden, labels, upstream
+
+
+def _grads(head, hidden):
+    out = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters()]
+    hidden.grad = None
+    for p in head.parameters():
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("tile", [1, 5, 23, 1000])
+def test_tiled_equals_untiled_values_entropy_and_gradients(tile):
+    head, hidden, labels, upstream = _setup()
+    logits = head(hidden) / 0.7
+    ref = logprobs_from_logits(logits, labels)
+    ref_ent = entropy_from_logits(logits.detach())
+    (ref * upstream).sum().backward()
+    ref_grads = _grads(head, hidden)
+    flags = []
+    lp, ent = tiled_logprobs(hidden, labels, lambda h: head(h) / 0.7, tile, with_entropy=True,
+                             before_backward_tile=flags.append)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (B, T)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    assert not ent.requires_grad  # a metric
+    (lp * upstream).sum().backward()
+    for got, want in zip(_grads(head, hidden), ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    tiles = -(-B * T // tile)
+    assert flags == [False] * (tiles - 1) + [True]  # ZeRO reduces the head's grad once, last
+
+
+def test_tiled_16bit_logits_are_reduced_in_fp32():
+    head, hidden, labels, _ = _setup(torch.bfloat16)
+    want = logprobs_from_logits(head(hidden), labels)
+    tiles, _ = tiled_logprobs(hidden, labels, head, 4)
+    assert tiles.dtype == torch.float32
+    # other matmul shapes round their bf16 logits differently (CPU kernels differ even for one
+    # tile of the flattened rows): a 16-bit tolerance, logits ~ 10
+    torch.testing.assert_close(tiles, want, atol=0.1, rtol=0)
+
+
+def test_no_tensor_of_the_logits_size_is_created():
+    """Forward and backward create nothing with B*T*V elements, while the untiled computation
+    does (the check can fail). The largest tiled tensor is the head's weight gradient (V x H)
+    or one tile's logits."""
+    head, hidden, labels, upstream = _setup()
+    with LargestTensor() as untiled:
+        (logprobs_from_logits(head(hidden), labels) * upstream).sum().backward()
+    assert untiled.numel >= B * T * V
+    with LargestTensor() as tiled:
+        lp, _ = tiled_logprobs(hidden, labels, head, 4, with_entropy=True)
+        (lp * upstream).sum().backward()
+    assert tiled.numel <= max(V * H, 4 * V) < B * T * V
+
+
+def test_bad_shapes_and_tile():
+    head, hidden, labels, _ = _setup()
+    with pytest.raises(ValueError, match="expected hidden"):
+        tiled_logprobs(hidden[0], labels, head, 4)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        tiled_logprobs(hidden, labels, head, 0)
