@@ -169,6 +169,8 @@ class ScorerRole(TrainedRole):
     an optimizer. `module` is the HF sequence-classification model inside, which checkpoints'
     safetensors copies and exports write (it loads as `reward.model`)."""
 
+    ema = None  # no moving average of a reward model (policy.ema_decay is the PPO policy's)
+
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module.model

@@ -58,7 +58,7 @@ def test_critic_warmup_leaves_the_policy_and_trains_the_value(full_run):
     assert [r["value/warmup"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
     assert ["loss/policy" in r or "loss/ptx" in r for r in rows] == [False, False, True, True]
     assert all(r["loss/ptx"] > 0 for r in rows[WARMUP:])
-    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`",
+    documented = set(re.findall(r"`([a-z_]+/[a-z0-9_]+|kl_coef)`",
                                 (REPO / "docs" / "METRICS.md").read_text()))
     assert set(rows[-1]) - {"iteration"} <= documented, set(rows[-1]) - documented
     # the EMA equals the weights until the policy's first step, then lags behind them

@@ -55,7 +55,7 @@ def test_default_experiment_raises_reward(default_run):
 def test_every_logged_metric_is_documented(default_run):
     out, _ = default_run
     doc = (REPO / "docs" / "METRICS.md").read_text()
-    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    documented = set(re.findall(r"`([a-z_]+/[a-z0-9_]+|kl_coef)`", doc))
     logged = set(read_metrics(out)[0]) - {"iteration"}
     assert logged <= documented, sorted(logged - documented)
 
@@ -323,7 +323,7 @@ def test_grpo_learns_without_a_value_model(grpo_run):
     assert "iter   20/20" in proc.stdout and "| vf " not in proc.stdout
     assert "value model starts from" not in proc.stdout
     doc = (REPO / "docs" / "METRICS.md").read_text()
-    documented = set(re.findall(r"`([a-z_]+/[a-z_]+|kl_coef)`", doc))
+    documented = set(re.findall(r"`([a-z_]+/[a-z0-9_]+|kl_coef)`", doc))
     assert set(rows[0]) - {"iteration"} <= documented
 
 

@@ -124,9 +124,12 @@ def _worker(rank: int, init_file: str, mode: str) -> None:
 
 
 def test_tensor_parallel_graph_schedule_and_agreed_fallback(tmp_path):
-    # fork: the ranks inherit the imported transformers (spawning re-imports it, ~30 s here)
+    # fork: the ranks inherit the imported transformers (spawning re-imports it, ~30 s here);
+    # not after an earlier test of this worker set up a process group (and DeepSpeed) in-process:
+    # a forked child inherits that state and cannot start its own
+    method = "spawn" if tdist.is_initialized() else "fork"
     mp.start_processes(_worker, args=(str(tmp_path / "init"), "stand_in"), nprocs=2,
-                       start_method="fork")
+                       start_method=method)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -262,6 +262,9 @@ def test_a_registry_call_that_never_finishes_is_given_up_with_a_warning(tmp_path
     from ds_ppo.run import registry
 
     class DrippingClient:
+        def search_model_versions(self, *a, **kw):
+            return []  # nothing registered yet
+
         def log_dict(self, *a, **kw):
             pass
 
