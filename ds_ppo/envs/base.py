@@ -94,21 +94,9 @@ class Episode:
 
 
 def _import(spec: str, key: str):
-    from ds_ppo.rewards.call import _put_cwd_on_path  # the same lookup as reward.function
-    import importlib
+    from ds_ppo.rewards.call import import_spec  # the same lookup as reward.function
 
-    module_name, _, attr = spec.partition(":")
-    _put_cwd_on_path()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({e}); put "
-                          f"{module_name.replace('.', '/')}.py in the directory the job starts "
-                          "in or on PYTHONPATH") from None
-    obj = getattr(module, attr, None)
-    if not callable(obj):
-        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return obj
+    return import_spec(spec, key)
 
 
 def _takes(fn: Callable, positional: int, keys: Sequence[str], key: str, spec: str,

@@ -19,29 +19,36 @@ from typing import Any, Callable, Sequence
 from ds_ppo.errors import ConfigError, RewardFunctionError, RewardTimeout, UserError
 
 
+def import_spec(spec: str, key: str) -> Callable:
+    """The callable `module:name` that config key `key` names (reward.function, env.function),
+    looked up in the directory the job started in first; a ConfigError naming the key when the
+    module does not import or has no such callable."""
+    module_name, _, attr = spec.partition(":")
+    _put_cwd_on_path()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({e}); put "
+                          f"{module_name.replace('.', '/')}.py in the directory the job starts "
+                          f"in ({os.getcwd()}) or on PYTHONPATH") from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return obj
+
+
 def load_reward_function(spec: str, keys: Sequence[str] = ()
                          ) -> Callable[..., list[float]]:
     """Import `module:function`; a clear ConfigError when it cannot be found or does not take
     the keyword arguments `keys` (data.reward_keys). The module is looked up in the directory
     the job started in first, for every entry point (`ds-ppo`, `python -m ds_ppo`, each rank of
     the `deepspeed` launcher, which starts every node's ranks in that same path)."""
-    module_name, _, attr = spec.partition(":")
-    _put_cwd_on_path()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"reward.function = {spec!r}: cannot import module {module_name!r} "
-                          f"({e}); put {module_name.replace('.', '/')}.py in the directory the job "
-                          f"starts in ({os.getcwd()}) or on PYTHONPATH") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"reward.function = {spec!r}: module {module_name!r} has no callable "
-                          f"{attr!r}")
+    fn = import_spec(spec, "reward.function")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check (some builtins): call and see
         return fn
-    problem = signature_problem(signature, keys, attr)
+    problem = signature_problem(signature, keys, spec.partition(":")[2])
     if problem:
         raise ConfigError(f"reward.function = {spec!r} {problem}")
     return fn
