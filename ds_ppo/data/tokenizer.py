@@ -305,3 +305,18 @@ def _builtin_tiny(cache_dir: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def load_policy_tokenizer(cfg, out: Path) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer (policy.tokenizer, else policy.path), cached under `out`, for
+    every job (`ds-ppo train`, `sft`, `rm`). Every rank loads it (and, for builtin:tiny, may
+    build it: the cache is written atomically), so a bad spec fails on every rank alike instead
+    of hanging one."""
+    from ds_ppo.errors import ConfigError
+
+    spec = cfg.policy.tokenizer or cfg.policy.path
+    if spec is None:
+        raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
+                          "(a path, a hub name or builtin:tiny)")
+    out.mkdir(parents=True, exist_ok=True)
+    return load_tokenizer(spec, out)

@@ -135,14 +135,9 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
 # ------------------------------------------------------------------------- start-up
 def _load_data(cfg: Config, job: Job, out: Path):
     from ds_ppo.data.supervised import format_stats
-    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.data.tokenizer import load_policy_tokenizer
 
-    spec = cfg.policy.tokenizer or cfg.policy.path
-    if spec is None:
-        raise ConfigError("policy.tokenizer: a model built from policy.arch needs a tokenizer "
-                          "(a path, a hub name or builtin:tiny)")
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(spec, out)
+    tokenizer = load_policy_tokenizer(cfg, out)
     data = job.load(cfg, tokenizer)
     log.info("%s rows, split %s: %s", job.name, cfg.data.split, format_stats(data.stats))
     eval_data = None

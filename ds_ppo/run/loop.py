@@ -24,8 +24,7 @@ from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, chec
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
-from ds_ppo.errors import (ConfigError, Diverged, RegistrationError, RewardError,
-                           RewardTimeout)
+from ds_ppo.errors import Diverged, RegistrationError, RewardError, RewardTimeout
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
@@ -211,16 +210,9 @@ def _seed_everything(seed: int) -> None:
 
 def _load_data(cfg: Config, out: Path):
     from ds_ppo.data.prompts import load_prompts
-    from ds_ppo.data.tokenizer import load_tokenizer
+    from ds_ppo.data.tokenizer import load_policy_tokenizer, load_tokenizer
 
-    spec = cfg.policy.tokenizer or cfg.policy.path
-    if spec is None:
-        raise ConfigError("policy.tokenizer: a policy built from policy.arch needs a tokenizer "
-                          "(a path, a hub name or builtin:tiny)")
-    out.mkdir(parents=True, exist_ok=True)
-    # every rank loads (and, for builtin:tiny, may build: the cache is written atomically) the
-    # tokenizer itself, so a bad tokenizer spec fails on every rank alike instead of hanging one
-    tokenizer = load_tokenizer(spec, out)
+    tokenizer = load_policy_tokenizer(cfg, out)
     prompts = load_prompts(cfg.data, tokenizer)
     eval_prompts = None
     if cfg.data.eval_split is not None and cfg.data.eval_every > 0:
