@@ -33,6 +33,9 @@ class AdvantageInputs:
     lam: float = 0.95
     whiten: bool = True  # ppo.whiten_advantages (gae)
     whiten_across_ranks: bool = True  # whitening statistics over all ranks' tokens
+    # the data-parallel process group of those statistics (None: the world); with sequence
+    # parallelism the ranks of a group hold the same rows, counted once
+    group: object = None
 
 
 Estimate = Callable[[AdvantageInputs], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -67,7 +70,7 @@ def _gae(x: AdvantageInputs):
     advantages, returns = gae(x.rewards, x.values, x.mask, x.gamma, x.lam)
     if x.whiten:
         advantages = masked_whiten(advantages, x.mask, shift_mean=True,
-                                   distributed=x.whiten_across_ranks)
+                                   distributed=x.whiten_across_ranks, group=x.group)
     return advantages, returns
 
 
@@ -75,7 +78,7 @@ def _gae(x: AdvantageInputs):
 def _reinforce_pp(x: AdvantageInputs):
     # Hu 2025: global-batch normalisation of the returns (all ranks) is the estimator itself
     return masked_whiten(discounted_returns(x.rewards, x.mask, x.gamma), x.mask,
-                         shift_mean=True, distributed=True), None
+                         shift_mean=True, distributed=True, group=x.group), None
 
 
 def _group(method: str) -> Estimate:

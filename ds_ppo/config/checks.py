@@ -559,10 +559,6 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
     if cfg.data.ptx_path is not None and p.ptx_coef == 0:
         out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
                    "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")
-    if cfg.deepspeed.sequence_parallel_size > 1:
-        out.append(f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: "
-                   "checked and planned, but training refuses it in this version (the loop "
-                   "does not split its data-parallel group yet; docs/PERFORMANCE.md)")
     if not p.uses_critic:
         given = [f"value.{k}" for k in sorted(cfg.value.model_fields_set)] + \
             [f"deepspeed.value.{k}" for k in sorted(cfg.deepspeed.value.model_fields_set)]

@@ -621,8 +621,8 @@ class DeepSpeedConfig(Section):
         "For the policy, reference and value forwards of rows longer than "
         "sequence_parallel_min_tokens; the data-parallel group is world / N. N must divide the "
         "world size and the models' attention heads (KV heads: divide or be divided by N); "
-        "sdpa or flash attention. Planned by `ds-ppo plan`; the training loop does not split "
-        "its data-parallel group yet and refuses N > 1 (docs/PERFORMANCE.md, Long context).")
+        "sdpa or flash attention. The N ranks of a group are one data-parallel rank (the same "
+        "prompts and rollout); planned by `ds-ppo plan` (docs/PERFORMANCE.md, Long context).")
     sequence_parallel_min_tokens: int = Field(
         8192, gt=0, description="With sequence_parallel_size > 1: rows of at least this many "
         "tokens (prompt + response) are split across the sequence-parallel group; shorter ones "

@@ -322,7 +322,9 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
         if loaded is None:
             raise unusable(path, path / role / tag, "holds no checkpoint DeepSpeed can load")
     _load_ema(path, engines, same_world=state.world_size == dist.world_size())
-    if state.world_size == dist.world_size():
+    # the ZeRO layout depends on the world size only (DeepSpeed is not told of SP groups), but a
+    # rank's sampling stream is its data-parallel rank's: another SP size regroups the streams
+    if (state.world_size, state.sequence_parallel_size) == (dist.world_size(), dist.sp_size()):
         rng_file = path / "rng" / f"rank_{dist.rank():05d}.pt"
         try:
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -333,7 +335,9 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
                            f"cannot be read ({type(e).__name__}: {_first_line(e)})") from None
     else:
         # a different world size: there is no saved stream for this rank; reseed deterministically
-        torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.rank())
-        log.warning("world size changed (%d -> %d): RNG streams reseeded", state.world_size,
-                    dist.world_size())
+        # (the ranks of an SP group share their data-parallel rank's stream)
+        torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.dp_rank())
+        log.warning("world size or sequence-parallel size changed (%d -> %d ranks, SP %d -> %d)"
+                    ": RNG streams reseeded", state.world_size, dist.world_size(),
+                    state.sequence_parallel_size, dist.sp_size())
     return state

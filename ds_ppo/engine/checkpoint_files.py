@@ -56,6 +56,8 @@ class TrainerState:
     advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
     lora_bases: dict = field(default_factory=dict)  # LoRA role -> {path, fingerprint} of its base
     job: str = "ppo"  # the command that wrote it: ppo (ds-ppo train), sft or rm (one model)
+    # deepspeed.sequence_parallel_size of the run that wrote it (written before the key: 1)
+    sequence_parallel_size: int = 1
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

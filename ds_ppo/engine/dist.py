@@ -1,4 +1,11 @@
-"""Process-group set-up and the few collectives the trainer needs (all across the DP group)."""
+"""Process-group set-up and the few collectives the trainer needs.
+
+Data-parallel (DP) group: with deepspeed.sequence_parallel_size = N (`set_sequence_parallel`),
+the N consecutive ranks of a sequence-parallel (SP) group hold the same rows, so they are ONE
+data-parallel rank: `dp_rank()` / `dp_world_size()` index the rows, sums run over the ranks
+with the same place in their SP group (each row counted once), maxima over the world (the
+same value either way; every rank's count of collective forwards must agree). With N = 1 the
+DP group is the world."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +26,9 @@ from ds_ppo import watchdog
 
 log = logging.getLogger("ds_ppo")
 _timeout_minutes = 30.0  # dist_timeout_minutes of this job (init_distributed sets it)
+# deepspeed.sequence_parallel_size and this rank's groups (set_sequence_parallel)
+_SP: dict = {"size": 1, "sp_group": None, "dp_group": None}
+_GROUPS: dict[int, dict] = {}  # SP size -> this rank's {"sp_group", "dp_group"}
 
 
 def _free_port() -> int:
@@ -136,6 +146,100 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def sp_layout(world: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(SP groups, DP groups) of a world of `world` ranks with SP size `size`: SP group k is the
+    consecutive ranks [k*size, (k+1)*size) (DeepSpeed's parallel_state_sp layout: a group
+    shares a node); DP group j is the ranks at place j of their SP group."""
+    if size < 1 or world % size:
+        raise ValueError(f"sequence-parallel size {size} does not divide the world size {world}")
+    sp = [list(range(k * size, (k + 1) * size)) for k in range(world // size)]
+    return sp, [list(range(j, world, size)) for j in range(size)]
+
+
+def sp_coords(rank: int, world: int, size: int) -> tuple[int, int, int]:
+    """(data-parallel rank, data-parallel world size, place in the SP group) of `rank`."""
+    sp_layout(world, size)  # checks that size divides world
+    return rank // size, world // size, rank % size
+
+
+def set_sequence_parallel(size: int):
+    """Make the SP groups of `size` consecutive ranks and the DP groups across them (every rank
+    creates every group, as torch.distributed requires); returns this rank's SP group (None
+    for size 1). Collective; once per process."""
+    if size == 1:
+        _SP.update(size=1, sp_group=None, dp_group=None)
+        return None
+    if size not in _GROUPS:  # made once per size: every rank builds the same engines in turn
+        sp, dp = sp_layout(world_size(), size)
+        mine = {}
+        for kind, layout in (("sp_group", sp), ("dp_group", dp)):
+            for ranks in layout:
+                g = dist.new_group(ranks)
+                if rank() in ranks:
+                    mine[kind] = g
+        _GROUPS[size] = mine
+    _SP.update(size=size, **_GROUPS[size])
+    return _SP["sp_group"]
+
+
+def sp_size() -> int:
+    """deepspeed.sequence_parallel_size of this job (1 before set_sequence_parallel)."""
+    return _SP["size"]
+
+
+def sp_group():
+    """This rank's sequence-parallel group (None without sequence parallelism)."""
+    return _SP["sp_group"]
+
+
+def dp_group():
+    """The data-parallel group sums run over (None: the world)."""
+    return _SP["dp_group"]
+
+
+def dp_rank() -> int:
+    """This rank's data-parallel rank: which rows it holds (its SP group's index)."""
+    return rank() // _SP["size"]
+
+
+def dp_world_size() -> int:
+    """Data-parallel ranks: world / deepspeed.sequence_parallel_size."""
+    return world_size() // _SP["size"]
+
+
+def is_sp_leader() -> bool:
+    """The first rank of this rank's SP group (every rank without sequence parallelism)."""
+    return rank() % _SP["size"] == 0
+
+
+def broadcast_in_sp_group(obj, device: torch.device):
+    """The SP group's first rank's Python object (tensors, dataclasses of them, lists, dicts)
+    on every rank of the group, its tensors on `device` (itself without sequence parallelism).
+    Tensors travel as CPU copies, so no rank unpickles another GPU's device."""
+    if _SP["size"] == 1:
+        return obj
+    src = rank() - rank() % _SP["size"]
+    box = [_moved(obj, torch.device("cpu")) if rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=_SP["sp_group"])
+    return _moved(box[0], device)
+
+
+def _moved(obj, device: torch.device):
+    """`obj` with every tensor inside it on `device` (dataclass fields, lists, tuples, dicts)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -175,23 +279,26 @@ def collective_device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
-def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
-    """A reduced copy of t over the data-parallel group, on t's device (identity on one
+def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
+    """A reduced copy of t over `group` (None: the world), on t's device (identity on one
     process)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return t.clone()
     work = t.to(collective_device(t), copy=True)
-    dist.all_reduce(work, op=op)
+    dist.all_reduce(work, op=op, group=group)
     return work.to(t.device)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the data-parallel group (returns a new tensor; identity on one process)."""
-    return _all_reduce(t, dist.ReduceOp.SUM)
+    """Sum over the data-parallel group: each row counted once, also when an SP group of N
+    ranks holds it (returns a new tensor; identity on one process)."""
+    return _all_reduce(t, dist.ReduceOp.SUM, _SP["dp_group"])
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """Maximum over the data-parallel group (returns a new tensor; identity on one process)."""
+    """Maximum over every rank (the data-parallel maximum too: an SP group's ranks hold the
+    same rows); a count of collective forwards agreed on by the world (returns a new tensor;
+    identity on one process)."""
     return _all_reduce(t, dist.ReduceOp.MAX)
 
 
@@ -204,12 +311,14 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def gather_objects(obj) -> list:
-    """Every rank's object, in rank order, on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_objects(obj, data_parallel: bool = False) -> list:
+    """Every rank's object, in rank order, on every rank; `data_parallel`: one per
+    data-parallel rank (the ranks at this rank's place in their SP groups)."""
+    group = _SP["dp_group"] if data_parallel else None
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from ds_ppo.containers import Rollout
+from ds_ppo.engine import dist
 from ds_ppo.engine.forward import response_logprobs, response_values, sequence_scores
+from ds_ppo.engine.sequence_parallel import row_logprobs, row_values
 
 
 class Role:
@@ -113,9 +115,14 @@ class _LogProbs:
     """A causal LM role: log-probs of the response tokens."""
 
     def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False,
-                 **kwargs):
+                 split: bool = False, **kwargs):
         """`forward.response_logprobs` through this role's engine: (B, T) float32 log-probs and
-        (B, T) entropy (None unless `with_entropy`)."""
+        (B, T) entropy (None unless `with_entropy`). `split`: one row split across this rank's
+        sequence-parallel group (`sequence_parallel.row_logprobs`, always tiled; collective in
+        the group)."""
+        if split:
+            return row_logprobs(self.engine, rollout, temperature, dist.sp_group(),
+                                kwargs.get("tile_tokens", 1024), with_entropy)
         return response_logprobs(self.engine, rollout, temperature, with_entropy, **kwargs)
 
 
@@ -146,8 +153,11 @@ class PolicyRole(_LogProbs, TrainedRole):
 class ValueRole(TrainedRole):
     """The value model: an HF backbone with a per-token scalar head, trained."""
 
-    def values(self, rollout: Rollout, **kwargs) -> torch.Tensor:
-        """`forward.response_values` through this role's engine: (B, T) float32."""
+    def values(self, rollout: Rollout, split: bool = False, **kwargs) -> torch.Tensor:
+        """`forward.response_values` through this role's engine: (B, T) float32. `split`: one
+        row split across this rank's sequence-parallel group (`sequence_parallel.row_values`)."""
+        if split:
+            return row_values(self.engine, rollout, dist.sp_group())
         return response_values(self.engine, rollout, **kwargs)
 
 

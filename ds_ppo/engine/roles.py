@@ -30,11 +30,11 @@ import torch
 
 from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
-from ds_ppo.engine import dist, lora
+from ds_ppo.engine import dist, lora, sequence_parallel
+from ds_ppo.engine.forward import causal_lm
 from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
 from ds_ppo.engine.tiled_mlp import tile_mlps
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
-from ds_ppo.errors import ConfigError
 
 log = logging.getLogger("ds_ppo")
 
@@ -337,12 +337,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
     from ds_ppo.rewards.call import load_reward_function
 
-    if cfg.deepspeed.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"deepspeed.sequence_parallel_size = {cfg.deepspeed.sequence_parallel_size}: the "
-            "sequence-parallel forward exists (engine/sequence_parallel.py, tested on 2 ranks) but "
-            "the training loop does not yet split its data-parallel group into SP groups; set "
-            "deepspeed.sequence_parallel_size=1 (ds-ppo plan models it; docs/PERFORMANCE.md)")
+    # the SP groups of deepspeed.sequence_parallel_size consecutive ranks and the data-parallel
+    # groups across them (engine/dist.py); size 1 resets them (a process that builds twice)
+    sp_group = sequence_parallel.new_group(cfg.deepspeed.sequence_parallel_size)
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     init_dir = Path(cfg.output_dir) / "init_models"
@@ -392,6 +389,10 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         from ds_ppo.engine.ema import ParamEMA
 
         ema = ParamEMA(policy.module, cfg.policy.ema_decay)
+    if sp_group is not None:  # Ulysses attention for the split rows' forwards
+        for engine in (policy, value, reference):
+            if engine is not None and not isinstance(engine, lora.AdaptersOff):
+                sequence_parallel.register(causal_lm(engine).config, sp_group)
     if dist.is_main():
         log.info("%s", describe_stages(cfg, ds_configs, world, load_universal))
     return Engines(policy=PolicyRole(policy, ema),

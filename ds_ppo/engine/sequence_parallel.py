@@ -22,7 +22,7 @@ reduce-scatter would sum N equal copies): the group's parameter gradients sum to
 from __future__ import annotations
 
 import contextvars
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -37,11 +37,11 @@ _REGISTERED: dict[str, dict] = {}  # kernel name -> {"group", "core", "ulysses":
 
 def new_group(size: int):
     """This rank's SP group: consecutive ranks [k*size, (k+1)*size) (DeepSpeed's
-    parallel_state_sp layout, so ranks of one group share a node). Collective."""
-    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+    parallel_state_sp layout, so ranks of one group share a node), and the data-parallel groups
+    across them (`dist.set_sequence_parallel`). Collective."""
+    from ds_ppo.engine import dist
 
-    mpu.initialize_sequence_parallel(sequence_parallel_size=size)
-    return mpu.get_sequence_parallel_group()
+    return dist.set_sequence_parallel(size)
 
 
 def register(hf_config, group) -> None:
@@ -131,37 +131,66 @@ class _GatherRow(torch.autograd.Function):
         return grad[a:b], None
 
 
-def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens: int,
-                 with_entropy: bool = False):
-    """(1, T) float32 log-probs (and entropy) of one row's response tokens, the row split
-    across the SP group (module docstring); every rank of the group passes the same row and
-    gets the same result. Positions after the counted response are 0, as in
-    forward.response_logprobs. Collective in forward and backward."""
+def _shard(rollout: Rollout, group):
+    """One row's real tokens (1, N*s + 1: padded at the end with its last token; causal, so
+    nothing sees the pad) and this rank's slice of s positions, with (P, R, L): prompt,
+    response and real tokens."""
     import deepspeed.comm as dist
 
     if len(rollout) != 1:
-        raise ValueError(f"row_logprobs takes one row, got {len(rollout)}")
+        raise ValueError(f"a split forward takes one row, got {len(rollout)}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     P, R = rollout.prompt_lens[0], rollout.response_lens[0]
     ids = torch.cat([rollout.prompt_ids[0, rollout.prompt_ids.shape[1] - P:],
                      rollout.response_ids[0, :R]])[None]  # (1, L) real tokens only
     L = ids.shape[1]
-    s = -(-L // size)  # shard length; the row is padded at its end (causal: nothing sees it)
+    s = -(-L // size)  # shard length
     ids = torch.nn.functional.pad(ids, (0, s * size + 1 - L), value=int(ids[0, -1]))
-    mine = slice(rank * s, (rank + 1) * s)
+    return ids, slice(rank * s, (rank + 1) * s), (P, R, L)
+
+
+def _positions(mine: slice, device) -> torch.Tensor:
+    return torch.arange(mine.start, mine.stop, device=device)[None]
+
+
+def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens: int,
+                 with_entropy: bool = False):
+    """(1, T) float32 log-probs (and entropy) of one row's response tokens, the row split
+    across the SP group (module docstring); every rank of the group passes the same row and
+    gets the same result. Positions after the counted response are 0, as in
+    forward.response_logprobs. A LoRA reference (lora.AdaptersOff) keeps its adapters off for
+    the head's calls too. Collective in forward and backward."""
+    ids, mine, (P, R, L) = _shard(rollout, group)
+    off = getattr(model, "adapters_off", None)
+    runner = model.engine if off is not None else model
     lm = causal_lm(model)
-    with sharded():
-        hidden = final_hidden(model, lm, input_ids=ids[:, mine], attention_mask=None,
-                              position_ids=torch.arange(mine.start, mine.stop,
-                                                        device=ids.device)[None])
-    head, grad_ready = output_head(lm, temperature)
-    # every local position predicts the next token (labels shifted by one; the pads' are junk)
-    labels = ids[:, mine.start + 1:mine.stop + 1]
-    lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready)
+    with off() if off is not None else nullcontext():
+        with sharded():
+            hidden = final_hidden(runner, lm, input_ids=ids[:, mine], attention_mask=None,
+                                  position_ids=_positions(mine, ids.device))
+        head, grad_ready = output_head(lm, temperature)
+        # every local position predicts the next token (labels shifted by one; the pads' are
+        # junk)
+        labels = ids[:, mine.start + 1:mine.stop + 1]
+        lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready)
     T = rollout.response_ids.shape[1]
+    return _response(lp, group, P, R, L, T), (_response(ent, group, P, R, L, T)
+                                              if with_entropy else None)
 
-    def response(piece: torch.Tensor) -> torch.Tensor:  # this rank's (1, s) -> the row's (1, T)
-        row = _GatherRow.apply(piece[0], group)
-        return torch.nn.functional.pad(row[P - 1:L - 1], (0, T - R))[None]
 
-    return response(lp), (response(ent) if with_entropy else None)
+def row_values(model, rollout: Rollout, group) -> torch.Tensor:
+    """(1, T) float32 values of one row's response tokens (the per-token head's output at the
+    position before each, as forward.response_values), the row split across the SP group.
+    Collective in forward and backward."""
+    ids, mine, (P, R, L) = _shard(rollout, group)
+    with sharded():
+        out = model(input_ids=ids[:, mine], attention_mask=None,
+                    position_ids=_positions(mine, ids.device), use_cache=False)
+    return _response(out.logits[..., 0].float(), group, P, R, L, rollout.response_ids.shape[1])
+
+
+def _response(piece: torch.Tensor, group, P: int, R: int, L: int, T: int) -> torch.Tensor:
+    """This rank's (1, s) outputs at its positions -> the row's (1, T) at the positions
+    predicting response tokens P .. L - 1 (0 after the counted response)."""
+    row = _GatherRow.apply(piece[0], group)
+    return torch.nn.functional.pad(row[P - 1:L - 1], (0, T - R))[None]

@@ -287,8 +287,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
             f"one row per forward); data-parallel group {cluster.world_size // sp}"
             if sharded else f"rows of {seq} tokens stay whole (below "
             f"deepspeed.sequence_parallel_min_tokens = "
-            f"{cfg.deepspeed.sequence_parallel_min_tokens})")
-            + "; training refuses sequence_parallel_size > 1 in this version")
+            f"{cfg.deepspeed.sequence_parallel_min_tokens})"))
     if "value" not in roles:
         notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
                      "no value model (no weights, gradients or optimizer state for it)")

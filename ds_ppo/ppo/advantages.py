@@ -8,6 +8,7 @@ from ds_ppo.algo import group_score_stats, kl_estimate, shape_rewards
 from ds_ppo.algo.estimators import AdvantageInputs, advantages_for
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience
+from ds_ppo.engine import dist
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
         rewards = rewards + exp.rollout.turn_rewards.masked_fill(~mask, 0.0)
     advantages, returns = advantages_for(s.estimator, AdvantageInputs(
         rewards, mask, exp.old_values, group_size=s.group_size, gamma=s.gamma, lam=s.lam,
-        whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks))
+        whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks, group=dist.dp_group()))
     train_rows = None
     if s.filter_zero_std_groups:
         _, constant = group_score_stats(exp.episode_scores, s.group_size)

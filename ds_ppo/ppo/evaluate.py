@@ -16,12 +16,13 @@ log = logging.getLogger("ds_ppo")
 
 
 def eval_indices(num_prompts: int, cfg: Config) -> list[int]:
-    """This rank's share of the first eval_size prompts, rounded down to a multiple of the world
-    size so every rank generates (and calls the engines) equally often."""
-    world = dist.world_size()
+    """This data-parallel rank's share of the first eval_size prompts (the ranks of a
+    sequence-parallel group take the same), rounded down to a multiple of the data-parallel
+    world size so every rank generates (and calls the engines) equally often."""
+    world, rank = dist.dp_world_size(), dist.dp_rank()
     n = (min(num_prompts, cfg.data.eval_size) // world) * world
     per = n // world
-    return list(range(dist.rank() * per, (dist.rank() + 1) * per))
+    return list(range(rank * per, (rank + 1) * per))
 
 
 def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,

@@ -16,6 +16,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.data.ptx import PtxStream
+from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
@@ -68,6 +69,10 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
                                                       run.tokenizer, run.gen_mode, run.eos_ids,
                                                       run.env)
             add_episode_metrics(acc, stats)
+        # the ranks of a sequence-parallel group generated the same rows from the same stream;
+        # its first rank's rollout on all of them makes that exact (a split row must be the
+        # same row on every rank of the group)
+        rollout = dist.broadcast_in_sp_group(rollout, engines.device)
     generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):

@@ -22,26 +22,63 @@ def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list
     return batches, [i for rows in batches for i in rows]
 
 
+def split_rows(rollout: Rollout, cfg: Config, rows: list[int] | None = None
+               ) -> tuple[list[int], list[int]]:
+    """`rows` (default: all) as (rows every rank runs whole, rows split across the
+    sequence-parallel group: at least deepspeed.sequence_parallel_min_tokens real tokens;
+    none without sequence parallelism)."""
+    rows = list(range(len(rollout))) if rows is None else rows
+    if dist.sp_size() == 1:
+        return rows, []
+    least, lens = cfg.deepspeed.sequence_parallel_min_tokens, rollout.row_lens
+    return [i for i in rows if lens[i] < least], [i for i in rows if lens[i] >= least]
+
+
+def is_split(rollout: Rollout, cfg: Config, rows: list[int]) -> bool:
+    """Whether the micro-batch `rows` is one row split across the sequence-parallel group
+    (`plan_micro_batches` puts each such row alone; an idle repeat of one is split too)."""
+    return len(rows) == 1 and bool(split_rows(rollout, cfg, rows)[1])
+
+
+def plan_micro_batches(rollout: Rollout, cfg: Config, size: int,
+                       rows: list[int] | None = None) -> list[list[int]]:
+    """This rank's model forwards over `rows` (default: all): the micro-batches of the rows run
+    whole (packed by ppo.micro_batch_tokens, else `size` rows, longest first), then each split
+    row alone (`split_rows`)."""
+    whole, split = split_rows(rollout, cfg, rows)
+    budget = cfg.ppo.micro_batch_tokens
+    batches = [] if not whole else (rollout.token_micro_batches(budget, whole) if budget
+                                    else rollout.micro_batches(size, whole))
+    return batches + [[i] for i in split]
+
+
+def varying_counts(cfg: Config) -> bool:
+    """Whether ranks may run different numbers of forwards per batch (packed micro-batches, or
+    split rows whose number differs between sequence-parallel groups)."""
+    return cfg.ppo.micro_batch_tokens is not None or dist.sp_size() > 1
+
+
 def _model_micro_batches(rollout: Rollout, cfg: Config
                          ) -> tuple[list[list[int]], list[int], int]:
-    """The micro-batches of the policy, reference and value forwards, their rows one after
-    another (for `in_row_order`) and how many of them hold this rank's rows. With
-    ppo.micro_batch_tokens they are packed by tokens, so their number differs between ranks;
-    ZeRO-3 forwards are collective, so every rank runs as many as the rank with the most (one
-    all-reduce): the extra, idle ones repeat this rank's shortest row, their outputs dropped."""
-    budget = cfg.ppo.micro_batch_tokens
-    if budget is None:
-        batches, order = _micro_batches(rollout, cfg)
+    """The micro-batches of the policy, reference and value forwards (`plan_micro_batches`),
+    their rows one after another (for `in_row_order`) and how many of them hold this rank's
+    rows. Packed or with split rows, their number differs between ranks; ZeRO-3 forwards are
+    collective, so every rank runs as many as the rank with the most (one all-reduce): the
+    extra, idle ones repeat this rank's shortest row, their outputs dropped."""
+    batches = plan_micro_batches(rollout, cfg,
+                                 cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
+    order = [i for rows in batches for i in rows]
+    if not varying_counts(cfg):
         return batches, order, len(batches)
-    batches = rollout.token_micro_batches(budget)
     most = int(dist.all_reduce_max(torch.tensor([float(len(batches))], dtype=torch.float64)))
-    return rollout.with_idle(batches, most), [i for rows in batches for i in rows], len(batches)
+    return rollout.with_idle(batches, most), order, len(batches)
 
 
-def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
-    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout).
-    Collective: the ranks agree on the outcome, so a function that fails or hangs on one rank
-    stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True) -> list[float]:
+    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout);
+    [] without `call` (a sequence-parallel group's other ranks: its first rank's scores reach
+    them). Collective: the ranks agree on the outcome, so a function that fails or hangs on one
+    rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
     columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
     error, scores = None, []
     # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
@@ -51,9 +88,10 @@ def _function_scores(rollout: Rollout, fn, cfg: Config) -> list[float]:
     # reward.timeout_s = null: a call that is never stopped, by the watchdog neither
     exempt = {"limit_s": None} if cfg.reward.timeout_s is None else {}
     try:
-        with watchdog.phase("reward call", **exempt):
-            scores = call_reward_function(fn, spec, list(rollout.prompts),
-                                          list(rollout.responses), columns, timeout_s)
+        if call:
+            with watchdog.phase("reward call", **exempt):
+                scores = call_reward_function(fn, spec, list(rollout.prompts),
+                                              list(rollout.responses), columns, timeout_s)
     except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
         error = e
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
@@ -81,8 +119,9 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     cut = None
     if engines.reward_fn is None and engines.reward is None:  # an env's turn rewards are all
         scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
-    elif engines.reward_fn is not None:
-        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg),
+    elif engines.reward_fn is not None:  # called once per sequence-parallel group
+        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg,
+                                               call=dist.is_sp_leader()),
                               dtype=torch.float32, device=device)
     else:
         batches, order = _micro_batches(rollout, cfg)
@@ -94,6 +133,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
             cuts.append(part_cut.to(device))
         scores = in_row_order(torch.cat(parts), order)
         cut = in_row_order(torch.cat(cuts), order)
+    # a sequence-parallel group's ranks hold the same rows: its first rank's scores on all
+    scores = dist.broadcast_in_sp_group(scores, device)
     if cfg.reward.missing_eos_penalty is not None:
         scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
     return scores, cut
@@ -103,7 +144,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
-    ppo.micro_batch_tokens, idle micro-batches make up the difference)."""
+    ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
+    micro-batches make up the difference)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
     engines.policy.eval()
@@ -116,12 +158,15 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     for k, rows in enumerate(batches):
         watchdog.progress(k)
         mb = rollout.slice(rows)
-        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed, **tiling)
+        split = is_split(rollout, cfg, rows)  # one row across the sequence-parallel group
+        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed,
+                                          split=split, **tiling)
         logp.append(lp)
         entropy.append(ent)
-        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, **tiling)[0])
+        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, split=split,
+                                                   **tiling)[0])
         if critic is not None:
-            values.append(critic.values(mb, packed=packed))
+            values.append(critic.values(mb, packed=packed, split=split))
     del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches
     engines.policy.train()
     if critic is not None:

@@ -16,6 +16,17 @@ the extra ones idle (a repeat of its shortest row with zero loss weight), and th
 is placed explicitly on each mini-batch's last micro-batch (`backward_step`'s boundary). DeepSpeed
 still divides each loss by its configured accumulation steps, which the scale above undoes, so
 the gradient is the same sum as without packing.
+
+Sequence parallelism (deepspeed.sequence_parallel_size = N): the N ranks of a group hold the same
+rows (one data-parallel rank). DeepSpeed is not told of the groups (no `mpu`): it averages the
+gradients over all W ranks, as without SP, so the scale stays W x accumulation steps. A row of
+at least deepspeed.sequence_parallel_min_tokens runs alone, split across the group
+(`sequence_parallel.row_logprobs`): each rank's backward gives its shard's piece of the row's
+gradient, and the pieces sum to it. Shorter rows run whole on every rank of the group, each
+rank's loss weighted 1/N, so the group's copies sum to one row's gradient. The counts (divisors)
+are summed over the data-parallel group: each row once. Split rows make the number of
+micro-batches differ between groups: as packed, every rank runs the most, the step placed
+explicitly.
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.scoring import is_split, plan_micro_batches, varying_counts
 from ds_ppo.role_names import TRAINED_ROLES
 
 
@@ -95,13 +107,11 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     value model trains. `ptx`: the PPO-ptx rows, whose LM loss (x ppo.ptx_coef) joins each
     policy step."""
     p = cfg.ppo
-    world = dist.world_size()
-    per_rank_mini = p.mini_batch_size // world
+    per_rank_mini = p.mini_batch_size // dist.dp_world_size()  # rows of a data-parallel rank
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
-    packed = p.micro_batch_tokens is not None
     train_policy = not critic_warmup(cfg, iteration)
     ptx = ptx if train_policy and p.ptx_coef > 0 else None
     if critic_warmup(cfg, 1):  # a run with a warm-up says which iterations are
@@ -110,11 +120,12 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     if critic is not None:
         critic.train()
     for epoch in range(p.ppo_epochs):
-        minibatches = minibatch_rows(len(exp), per_rank_mini, dist.rank(), epoch, cfg.seed,
+        minibatches = minibatch_rows(len(exp), per_rank_mini, dist.dp_rank(), epoch, cfg.seed,
                                      iteration)
         ptx_rows = [ptx.minibatch(iteration, epoch * len(minibatches) + j) if ptx else None
                     for j in range(len(minibatches))]
-        # per global mini-batch (sum over ranks), one all-reduce per epoch: its valid tokens
+        # per global mini-batch (sum over data-parallel ranks), one all-reduce per epoch: its
+        # valid tokens
         # (the value loss's divisor), the policy loss's divisor (ppo.loss_aggregation) and
         # its PPO-ptx target tokens
         counts = dist.all_reduce_sum(torch.tensor(
@@ -122,12 +133,12 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
               loss_divisor([pg_lens[i] for i in rows if kept[i]], p.loss_aggregation),
               float(ptx.tokens(mine)) if ptx else 0.0]
              for rows, mine in zip(minibatches, ptx_rows)], dtype=torch.float64))
-        # longest rows first; the order within a mini-batch does not change its gradient
-        # (each micro-batch loss is normalised by the whole mini-batch's count)
-        micro = [exp.rollout.token_micro_batches(p.micro_batch_tokens, rows) if packed
-                 else exp.rollout.micro_batches(p.micro_batch_size, rows) for rows in minibatches]
+        # longest rows first, split rows last; the order within a mini-batch does not change
+        # its gradient (each micro-batch loss is normalised by the whole mini-batch's count)
+        micro = [plan_micro_batches(exp.rollout, cfg, p.micro_batch_size, rows)
+                 for rows in minibatches]
         steps = [len(m) for m in micro]
-        if packed:  # per mini-batch, the most micro-batches of any rank (one all-reduce)
+        if varying_counts(cfg):  # per mini-batch, the most micro-batches of any rank
             steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
         for mine, n_steps, (n_tok, pg_div, ptx_tok), rows in zip(micro, steps, counts.tolist(),
                                                                   ptx_rows):
@@ -141,10 +152,12 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
     """One optimizer step of each trained role over this rank's micro-batches `mine` of a
     mini-batch (then idle ones up to step.n_steps), and its statistics into `acc`."""
     p = cfg.ppo
-    world = dist.world_size()
+    world = dist.world_size()  # DeepSpeed averages over every rank (module docstring)
     scale = float(world * grad_accum_steps(cfg, world))
+    copies = dist.sp_size()  # ranks that compute a whole row's gradient (module docstring)
     critic = engines.value
     packed = p.micro_batch_tokens is not None
+    explicit = varying_counts(cfg)  # the optimizer step placed on the last micro-batch
     # device tensors, read once per mini-batch: no host sync between micro-batches
     losses, stats = [], {}
     batches = exp.rollout.with_idle(mine, step.n_steps)  # then zero-weight repeats
@@ -152,19 +165,21 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
                  *exp.rollout.positions(batches, packed, len(mine)))
     for k, mb_rows in enumerate(batches):
         watchdog.progress(k)
-        weight = scale if k < len(mine) else 0.0  # idle: no gradient, no statistics
-        boundary = (k == step.n_steps - 1) if packed else None  # the optimizer step
+        split = is_split(exp.rollout, cfg, mb_rows)  # one row across the SP group
+        # idle: no gradient, no statistics
+        weight = 0.0 if k >= len(mine) else scale if split else scale / copies
+        boundary = (k == step.n_steps - 1) if explicit else None  # the optimizer step
         mb = exp.slice(mb_rows)
         step_losses, named = {}, {}
         if step.train_policy:
             # with PPO-ptx the ptx micro-batches follow: the policy's step comes after them
             policy_boundary = False if step.ptx_rows is not None else boundary
-            pg_loss, pg_stats, extra = _policy_loss(mb, engines, cfg, step, packed)
+            pg_loss, pg_stats, extra = _policy_loss(mb, engines, cfg, step, packed, split)
             engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary)
             step_losses.update(extra)
             named.update({f"policy/{k}": v for k, v in pg_stats.items()})
         if critic is not None:
-            values = critic.values(mb.rollout, packed=packed)
+            values = critic.values(mb.rollout, packed=packed, split=split)
             vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
                                            clip_eps=p.value_clip_eps, num_tokens=step.n_tok)
             critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
@@ -181,13 +196,15 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
     total = torch.stack(losses).sum(dim=0)
     if step.ptx_rows is not None:  # PPO-ptx: its micro-batches, then the policy's step
         names.append("loss/ptx")
-        total = torch.cat([total, _ptx_backward(ptx, step, engines, cfg, scale)[None]])
+        # every rank of an SP group runs the same ptx rows whole
+        total = torch.cat([total, _ptx_backward(ptx, step, engines, cfg,
+                                                scale / copies)[None]])
     if step.train_policy:
         engines.policy.update_ema()  # policy.ema_decay: after the optimizer step
     sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
     for name, (tot, count) in zip(stats, sums.tolist()):  # one read for all statistics
         acc.add_mean(name, tot, count)
-    # summed over ranks, this step's losses are the global mini-batch's aggregates
+    # summed over data-parallel ranks, this step's losses are the global mini-batch's
     for name, value in zip(names, dist.all_reduce_sum(total).tolist()):
         acc.add_replicated(name, value)
     # global gradient norms of the step just taken (before clipping; identical on ranks)
@@ -198,12 +215,15 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
             acc.add_replicated(f"{role}/grad_norm", norm)
 
 
-def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool):
+def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool,
+                 split: bool = False):
     """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
-    loss), its statistics, and the detached terms as metrics."""
+    loss), its statistics, and the detached terms as metrics. `split`: one row split across
+    the sequence-parallel group."""
     p = cfg.ppo
     logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed,
-                                          tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens)
+                                          tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens,
+                                          split=split)
     pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
                                     clip_eps=p.clip_eps, num_tokens=step.pg_div,

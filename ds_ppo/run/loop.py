@@ -106,7 +106,7 @@ def train(cfg: Config) -> TrainResult:
                     eval_metrics, eval_samples = _evaluate(eval_prompts, engines, cfg, tokenizer,
                                                            gen_mode, eos_ids, reward_encode)
                     metrics.update(eval_metrics)
-                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
+                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
                 reporter.report(metrics, iteration, exp, eval_samples)
                 result.history.append(metrics)
                 _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
@@ -239,8 +239,9 @@ def _ptx_stream(cfg: Config, rows, tokenizer):
     from ds_ppo.config import steps_per_iteration
     from ds_ppo.data.ptx import PtxStream
 
-    return PtxStream(rows, cfg.ppo.mini_batch_size, steps_per_iteration(cfg), dist.rank(),
-                     dist.world_size(), cfg.seed, tokenizer.pad_token_id)
+    # per data-parallel rank: the ranks of a sequence-parallel group take the same rows
+    return PtxStream(rows, cfg.ppo.mini_batch_size, steps_per_iteration(cfg), dist.dp_rank(),
+                     dist.dp_world_size(), cfg.seed, tokenizer.pad_token_id)
 
 
 def _evaluate(eval_prompts, engines: Engines, cfg: Config, tokenizer, gen_mode: str,
@@ -287,6 +288,7 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
               if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
     if path is None:
         state = TrainerState(world_size=dist.world_size(), seed=cfg.seed,
+                             sequence_parallel_size=dist.sp_size(),
                              advantage_estimator=p.advantage_estimator,
                              lora_bases=lora.base_record(engines.lora_bases))
         _seed_sampling(cfg.seed)
@@ -302,10 +304,12 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
                      ", ".join(changed))
     start_metrics_log(cfg.output_dir, state.iteration)
     kl_ctl.load_state_dict(state.kl_controller)
-    log.info("resumed from %s (iteration %d%s)", path, state.iteration,
+    log.info("resumed from %s (iteration %d%s%s)", path, state.iteration,
              f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
-             if universal else "")
-    state.world_size = dist.world_size()
+             if universal else "",
+             f", sequence-parallel size {state.sequence_parallel_size} -> {dist.sp_size()}"
+             if state.sequence_parallel_size != dist.sp_size() else "")
+    state.world_size, state.sequence_parallel_size = dist.world_size(), dist.sp_size()
     if state.iteration >= cfg.iterations:
         log.info("the run in %s already completed %d of iterations=%d; nothing to train (raise "
                  "iterations to continue)", cfg.output_dir, state.iteration, cfg.iterations)
@@ -313,18 +317,21 @@ def _start_or_resume(cfg: Config, engines: Engines, path: Path | None, universal
 
 
 def _seed_sampling(seed: int) -> None:
-    # Each rank samples its own responses: give each its own stream.
-    torch.manual_seed(seed * 1000 + dist.rank())
+    # Each data-parallel rank samples its own responses: give each its own stream (the ranks
+    # of a sequence-parallel group share one: they generate the same rows)
+    torch.manual_seed(seed * 1000 + dist.dp_rank())
     if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed * 1000 + dist.rank())
+        torch.cuda.manual_seed(seed * 1000 + dist.dp_rank())
 
 
 def _sampler(cfg: Config, num_prompts: int):
     from ds_ppo.data.prompts import PromptSampler
 
     # grouped by PPO mini-batch, so each optimizer step sees the same prompts at any world size
-    # (mini_batch_size counts responses: samples_per_prompt of each prompt)
-    return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.rank(), dist.world_size(),
+    # (mini_batch_size counts responses: samples_per_prompt of each prompt); indexed by the
+    # data-parallel rank: a sequence-parallel group's ranks take the same prompts
+    return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.dp_rank(),
+                         dist.dp_world_size(),
                          cfg.seed, shuffle=cfg.data.shuffle,
                          group_size=cfg.ppo.mini_batch_size // cfg.ppo.samples_per_prompt)
 

@@ -55,7 +55,8 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     if exp.old_values is not None:
         # over all ranks' valid tokens (its own all-reduces): the same value on every rank
         acc.add_replicated("value/explained_variance",
-                           float(explained_variance(exp.old_values, exp.returns, exp.mask)))
+                           float(explained_variance(exp.old_values, exp.returns, exp.mask,
+                                                    group=dist.dp_group())))
     if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
         std, constant = group_score_stats(exp.episode_scores, group_size)
         acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
@@ -114,7 +115,8 @@ class Reporter:
             if r.transcripts is not None:  # an episode: each turn with its reward
                 for row, turns in zip(rows, r.transcripts[:k]):
                     row["turns"] = format_transcript(turns)
-            tables["samples"] = sum(dist.gather_objects(rows), [])[:k]  # collective: every rank
+            # collective: every rank; one list per data-parallel rank (an SP group shares rows)
+            tables["samples"] = sum(dist.gather_objects(rows, data_parallel=True), [])[:k]
         if eval_samples is not None:
             tables["eval_samples"] = _gather_rows(eval_samples, cfg.tracking.num_samples)
         if not dist.is_main():
@@ -179,7 +181,7 @@ def _gather_rows(samples, k: int) -> list[dict]:
     """Collective: the first k sample rows over every rank's (prompt, response, score,
     data.reward_keys values), rank 0's first."""
     rows = [sample_row(p, r, s, extra) for p, r, s, extra in samples][:k]
-    return sum(dist.gather_objects(rows), [])[:k]
+    return sum(dist.gather_objects(rows, data_parallel=True), [])[:k]
 
 
 def sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:

@@ -94,6 +94,32 @@ def test_sequence_parallel_2_equals_1_logprobs_loss_and_gradients(two_ranks):
     assert r["without_exchange"] > 1e-3, r  # and the test can fail
 
 
+SP_KEYS = tuple(f"{k}@{i}" for i in (1, 2) for k in LOSS_KEYS)
+
+
+def test_sequence_parallel_training_equals_one_rank(one_rank, two_ranks):
+    """`ds-ppo train` with deepspeed.sequence_parallel_size = 2 on 2 gloo ranks (one
+    data-parallel rank; rows of at least 16 tokens split across the pair, DeepSpeed Ulysses, the
+    shorter ones whole on both, ZeRO-3, fp32) gives the losses and metrics of SP = 1 on one rank,
+    in both iterations (the second after the first's two optimizer steps)."""
+    one, two = one_rank["sp_train"], two_ranks["sp_train"]
+    assert two["split_forwards"] > 0 and one["split_forwards"] == 0  # rows were split
+    assert not _close(one, two, rel=0.0, abs_=1e-5, keys=SP_KEYS)
+    assert not _close(one, two, keys=SP_KEYS)
+    assert one["loss/value@2"] > 0 and one["policy/approx_kl@2"] > 0  # not trivially equal
+
+
+def test_sequence_parallel_checkpoint_resumes_at_another_sp_size(two_ranks):
+    """The checkpoint of iteration 1 written with SP = 2 (2 ranks) resumed with SP = 1 on the
+    same 2 ranks (2 data-parallel ranks; the ZeRO layout is the world's, DeepSpeed is not told
+    of SP groups): iteration 2 equals the uninterrupted SP = 2 run's."""
+    r = two_ranks["sp_train"]
+    assert r["resumed_iterations"] == 1
+    resumed = {k.removeprefix("resumed_"): v for k, v in r.items() if k.startswith("resumed_")}
+    keys = tuple(f"{k}@2" for k in LOSS_KEYS)
+    assert not _close(r, resumed, rel=0.0, abs_=1e-5, keys=keys)
+
+
 def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):
     assert not _close(one_rank["zero3_micro4"], one_rank["zero2_micro4"])
     assert not _close(two_ranks["zero3_micro4"], two_ranks["zero2_micro4"])

@@ -492,6 +492,46 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
             if k in h}
 
 
+# deepspeed.sequence_parallel_size through `ds-ppo train`: rows of at least 16 tokens (of 11-20)
+# split across the SP group, the others whole; two iterations (the second depends on the first
+# update), saved after each
+SP_BASE = ["iterations=2", "generation.temperature=0", "ppo.micro_batch_size=4",
+           "deepspeed.sequence_parallel_min_tokens=16", "checkpoint.every=1",
+           "checkpoint.keep_last=2"]
+
+
+def sp_train(work: Path) -> dict:
+    """Two iterations with SP = the world size (2 ranks: one data-parallel rank, as one rank
+    with SP = 1 is), each iteration's LOSS_KEYS; the split rows counted (forwards of a split
+    row, every rank). On 2 ranks also: the checkpoint of iteration 1 resumed with SP = 1 on the
+    same 2 ranks (2 data-parallel ranks), its iteration 2."""
+    from ds_ppo.engine import role_objects
+
+    world = dist.world_size()
+    original, calls = role_objects.row_logprobs, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    role_objects.row_logprobs = counting
+    try:
+        cfg = cfg_for(work, "sptrain", SP_BASE + [f"deepspeed.sequence_parallel_size={world}"])
+        history = train(cfg).history
+        out = {f"{k}@{i + 1}": h[k] for i, h in enumerate(history) for k in LOSS_KEYS}
+        out["split_forwards"] = len(calls)
+        if world == 2:
+            ckpt = Path(cfg.output_dir) / "checkpoints" / "iter_000001"
+            resumed = train(cfg_for(work, "spresume", SP_BASE + [
+                "deepspeed.sequence_parallel_size=1", f"resume={ckpt}"])).history
+            out["resumed_iterations"] = len(resumed)
+            out.update({f"resumed_{k}@2": resumed[0][k] for k in LOSS_KEYS})
+        return out
+    finally:
+        role_objects.row_logprobs = original
+        dist.set_sequence_parallel(1)
+
+
 def sequence_parallel() -> dict:
     """One row with SP = 2 (DeepSpeed Ulysses) against SP = 1: largest differences over both
     ranks (sp_checks.compare)."""
@@ -571,6 +611,8 @@ def main() -> None:
             "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=40"], ENV_KEYS + PADDING_KEYS),
         "env_lora": lambda: first_update(work, "envlora", ENV_BASE + [
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8"], ENV_KEYS),
+        # ds-ppo train with sequence parallelism (SP = world size), and its resume at SP = 1
+        "sp_train": lambda: sp_train(work),
         # last: it registers the Ulysses attention (switched off outside its own forwards)
         "sequence_parallel": lambda: sequence_parallel() if dist.world_size() == 2 else {},
     }
