@@ -393,6 +393,11 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         for engine in (policy, value, reference):
             if engine is not None and not isinstance(engine, lora.AdaptersOff):
                 sequence_parallel.register(causal_lm(engine).config, sp_group)
+        if dist.is_main():
+            log.info("sequence parallelism: groups of %d ranks, %d data-parallel ranks; rows of "
+                     "at least %d tokens split across a group (policy, reference, value)",
+                     dist.sp_size(), dist.dp_world_size(),
+                     cfg.deepspeed.sequence_parallel_min_tokens)
     if dist.is_main():
         log.info("%s", describe_stages(cfg, ds_configs, world, load_universal))
     return Engines(policy=PolicyRole(policy, ema),

@@ -69,10 +69,9 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
                                                       run.tokenizer, run.gen_mode, run.eos_ids,
                                                       run.env)
             add_episode_metrics(acc, stats)
-        # the ranks of a sequence-parallel group generated the same rows from the same stream;
-        # its first rank's rollout on all of them makes that exact (a split row must be the
-        # same row on every rank of the group)
-        rollout = dist.broadcast_in_sp_group(rollout, engines.device)
+            # the ranks of a sequence-parallel group played the same episodes from the same
+            # stream: its first rank's on all of them (as make_rollout does)
+            rollout = dist.broadcast_in_sp_group(rollout, engines.device)
     generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):

@@ -5,6 +5,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.rewards.encode import decode_responses
+from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, generate
 
 
@@ -49,19 +50,44 @@ def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
     acc.add_mean("generation/slot_utilisation", sum(rollout.response_lens), slot_steps)
 
 
+def decodes_own_rows(gen_cfg, mode: str) -> bool:
+    """Whether this rank brings its rows to generation. With sequence parallelism in
+    tensor_parallel mode, when each tensor-parallel group is made of whole SP groups (both are
+    consecutive ranks), only an SP group's first rank does: the TP group's decoding batch then
+    holds each row once, not N times (the group's other ranks get the rows from the rollout's
+    broadcast). Every rank otherwise (the other modes decode each rank's rows on that rank)."""
+    size = dist.sp_size()
+    if size == 1 or mode != "tensor_parallel":
+        return True
+    tp = gen_cfg.tp_size or dist.local_world_size()
+    return tp % size != 0 or dist.is_sp_leader()
+
+
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
                  mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch):
     ppo.samples_per_prompt of each, next to each other (rows g*n .. g*n + n - 1 answer prompt
-    indices[g]), sampled in one batch from this rank's stream, so independently."""
+    indices[g]), sampled in one batch from this rank's stream, so independently. With
+    sequence parallelism, the SP group's ranks hold the same `indices` and the same stream; the
+    group's first rank's rollout is returned on all of them (broadcast: a kernel's
+    non-determinism can never give them different rows, and a split row must be one row)."""
     n = cfg.ppo.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [prompts.input_ids[i] for i in indices]
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
-    gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids,
+    # no rows: this rank joins its tensor-parallel group's decoding of the others' rows
+    rows = len(indices) if decodes_own_rows(cfg.generation, mode) else 0
+    gen = generate(engines.policy, ids[:rows], am[:rows], cfg.generation, mode, eos_ids,
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
     engines.replica = gen.replica
+    rollout = _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer) if rows else None
+    return dist.broadcast_in_sp_group(rollout, engines.device), gen
+
+
+def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
+             ids, am, gen: Generated, tokenizer) -> Rollout:
+    """The Rollout of the generated rows (`make_rollout`)."""
     # decoded together with their prompts, so a response keeps the space of its first word
     # the counted tokens of each row, on the host (two device reads for the whole batch)
     counted = [[t for t, m in zip(row, keep) if m]
@@ -75,5 +101,5 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
                       messages=([prompts.chat(i) for i in indices]
                                 if prompts.messages is not None else None),
                       rollout_logprobs=gen.logprobs)
-    return rollout, gen
+    return rollout
 

@@ -120,6 +120,16 @@ def test_sequence_parallel_checkpoint_resumes_at_another_sp_size(two_ranks):
     assert not _close(r, resumed, rel=0.0, abs_=1e-5, keys=keys)
 
 
+def test_sequence_parallel_with_tensor_parallel_generation_decodes_each_row_once(two_ranks):
+    """generation.mode=tensor_parallel over the SP group's 2 ranks: only the group's first rank
+    brings its (the group's) 16 rows to the decoding, the other none, and the iteration equals
+    the one decoded on each rank alone (greedy)."""
+    r = two_ranks["sp_train"]
+    assert r["tp_rows_brought"] == [[16], [0]]
+    tp = {k.removeprefix("tp_"): v for k, v in r.items() if k.startswith("tp_")}
+    assert not _close(r, tp, rel=0.0, abs_=1e-5, keys=tuple(f"{k}@1" for k in LOSS_KEYS))
+
+
 def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):
     assert not _close(one_rank["zero3_micro4"], one_rank["zero2_micro4"])
     assert not _close(two_ranks["zero3_micro4"], two_ranks["zero2_micro4"])

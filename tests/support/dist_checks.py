@@ -504,15 +504,22 @@ def sp_train(work: Path) -> dict:
     """Two iterations with SP = the world size (2 ranks: one data-parallel rank, as one rank
     with SP = 1 is), each iteration's LOSS_KEYS; the split rows counted (forwards of a split
     row, every rank). On 2 ranks also: the checkpoint of iteration 1 resumed with SP = 1 on the
-    same 2 ranks (2 data-parallel ranks), its iteration 2."""
+    same 2 ranks (2 data-parallel ranks), its iteration 2; and one iteration with the 2 ranks
+    decoding together (generation.mode=tensor_parallel), the rows each rank brought to it."""
     from ds_ppo.engine import role_objects
+    from ds_ppo.ppo import rollout
 
     world = dist.world_size()
     original, calls = role_objects.row_logprobs, []
+    generate, brought = rollout.generate, []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
+
+    def bringing(policy, ids, *args, **kwargs):
+        brought.append(int(ids.shape[0]))
+        return generate(policy, ids, *args, **kwargs)
 
     role_objects.row_logprobs = counting
     try:
@@ -526,9 +533,16 @@ def sp_train(work: Path) -> dict:
                 "deepspeed.sequence_parallel_size=1", f"resume={ckpt}"])).history
             out["resumed_iterations"] = len(resumed)
             out.update({f"resumed_{k}@2": resumed[0][k] for k in LOSS_KEYS})
+            rollout.generate = bringing
+            tp = train(cfg_for(work, "sptp", SP_BASE + [
+                "deepspeed.sequence_parallel_size=2", "iterations=1", "checkpoint.every=0",
+                "generation.mode=tensor_parallel", "generation.tp_size=2"])).history
+            out.update({f"tp_{k}@1": tp[0][k] for k in LOSS_KEYS})
+            out["tp_rows_brought"] = dist.gather_objects(brought)  # [rank][call]
         return out
     finally:
         role_objects.row_logprobs = original
+        rollout.generate = generate
         dist.set_sequence_parallel(1)
 
 
