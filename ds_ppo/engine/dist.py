@@ -289,10 +289,11 @@ def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
     return work.to(t.device)
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, over_world: bool = False) -> torch.Tensor:
     """Sum over the data-parallel group: each row counted once, also when an SP group of N
-    ranks holds it (returns a new tensor; identity on one process)."""
-    return _all_reduce(t, dist.ReduceOp.SUM, _SP["dp_group"])
+    ranks holds it; `over_world`: over every rank (what is split over all ranks, such as ZeRO
+    partitions). Returns a new tensor; identity on one process."""
+    return _all_reduce(t, dist.ReduceOp.SUM, None if over_world else _SP["dp_group"])
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,8 @@ class ParamEMA:
             valid = max(0, min(diff.numel(), _numel(p) - _offset(p)))
             partitioned += diff[:valid].double().pow(2).sum().cpu()
         if any(getattr(p, "ds_tensor", None) is not None for p in self.params):
-            partitioned = dist.all_reduce_sum(partitioned)
+            # ZeRO partitions over every rank, also those of a sequence-parallel group
+            partitioned = dist.all_reduce_sum(partitioned, over_world=True)
         return (float(partitioned) + whole) ** 0.5
 
     @contextmanager
