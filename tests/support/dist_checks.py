@@ -498,10 +498,11 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
 
 # deepspeed.sequence_parallel_size through `ds-ppo train`: rows of at least 16 tokens (of 11-20)
 # split across the SP group, the others whole; two iterations (the second depends on the first
-# update), saved after each
+# update), saved after each; the policy's EMA (its distance sums ZeRO-3 partitions of all ranks)
 SP_BASE = ["iterations=2", "generation.temperature=0", "ppo.micro_batch_size=4",
            "deepspeed.sequence_parallel_min_tokens=16", "checkpoint.every=1",
-           "checkpoint.keep_last=2"]
+           "checkpoint.keep_last=2", "policy.ema_decay=0.5"]
+SP_KEYS = LOSS_KEYS + ("ema/distance",)
 
 
 def sp_train(work: Path) -> dict:
@@ -529,19 +530,19 @@ def sp_train(work: Path) -> dict:
     try:
         cfg = cfg_for(work, "sptrain", SP_BASE + [f"deepspeed.sequence_parallel_size={world}"])
         history = train(cfg).history
-        out = {f"{k}@{i + 1}": h[k] for i, h in enumerate(history) for k in LOSS_KEYS}
+        out = {f"{k}@{i + 1}": h[k] for i, h in enumerate(history) for k in SP_KEYS}
         out["split_forwards"] = len(calls)
         if world == 2:
             ckpt = Path(cfg.output_dir) / "checkpoints" / "iter_000001"
             resumed = train(cfg_for(work, "spresume", SP_BASE + [
                 "deepspeed.sequence_parallel_size=1", f"resume={ckpt}"])).history
             out["resumed_iterations"] = len(resumed)
-            out.update({f"resumed_{k}@2": resumed[0][k] for k in LOSS_KEYS})
+            out.update({f"resumed_{k}@2": resumed[0][k] for k in SP_KEYS})
             rollout.generate = bringing
             tp = train(cfg_for(work, "sptp", SP_BASE + [
                 "deepspeed.sequence_parallel_size=2", "iterations=1", "checkpoint.every=0",
                 "generation.mode=tensor_parallel", "generation.tp_size=2"])).history
-            out.update({f"tp_{k}@1": tp[0][k] for k in LOSS_KEYS})
+            out.update({f"tp_{k}@1": tp[0][k] for k in SP_KEYS})
             out["tp_rows_brought"] = dist.gather_objects(brought)  # [rank][call]
         return out
     finally:
