@@ -71,3 +71,20 @@ def test_data_parallel_rank_and_world_follow_the_sp_size(monkeypatch, sp2):
     assert (dist.dp_rank(), dist.dp_world_size(), dist.is_sp_leader()) == (1, 2, False)
     monkeypatch.setattr(dist, "rank", lambda: 2)
     assert (dist.dp_rank(), dist.is_sp_leader()) == (1, True)
+
+
+def test_only_an_sp_groups_first_rank_brings_its_rows_to_tensor_parallel_decoding(monkeypatch,
+                                                                                   sp2):
+    from ds_ppo.ppo.rollout import decodes_own_rows
+
+    gen = load_config(None, []).generation
+    tp4, tp3 = (gen.model_copy(update={"tp_size": n}) for n in (4, 3))
+    monkeypatch.setattr(dist, "rank", lambda: 1)  # the second rank of SP group [0, 1]
+    assert not decodes_own_rows(tp4, "tensor_parallel")  # TP [0..3] holds SP [0, 1], [2, 3]
+    assert decodes_own_rows(tp3, "tensor_parallel")  # TP groups cut SP groups: every rank
+    assert decodes_own_rows(tp4, "gathered") and decodes_own_rows(tp4, "zero3")
+    monkeypatch.setattr(dist, "rank", lambda: 2)
+    assert decodes_own_rows(tp4, "tensor_parallel")  # a group's first rank
+    monkeypatch.setitem(dist._SP, "size", 1)
+    monkeypatch.setattr(dist, "rank", lambda: 1)
+    assert decodes_own_rows(tp4, "tensor_parallel")  # no SP: every rank
