@@ -94,15 +94,17 @@ def test_sequence_parallel_2_equals_1_logprobs_loss_and_gradients(two_ranks):
     assert r["without_exchange"] > 1e-3, r  # and the test can fail
 
 
-SP_KEYS = tuple(f"{k}@{i}" for i in (1, 2) for k in LOSS_KEYS + ("ema/distance",))
+SP_METRICS = LOSS_KEYS + ("ema/distance", "loss/ptx")  # with the policy's EMA and PPO-ptx
+SP_KEYS = tuple(f"{k}@{i}" for i in (1, 2) for k in SP_METRICS)
 
 
 def test_sequence_parallel_training_equals_one_rank(one_rank, two_ranks):
     """`ds-ppo train` with deepspeed.sequence_parallel_size = 2 on 2 gloo ranks (one
     data-parallel rank; rows of at least 16 tokens split across the pair, DeepSpeed Ulysses, the
     shorter ones whole on both, ZeRO-3, fp32) gives the losses and metrics of SP = 1 on one rank,
-    in both iterations (the second after the first's two optimizer steps), and the policy EMA's
-    distance from the weights (summed over every rank's ZeRO-3 partitions)."""
+    in both iterations (the second after the first's two optimizer steps), with the policy EMA's
+    distance from the weights (summed over every rank's ZeRO-3 partitions) and PPO-ptx's LM
+    loss (its rows whole on both ranks, weighted 1/2)."""
     one, two = one_rank["sp_train"], two_ranks["sp_train"]
     assert two["split_forwards"] > 0 and one["split_forwards"] == 0  # rows were split
     assert not _close(one, two, rel=0.0, abs_=1e-5, keys=SP_KEYS)
@@ -117,7 +119,7 @@ def test_sequence_parallel_checkpoint_resumes_at_another_sp_size(two_ranks):
     r = two_ranks["sp_train"]
     assert r["resumed_iterations"] == 1
     resumed = {k.removeprefix("resumed_"): v for k, v in r.items() if k.startswith("resumed_")}
-    keys = tuple(f"{k}@2" for k in LOSS_KEYS + ("ema/distance",))
+    keys = tuple(f"{k}@2" for k in SP_METRICS)
     assert not _close(r, resumed, rel=0.0, abs_=1e-5, keys=keys)
 
 
@@ -128,7 +130,7 @@ def test_sequence_parallel_with_tensor_parallel_generation_decodes_each_row_once
     r = two_ranks["sp_train"]
     assert r["tp_rows_brought"] == [[16], [0]]
     tp = {k.removeprefix("tp_"): v for k, v in r.items() if k.startswith("tp_")}
-    keys = tuple(f"{k}@1" for k in LOSS_KEYS + ("ema/distance",))
+    keys = tuple(f"{k}@1" for k in SP_METRICS)
     assert not _close(r, tp, rel=0.0, abs_=1e-5, keys=keys)
 
 

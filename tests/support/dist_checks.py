@@ -118,13 +118,19 @@ def ptx_ema_update(work: Path, name: str, extra: list[str]) -> dict:
     """`first_update` with PPO-ptx (text rows) and the policy's EMA: the LM loss of each
     optimizer step and the EMA's distance from the weights after the two steps, reduced over
     the ranks (each rank wrote the same rows into a file of its own)."""
+    return first_update(work, name, extra + [f"data.ptx_path={ptx_file(work)}",
+                                             "ppo.ptx_coef=0.5", "policy.ema_decay=0.5"],
+                        PTX_KEYS)
+
+
+def ptx_file(work: Path) -> Path:
+    """PPO-ptx text rows, the same in a file of each rank's own."""
     ptx = work / f"ptx_rank{dist.rank()}.jsonl"
     ptx.write_text("".join(json.dumps({"text": t}) + "\n" for t in (
         "the cat sat on the mat", "a good day for a walk", "we love the sea and the sun",
         "my aunt is happy today", "the dog runs in the park", "i like warm bread and tea",
         "you are kind", "they sing in the morning", "he reads a long book")))
-    return first_update(work, name, extra + [f"data.ptx_path={ptx}", "ppo.ptx_coef=0.5",
-                                             "policy.ema_decay=0.5"], PTX_KEYS)
+    return ptx
 
 
 def ema_swap(work: Path) -> dict:
@@ -499,10 +505,11 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
 # deepspeed.sequence_parallel_size through `ds-ppo train`: rows of at least 16 tokens (of 11-20)
 # split across the SP group, the others whole; two iterations (the second depends on the first
 # update), saved after each; the policy's EMA (its distance sums ZeRO-3 partitions of all ranks)
+# and PPO-ptx (its rows run whole on every rank of an SP group)
 SP_BASE = ["iterations=2", "generation.temperature=0", "ppo.micro_batch_size=4",
            "deepspeed.sequence_parallel_min_tokens=16", "checkpoint.every=1",
-           "checkpoint.keep_last=2", "policy.ema_decay=0.5"]
-SP_KEYS = LOSS_KEYS + ("ema/distance",)
+           "checkpoint.keep_last=2", "policy.ema_decay=0.5", "ppo.ptx_coef=0.5"]
+SP_KEYS = LOSS_KEYS + ("ema/distance", "loss/ptx")
 
 
 def sp_train(work: Path) -> dict:
@@ -527,19 +534,20 @@ def sp_train(work: Path) -> dict:
         return generate(policy, ids, *args, **kwargs)
 
     role_objects.row_logprobs = counting
+    base = SP_BASE + [f"data.ptx_path={ptx_file(work)}"]
     try:
-        cfg = cfg_for(work, "sptrain", SP_BASE + [f"deepspeed.sequence_parallel_size={world}"])
+        cfg = cfg_for(work, "sptrain", base + [f"deepspeed.sequence_parallel_size={world}"])
         history = train(cfg).history
         out = {f"{k}@{i + 1}": h[k] for i, h in enumerate(history) for k in SP_KEYS}
         out["split_forwards"] = len(calls)
         if world == 2:
             ckpt = Path(cfg.output_dir) / "checkpoints" / "iter_000001"
-            resumed = train(cfg_for(work, "spresume", SP_BASE + [
+            resumed = train(cfg_for(work, "spresume", base + [
                 "deepspeed.sequence_parallel_size=1", f"resume={ckpt}"])).history
             out["resumed_iterations"] = len(resumed)
             out.update({f"resumed_{k}@2": resumed[0][k] for k in SP_KEYS})
             rollout.generate = bringing
-            tp = train(cfg_for(work, "sptp", SP_BASE + [
+            tp = train(cfg_for(work, "sptp", base + [
                 "deepspeed.sequence_parallel_size=2", "iterations=1", "checkpoint.every=0",
                 "generation.mode=tensor_parallel", "generation.tp_size=2"])).history
             out.update({f"tp_{k}@1": tp[0][k] for k in SP_KEYS})
