@@ -5,9 +5,10 @@ output). A run's config is loaded from YAML (or a packaged preset name), then do
 ``key=value`` overrides are applied, then it is validated once, before any model loads.
 The tree is frozen: nothing changes it mid-run.
 
-The parts: ``sections`` (the typed tree: one class per section), ``load`` (YAML, presets,
-overrides, the key reference) and ``checks`` (cross-field validation and warnings). Import
-what you need from ``ds_ppo.config``: it re-exports every public name.
+The parts: ``sections`` (the typed tree: one class per section, in one module per job:
+``roles``, ``rollout``, ``algorithm``, ``data``, ``run``, ``engines``, ``jobs``), ``load``
+(YAML, presets, overrides, the key reference) and ``checks`` (cross-field validation and
+warnings). Import what you need from ``ds_ppo.config``: it re-exports every public name.
 """
 from ds_ppo.config.checks import (config_warnings, critic_warmup, grad_accum_steps,
                                   job_accum_steps, lora_output_head, max_model_tokens,
