@@ -56,14 +56,83 @@ def train(cfg: Config) -> TrainResult:
     finished = _already_finished(cfg)
     if finished is not None:  # nothing to load, train or export
         return finished
+    device, out = _start_process(cfg)
+    # step 0. data and models (data first: a bad dataset fails before any model loads)
+    run = _set_up(cfg, out, device)
+    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
+    status, unregistered = "FAILED", None
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
+    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
+        try:
+            for iteration in range(run.state.iteration + 1, cfg.iterations + 1):
+                acc, t_iter = Accumulator(), time.perf_counter()
+                rng_at_start = rng_state()  # what a save of the previous iteration would hold
+                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
+                exp, _ = run_iteration(run.inputs, iteration, run.sampler.indices(iteration - 1),
+                                       run.kl_ctl.value, acc, metric_timer(acc))
+                # step 5. metrics, reduced across ranks; KL controller; logging
+                _report(run, iteration, acc, exp, t_iter)
+                # step 6. checkpoint
+                saved = _checkpoint_if_due(run, iteration)
+                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                _stop_if_asked(run, stop, iteration, saved)
+            # step 8. final save and export; the export into the MLflow model registry
+            unregistered = _end(run)
+            status = "FINISHED"
+        except RewardError as e:  # reward function or service failed: keep the last iteration
+            raise _stop_on_reward_error(e, cfg, out, run.engines, run.state, run.tokenizer,
+                                        run.result.last_checkpoint, rng_at_start) from None
+        except (KeyboardInterrupt, Preempted):
+            status = "KILLED"
+            raise
+        except Exception as e:
+            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
+                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
+            raise
+        finally:
+            dog.stop()
+            run.tracker.close(status)
+    if unregistered is not None:
+        raise unregistered
+    return run.result
+
+
+@dataclass
+class _Run:
+    """What the iterations of one `train()` share, built once by `_set_up`."""
+
+    cfg: Config
+    out: Path
+    device: torch.device
+    tokenizer: object
+    eval_prompts: object  # None without data.eval_split
+    reward_encode: object  # None unless reward.model
+    engines: Engines
+    tracker: object
+    state: TrainerState
+    kl_ctl: object
+    eos_ids: list[int]
+    gen_mode: str
+    sampler: object
+    inputs: IterationInputs
+    result: TrainResult
+    reporter: Reporter
+
+
+def _start_process(cfg: Config) -> tuple[torch.device, Path]:
+    """This process's distributed group, logging, seeds and the output_dir's lock."""
     quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(cfg.log_level)
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
+    return device, out
 
-    # step 0. data and models (data first: a bad dataset fails before any model loads)
+
+def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
+    """Data, environment, tracking, engines and the trainer state, fresh or resumed; each part
+    that can fail without a model fails before any model loads."""
     tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
     env = _environment(cfg)  # an env that does not import fails before models load
     resume_from, universal = _find_resume(cfg)
@@ -80,72 +149,67 @@ def train(cfg: Config) -> TrainResult:
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
-    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
-                          _ptx_stream(cfg, ptx_rows, tokenizer), env)
+    inputs = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
+                             _ptx_stream(cfg, ptx_rows, tokenizer), env)
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
-    reporter = Reporter(cfg, tracker, out)
-    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
-    status, unregistered = "FAILED", None
-    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
-    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
-        try:
-            for iteration in range(state.iteration + 1, cfg.iterations + 1):
-                acc, t_iter = Accumulator(), time.perf_counter()
-                rng_at_start = rng_state()  # what a save of the previous iteration would hold
-                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
-                exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
-                                       kl_ctl.value, acc, metric_timer(acc))
-                # step 5. metrics, reduced across ranks; KL controller; logging
-                watchdog.at("metrics", iteration)
-                metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
-                                            cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
-                                            cfg.ppo.kl_clip)
-                eval_samples = None
-                if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                    eval_metrics, eval_samples = _evaluate(eval_prompts, engines, cfg, tokenizer,
-                                                           gen_mode, eos_ids, reward_encode)
-                    metrics.update(eval_metrics)
-                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
-                reporter.report(metrics, iteration, exp, eval_samples)
-                result.history.append(metrics)
-                _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
-                                  grad_norms=engines.dtype != torch.float16)
-                state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
-                # step 6. checkpoint
-                saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
-                if saved:
-                    result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-                    register_at_checkpoint(cfg, tracker, result.last_checkpoint, iteration,
-                                           result.history)
-                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
-                signum = stop.agreed(device)
-                if signum:
-                    if not saved:
-                        result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-                    raise Preempted(signum, iteration, result.last_checkpoint)
-            result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
-                                                                result.last_checkpoint)
-            # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
-                unregistered = _register_at_end(cfg, tracker, result, state.iteration)
-            status = "FINISHED"
-        except RewardError as e:  # reward function or service failed: keep the last iteration
-            raise _stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
-                                        result.last_checkpoint, rng_at_start) from None
-        except (KeyboardInterrupt, Preempted):
-            status = "KILLED"
-            raise
-        except Exception as e:
-            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
-                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
-            raise
-        finally:
-            dog.stop()
-            tracker.close(status)
-    if unregistered is not None:
-        raise unregistered
-    return result
+    return _Run(cfg, out, device, tokenizer, eval_prompts, reward_encode, engines, tracker, state,
+                kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out))
+
+
+def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> None:
+    """Step 5: the iteration's metrics (reduced across ranks) and evaluation, the KL
+    controller's update, the progress line, metrics.jsonl and MLflow; stops a diverged run."""
+    cfg, engines, kl_ctl = run.cfg, run.engines, run.kl_ctl
+    watchdog.at("metrics", iteration)
+    metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
+                                cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
+                                cfg.ppo.kl_clip)
+    eval_samples = None
+    if run.eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+        eval_metrics, eval_samples = _evaluate(run.eval_prompts, engines, cfg, run.tokenizer,
+                                               run.gen_mode, run.eos_ids, run.reward_encode)
+        metrics.update(eval_metrics)
+    kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
+    run.reporter.report(metrics, iteration, exp, eval_samples)
+    run.result.history.append(metrics)
+    _stop_if_diverged(metrics, iteration, run.result.last_checkpoint,  # before any save
+                      grad_norms=engines.dtype != torch.float16)
+    run.state.iteration, run.state.kl_controller = iteration, kl_ctl.state_dict()
+
+
+def _checkpoint_if_due(run: _Run, iteration: int) -> bool:
+    """Step 6: a checkpoint every checkpoint.every iterations (registered with
+    tracking.register_every); whether one was saved."""
+    cfg = run.cfg
+    saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
+    if saved:
+        run.result.last_checkpoint = _checkpoint(cfg, run.out, run.engines, run.state,
+                                                 run.tokenizer)
+        register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, iteration,
+                               run.result.history)
+    return saved
+
+
+def _stop_if_asked(run: _Run, stop: StopRequests, iteration: int, saved: bool) -> None:
+    """Step 7: when any rank got SIGTERM/SIGUSR1, checkpoint (unless step 6 just did) and raise
+    Preempted on every rank."""
+    signum = stop.agreed(run.device)
+    if signum:
+        if not saved:
+            run.result.last_checkpoint = _checkpoint(run.cfg, run.out, run.engines, run.state,
+                                                     run.tokenizer)
+        raise Preempted(signum, iteration, run.result.last_checkpoint)
+
+
+def _end(run: _Run) -> RegistrationError | None:
+    """Step 8: the final checkpoint and export, then the export into the MLflow model registry
+    (tracking.register_model); a registration failure is returned, see `_register_at_end`."""
+    result = run.result
+    result.last_checkpoint, result.export_dir = _finish(run.cfg, run.engines, run.state,
+                                                        run.tokenizer, result.last_checkpoint)
+    with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
+        return _register_at_end(run.cfg, run.tracker, result, run.state.iteration)
 
 
 def _register_at_end(cfg: Config, tracker, result: TrainResult,
