@@ -17,14 +17,12 @@ from ds_ppo import watchdog
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
-                                      ensure_universal, find_resume, latest_checkpoint,
-                                      load_checkpoint, read_state, rng_state, save_checkpoint,
-                                      set_rng_state)
+from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, ensure_universal,
+                                      find_resume, load_checkpoint, read_state, rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
-from ds_ppo.errors import Diverged, RegistrationError, RewardError, RewardTimeout
+from ds_ppo.errors import Diverged, RegistrationError, RewardError
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
@@ -36,6 +34,7 @@ from ds_ppo.run.preemption import Preempted, StopRequests
 from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.run.report import Reporter, iteration_metrics
 from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
+from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
 
 log = logging.getLogger("ds_ppo")
 
@@ -80,7 +79,7 @@ def train(cfg: Config) -> TrainResult:
             unregistered = _end(run)
             status = "FINISHED"
         except RewardError as e:  # reward function or service failed: keep the last iteration
-            raise _stop_on_reward_error(e, cfg, out, run.engines, run.state, run.tokenizer,
+            raise stop_on_reward_error(e, cfg, out, run.engines, run.state, run.tokenizer,
                                         run.result.last_checkpoint, rng_at_start) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
@@ -184,7 +183,7 @@ def _checkpoint_if_due(run: _Run, iteration: int) -> bool:
     cfg = run.cfg
     saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
     if saved:
-        run.result.last_checkpoint = _checkpoint(cfg, run.out, run.engines, run.state,
+        run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
                                                  run.tokenizer)
         register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, iteration,
                                run.result.history)
@@ -197,7 +196,7 @@ def _stop_if_asked(run: _Run, stop: StopRequests, iteration: int, saved: bool) -
     signum = stop.agreed(run.device)
     if signum:
         if not saved:
-            run.result.last_checkpoint = _checkpoint(run.cfg, run.out, run.engines, run.state,
+            run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
                                                      run.tokenizer)
         raise Preempted(signum, iteration, run.result.last_checkpoint)
 
@@ -206,7 +205,7 @@ def _end(run: _Run) -> RegistrationError | None:
     """Step 8: the final checkpoint and export, then the export into the MLflow model registry
     (tracking.register_model); a registration failure is returned, see `_register_at_end`."""
     result = run.result
-    result.last_checkpoint, result.export_dir = _finish(run.cfg, run.engines, run.state,
+    result.last_checkpoint, result.export_dir = finish(run.cfg, run.engines, run.state,
                                                         run.tokenizer, result.last_checkpoint)
     with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
         return _register_at_end(run.cfg, run.tracker, result, run.state.iteration)
@@ -232,15 +231,6 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
     return watchdog.install(watchdog.Watchdog(
         watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
         run_token=token)).start()
-
-
-def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    with watchdog.phase("save", state.iteration):
-        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
-    if dist.is_main():
-        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
-    return path
 
 
 # ------------------------------------------------------------------------- start-up
@@ -452,66 +442,3 @@ def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint
                        f": training diverged and this iteration's weights are not saved; {where}. "
                        "Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
                        "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
-
-
-def _stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
-                          state: TrainerState, tokenizer, last: str | None,
-                          rng_at_start: dict | None = None) -> RewardError:
-    """Checkpoint the last completed iteration (the weights still are its weights unless the
-    failure came after this iteration's update, in evaluation), and the error to stop with.
-    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
-    so a resume samples that iteration again exactly as the uninterrupted run would have.
-    Collective: every rank raises a RewardError here (scoring agrees on the outcome)."""
-    latest = latest_checkpoint(out)
-    if (not err.after_update and state.iteration > 0 and
-            (latest is None or latest.name != checkpoint_name(state.iteration))):
-        if rng_at_start is not None:
-            set_rng_state(rng_at_start)
-        last = _checkpoint(cfg, out, engines, state, tokenizer)
-    elif latest is not None:
-        last = str(latest)
-    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
-             "to resume from it" if last else "no checkpoint was saved")
-    fix = getattr(err, "fix", None) or (
-        "Find what makes the function hang, or raise reward.timeout_s."
-        if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
-    stop = type(err)(f"{err}: stopped ({where}). {fix}")
-    stop.after_update = err.after_update
-    return stop
-
-
-# ------------------------------------------------------------------------------ end
-def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
-            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
-    """Save the final state (unless the last iteration was just saved) and export the policy
-    (a supervised job's model: `model_class` names what it loads with)."""
-    from ds_ppo.engine.export import export_final
-    from ds_ppo.run.export import DTYPES, export_engine, write_marker
-
-    out = Path(cfg.output_dir)
-    latest = latest_checkpoint(out)
-    if cfg.checkpoint.save_at_end and (latest is None or
-                                       latest.name != checkpoint_name(state.iteration)):
-        last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-    export_dir = None
-    if cfg.checkpoint.export_at_end:
-        export_dir = str(out / "final")
-        # written aside and renamed into place; marked as ds_ppo's: `ds-ppo export --out
-        # output_dir/final` may replace it
-        with watchdog.phase("export", state.iteration):
-            export_final(engines.policy, tokenizer, out / "final",
-                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}",
-                         iteration=state.iteration)
-        if dist.is_main():
-            log.info("exported the %s to %s (load with %s.from_pretrained)",
-                     "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
-                     model_class)
-        if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
-            with engines.policy.ema.swapped_in():
-                export_engine(engines.policy, tokenizer, out / "final_ema",
-                              DTYPES[cfg.checkpoint.export_dtype])
-            if dist.is_main():
-                write_marker(out / "final_ema", f"the run in {out} (EMA)",
-                             DTYPES[cfg.checkpoint.export_dtype], with_value=False)
-                log.info("exported the policy's EMA to %s", out / "final_ema")
-    return last_checkpoint, export_dir
