@@ -503,9 +503,8 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
 
 
 # deepspeed.sequence_parallel_size through `ds-ppo train`: rows of at least 16 tokens (of 11-20)
-# split across the SP group, the others whole; two iterations (the second depends on the first
-# update), saved after each; the policy's EMA (its distance sums ZeRO-3 partitions of all ranks)
-# and PPO-ptx (its rows run whole on every rank of an SP group)
+# split across the SP group, the others whole; saved after each iteration; the policy's EMA (its
+# distance sums ZeRO-3 partitions of all ranks) and PPO-ptx (its rows whole on every rank)
 SP_BASE = ["iterations=2", "generation.temperature=0", "ppo.micro_batch_size=4",
            "deepspeed.sequence_parallel_min_tokens=16", "checkpoint.every=1",
            "checkpoint.keep_last=2", "policy.ema_decay=0.5", "ppo.ptx_coef=0.5"]
@@ -513,11 +512,11 @@ SP_KEYS = LOSS_KEYS + ("ema/distance", "loss/ptx")
 
 
 def sp_train(work: Path) -> dict:
-    """Two iterations with SP = the world size (2 ranks: one data-parallel rank, as one rank
-    with SP = 1 is), each iteration's LOSS_KEYS; the split rows counted (forwards of a split
-    row, every rank). On 2 ranks also: the checkpoint of iteration 1 resumed with SP = 1 on the
-    same 2 ranks (2 data-parallel ranks), its iteration 2; and one iteration with the 2 ranks
-    decoding together (generation.mode=tensor_parallel), the rows each rank brought to it."""
+    """SP = the world size. One rank (SP = 1): two iterations, each one's SP_KEYS. Two ranks
+    (SP = 2: one data-parallel rank, as one rank is): the first iteration, the two ranks
+    decoding together (generation.mode=tensor_parallel), with the rows each rank brought to the
+    decoding; then its checkpoint resumed with SP = 1 on the same 2 ranks (2 data-parallel
+    ranks), iteration 2. The split rows counted (forwards of a split row on this rank)."""
     from ds_ppo.engine import role_objects
     from ds_ppo.ppo import rollout
 
@@ -533,29 +532,25 @@ def sp_train(work: Path) -> dict:
         brought.append(int(ids.shape[0]))
         return generate(policy, ids, *args, **kwargs)
 
-    role_objects.row_logprobs = counting
+    role_objects.row_logprobs, rollout.generate = counting, bringing
     base = SP_BASE + [f"data.ptx_path={ptx_file(work)}"]
+    extra = ["iterations=1", "generation.mode=tensor_parallel", "generation.tp_size=2"]
     try:
-        cfg = cfg_for(work, "sptrain", base + [f"deepspeed.sequence_parallel_size={world}"])
+        cfg = cfg_for(work, "sptrain", base + [f"deepspeed.sequence_parallel_size={world}"]
+                      + (extra if world == 2 else []))
         history = train(cfg).history
         out = {f"{k}@{i + 1}": h[k] for i, h in enumerate(history) for k in SP_KEYS}
         out["split_forwards"] = len(calls)
+        out["rows_brought"] = dist.gather_objects(brought)  # [rank][iteration]
         if world == 2:
             ckpt = Path(cfg.output_dir) / "checkpoints" / "iter_000001"
             resumed = train(cfg_for(work, "spresume", base + [
                 "deepspeed.sequence_parallel_size=1", f"resume={ckpt}"])).history
             out["resumed_iterations"] = len(resumed)
             out.update({f"resumed_{k}@2": resumed[0][k] for k in SP_KEYS})
-            rollout.generate = bringing
-            tp = train(cfg_for(work, "sptp", base + [
-                "deepspeed.sequence_parallel_size=2", "iterations=1", "checkpoint.every=0",
-                "generation.mode=tensor_parallel", "generation.tp_size=2"])).history
-            out.update({f"tp_{k}@1": tp[0][k] for k in SP_KEYS})
-            out["tp_rows_brought"] = dist.gather_objects(brought)  # [rank][call]
         return out
     finally:
-        role_objects.row_logprobs = original
-        rollout.generate = generate
+        role_objects.row_logprobs, rollout.generate = original, generate
         dist.set_sequence_parallel(1)
 
 
