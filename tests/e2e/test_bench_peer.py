@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import clean_env
-from ds_ppo.bench.peer import PHASES, _summary, table
+from ds_ppo.bench.peer import PHASES, _summary, pair_ratios, table
 
 try:
     import trl  # noqa: F401
@@ -32,6 +32,19 @@ def test_summary_and_ratios():
     lines = table([trl_row, ours]).splitlines()
     assert lines[2].split("|")[10:12] == [" 1.00x ", " 1.00x "]
     assert lines[3].split("|")[10:12] == [" 1.50x ", " 0.50x "]
+
+
+def test_pairs_take_their_ratio_to_their_own_trl_run():
+    """--pairs: each ds_ppo run is divided by the TRL run of its pair, not by the first one."""
+    steps = [{"score": 0.5, "seconds": 2.0, "sequences": 8, "generation_s": 0.5,
+              "scoring_s": 0.5, "update_s": 1.0} for _ in range(3)]
+    base = _summary("TRL x", steps, "seconds", 30.0, 4)
+    results = [dict(base, pair=0), dict(base, label="ds_ppo GRPO", s_per_iter=1.0, pair=0),
+               dict(base, s_per_iter=4.0, pair=1),
+               dict(base, label="ds_ppo GRPO", s_per_iter=1.0, pair=1)]
+    assert pair_ratios(results) == {"ds_ppo GRPO": [0.5, 0.25]}
+    lines = table(results).splitlines()
+    assert "(pair 2)" in lines[5] and lines[5].split("|")[10] == " 0.25x "
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason='trl is not installed: pip install -e ".[peer]" '

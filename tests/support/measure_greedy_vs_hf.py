@@ -1,11 +1,13 @@
 """CPU timing of our decoding loop against HF generate, greedy, on the ~5M-parameter policy of
-measure_continuous.py (hidden 256): 32 prompts of 32 random tokens, 64 new tokens, 1 thread,
-best of 3 with the two alternating; the outputs must agree. Used for docs/PERFORMANCE.md:
+measure_continuous.py (hidden 256): 32 prompts of 32 random tokens, 64 new tokens (or
+--new-tokens), 1 thread, best of 3 with the two alternating; the outputs must agree. Used for
+docs/PERFORMANCE.md:
 
-    PYTHONPATH=. python tests/support/measure_greedy_vs_hf.py
+    PYTHONPATH=. python tests/support/measure_greedy_vs_hf.py --new-tokens 64
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,9 @@ from ds_ppo.engine.decode import decode  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    T = ap.parse_args().new_tokens
     torch.set_num_threads(1)
     model = policy(4096, 256, 4)
     g = torch.Generator().manual_seed(0)
@@ -28,11 +33,11 @@ def main() -> None:
     mask = torch.ones_like(ids, dtype=torch.bool)
 
     def ours():
-        return decode(model, ids, mask, max_new_tokens=64, eos_ids=[2], pad_id=0,
+        return decode(model, ids, mask, max_new_tokens=T, eos_ids=[2], pad_id=0,
                       temperature=0.0, suppress_ids=[0]).response_ids
 
     def hf():
-        return model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=64,
+        return model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=T,
                               do_sample=False, eos_token_id=[2], pad_token_id=0,
                               suppress_tokens=[0])[:, ids.shape[1]:]
 
@@ -46,7 +51,7 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - t0)
             width = outs["ours"].shape[1]
             assert torch.equal(outs["ours"], outs["hf"][:, :width]), "greedy outputs differ"
-    print(f"ours {best['ours']:.2f} s, HF generate {best['hf']:.2f} s, "
+    print(f"{T} new tokens: ours {best['ours']:.2f} s, HF generate {best['hf']:.2f} s, "
           f"ours / HF = {best['ours'] / best['hf']:.2f}")
 
 
