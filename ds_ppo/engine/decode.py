@@ -129,7 +129,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            max_new_tokens: int, eos_ids: list[int], pad_id: int, min_new_tokens: int = 0,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-           stop_check_every: int = 16, trim: bool = True, group=None,
+           stop_check_every: int = 8, trim: bool = True, group=None,
            slots: int | None = None) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
