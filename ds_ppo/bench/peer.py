@@ -7,7 +7,8 @@
 Step 1 prepares one starting point in `--out-dir/shared` from ds_ppo's own config (the tiny default
 plus any `key=value` overrides): the random-init policy and tokenizer built by ds_ppo's
 `materialize_arch`, ds_ppo's prompts in ds_ppo's sampling order, and the numbers the peer mirrors
-(reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes).
+(reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes,
+gradient checkpointing: TRL's GRPOConfig turns it on by default, ds_ppo's policy off).
 Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.bench.peer_trl`, `--schedule ppo`:
 ds_ppo's 2 epochs x mini-batches), ds_ppo PPO (the config as given) and, where this ds_ppo has it, ds_ppo
 GRPO (`ppo.advantage_estimator=grpo ppo.samples_per_prompt=G`, mini/micro-batches x G, TRL's
@@ -70,6 +71,7 @@ def prepare(shared: Path, overrides: list[str]) -> dict:
             "lr": cfg.policy.lr, "warmup_steps": cfg.policy.warmup_steps,
             "betas": list(cfg.policy.betas), "eps": cfg.policy.eps,
             "weight_decay": cfg.policy.weight_decay, "grad_clip": cfg.policy.max_grad_norm,
+            "gradient_checkpointing": cfg.policy.gradient_checkpointing,
             "seed": cfg.seed, "reward": cfg.reward.function, "pad_token_id": tok.pad_token_id,
             "policy_sha256": _weights_hash(shared / "policy")}
     if meta["reward"] is None:

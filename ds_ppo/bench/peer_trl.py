@@ -5,7 +5,8 @@ point `ds_ppo.bench.peer` prepared (run in its own process, never imported by ds
 
 DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`),
 `prompts.jsonl` (ds_ppo's prompts in ds_ppo's sampling order) and `meta.json` (the ds_ppo config
-numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes). The
+numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes,
+gradient checkpointing). The
 reward is ds_ppo's own `reward.function`, called on the decoded completions.
 
 One step = one rollout of `rollout_batch_size` prompts x `--num-generations` completions, then
@@ -128,6 +129,8 @@ def _config(args: argparse.Namespace, meta: dict, steps: int, seqs: int):
         top_p=meta["top_p"], top_k=meta["top_k"] or 0,
         generation_kwargs={"suppress_tokens": [meta["pad_token_id"]]},  # as ds_ppo samples
         learning_rate=meta["lr"], max_grad_norm=meta["grad_clip"], beta=meta["kl_coef"],
+        # TRL's default is on (a recomputed forward per backward); ds_ppo's policy.* setting
+        gradient_checkpointing=meta.get("gradient_checkpointing", False),
         shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=meta["seed"], dataloader_num_workers=0)

@@ -47,6 +47,24 @@ def test_pairs_take_their_ratio_to_their_own_trl_run():
     assert "(pair 2)" in lines[5] and lines[5].split("|")[10] == " 0.25x "
 
 
+@pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed")
+def test_trl_mirrors_the_policys_gradient_checkpointing(tmp_path):
+    """TRL's GRPOConfig turns gradient checkpointing on by default (a recomputed forward in every
+    backward); the peer run takes ds_ppo's policy.gradient_checkpointing instead, and its
+    schedule: 2 epochs x (128 / 64) optimizer steps of 2 x 32 sequences."""
+    from ds_ppo.bench.peer_trl import _config, _parse
+
+    args = _parse(["--shared", str(tmp_path), "--out", str(tmp_path / "o.jsonl")])
+    meta = {"mini_batch_size": 16, "micro_batch_size": 8, "ppo_epochs": 2, "max_new_tokens": 8,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pad_token_id": 0, "lr": 1e-3,
+            "grad_clip": 1.0, "kl_coef": 0.02, "seed": 1}
+    for on in (False, True):
+        config, opt_per_step = _config(args, dict(meta, gradient_checkpointing=on), 3, 128)
+        assert config.gradient_checkpointing is on
+        assert opt_per_step == 4 and config.max_steps == 12
+        assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (32, 2)
+
+
 @pytest.mark.skipif(not HAVE_TRL, reason='trl is not installed: pip install -e ".[peer]" '
                     "(the CI install line includes it)")
 def test_peer_bench_tiny(tmp_path):
