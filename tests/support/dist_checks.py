@@ -93,18 +93,22 @@ def group_update(work: Path, name: str, extra: list[str]) -> dict:
 
     noise: dict[int, torch.Tensor] = {}
 
-    def next_tokens(logits, temperature, top_k=0, top_p=1.0, generator=None):
+    from ds_ppo.algo.logits import logprobs_from_logits
+
+    def next_tokens_with_logprobs(logits, temperature, top_k=0, top_p=1.0, generator=None):
         V = logits.shape[-1]
         if V not in noise:
             noise[V] = 4.0 * torch.randn(GROUP, V, generator=torch.Generator().manual_seed(0))
         rows = torch.arange(logits.shape[0]) % GROUP
-        return (logits.float() + noise[V][rows].to(logits.device)).argmax(dim=-1)
+        chosen = (logits.float() + noise[V][rows].to(logits.device)).argmax(dim=-1)
+        return chosen, logprobs_from_logits(logits.float()[:, None], chosen[:, None])[:, 0]
 
-    original, decode.next_tokens = decode.next_tokens, next_tokens
+    original = decode.next_tokens_with_logprobs
+    decode.next_tokens_with_logprobs = next_tokens_with_logprobs
     try:
         return first_update(work, name, extra, GROUP_KEYS)
     finally:
-        decode.next_tokens = original
+        decode.next_tokens_with_logprobs = original
 
 
 PTX_KEYS = LOSS_KEYS + ("loss/ptx", "ema/distance")
