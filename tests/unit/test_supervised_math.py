@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ds_ppo.algo import bradley_terry, nll_sum, pair_stats
+from ds_ppo.algo import bradley_terry, nll_sum, pair_stats, reward_centering
 from ds_ppo.config import job_accum_steps, load_config, validate_job
 from ds_ppo.data.supervised import chat_ids, load_pairs, load_sft
 from ds_ppo.data.tokenizer import load_tokenizer
@@ -41,6 +41,30 @@ def test_bradley_terry_by_hand():
     assert with_margin[0].item() == pytest.approx(math.log(2), rel=1e-6)
     stats = pair_stats(chosen, rejected)
     assert stats["correct"].item() == 1 and stats["margin"].item() == pytest.approx(0.0)
+
+
+def test_reward_centering_by_hand_and_in_the_rm_loss(tok, tmp_path):
+    """rm.center_coef adds coef x (r_chosen + r_rejected)^2 per pair to the summed
+    Bradley-Terry loss of a micro-batch; the `center` statistic is logged either way."""
+    from types import SimpleNamespace
+
+    from ds_ppo.data.supervised import load_pairs
+    from ds_ppo.rm import RMJob
+
+    assert reward_centering(torch.tensor([2.0, -1.0]), torch.tensor([1.0, 0.5])).tolist() == \
+        pytest.approx([9.0, 0.25])
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+                                         {"prompt": "2+2=", "chosen": "4", "rejected": "5"}])
+    scores = torch.tensor([2.0, -1.0, 1.0, 0.5])  # chosen 0, chosen 1, rejected 0, rejected 1
+    role = SimpleNamespace(engine=SimpleNamespace(module=torch.nn.Linear(1, 1)),
+                           scores=lambda ids, am: scores)
+    bt = bradley_terry(scores[:2], scores[2:]).sum().item()
+    for coef in (0.0, 0.5):
+        cfg = _cfg(path, f"rm.center_coef={coef}")
+        data = load_pairs(cfg, tok)
+        loss, stats = RMJob().loss(cfg, role, data, [0, 1], pad_id=0)
+        assert loss.item() == pytest.approx(bt + coef * 9.25, rel=1e-6)
+        assert stats["center"][0].item() == pytest.approx(9.25)
 
 
 def test_nll_sum_is_a_sum():
