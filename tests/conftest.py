@@ -31,6 +31,17 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny in-process models (`pytestmark =
+    pytest.mark.usefixtures("one_thread")`): they gain nothing from intra-op threads, and beside
+    the other xdist worker their spinning made such tests ~30x slower on two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
     """(B,) long response lengths (tokens that count, EOS included) -> (B, T) bool prefix mask,
     the shape of every mask ds_ppo.algo.response_mask derives (a test helper)."""

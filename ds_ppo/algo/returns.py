@@ -60,6 +60,15 @@ def gae_loop(
     return _masked_outputs(advantages, values, mask)
 
 
+def _discount_hankel(c: float, n: int, device) -> torch.Tensor:
+    """(n, n) float64 Hankel matrix H[a, t] = c^(n-1-a-t) if a + t <= n-1 else 0, as sliding
+    windows over [c^(n-1), ..., c^1, c^0, 0, ..., 0]: each power computed directly."""
+    exponents = torch.arange(n - 1, -1, -1, dtype=torch.float64, device=device)
+    powers = torch.full((n,), c, dtype=torch.float64, device=device).pow(exponents)
+    padded = torch.cat([powers, torch.zeros(n - 1, dtype=torch.float64, device=device)])
+    return padded.unfold(0, n, 1)
+
+
 def gae_matmul(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -77,15 +86,8 @@ def gae_matmul(
     """
     rewards, values, mask = _masked_inputs(rewards, values, mask)
     deltas = _td_errors(rewards, values, gamma)
-    T = deltas.shape[1]
-    device = deltas.device
-    # Hankel matrix H[a, t] = c^(T-1-a-t) if a + t <= T-1 else 0, as sliding windows
-    # over [c^(T-1), ..., c^1, c^0, 0, ..., 0]. With j = T-1-a it is the discount
-    # c^(j - t) for j >= t, so A = flip(delta) @ H.
-    exponents = torch.arange(T - 1, -1, -1, dtype=torch.float64, device=device)
-    powers = torch.full((T,), gamma * lam, dtype=torch.float64, device=device).pow(exponents)
-    padded = torch.cat([powers, torch.zeros(T - 1, dtype=torch.float64, device=device)])
-    hankel = padded.unfold(0, T, 1)
+    # with j = T-1-a, H[a, t] is the discount c^(j - t) for j >= t, so A = flip(delta) @ H
+    hankel = _discount_hankel(gamma * lam, deltas.shape[1], deltas.device)
     advantages = (deltas.double().flip(-1) @ hankel).to(deltas.dtype)
     return _masked_outputs(advantages, values, mask)
 
@@ -116,10 +118,7 @@ def gae_blocked(
     device = deltas.device
     c = gamma * lam
     b = min(block, T)
-    exponents = torch.arange(b - 1, -1, -1, dtype=torch.float64, device=device)
-    powers = torch.full((b,), c, dtype=torch.float64, device=device).pow(exponents)
-    hankel = torch.cat([powers, torch.zeros(b - 1, dtype=torch.float64, device=device)]
-                       ).unfold(0, b, 1).contiguous()  # (b, b), as in gae_matmul
+    hankel = _discount_hankel(c, b, device).contiguous()  # (b, b), as in gae_matmul
     # carry[i] = c^(n - i) for a block of n steps: the weight of A_e at step s + i
     carry_powers = torch.full((b,), c, dtype=torch.float64, device=device).pow(
         torch.arange(b, 0, -1, dtype=torch.float64, device=device))

@@ -1,88 +1,21 @@
-"""Cross-field rules of a parsed config that need the world size (``validate``, fatal, every
-problem listed with the key and the fix), warnings for settings that do nothing, and the
-numbers derived from several keys (optimizer steps, gradient accumulation).
+"""Cross-field rules of a parsed config that need the world size (``validate`` and
+``validate_job``, fatal, every problem listed with the key and the fix) and warnings for
+settings that do nothing (``config_warnings``). The batch-size rules live in ``batches``, the
+models' in ``model_checks``; the numbers derived from several keys in ``batches`` and
+``derived``.
 """
 from __future__ import annotations
 
-import itertools
-import math
-import os
 from pathlib import Path
 
-from ds_ppo.algo.choices import ESTIMATORS
-from ds_ppo.config.sections import Config, PPOConfig
+from ds_ppo.config.batches import batch_problems, data_parallel_size
+from ds_ppo.config.derived import watchdog_limit_s
+from ds_ppo.config.model_checks import (model_problems, sequence_parallel_problems,
+                                        source_problems)
+from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
 from ds_ppo.rewards.service import call_deadline, worst_request_s
-from ds_ppo.role_names import ROLES, TRAINED_ROLES
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def steps_per_iteration(cfg: Config) -> int:
-    """Optimizer steps of one iteration (each trained role): epochs x mini-batches."""
-    p = cfg.ppo
-    return p.ppo_epochs * (p.rollout_batch_size * p.samples_per_prompt // p.mini_batch_size)
-
-
-def optimizer_steps(cfg: Config, role: str = "value") -> int:
-    """Optimizer steps of the whole run of `role`: iterations x epochs x mini-batches; the
-    policy takes none in the ppo.critic_warmup_iterations (its LR schedule spans the rest)."""
-    iterations = cfg.iterations
-    if role == "policy":
-        iterations = max(1, iterations - cfg.ppo.critic_warmup_iterations)
-    return iterations * steps_per_iteration(cfg)
-
-
-def critic_warmup(cfg: Config, iteration: int) -> bool:
-    """Iteration `iteration` (1-based) trains the value model only (ppo.critic_warmup_iterations)."""
-    warmup = cfg.ppo.critic_warmup_iterations
-    return cfg.ppo.uses_critic and warmup > 0 and iteration <= warmup
-
-
-def value_init_source(cfg: Config) -> str:
-    """Where the value model starts (value.init_from resolved; the engine and `ds-ppo plan` both
-    ask here): `path` (value.path / value.arch), `reward` (reward.model) or `policy`. auto: path
-    when value.path or value.arch is given (e.g. a reward model's export), else the reward model
-    if there is one, else the policy."""
-    v = cfg.value
-    if v.init_from != "auto":
-        return v.init_from
-    if v.path is not None or v.arch is not None:
-        return "path"
-    return "reward" if cfg.reward.model is not None else "policy"
-
-
-def reference_from_policy_base(cfg: Config) -> bool:
-    """Whether the reference log-probs come from the LoRA policy's base (adapters off)."""
-    from_base = cfg.reference.from_policy_base
-    if cfg.policy.lora is None:
-        return False
-    return from_base is True or (from_base == "auto" and cfg.reference.path is None)
-
-
-def grad_accum_steps(cfg: Config, world_size: int) -> int:
-    """Micro-batches accumulated per optimizer step on each rank (of world / N data-parallel
-    ranks with deepspeed.sequence_parallel_size = N: a sequence-parallel group shares its rows)."""
-    return cfg.ppo.mini_batch_size // (cfg.ppo.micro_batch_size
-                                       * data_parallel_size(cfg, world_size))
-
-
-def max_model_tokens(cfg: Config) -> int:
-    """The most model tokens one response can hold: generation.max_new_tokens, or for a
-    multi-turn episode that per turn times env.max_turns, at most env.max_total_tokens (the
-    L_max of ppo.loss_aggregation = seq_mean_token_sum_norm)."""
-    g, e = cfg.generation, cfg.env
-    if not e.enabled:
-        return g.max_new_tokens
-    return min(g.max_new_tokens * e.max_turns, e.max_total_tokens)
-
-
-def max_response_tokens(cfg: Config) -> int:
-    """The longest response in the context: generation.max_new_tokens, or for a multi-turn
-    episode env.max_total_tokens (its turns and observations; what `ds-ppo plan` sizes)."""
-    return cfg.env.max_total_tokens if cfg.env.enabled else cfg.generation.max_new_tokens
+from ds_ppo.role_names import ROLES
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -90,49 +23,13 @@ def validate(cfg: Config, world_size: int) -> None:
     (one checker per part of the config, each returning its problems). The batch rules hold per
     data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
     sequence-parallel group share their rows (world / N data-parallel ranks)."""
-    problems = _batch_problems(cfg, data_parallel_size(cfg, world_size))
-    for check in (_reward_problems, _env_problems, _model_problems, _generation_problems,
+    problems = batch_problems(cfg, data_parallel_size(cfg, world_size))
+    for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
                   _deepspeed_problems, _tracking_problems, _recipe_problems,
                   sequence_parallel_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """Ranks with rows of their own: world / deepspeed.sequence_parallel_size (the world when
-    it does not divide: that problem is reported on its own)."""
-    sp = cfg.deepspeed.sequence_parallel_size
-    return world_size // sp if world_size % sp == 0 else world_size
-
-
-def _batch_problems(cfg: Config, world_size: int) -> list[str]:
-    """Batch sizes against the (data-parallel) world size, the estimator's needs and the PPO
-    clips."""
-    p, problems = cfg.ppo, []
-    if p.rollout_batch_size % world_size:
-        problems.append(
-            f"ppo.rollout_batch_size = {p.rollout_batch_size} must be divisible by the "
-            f"data-parallel world size {world_size} (e.g. {world_size * max(1, p.rollout_batch_size // world_size)})")
-    n = p.samples_per_prompt
-    if (p.rollout_batch_size * n) % p.mini_batch_size:
-        problems.append(
-            f"ppo.mini_batch_size = {p.mini_batch_size} must divide ppo.rollout_batch_size = "
-            f"{p.rollout_batch_size}" + (f" x ppo.samples_per_prompt = {n} (responses per "
-                                         "iteration)" if n > 1 else ""))
-    problems += _estimator_problems(p, world_size)
-    if p.mini_batch_size % (p.micro_batch_size * world_size):
-        problems.append(
-            f"ppo.mini_batch_size = {p.mini_batch_size} must be a multiple of "
-            f"ppo.micro_batch_size * world size = {p.micro_batch_size} * {world_size} = "
-            f"{p.micro_batch_size * world_size}")
-    if p.value_clip_eps is not None and p.value_clip_eps <= 0:
-        problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
-    fix = working_batch_sizes(p, world_size)
-    if fix:  # the README promises a value that works
-        problems.append(f"batch sizes that work at world size {world_size}: "
-                        + " ".join(f"ppo.{k}={v}" for k, v in fix.items()))
-    return problems
 
 
 def _reward_problems(cfg: Config, world_size: int) -> list[str]:
@@ -163,53 +60,6 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
                         "or responses (the function's first two arguments)")
     if r.score_clip is not None and r.score_clip <= 0:
         problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
-    return problems
-
-
-def _source_problems(cfg: Config, roles) -> list[str]:
-    """The trained roles' model sources and clipping (PPO: policy and value; the supervised
-    jobs: the policy section, their one trained model)."""
-    problems = []
-    for name in roles:
-        m = getattr(cfg, name)
-        if m.path is not None and m.arch is not None:
-            problems.append(f"{name}.path = {m.path!r} and {name}.arch are both set: keep one "
-                            "(path loads weights, arch builds a randomly initialised model)")
-        if m.max_grad_norm is not None and m.max_grad_norm <= 0:
-            problems.append(f"{name}.max_grad_norm = {m.max_grad_norm} must be > 0 or null")
-        if not all(0 <= b < 1 for b in m.betas):
-            problems.append(f"{name}.betas = {list(m.betas)}: each must be in [0, 1) (AdamW's "
-                            f"moment decay rates, e.g. {name}.betas=[0.9,0.95])")
-        bad = _non_finite(m.arch or {}, f"{name}.arch")
-        if bad:
-            problems.append(f"{bad}: must be a finite number")
-        if m.arch is not None and "model_type" not in m.arch:
-            problems.append(f"{name}.arch = {m.arch!r} needs a model_type key (e.g. "
-                            f"{name}.arch.model_type=llama)")
-    if cfg.policy.path is None and cfg.policy.arch is None:
-        problems.append("policy.path = None and policy.arch = None: set policy.path (a model) "
-                        "or policy.arch (a random-init shape)")
-    return problems
-
-
-def _model_problems(cfg: Config, world_size: int) -> list[str]:
-    """Each model role: path or arch, clipping, LoRA and the reference's source."""
-    problems = _source_problems(cfg, TRAINED_ROLES)
-    if cfg.value.init_from == "path" and cfg.value.path is None and cfg.value.arch is None:
-        problems.append("value.init_from = 'path' needs value.path or value.arch")
-    if cfg.value.init_from == "reward" and cfg.reward.model is None:
-        problems.append("value.init_from = 'reward' needs reward.model")
-    ref = cfg.reference
-    if ref.from_policy_base is True and cfg.policy.lora is None:
-        problems.append("reference.from_policy_base = True needs policy.lora (a full fine-tuned "
-                        "policy has no frozen base to read): set policy.lora.r, or "
-                        "reference.from_policy_base=auto")
-    if ref.from_policy_base is True and ref.path is not None:
-        problems.append(f"reference.from_policy_base = True and reference.path = {ref.path!r}: "
-                        "the reference is either the policy's base or another model; drop one")
-    if cfg.value.lora is not None and cfg.value.lora.output_head is True:
-        problems.append("value.lora.output_head = True: the value model's scalar head is always "
-                        "fully trained, never adapted; leave value.lora.output_head=auto")
     return problems
 
 
@@ -295,88 +145,6 @@ def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
-def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | None:
-    """Ulysses' head split (engine/sequence_parallel.py asks here too): the attention heads
-    divide by the SP size, the KV heads divide by it or it by them (then replicated)."""
-    if heads % size:
-        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {heads} attention "
-                f"heads, not divisible by {size}; use a size that divides {heads}")
-    if kv_heads % size and size % kv_heads:
-        return (f"deepspeed.sequence_parallel_size = {size}: {where} has {kv_heads} KV heads; "
-                f"the size must divide them or be a multiple of them")
-    return None
-
-
-def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
-    """(attention heads, KV heads) from an arch dict or a local config.json (plain json: the
-    dry run loads no transformers); None when neither says."""
-    import json
-
-    fields = arch
-    if fields is None and path is not None and (Path(path) / "config.json").is_file():
-        fields = json.loads((Path(path) / "config.json").read_text())
-    fields = (fields or {}).get("text_config", fields) or {}
-    heads = fields.get("num_attention_heads")
-    if heads is None:
-        return None
-    return int(heads), int(fields.get("num_key_value_heads") or heads)
-
-
-def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
-    """deepspeed.sequence_parallel_size: divides the world size and every sharded model's heads
-    (those whose shape can be read without loading them), with an attention kernel Ulysses
-    takes."""
-    n, problems = cfg.deepspeed.sequence_parallel_size, []
-    if n == 1:
-        return problems
-    if world_size % n:
-        problems.append(f"deepspeed.sequence_parallel_size = {n} must divide the world size "
-                        f"{world_size} (the data-parallel group is world / {n})")
-    models = [("policy", cfg.policy.path, cfg.policy.arch, cfg.policy.attn_implementation)]
-    if cfg.reference.path is not None:
-        models.append(("reference", cfg.reference.path, None, cfg.policy.attn_implementation))
-    if cfg.ppo.uses_critic and (cfg.value.path or cfg.value.arch):
-        models.append(("value", cfg.value.path, cfg.value.arch, cfg.value.attn_implementation))
-    for role, path, arch, attn in models:
-        if attn == "eager":
-            problems.append(f"deepspeed.sequence_parallel_size = {n}: {role}.attn_implementation "
-                            "= eager needs the full L x L mask Ulysses drops; use sdpa or "
-                            "flash_attention_2")
-        heads = _model_heads(path, arch)
-        problem = heads and heads_problem(*heads, n, f"the {role} model")
-        if problem:
-            problems.append(problem)
-    return problems
-
-
-def _non_finite(tree, key: str) -> str | None:
-    """The dotted key of the first NaN or infinite number in a free-form map (policy.arch)."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            bad = _non_finite(v, f"{key}.{k}")
-            if bad:
-                return bad
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            bad = _non_finite(v, f"{key}[{i}]")
-            if bad:
-                return bad
-    elif isinstance(tree, float) and not math.isfinite(tree):
-        return f"{key} = {tree}"
-    return None
-
-
-def watchdog_limit_s(cfg: Config) -> float | None:
-    """Seconds without progress after which the watchdog stops a rank (None: off): the
-    configured watchdog_minutes, or by default the collective timeout less half the reward
-    service's margin (`call_deadline`), so that a reward call's own deadline comes first, then
-    the watchdog, then the collective timeout."""
-    if cfg.watchdog_minutes is not None:
-        return 60.0 * cfg.watchdog_minutes if cfg.watchdog_minutes > 0 else None
-    timeout_s = 60.0 * cfg.dist_timeout_minutes
-    return timeout_s - 0.5 * (timeout_s - call_deadline(cfg.dist_timeout_minutes, 2))
-
-
 def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
     """The RLHF recipe's extras: the critic warm-up, the policy's EMA and PPO-ptx."""
     p, problems = cfg.ppo, []
@@ -397,13 +165,6 @@ def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
-def job_accum_steps(cfg: Config, job: str, world_size: int) -> int:
-    """Micro-batches accumulated per optimizer step on each rank of `ds-ppo sft` / `ds-ppo rm`
-    (`job`: the section's name)."""
-    j = getattr(cfg, job)
-    return max(1, j.batch_size // (j.micro_batch_size * world_size))
-
-
 def validate_job(cfg: Config, job: str, world_size: int) -> None:
     """Cross-field checks of a supervised job (`job`: sft or rm), before any model loads; raises
     ConfigError listing every problem with the key and a value that works."""
@@ -420,7 +181,7 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
                         f"{columns}; set data.path")
     if job == "rm" and j.chosen_key == j.rejected_key:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
-    problems += _source_problems(cfg, ("policy",))
+    problems += source_problems(cfg, ("policy",))
     d = cfg.deepspeed.policy
     if d.offload_param and d.zero_stage not in (3, "auto"):
         problems.append(f"deepspeed.policy.offload_param = True needs deepspeed.policy."
@@ -458,75 +219,6 @@ def _env_problems(cfg: Config, world_size: int) -> list[str]:
     if any(not s for s in e.stop):
         out.append(f"env.stop = {e.stop}: an empty string would end every turn at once")
     return out
-
-
-def _batch_sizes_fit(rollout: int, mini: int, micro: int, n: int, world: int) -> bool:
-    """Every batch-size rule: whole prompts per rank, mini-batches that split the iteration's
-    responses, whole prompts per rank in each mini-batch, whole micro-batches per rank."""
-    return (rollout % world == 0 and (rollout * n) % mini == 0 and mini % n == 0
-            and (mini // n) % world == 0 and mini % (micro * world) == 0)
-
-
-def working_batch_sizes(p: PPOConfig, world_size: int) -> dict[str, int] | None:
-    """The fewest, smallest changes to rollout_batch_size / mini_batch_size / micro_batch_size
-    that satisfy every batch-size rule at `world_size` ({} when they already do; None when no
-    value up to twice the given ones does)."""
-    n, w = p.samples_per_prompt, world_size
-    given = {"rollout_batch_size": p.rollout_batch_size, "mini_batch_size": p.mini_batch_size,
-             "micro_batch_size": p.micro_batch_size}
-    ranges = {"rollout_batch_size": range(w, 2 * p.rollout_batch_size + w, w),
-              "mini_batch_size": range(n * w, 2 * p.mini_batch_size + n * w, n * w),
-              "micro_batch_size": range(1, 2 * p.micro_batch_size + 1)}
-
-    def fits(v: dict[str, int]) -> bool:
-        return _batch_sizes_fit(v["rollout_batch_size"], v["mini_batch_size"],
-                                v["micro_batch_size"], n, w)
-
-    if fits(given):
-        return {}
-    for keys in (("mini_batch_size",), ("micro_batch_size",), ("rollout_batch_size",),
-                 ("mini_batch_size", "micro_batch_size"),
-                 ("rollout_batch_size", "mini_batch_size"),
-                 ("rollout_batch_size", "mini_batch_size", "micro_batch_size")):
-        best = None
-        for values in itertools.product(*(ranges[k] for k in keys)):
-            trial = {**given, **dict(zip(keys, values))}
-            cost = sum(abs(v - given[k]) / given[k] for k, v in zip(keys, values))
-            if fits(trial) and (best is None or cost < best[0]):
-                best = (cost, dict(zip(keys, values)))
-        if best is not None:
-            return best[1]
-    return None
-
-
-def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
-    """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
-    problems, n = [], p.samples_per_prompt
-    if ESTIMATORS[p.advantage_estimator].groups and n < 2:
-        problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
-                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
-                        "ppo.samples_per_prompt=4 (any n >= 2)")
-    if n > 1 and p.mini_batch_size % n:
-        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} counts responses and must "
-                        f"be a multiple of ppo.samples_per_prompt = {n} (e.g. {n * max(1, p.mini_batch_size // n)})")
-    elif n > 1 and (p.mini_batch_size // n) % world_size:
-        problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} holds "
-                        f"{p.mini_batch_size // n} prompts of {n} responses; each of the "
-                        f"{world_size} ranks needs whole prompts: make mini_batch_size / "
-                        f"samples_per_prompt divisible by the world size (e.g. "
-                        f"ppo.mini_batch_size={n * world_size * max(1, p.mini_batch_size // (n * world_size))})")
-    if p.kl_loss_coef < 0:
-        problems.append(f"ppo.kl_loss_coef = {p.kl_loss_coef} must be >= 0 (0 = no KL loss term)")
-    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
-        problems.append(f"ppo.clip_eps_high = {p.clip_eps_high} must be > 0, or null for the "
-                        "same as ppo.clip_eps")
-    if p.dual_clip is not None and p.dual_clip <= 1:
-        problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
-                        "the dual clip off")
-    if p.filter_zero_std_groups and n < 2:
-        problems.append("ppo.filter_zero_std_groups = true needs groups: set "
-                        "ppo.samples_per_prompt >= 2")
-    return problems
 
 
 def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
@@ -572,18 +264,3 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
     return out
-
-
-def lora_output_head(lora_cfg, random_init: bool, tied: bool) -> bool:
-    """policy.lora.output_head resolved (the engine and `ds-ppo plan` both ask here): auto = a
-    random-init model (policy.arch) whose output head is not tied to its input embeddings. Such
-    a head's weights are as small as every initialised weight (std initializer_range, 0.02), so
-    after the final norm the logits span about +-1 whatever adapters below it learn, and the
-    output stays near uniform."""
-    if lora_cfg.output_head == "auto":
-        return random_init and not tied
-    if lora_cfg.output_head and tied:
-        raise ConfigError("policy.lora.output_head = True: this model's output head is tied to "
-                          "its input embeddings (one weight), which an adapter on the head alone "
-                          "cannot follow; set policy.lora.output_head=false")
-    return bool(lora_cfg.output_head)

@@ -156,6 +156,28 @@ def _initialize(model, ds_config: dict, optimizer=None, scheduler=None):
     return engine
 
 
+def _ready_to_train(model, dropped: dict[str, float], section, tile: bool = True):
+    """A loaded model made ready to train as its section says: the dropout probabilities
+    switched off recorded (exports write them back), gradient checkpointing, TiledMLP (with
+    `tile`), no KV cache."""
+    model.ds_ppo_dropout = dropped
+    if section.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if tile and section.tiled_mlp:
+        tile_mlps(model)
+    model.config.use_cache = False
+    return model
+
+
+def _trained_engine(module, model, ds_config: dict, section, device: torch.device,
+                    offload: bool, total_steps: int):
+    """(The DeepSpeed engine that trains `module`, ds_config): AdamW over `model`'s trainable
+    parameters (all, or its LoRA adapters and fully trained heads) with the section's LR
+    schedule over `total_steps` optimizer steps."""
+    opt = _optimizer(lora.trainable(model), section, device, offload)
+    return _initialize(module, ds_config, opt, _lr_schedule(opt, section, total_steps)), ds_config
+
+
 # ------------------------------------------------------------------ initial weights
 def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str = "policy.arch"
                      ) -> str:
@@ -210,20 +232,14 @@ def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: b
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))
-    model.ds_ppo_dropout = dropped
-    if cfg.policy.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.policy.tiled_mlp:
-        tile_mlps(model)
-    model.config.use_cache = False
+    model = _ready_to_train(model, dropped, cfg.policy)
     if cfg.policy.lora is not None:
         head = lora.adapts_output_head(cfg.policy.lora, cfg.policy.arch is not None, model,
                                        None if cfg.policy.arch is not None else path)
         model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, output_head=head)
-    opt = _optimizer(lora.trainable(model), cfg.policy, device,
-                     cfg.deepspeed.policy.offload_optimizer)
     steps = total_steps if total_steps is not None else optimizer_steps(cfg, "policy")
-    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.policy, steps)), ds
+    return _trained_engine(model, model, ds, cfg.policy, device,
+                           cfg.deepspeed.policy.offload_optimizer, steps)
 
 
 def _value_source(cfg: Config, policy_path: str, value_arch_path: str | None,
@@ -289,18 +305,12 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
     ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source), universal)
     model = load_value_model(source, config, ds,
                              **_load_kwargs(dtype, cfg.value.attn_implementation))
-    model.ds_ppo_dropout = dropped
-    if cfg.value.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.value.tiled_mlp:
-        tile_mlps(model)
-    model.config.use_cache = False
+    model = _ready_to_train(model, dropped, cfg.value)
     if cfg.value.lora is not None:  # the scalar head (score or classifier) is trained fully
         head = "score" if hasattr(model, "score") else "classifier"
         model = lora.add_adapters(model, cfg.value.lora, cfg.seed + 1, head=head, causal_lm=False)
-    opt = _optimizer(lora.trainable(model), cfg.value, device,
-                     cfg.deepspeed.value.offload_optimizer)
-    return _initialize(model, ds, opt, _lr_schedule(opt, cfg.value, optimizer_steps(cfg))), ds
+    return _trained_engine(model, model, ds, cfg.value, device,
+                           cfg.deepspeed.value.offload_optimizer, optimizer_steps(cfg))
 
 
 def _init_reference(cfg: Config, path: str, world: int, dtype):

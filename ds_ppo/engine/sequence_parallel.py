@@ -50,7 +50,7 @@ def register(hf_config, group) -> None:
     L x L mask Ulysses drops)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_ppo.config.checks import heads_problem
+    from ds_ppo.config.model_checks import heads_problem
 
     text = hf_config.get_text_config()
     heads = text.num_attention_heads

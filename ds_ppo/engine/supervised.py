@@ -24,8 +24,8 @@ from ds_ppo.config import Config, job_accum_steps
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
-from ds_ppo.engine.roles import (_hidden_size, _init_policy, _initialize, _load_kwargs,
-                                 _lr_schedule, _model_config, _optimizer, _zero_init_for,
+from ds_ppo.engine.roles import (_hidden_size, _init_policy, _load_kwargs, _model_config,
+                                 _ready_to_train, _trained_engine, _zero_init_for,
                                  materialize_arch)
 
 log = logging.getLogger("ds_ppo")
@@ -82,13 +82,8 @@ def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple
     with _zero_init_for(ds):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))
-    model.ds_ppo_dropout = dropped
-    if cfg.policy.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    model = _ready_to_train(model, dropped, cfg.policy, tile=False)  # rm tiles no MLP
     if cfg.policy.lora is not None:  # the scalar head is trained fully
         model = lora.add_adapters(model, cfg.policy.lora, cfg.seed, head="score", causal_lm=False)
-    opt = _optimizer(lora.trainable(model), cfg.policy, device,
-                     cfg.deepspeed.policy.offload_optimizer)
-    return _initialize(LastTokenScorer(model), ds, opt,
-                       _lr_schedule(opt, cfg.policy, total_steps)), ds
+    return _trained_engine(LastTokenScorer(model), model, ds, cfg.policy, device,
+                           cfg.deepspeed.policy.offload_optimizer, total_steps)

@@ -175,43 +175,94 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
              if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
+    rows = _rows(cfg)
+    gen_batch = _generation_batch(cfg, cluster)
+    choice, generation = _generation_phase(cfg, shapes, cluster, roles["policy"], rows,
+                                           gen_batch, resident)
+    phases = [generation, *_scoring_phases(cfg, roles, rows), *_training_phases(cfg, roles, rows)]
+    peak = max(phases, key=lambda p: p.total(resident))
+    cpu = sum(rp.states.cpu_bytes_per_node for rp in roles.values())
+    return Plan(
+        cluster=cluster, roles=roles, seq_prompt=rows.prompt, seq_response=rows.response,
+        micro_batch=rows.micro, score_micro_batch=rows.score_micro,
+        micro_batch_tokens=rows.budget, gen_batch=gen_batch, generation_mode=choice.mode,
+        generation_loop=choice.loop, tp_size=choice.tp_size, tp_unsupported=choice.tp_unsupported,
+        resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
+        peak_phase=peak.name, cpu_bytes_per_node=cpu,
+        fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
+        fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
+        notes=_notes(cfg, shapes, cluster, roles, rows))
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows an iteration's forwards see: lengths in tokens, micro-batches, packing and
+    sequence parallelism."""
+
+    prompt: int
+    response: int
+    prefill: int  # tokens one generate call prefills (a later turn: the episode so far)
+    micro: int
+    score_micro: int
+    budget: int | None  # ppo.micro_batch_tokens
+    sp: int  # deepspeed.sequence_parallel_size
+    sharded: bool  # rows split over the sequence-parallel group
+    tiled_logits: str | bool  # ppo.tiled_logits: auto, true or false
+    logits_tile_tokens: int
+
+    @property
+    def seq(self) -> int:
+        return self.prompt + self.response
+
+    def micro_shape(self, rows: int, tokens: int) -> tuple[int, int]:
+        """(tokens, sequences) on one rank in one policy/reference/value forward: `rows` rows of
+        `tokens`, or packed, one sequence of at most the budget (a longer row alone); a row
+        split across the sequence-parallel group, its 1/sp share, one row at a time."""
+        if self.sharded:
+            return -(-tokens // self.sp), 1
+        return (tokens, rows) if self.budget is None else (max(self.budget, tokens), 1)
+
+    def logits(self, shape: ModelShape, tokens: int, rows: int) -> tuple[str, int]:
+        """The logits term of a policy/reference forward, tiled as forward.tile_logits decides."""
+        if tile_logits(self.tiled_logits, tokens * rows, shape.vocab):
+            tile = min(self.logits_tile_tokens, tokens * rows)
+            return f"logits (tiled, {tile} positions)", tiled_logits_bytes(shape, tile)
+        return "logits", logits_bytes(shape, tokens, rows)
+
+
+def _rows(cfg: Config) -> _Rows:
+    """The config's rows: prompt + response lengths, micro-batches, sequence parallelism."""
     # a multi-turn episode's response holds every turn and observation (env.max_total_tokens),
     # and a later turn re-prefills the prompt and the episode so far
     prompt, response = cfg.data.max_prompt_len, max_response_tokens(cfg)
     seq = prompt + response
     prefill = seq - cfg.generation.max_new_tokens if cfg.env.enabled else prompt
     micro = cfg.ppo.micro_batch_size
-    score_micro = cfg.ppo.score_micro_batch_size or micro
-    budget = cfg.ppo.micro_batch_tokens
-
     sp = cfg.deepspeed.sequence_parallel_size
-    sharded = sp > 1 and seq >= cfg.deepspeed.sequence_parallel_min_tokens
+    return _Rows(prompt=prompt, response=response, prefill=prefill, micro=micro,
+                 score_micro=cfg.ppo.score_micro_batch_size or micro,
+                 budget=cfg.ppo.micro_batch_tokens, sp=sp,
+                 sharded=sp > 1 and seq >= cfg.deepspeed.sequence_parallel_min_tokens,
+                 tiled_logits=cfg.ppo.tiled_logits,
+                 logits_tile_tokens=cfg.ppo.logits_tile_tokens)
 
-    def micro_shape(rows: int, tokens: int) -> tuple[int, int]:
-        """(tokens, sequences) on one rank in one policy/reference/value forward: `rows` rows of
-        `tokens`, or packed, one sequence of at most the budget (a longer row alone); a row
-        split across the sequence-parallel group, its 1/sp share, one row at a time."""
-        if sharded:
-            return -(-tokens // sp), 1
-        return (tokens, rows) if budget is None else (max(budget, tokens), 1)
 
-    def logits(shape: ModelShape, tokens: int, rows: int) -> tuple[str, int]:
-        """The logits term of a policy/reference forward, tiled as forward.tile_logits decides."""
-        if tile_logits(cfg.ppo.tiled_logits, tokens * rows, shape.vocab):
-            tile = min(cfg.ppo.logits_tile_tokens, tokens * rows)
-            return f"logits (tiled, {tile} positions)", tiled_logits_bytes(shape, tile)
-        return "logits", logits_bytes(shape, tokens, rows)
+def _generation_batch(cfg: Config, cluster: Cluster) -> int:
+    """Rows a rank decodes at once."""
+    sp = cfg.deepspeed.sequence_parallel_size
     # a rank's responses: its prompts x ppo.samples_per_prompt (the ranks of a
     # sequence-parallel group share theirs)
     per_rank = max(1, math.ceil(cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
                                 / (cluster.world_size // max(1, min(sp, cluster.world_size)))))
     # a rank decodes at most its own responses at once (a tensor-parallel group: tp x that)
-    gen_batch = min(cfg.generation.batch_size or per_rank, per_rank)
-    pol = roles["policy"]
-    ps = pol.shape
-    phases: list[Phase] = []
+    return min(cfg.generation.batch_size or per_rank, per_rank)
 
-    # generation: the policy decodes gen_batch prompts with a KV cache
+
+def _generation_phase(cfg: Config, shapes: RoleShapes, cluster: Cluster, pol: RolePlan,
+                      rows: _Rows, gen_batch: int, resident: int):
+    """(the engine's generation choice, the generation phase): the policy decodes gen_batch
+    prompts with a KV cache."""
+    ps = pol.shape
     replica = 2 * ps.params
     # the engine's decision (generation_choice), on the free memory of this plan
     choice = choose_generation(
@@ -233,47 +284,58 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     else:
         gen = {"layer gather (ZeRO-3 hooks)": gather}
     gen_common = {
-        "KV cache": kv_cache_bytes(ps, seq, batch) // kv_share,
+        "KV cache": kv_cache_bytes(ps, rows.seq, batch) // kv_share,
         "prefill activations (one layer)": prefill_activation_bytes(
-            ps, prefill, batch, cfg.policy.attn_implementation == "eager", kv_share),
+            ps, rows.prefill, batch, cfg.policy.attn_implementation == "eager", kv_share),
         "fp32 logits of one step": batch * ps.vocab * 4,
     }
-    phases.append(Phase(f"generation ({mode})", {**gen, **gen_common}))
+    return choice, Phase(f"generation ({mode})", {**gen, **gen_common})
 
-    # scoring: one forward per model role over the rollout, score_micro sequences at a time
+
+def _scoring_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> list[Phase]:
+    """One forward per model role over the rollout, score_micro sequences at a time."""
+    phases, seq, score_micro = [], rows.seq, rows.score_micro
     for role in ("reference", "policy", "value", "reward"):
         rp = roles.get(role)
         if rp is None or rp.shape is None:
             continue
         # the reward model keeps row micro-batches (score_micro_batch_size)
-        tokens, rows = ((min(seq, cfg.reward.max_len), score_micro) if role == "reward"
-                        else micro_shape(score_micro, seq))
+        tokens, seqs = ((min(seq, cfg.reward.max_len), score_micro) if role == "reward"
+                        else rows.micro_shape(score_micro, seq))
         eager = (cfg.policy.attn_implementation if role in ("policy", "reference")
                  else cfg.value.attn_implementation if role == "value"
                  else "sdpa") == "eager"
         t = {"layer gather": _forward_gather(rp),
-             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, rows, eager)}
+             "activations (one layer)": layer_activation_bytes(rp.shape, tokens, seqs, eager)}
         if role in ("policy", "reference"):
-            name, size = logits(rp.shape, tokens, rows)
+            name, size = rows.logits(rp.shape, tokens, seqs)
             t[name] = size
         phases.append(Phase(f"scoring: {role}", t))
+    return phases
 
-    # training: forward + backward of one micro-batch of each trained role
+
+def _training_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> list[Phase]:
+    """Forward + backward of one micro-batch of each trained role."""
+    phases = []
     for role in (r for r in TRAINED_ROLES if r in roles):
         rp, section = roles[role], getattr(cfg, role)
         gather = rp.states.gather_bytes
-        tokens, rows = micro_shape(micro, seq)
+        tokens, seqs = rows.micro_shape(rows.micro, rows.seq)
         t = {"layer gather (weights + grads)": gather,
              "activations" + (" (checkpointed)" if section.gradient_checkpointing else ""):
-                 train_activation_bytes(rp.shape, tokens, rows, section.gradient_checkpointing,
+                 train_activation_bytes(rp.shape, tokens, seqs, section.gradient_checkpointing,
                                         section.attn_implementation == "eager")}
         if role == "policy":
-            name, size = logits(rp.shape, tokens, rows)
+            name, size = rows.logits(rp.shape, tokens, seqs)
             t[name] = size
         phases.append(Phase(f"training: {role}", t))
+    return phases
 
-    peak = max(phases, key=lambda p: p.total(resident))
-    cpu = sum(rp.states.cpu_bytes_per_node for rp in roles.values())
+
+def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, RolePlan],
+           rows: _Rows) -> list[str]:
+    """What the plan assumes or leaves out, and whether the config validates."""
+    sp, seq, sharded = rows.sp, rows.seq, rows.sharded
     notes = list(shapes.notes)
     for role in roles:
         dtype = getattr(cfg, role).dtype if role in TRAINED_ROLES else cfg.policy.dtype
@@ -321,13 +383,4 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
     except ConfigError as e:
         notes.append(f"the config does not validate for world size {cluster.world_size}: "
                      + str(e).replace("invalid config:\n  ", "").replace("\n  ", "; "))
-    return Plan(
-        cluster=cluster, roles=roles, seq_prompt=prompt, seq_response=response, micro_batch=micro,
-        score_micro_batch=score_micro, micro_batch_tokens=budget, gen_batch=gen_batch,
-        generation_mode=mode,
-        generation_loop=choice.loop, tp_size=tp, tp_unsupported=choice.tp_unsupported,
-        resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
-        peak_phase=peak.name, cpu_bytes_per_node=cpu,
-        fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
-        fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
-        notes=notes)
+    return notes

@@ -34,11 +34,11 @@ from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import ConfigError, Diverged
 from ds_ppo.metrics import Accumulator
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
-from ds_ppo.run.loop import (TrainResult, _checkpoint, _finish, _log_ds_configs, _open_tracker,
-                             _seed_everything)
+from ds_ppo.run.loop import TrainResult, _log_ds_configs, _open_tracker, _seed_everything
 from ds_ppo.run.preemption import Preempted, StopRequests
 from ds_ppo.run.progress import Eta, format_duration
 from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
+from ds_ppo.run.saves import checkpoint_now, finish
 
 log = logging.getLogger("ds_ppo")
 
@@ -116,13 +116,13 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
                 # step 4. checkpoint; a scheduler's stop request
                 saved = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
                 if saved:
-                    result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                    result.last_checkpoint = checkpoint_now(cfg, out, engines, state, tokenizer)
                 signum = stop.agreed(device)
                 if signum:
                     if not saved:
-                        result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
+                        result.last_checkpoint = checkpoint_now(cfg, out, engines, state, tokenizer)
                     raise Preempted(signum, step, result.last_checkpoint)
-            result.last_checkpoint, result.export_dir = _finish(
+            result.last_checkpoint, result.export_dir = finish(
                 cfg, engines, state, tokenizer, result.last_checkpoint, job.model_class)
             status = "FINISHED"
         except (KeyboardInterrupt, Preempted):

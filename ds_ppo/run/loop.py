@@ -17,14 +17,12 @@ from ds_ppo import watchdog
 from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, checkpoint_name,
-                                      ensure_universal, find_resume, latest_checkpoint,
-                                      load_checkpoint, read_state, rng_state, save_checkpoint,
-                                      set_rng_state)
+from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, ensure_universal,
+                                      find_resume, load_checkpoint, read_state, rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
-from ds_ppo.errors import Diverged, RegistrationError, RewardError, RewardTimeout
+from ds_ppo.errors import Diverged, RegistrationError, RewardError
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
@@ -36,6 +34,7 @@ from ds_ppo.run.preemption import Preempted, StopRequests
 from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.run.report import Reporter, iteration_metrics
 from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
+from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
 
 log = logging.getLogger("ds_ppo")
 
@@ -56,14 +55,83 @@ def train(cfg: Config) -> TrainResult:
     finished = _already_finished(cfg)
     if finished is not None:  # nothing to load, train or export
         return finished
+    device, out = _start_process(cfg)
+    # step 0. data and models (data first: a bad dataset fails before any model loads)
+    run = _set_up(cfg, out, device)
+    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
+    status, unregistered = "FAILED", None
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
+    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
+        try:
+            for iteration in range(run.state.iteration + 1, cfg.iterations + 1):
+                acc, t_iter = Accumulator(), time.perf_counter()
+                rng_at_start = rng_state()  # what a save of the previous iteration would hold
+                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
+                exp, _ = run_iteration(run.inputs, iteration, run.sampler.indices(iteration - 1),
+                                       run.kl_ctl.value, acc, metric_timer(acc))
+                # step 5. metrics, reduced across ranks; KL controller; logging
+                _report(run, iteration, acc, exp, t_iter)
+                # step 6. checkpoint
+                saved = _checkpoint_if_due(run, iteration)
+                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                _stop_if_asked(run, stop, iteration, saved)
+            # step 8. final save and export; the export into the MLflow model registry
+            unregistered = _end(run)
+            status = "FINISHED"
+        except RewardError as e:  # reward function or service failed: keep the last iteration
+            raise stop_on_reward_error(e, cfg, out, run.engines, run.state, run.tokenizer,
+                                        run.result.last_checkpoint, rng_at_start) from None
+        except (KeyboardInterrupt, Preempted):
+            status = "KILLED"
+            raise
+        except Exception as e:
+            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
+                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
+            raise
+        finally:
+            dog.stop()
+            run.tracker.close(status)
+    if unregistered is not None:
+        raise unregistered
+    return run.result
+
+
+@dataclass
+class _Run:
+    """What the iterations of one `train()` share, built once by `_set_up`."""
+
+    cfg: Config
+    out: Path
+    device: torch.device
+    tokenizer: object
+    eval_prompts: object  # None without data.eval_split
+    reward_encode: object  # None unless reward.model
+    engines: Engines
+    tracker: object
+    state: TrainerState
+    kl_ctl: object
+    eos_ids: list[int]
+    gen_mode: str
+    sampler: object
+    inputs: IterationInputs
+    result: TrainResult
+    reporter: Reporter
+
+
+def _start_process(cfg: Config) -> tuple[torch.device, Path]:
+    """This process's distributed group, logging, seeds and the output_dir's lock."""
     quiet_libraries(cfg.log_level)
     device = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(cfg.log_level)
     _seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
+    return device, out
 
-    # step 0. data and models (data first: a bad dataset fails before any model loads)
+
+def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
+    """Data, environment, tracking, engines and the trainer state, fresh or resumed; each part
+    that can fail without a model fails before any model loads."""
     tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
     env = _environment(cfg)  # an env that does not import fails before models load
     resume_from, universal = _find_resume(cfg)
@@ -80,72 +148,67 @@ def train(cfg: Config) -> TrainResult:
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
     _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
-    run = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
-                          _ptx_stream(cfg, ptx_rows, tokenizer), env)
+    inputs = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
+                             _ptx_stream(cfg, ptx_rows, tokenizer), env)
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
-    reporter = Reporter(cfg, tracker, out)
-    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
-    status, unregistered = "FAILED", None
-    # a SIGTERM/SIGUSR1 from here on ends the run at the next iteration boundary (step 7)
-    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
-        try:
-            for iteration in range(state.iteration + 1, cfg.iterations + 1):
-                acc, t_iter = Accumulator(), time.perf_counter()
-                rng_at_start = rng_state()  # what a save of the previous iteration would hold
-                # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
-                exp, _ = run_iteration(run, iteration, sampler.indices(iteration - 1),
-                                       kl_ctl.value, acc, metric_timer(acc))
-                # step 5. metrics, reduced across ranks; KL controller; logging
-                watchdog.at("metrics", iteration)
-                metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
-                                            cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
-                                            cfg.ppo.kl_clip)
-                eval_samples = None
-                if eval_prompts is not None and iteration % cfg.data.eval_every == 0:
-                    eval_metrics, eval_samples = _evaluate(eval_prompts, engines, cfg, tokenizer,
-                                                           gen_mode, eos_ids, reward_encode)
-                    metrics.update(eval_metrics)
-                kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
-                reporter.report(metrics, iteration, exp, eval_samples)
-                result.history.append(metrics)
-                _stop_if_diverged(metrics, iteration, result.last_checkpoint,  # before any save
-                                  grad_norms=engines.dtype != torch.float16)
-                state.iteration, state.kl_controller = iteration, kl_ctl.state_dict()
-                # step 6. checkpoint
-                saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
-                if saved:
-                    result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-                    register_at_checkpoint(cfg, tracker, result.last_checkpoint, iteration,
-                                           result.history)
-                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
-                signum = stop.agreed(device)
-                if signum:
-                    if not saved:
-                        result.last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-                    raise Preempted(signum, iteration, result.last_checkpoint)
-            result.last_checkpoint, result.export_dir = _finish(cfg, engines, state, tokenizer,
-                                                                result.last_checkpoint)
-            # step 8. the exported policy into the MLflow model registry (tracking.register_model)
-            with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
-                unregistered = _register_at_end(cfg, tracker, result, state.iteration)
-            status = "FINISHED"
-        except RewardError as e:  # reward function or service failed: keep the last iteration
-            raise _stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
-                                        result.last_checkpoint, rng_at_start) from None
-        except (KeyboardInterrupt, Preempted):
-            status = "KILLED"
-            raise
-        except Exception as e:
-            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
-                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
-            raise
-        finally:
-            dog.stop()
-            tracker.close(status)
-    if unregistered is not None:
-        raise unregistered
-    return result
+    return _Run(cfg, out, device, tokenizer, eval_prompts, reward_encode, engines, tracker, state,
+                kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out))
+
+
+def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> None:
+    """Step 5: the iteration's metrics (reduced across ranks) and evaluation, the KL
+    controller's update, the progress line, metrics.jsonl and MLflow; stops a diverged run."""
+    cfg, engines, kl_ctl = run.cfg, run.engines, run.kl_ctl
+    watchdog.at("metrics", iteration)
+    metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
+                                cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
+                                cfg.ppo.kl_clip)
+    eval_samples = None
+    if run.eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+        eval_metrics, eval_samples = _evaluate(run.eval_prompts, engines, cfg, run.tokenizer,
+                                               run.gen_mode, run.eos_ids, run.reward_encode)
+        metrics.update(eval_metrics)
+    kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.world_size())
+    run.reporter.report(metrics, iteration, exp, eval_samples)
+    run.result.history.append(metrics)
+    _stop_if_diverged(metrics, iteration, run.result.last_checkpoint,  # before any save
+                      grad_norms=engines.dtype != torch.float16)
+    run.state.iteration, run.state.kl_controller = iteration, kl_ctl.state_dict()
+
+
+def _checkpoint_if_due(run: _Run, iteration: int) -> bool:
+    """Step 6: a checkpoint every checkpoint.every iterations (registered with
+    tracking.register_every); whether one was saved."""
+    cfg = run.cfg
+    saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
+    if saved:
+        run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
+                                                 run.tokenizer)
+        register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, iteration,
+                               run.result.history)
+    return saved
+
+
+def _stop_if_asked(run: _Run, stop: StopRequests, iteration: int, saved: bool) -> None:
+    """Step 7: when any rank got SIGTERM/SIGUSR1, checkpoint (unless step 6 just did) and raise
+    Preempted on every rank."""
+    signum = stop.agreed(run.device)
+    if signum:
+        if not saved:
+            run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
+                                                     run.tokenizer)
+        raise Preempted(signum, iteration, run.result.last_checkpoint)
+
+
+def _end(run: _Run) -> RegistrationError | None:
+    """Step 8: the final checkpoint and export, then the export into the MLflow model registry
+    (tracking.register_model); a registration failure is returned, see `_register_at_end`."""
+    result = run.result
+    result.last_checkpoint, result.export_dir = finish(run.cfg, run.engines, run.state,
+                                                        run.tokenizer, result.last_checkpoint)
+    with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
+        return _register_at_end(run.cfg, run.tracker, result, run.state.iteration)
 
 
 def _register_at_end(cfg: Config, tracker, result: TrainResult,
@@ -168,15 +231,6 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
     return watchdog.install(watchdog.Watchdog(
         watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
         run_token=token)).start()
-
-
-def _checkpoint(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    with watchdog.phase("save", state.iteration):
-        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
-    if dist.is_main():
-        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
-    return path
 
 
 # ------------------------------------------------------------------------- start-up
@@ -388,66 +442,3 @@ def _stop_if_diverged(metrics: dict[str, float], iteration: int, last_checkpoint
                        f": training diverged and this iteration's weights are not saved; {where}. "
                        "Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
                        "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
-
-
-def _stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
-                          state: TrainerState, tokenizer, last: str | None,
-                          rng_at_start: dict | None = None) -> RewardError:
-    """Checkpoint the last completed iteration (the weights still are its weights unless the
-    failure came after this iteration's update, in evaluation), and the error to stop with.
-    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
-    so a resume samples that iteration again exactly as the uninterrupted run would have.
-    Collective: every rank raises a RewardError here (scoring agrees on the outcome)."""
-    latest = latest_checkpoint(out)
-    if (not err.after_update and state.iteration > 0 and
-            (latest is None or latest.name != checkpoint_name(state.iteration))):
-        if rng_at_start is not None:
-            set_rng_state(rng_at_start)
-        last = _checkpoint(cfg, out, engines, state, tokenizer)
-    elif latest is not None:
-        last = str(latest)
-    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
-             "to resume from it" if last else "no checkpoint was saved")
-    fix = getattr(err, "fix", None) or (
-        "Find what makes the function hang, or raise reward.timeout_s."
-        if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
-    stop = type(err)(f"{err}: stopped ({where}). {fix}")
-    stop.after_update = err.after_update
-    return stop
-
-
-# ------------------------------------------------------------------------------ end
-def _finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
-            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
-    """Save the final state (unless the last iteration was just saved) and export the policy
-    (a supervised job's model: `model_class` names what it loads with)."""
-    from ds_ppo.engine.export import export_final
-    from ds_ppo.run.export import DTYPES, export_engine, write_marker
-
-    out = Path(cfg.output_dir)
-    latest = latest_checkpoint(out)
-    if cfg.checkpoint.save_at_end and (latest is None or
-                                       latest.name != checkpoint_name(state.iteration)):
-        last_checkpoint = _checkpoint(cfg, out, engines, state, tokenizer)
-    export_dir = None
-    if cfg.checkpoint.export_at_end:
-        export_dir = str(out / "final")
-        # written aside and renamed into place; marked as ds_ppo's: `ds-ppo export --out
-        # output_dir/final` may replace it
-        with watchdog.phase("export", state.iteration):
-            export_final(engines.policy, tokenizer, out / "final",
-                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}",
-                         iteration=state.iteration)
-        if dist.is_main():
-            log.info("exported the %s to %s (load with %s.from_pretrained)",
-                     "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
-                     model_class)
-        if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
-            with engines.policy.ema.swapped_in():
-                export_engine(engines.policy, tokenizer, out / "final_ema",
-                              DTYPES[cfg.checkpoint.export_dtype])
-            if dist.is_main():
-                write_marker(out / "final_ema", f"the run in {out} (EMA)",
-                             DTYPES[cfg.checkpoint.export_dtype], with_value=False)
-                log.info("exported the policy's EMA to %s", out / "final_ema")
-    return last_checkpoint, export_dir

@@ -395,15 +395,15 @@ def test_a_reward_timeout_saves_the_random_state_of_the_iterations_start(tmp_pat
     uninterrupted run does."""
     from ds_ppo.config import load_config
     from ds_ppo.errors import RewardTimeout
-    from ds_ppo.run.loop import _stop_on_reward_error
+    from ds_ppo.run.saves import stop_on_reward_error
 
     out = tmp_path / "run"
     cfg = load_config(None, [f"output_dir={out}", "checkpoint.save_hf_weights=false"])
     torch.manual_seed(123)
     at_start = ckpt.rng_state()
     expected = torch.rand(4)  # what iteration N's sampling draws first
-    err = _stop_on_reward_error(RewardTimeout("hung"), cfg, out, _engines(),
-                                TrainerState(iteration=3), _Saver(), None, at_start)
+    err = stop_on_reward_error(RewardTimeout("hung"), cfg, out, _engines(),
+                               TrainerState(iteration=3), _Saver(), None, at_start)
     assert "checkpoint is" in str(err)
     saved = torch.load(out / "checkpoints" / "iter_000003" / "rng" / "rank_00000.pt",
                        weights_only=True)

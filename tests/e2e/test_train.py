@@ -26,12 +26,17 @@ def _first_and_last_mean_score(rows: list[dict]) -> tuple[float, float]:
             sum(r["score/mean"] for r in rows[-5:]) / 5)
 
 
+def _train_in_a_new_dir(tmp_path_factory, name: str, *overrides: str):
+    """`ds-ppo train OVERRIDES` in a new directory: (its output_dir, the finished process)."""
+    work = tmp_path_factory.mktemp(name)
+    proc = run_cli(["train", f"output_dir={work / 'out'}", *overrides], cwd=work, timeout=900)
+    return work / "out", proc
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The README's main command: `ds-ppo train` with no config (the tiny default)."""
-    work = tmp_path_factory.mktemp("default")
-    proc = run_cli(["train", f"output_dir={work / 'out'}"], cwd=work, timeout=900)
-    return work / "out", proc
+    return _train_in_a_new_dir(tmp_path_factory, "default")
 
 
 @pytest.mark.slow
@@ -301,10 +306,8 @@ GRPO_SMALL = ["ppo.samples_per_prompt=4", "ppo.rollout_batch_size=8", "iteration
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("grpo")
-    proc = run_cli(["train", f"output_dir={work / 'out'}", "ppo.advantage_estimator=grpo",
-                    *GRPO_SMALL], cwd=work, timeout=900)
-    return work / "out", proc
+    return _train_in_a_new_dir(tmp_path_factory, "grpo", "ppo.advantage_estimator=grpo",
+                               *GRPO_SMALL)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
@@ -26,6 +25,7 @@ from ds_ppo.envs.runner import EnvRunner
 from ds_ppo.errors import ConfigError, RewardTimeout
 from ds_ppo.ppo import episodes as episodes_module
 from ds_ppo.ppo.episodes import cut_at_stop, make_episodes
+from support.tiny_models import small_llama
 
 # env.function=episode_envs:... finds this module
 sys.modules.setdefault("episode_envs", sys.modules[__name__])
@@ -255,13 +255,6 @@ def test_http_environment_on_a_local_server(service):
 
 
 # ------------------------------------------------------------------ forwards with holes
-def _tiny_llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1)).eval()
-
-
 def _holey_rollout():
     """Two episodes: [turn | observation | turn] and a one-turn one, left-padded prompts."""
     prompts, responses = [[5, 6, 7], [9, 3]], [[8, 9, 30, 31, 32, 10, 11], [12, 13]]
@@ -283,7 +276,7 @@ def _holey_rollout():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_forwards_read_the_observations_and_count_model_tokens_only(packed):
-    model = _tiny_llama()
+    model = small_llama()
     rollout, prompts, responses = _holey_rollout()
     with torch.no_grad():
         lp, _ = response_logprobs(model, rollout, 1.0, packed=packed)

@@ -10,16 +10,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ds_ppo.engine.forward import AUTO_TILE_ELEMENTS, response_logprobs, tile_logits
 from conftest import FakeEngine
 from support.big_tensors import LargestTensor
+from support.tiny_models import small_llama
 from test_packing import ATOL, PROMPTS, RESPONSES, _llama, _scored_and_updated
 from test_stages import _padded_rollout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_auto_tiles_above_the_measured_size():
@@ -97,10 +94,7 @@ def test_lora_reference_keeps_adapters_off_for_the_tiled_head():
 
     from ds_ppo.engine.lora import AdaptersOff
 
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1))
+    base = small_llama()
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
     with torch.no_grad():
         for n, p in model.named_parameters():

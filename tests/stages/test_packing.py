@@ -37,14 +37,8 @@ PROMPTS = [[5, 6, 7], [9], [4, 4, 8, 2, 7, 7, 3], [11, 12], [3, 9, 14, 15, 2]]
 RESPONSES = [[8, 9, 10, 11], [12, 13, 2, 4, 5, 6, 7, 8, 9], [13], [14, 15, 16], [17, 18]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; beside the other xdist worker their
-    spinning made these tests ~30x slower on two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_token_budget_batches_first_fit_longest_first():

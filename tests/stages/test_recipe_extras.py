@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from transformers import (AutoConfig, GPT2Config, GPT2ForSequenceClassification, LlamaConfig,
+from transformers import (AutoConfig, GPT2Config, GPT2ForSequenceClassification,
                           LlamaForCausalLM, LlamaForSequenceClassification,
                           LlamaForTokenClassification)
 
@@ -20,22 +20,16 @@ from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 from ds_ppo.engine.roles import load_value_model
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo import advantages, scoring, update
+from support.tiny_models import small_llama
 from test_stages import _cfg, _padded_rollout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _small(cls, **kw):
-    torch.manual_seed(0)
-    return cls(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           pad_token_id=0, **kw)).eval()
+    return small_llama(cls, pad_token_id=0, **kw)
 
 
 # ------------------------------------------------------------------ critic from the RM

@@ -22,6 +22,7 @@ from ds_ppo.rewards.call import load_reward_function
 from ds_ppo.rewards.functions import positive_words
 from ds_ppo.ppo.scoring import reward_scores
 from ds_ppo.ppo.update import minibatch_rows, ppo_update
+from support.tiny_models import small_llama
 
 
 def _cfg(*overrides):
@@ -324,13 +325,6 @@ def _padded_rollout(prompts, responses, P, T, pad=0):
                    response_lens=[len(x) for x in responses], extras=[{}] * B)
 
 
-def _tiny_llama(**kw):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, **kw)).eval()
-
-
 PROMPTS = [[5, 6, 7], [9, 3], [4, 4, 8, 2]]
 RESPONSES = [[8, 9, 10, 11], [12], [13, 14]]
 
@@ -338,7 +332,7 @@ RESPONSES = [[8, 9, 10, 11], [12], [13, 14]]
 def test_response_logprobs_equal_unpadded_and_skip_unused_columns():
     """Each row's response log-probs equal those of its unpadded sequence, whatever the other
     rows' lengths; the forward only sees the columns some row needs; logits only for responses."""
-    model = _tiny_llama()
+    model = small_llama()
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=6, T=7)
     widths = []
     hook = model.model.embed_tokens.register_forward_hook(
@@ -361,7 +355,7 @@ def test_response_logprobs_equal_unpadded_and_skip_unused_columns():
 
 def test_response_values_equal_unpadded():
     torch.manual_seed(0)
-    model = _tiny_llama()
+    model = small_llama()
     model.lm_head = torch.nn.Linear(16, 1)  # a per-token value head
     rollout = _padded_rollout(PROMPTS, RESPONSES, P=5, T=6)
     with torch.no_grad():
@@ -491,7 +485,7 @@ def test_every_role_forward_goes_through_its_engine():
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_labels=1))
     fakes = dict(
-        policy=_CountingEngine(_tiny_llama()), reference=_CountingEngine(_tiny_llama()),
+        policy=_CountingEngine(small_llama()), reference=_CountingEngine(small_llama()),
         value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())))
     engines = types.SimpleNamespace(
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
@@ -534,14 +528,14 @@ def test_scoring_and_the_update_use_only_the_role_methods():
     value = LlamaForTokenClassification(LlamaConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_labels=1))
-    fakes = dict(policy=_CountingEngine(_tiny_llama()), value=_CountingEngine(value))
+    fakes = dict(policy=_CountingEngine(small_llama()), value=_CountingEngine(value))
     steps = {"policy": 0, "value": 0}
     for role, fake in fakes.items():
         fake.step = lambda role=role: steps.__setitem__(role, steps[role] + 1)
         fake.optimizer = None
     engines = types.SimpleNamespace(
         policy=_RoleInterface(PolicyRole(fakes["policy"])),
-        reference=_RoleInterface(ReferenceRole(_CountingEngine(_tiny_llama()))),
+        reference=_RoleInterface(ReferenceRole(_CountingEngine(small_llama()))),
         value=_RoleInterface(ValueRole(fakes["value"])),
         reward=_RoleInterface(RewardRole(_CountingEngine(LastTokenScorer(_tiny_reward_model())))),
         reward_fn=None)
@@ -710,7 +704,7 @@ def test_temperature_in_sampling_and_scoring_and_a_filter_warning():
     from ds_ppo.engine.generation import _generate_kwargs
     from ds_ppo.ppo.rollout import sampling_mismatch
 
-    model = _tiny_llama()
+    model = small_llama()
     rollout = _padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
     ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
     with torch.no_grad():

@@ -424,7 +424,7 @@ def test_dry_run_loads_no_deepspeed_and_no_model_code():
 
 def test_config_doc_lists_every_key_with_its_description():
     """docs/CONFIG.md's tables are generated from `ds-ppo config --describe`; a key added or
-    re-described in config/sections.py without regenerating them fails here."""
+    re-described in its config/ section module without regenerating them fails here."""
     import re
 
     doc = (REPO / "docs" / "CONFIG.md").read_text()

@@ -15,7 +15,7 @@ import pytest
 from conftest import clean_env
 from ds_ppo.cli import main
 from ds_ppo.config import PPOConfig, load_config, validate
-from ds_ppo.config.checks import _batch_sizes_fit, working_batch_sizes
+from ds_ppo.config.batches import _batch_sizes_fit, working_batch_sizes
 
 REWARDS = """
 def exact(prompts, responses, answer):

@@ -1,0 +1,137 @@
+"""The `ppo` section: batch sizes, the estimator, KL, clipping and the losses of the
+algorithm (the choices' table is ds_ppo/algo/choices.py)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
+                                 RolloutCorrection, describe_estimators)
+from ds_ppo.config.base import Section
+
+
+class PPOConfig(Section):
+    rollout_batch_size: int = Field(
+        64, gt=0, description="Prompts per iteration, over all data-parallel ranks together.")
+    mini_batch_size: int = Field(
+        16, gt=0, description="Sequences (responses, not prompts) per optimizer step, over all "
+        "ranks together.")
+    micro_batch_size: int = Field(
+        4, gt=0, description="Sequences per forward/backward on one rank; gradient accumulation "
+        "= mini_batch_size / (micro_batch_size * world size).")
+    score_micro_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per scoring forward on one rank; default micro_batch_size.")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0, description="Token budget of a packed micro-batch (null: micro-batches of "
+        "micro_batch_size / score_micro_batch_size rows, padded). Set: the policy, reference and "
+        "value forwards of scoring and the update pack each mini-batch's rows, longest first, "
+        "into micro-batches of at most this many real tokens (prompt + response; a longer row "
+        "runs alone), each one sequence without padding; ranks with fewer micro-batches run "
+        "zero-weight ones. micro_batch_size then only sets DeepSpeed's bookkeeping, and "
+        "score_micro_batch_size only the reward model's micro-batches.")
+    tiled_logits: Literal["auto"] | bool = Field(
+        "auto", description="Log-probs and entropies of the policy and reference from the final "
+        "hidden states, the output head applied logits_tile_tokens positions at a time (its "
+        "backward recomputes each tile): no (B, T, V) logits tensor (16 GiB in fp32 for one "
+        "32k-token response of a 128k vocabulary), the same numbers. auto: tiled when a "
+        "forward's response logits would exceed 2^26 elements (positions x vocabulary; "
+        "docs/PERFORMANCE.md, Long context).")
+    logits_tile_tokens: int = Field(
+        1024, gt=0, description="Positions per tile of tiled_logits: the tile's logits (tile x "
+        "vocabulary, in fp32 about 4 bytes each, x2-3 while reduced) are the only vocabulary-wide "
+        "tensors alive.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
+                            "the mini-batches (the same samples in each at any world size).")
+    clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    value_clip_eps: float | None = Field(
+        0.2, description="Value clip range around the old values (null: unclipped).")
+    vf_coef: float = Field(0.5, gt=0, description="Value loss coefficient.")
+    kl_coef: float = Field(0.1, ge=0, description="KL penalty coefficient in the reward "
+                           "(the initial value when kl_controller=adaptive).")
+    kl_estimator: KLEstimator = Field("k1", description="Per-token KL estimator (k1, k2, k3: "
+                                      "Schulman 2020).")
+    kl_clip: float | None = Field(
+        10.0, gt=0, description="Cap on the per-token KL estimate, +-kl_clip nats, in the reward "
+        "and in the KL loss (null: none). The log-ratio is clamped to +-20 nats first, so one "
+        "tail token's k3 could reach e^20 = 4.9e8 (a reward of -2.4e7 at kl_coef 0.05); "
+        "OpenRLHF caps every estimator at +-10, verl caps k3 at 10. A capped token carries no "
+        "KL gradient; their share: metric kl/clamped_frac.")
+    kl_controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: Ziegler et al. 2019 controller towards kl_target.")
+    kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target KL per sequence.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive controller: horizon in sequences.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages over valid tokens "
+                                    "(gae; reinforce_pp always whitens, grpo/dr_grpo/rloo never).")
+    whiten_across_ranks: bool = Field(
+        True, description="Whitening statistics over all ranks' tokens (else per rank).")
+    advantage_estimator: EstimatorName = Field(
+        "gae", description="How a response's tokens get their advantages (the table "
+        "ds_ppo/algo/choices.py): " + describe_estimators() + ". Every estimator but gae is "
+        "critic-free: no value model at all.")
+    samples_per_prompt: int = Field(
+        1, gt=0, description="Responses sampled per prompt (n); an iteration has "
+        "rollout_batch_size x n responses, a prompt's n next to each other on one rank. "
+        "mini_batch_size counts responses and must be a multiple of n.")
+    kl_in_reward: bool = Field(
+        True, description="KL penalty (kl_coef x per-token KL) in the reward. Default: true for "
+        + ", ".join(n for n, s in ESTIMATORS.items() if s.kl_in_reward) + "; false for "
+        + " and ".join(n for n, s in ESTIMATORS.items() if not s.kl_in_reward)
+        + " (GRPO puts the KL in the loss: kl_loss_coef).")
+    kl_loss_coef: float = Field(
+        0.0, description="Weight of a KL(policy || reference) loss term (estimator kl_estimator; "
+        "k3 is GRPO's), aggregated like the policy loss; 0 = off. Must be >= 0.")
+    clip_eps_high: float | None = Field(
+        None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
+        "2025); null = clip_eps.")
+    dual_clip: float | None = Field(
+        None, description="Dual clip c > 1 (Ye et al. 2020): the loss of a token with negative "
+        "advantage is at most -A x c; null = off.")
+    rollout_correction: RolloutCorrection = Field(
+        "none", description="Correct the policy loss for the gap between the distribution "
+        "responses were sampled from (the generation replica: its kernels, dtype and batch "
+        "shapes) and the trainer's (Yao et al. 2025, \"Your efficient RL framework secretly "
+        "brings you off-policy RL training\"), with each token's ratio r = pi_old / "
+        "pi_rollout: tis multiplies its policy loss by min(r, rollout_is_cap) (truncated "
+        "importance sampling); mis drops the tokens whose r leaves [1/cap, cap] from the loss "
+        "and weights the rest by r (masked importance sampling); none: off (the gap is still "
+        "measured: metrics rollout/*). Needs the rollout log-probs of generation.loop=own.")
+    rollout_is_cap: float = Field(
+        2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
+        "(tis: min(r, C); mis: the band [1/C, C]).")
+    loss_aggregation: LossAggregation = \
+        Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
+              "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "
+              "one's token mean (GRPO); seq_mean_token_sum_norm = mean over sequences of each "
+              "one's token sum / generation.max_new_tokens (Dr. GRPO). The value loss is always "
+              "a token mean.")
+    critic_warmup_iterations: int = Field(
+        0, ge=0, description="The first N iterations train the value model only (gae): the "
+        "policy generates but takes no optimizer step (OpenRLHF's freezing_actor_steps, verl's "
+        "critic_warmup), so a critic started from a reward model or the policy learns the "
+        "returns before its advantages steer the policy. They count towards `iterations` and "
+        "use prompts like any other; metric value/warmup is 1 in them.")
+    ptx_coef: float = Field(
+        0.0, ge=0, description="PPO-ptx (InstructGPT, Ouyang et al. 2022, eq. 2): weight of a "
+        "language-modelling loss on data.ptx_path's rows added to the policy loss in every "
+        "mini-batch (each optimizer step takes mini_batch_size ptx rows, split over the ranks; "
+        "the loss is a token mean over the whole global mini-batch's ptx tokens). 0 = off.")
+    filter_zero_std_groups: bool = Field(
+        False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
+        "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_defaults(cls, data: Any) -> Any:
+        # kl_in_reward's default depends on the estimator (GRPO and Dr. GRPO: KL in the loss)
+        spec = ESTIMATORS.get(data.get("advantage_estimator")) if isinstance(data, dict) else None
+        if spec is not None and "kl_in_reward" not in data and not spec.kl_in_reward:
+            data = {**data, "kl_in_reward": False}
+        return data
+
+    @property
+    def uses_critic(self) -> bool:
+        """True when the estimator needs a value model (gae; algo/choices.ESTIMATORS)."""
+        return ESTIMATORS[self.advantage_estimator].critic

@@ -1,0 +1,124 @@
+"""How responses are produced: generation (the decoding mode and loop, sampling) and, for
+multi-turn rollouts, the environment."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ds_ppo.config.base import Section
+
+
+# ------------------------------------------------------------------------- generation
+class GenerationConfig(Section):
+    mode: Literal["auto", "gathered", "tensor_parallel", "zero3"] = Field(
+        "auto",
+        description="gathered: copy the policy's 16-bit weights once per rollout into a hook-free "
+        "replica on each rank (fast); tensor_parallel: generation.tp_size ranks hold one replica "
+        "between them (attention heads and MLP columns split, for policies whose 16-bit copy does "
+        "not fit one device); zero3: generate through the ZeRO-3 hooks, gathering layer by layer "
+        "for every token (slow; the last resort); auto: gathered when the replica fits in "
+        "generation.replica_memory_fraction of free device memory, else tensor_parallel when a "
+        "1/tp_size shard does, else zero3.")
+    replica_memory_fraction: float = Field(
+        0.5, gt=0, le=1, description="auto mode: share of free device memory the replica (or "
+        "its tensor-parallel shard) may use.")
+    tp_size: int | None = Field(
+        None, gt=0, description="tensor_parallel mode: consecutive ranks sharing one replica; "
+        "default: the ranks of one node. Must divide the world size and the policy's attention "
+        "heads, KV heads and MLP width.")
+    max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
+    min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy. Scoring "
+                               "and the update divide the logits by it too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Log-probs are "
+                         "computed over the full softmax, so top_p < 1 makes the update "
+                         "slightly off-policy (a warning at start-up).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off. As with top_p, log-probs "
+                       "ignore the filter (a warning at start-up).")
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
+    batch_size: int | None = Field(
+        None, gt=0, description="Rows decoded at once on each rank (a prompt counts "
+        "ppo.samples_per_prompt times: one row per response); default: the rank's whole share "
+        "of the rollout batch. With continuous batching these are slots that take the next "
+        "prompt when their response ends; otherwise each generate call takes this many.")
+    continuous: Literal["auto"] | bool = Field(
+        "auto", description="Continuous batching in our decoding loop (loop=own): the "
+        "generation.batch_size rows decoding at once are slots; every stop_check_every steps "
+        "the slots whose responses ended take the next prompts (prefilled into the slot), so "
+        "short responses do not wait for the longest one of their call. Rows come back in "
+        "prompt order; greedy outputs equal HF generate's. auto: on when the rank has more "
+        "rows than batch_size and the loop is own; false: one generate call per batch_size "
+        "rows, each until its longest response ends; true: as auto, and an error when the "
+        "loop is hf.")
+    loop: Literal["auto", "own", "hf"] = Field(
+        "auto", description="Decoding loop on the gathered replica. own: ds_ppo's loop (static "
+        "KV cache, sampling on the device, one CUDA graph per token on CUDA, no per-token host "
+        "sync); hf: HF generate (cache_implementation and compile apply to it only); auto: own "
+        "unless the model is not supported by it (an attention kernel other than sdpa/eager, "
+        "sliding-window layers) or cache_implementation/compile ask for HF generate. zero3 mode "
+        "always uses HF generate.")
+    cuda_graph: bool = Field(
+        True, description="loop=own on CUDA: capture the decoding step once per generate call "
+        "as a CUDA graph and replay it for every token. In tensor_parallel mode the graph "
+        "holds the step's all-reduces and the group's ranks capture together; if capture "
+        "fails on any of them, all decode eagerly (the reason is logged once).")
+    stop_check_every: int = Field(
+        16, gt=0, description="loop=own: decoding steps between checks whether every response "
+        "has ended, and with continuous batching between refills of the ended rows' slots "
+        "(each check waits for the device; a slot idles up to this many steps minus one).")
+    cache_implementation: Literal["dynamic", "static"] = Field(
+        "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
+        "transformers' compiled decoding.")
+    compile: bool = Field(False, description="loop=hf: torch.compile the replica's decoding step.")
+    keep_replica: bool = Field(
+        False, description="Keep the gathered replica between rollouts and refresh its weights "
+        "in place: no re-allocation and no recompilation, at the cost of its 16-bit weights "
+        "staying in device memory during training.")
+
+
+# ------------------------------------------------------------------------ environment
+class EnvConfig(Section):
+    """Multi-turn rollouts: each response is an episode of model turns and environment
+    observations (README "Environments and tools", docs/ENVIRONMENTS.md). Unset (no function,
+    no url): one prompt -> one response."""
+
+    function: str | None = Field(
+        None, description="module:Name of a Python environment, importable like "
+        "reward.function: a class (one instance per episode: reset(prompt, **keys), then "
+        "step(action) -> Step per model turn) or a stateless step function "
+        "f(prompt, actions, **keys) -> Step (actions: the model's turns so far). keys: the "
+        "row's data.reward_keys columns.")
+    url: str | None = Field(
+        None, description="An environment served over HTTP (the stateless step contract of "
+        "docs/ENVIRONMENTS.md), with reward.url's conventions: env.batch_size episodes per "
+        "request, env.concurrency in flight, env.retries, user:password@ sent as basic auth and "
+        "never shown.")
+    max_turns: int = Field(4, gt=0, description="Model turns per episode at most; an episode "
+                           "still going after them ends (metric env/out_of_turns_frac).")
+    max_total_tokens: int = Field(
+        512, gt=0, description="Response tokens per episode (model turns and observations "
+        "together) at most; a turn or observation that would pass it ends the episode there "
+        "(metric env/truncated_frac). generation.max_new_tokens limits each turn.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a model turn (e.g. </call>): the "
+        "turn is cut after the token that completes the first of them. Single tokens can also "
+        "go in generation.stop_tokens, which stop the decoding itself.")
+    observation_role: str = Field(
+        "tool", description="Chat prompts: the role of an observation given as text (a Step "
+        "may give a whole message instead).")
+    timeout_s: float | None = Field(
+        60.0, gt=0, description="Limit of one environment call (a reset or step of one episode; "
+        "env.url: one request, then retried). A call that raises or hangs stops the run with "
+        "its name after a checkpoint of the last completed iteration; null: no limit.")
+    concurrency: int = Field(16, gt=0, description="Environment calls in flight at once on "
+                             "each rank (Python: worker threads; env.url: requests).")
+    batch_size: int = Field(64, gt=0, description="env.url: episodes per request.")
+    retries: int = Field(3, ge=0, description="env.url: retries of a request after a connection "
+                         "error, a timeout or a 5xx answer (back-off 1, 2, 4... s).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.url is not None

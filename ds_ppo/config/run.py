@@ -1,0 +1,67 @@
+"""What a run records: MLflow tracking and checkpoints (saves, exports, verification)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ds_ppo.config.base import Section
+
+
+# --------------------------------------------------------------------------- tracking
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log to MLflow (false: mlflow is never imported).")
+    uri: str | None = Field(
+        None, description="Tracking URI; default $MLFLOW_TRACKING_URI, else a local store in "
+        "output_dir/mlruns.")
+    experiment: str = Field("ds_ppo", description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="MLflow run name; default output_dir's name.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra run tags.")
+    required: bool = Field(
+        True, description="Fail at start when the tracking server cannot be reached "
+        "(false: warn and train without it).")
+    log_samples_every: int = Field(
+        10, ge=0, description="Log a table of sample prompts/responses/scores every N iterations "
+        "(0: never).")
+    num_samples: int = Field(8, gt=0, description="Rows in each sample table.")
+    log_system_metrics: bool = Field(False, description="MLflow system metrics (CPU/GPU).")
+    register_model: str | None = Field(
+        None, description="Register the exported policy (output_dir/final) as a new version of "
+        "this MLflow registered model at the end of training, tagged with run_id, iteration, "
+        "eval_score (the last evaluation's, if any) and config_hash.")
+    register_every: int = Field(
+        0, ge=0, description="Also register the policy of every checkpoint whose iteration is a "
+        "multiple of N (its safetensors copy: checkpoint.save_hf_weights); 0: only at the end.")
+    parent_run_id: str | None = Field(
+        None, description="An MLflow run id (in the same tracking store): this run is created "
+        "as its child (tag mlflow.parentRunId), so a pipeline's steps (SFT, reward model, RL) "
+        "show as one parent run with a child run per step.")
+    register_copy: bool = Field(
+        True, description="Copy the model into the run's artifacts as an MLflow transformers "
+        "model; false: register a reference to the directory (for very large models; the "
+        "version's export_dir tag names it, and it must stay where it is).")
+
+
+# ------------------------------------------------------------------------- checkpoint
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=0, description="Save every N iterations (0: only at the end).")
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept on disk.")
+    save_at_end: bool = Field(True, description="Save a checkpoint after the last iteration.")
+    export_at_end: bool = Field(
+        True, description="Export the policy as a Hugging Face directory at output_dir/final.")
+    save_hf_weights: bool = Field(
+        True, description="Also write the policy's and value's weights as safetensors into each "
+        "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
+        "`ds-ppo export` reads no pickle.")
+    export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Weight dtype of exported models (safetensors).")
+    save_on_signal: bool = Field(
+        True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
+        "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
+        "signal (a second Ctrl-C aborts at once).")
+    verify: bool = Field(
+        True, description="Write a manifest (every file's size and CRC-32) into each checkpoint "
+        "and check it on resume and in `ds-ppo export`: a damaged, cut or missing file is named, "
+        "with the newest checkpoint that verifies. Costs one read of the checkpoint's files at "
+        "each save and resume, spread over the ranks (docs/CHECKPOINTS.md); false skips both, "
+        "for very large checkpoints on slow storage.")

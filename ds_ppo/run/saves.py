@@ -1,0 +1,87 @@
+"""What a run saves: a checkpoint now, the checkpoint of a run stopped by its reward source,
+and the final save and export (`ds-ppo train` and the supervised jobs alike)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ds_ppo import watchdog
+from ds_ppo.config import Config
+from ds_ppo.engine import dist
+from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, latest_checkpoint,
+                                      save_checkpoint, set_rng_state)
+from ds_ppo.engine.roles import Engines
+from ds_ppo.errors import RewardError, RewardTimeout
+
+log = logging.getLogger("ds_ppo")
+
+
+def checkpoint_now(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
+    with watchdog.phase("save", state.iteration):
+        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
+    if dist.is_main():
+        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
+    return path
+
+
+def stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
+                          state: TrainerState, tokenizer, last: str | None,
+                          rng_at_start: dict | None = None) -> RewardError:
+    """Checkpoint the last completed iteration (the weights still are its weights unless the
+    failure came after this iteration's update, in evaluation), and the error to stop with.
+    `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
+    so a resume samples that iteration again exactly as the uninterrupted run would have.
+    Collective: every rank raises a RewardError here (scoring agrees on the outcome)."""
+    latest = latest_checkpoint(out)
+    if (not err.after_update and state.iteration > 0 and
+            (latest is None or latest.name != checkpoint_name(state.iteration))):
+        if rng_at_start is not None:
+            set_rng_state(rng_at_start)
+        last = checkpoint_now(cfg, out, engines, state, tokenizer)
+    elif latest is not None:
+        last = str(latest)
+    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
+             "to resume from it" if last else "no checkpoint was saved")
+    fix = getattr(err, "fix", None) or (
+        "Find what makes the function hang, or raise reward.timeout_s."
+        if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
+    stop = type(err)(f"{err}: stopped ({where}). {fix}")
+    stop.after_update = err.after_update
+    return stop
+
+
+def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
+            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
+    """Save the final state (unless the last iteration was just saved) and export the policy
+    (a supervised job's model: `model_class` names what it loads with)."""
+    from ds_ppo.engine.export import export_final
+    from ds_ppo.run.export import DTYPES, export_engine, write_marker
+
+    out = Path(cfg.output_dir)
+    latest = latest_checkpoint(out)
+    if cfg.checkpoint.save_at_end and (latest is None or
+                                       latest.name != checkpoint_name(state.iteration)):
+        last_checkpoint = checkpoint_now(cfg, out, engines, state, tokenizer)
+    export_dir = None
+    if cfg.checkpoint.export_at_end:
+        export_dir = str(out / "final")
+        # written aside and renamed into place; marked as ds_ppo's: `ds-ppo export --out
+        # output_dir/final` may replace it
+        with watchdog.phase("export", state.iteration):
+            export_final(engines.policy, tokenizer, out / "final",
+                         DTYPES[cfg.checkpoint.export_dtype], f"the run in {out}",
+                         iteration=state.iteration)
+        if dist.is_main():
+            log.info("exported the %s to %s (load with %s.from_pretrained)",
+                     "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
+                     model_class)
+        if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
+            with engines.policy.ema.swapped_in():
+                export_engine(engines.policy, tokenizer, out / "final_ema",
+                              DTYPES[cfg.checkpoint.export_dtype])
+            if dist.is_main():
+                write_marker(out / "final_ema", f"the run in {out} (EMA)",
+                             DTYPES[cfg.checkpoint.export_dtype], with_value=False)
+                log.info("exported the policy's EMA to %s", out / "final_ema")
+    return last_checkpoint, export_dir
