@@ -209,3 +209,33 @@ def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
                                            {"prompt": "a", "chosen": "b " * 30, "rejected": "c"}])
     data = load_pairs(_cfg(pairs, "rm.max_len=10"), tok)
     assert len(data) == 1 and data.stats["dropped_too_long"] == 1
+
+
+def test_reward_model_picks_is_the_argmax_over_every_sum(tmp_path, tok):
+    """`addition.reward_model_picks` (batched by answer width) against each of the 28 answers
+    scored alone, on a random tiny sequence classifier that saves and loads like an export."""
+    from transformers import (AutoModelForSequenceClassification, LlamaConfig,
+                              LlamaForSequenceClassification)
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+        pad_token_id=tok.pad_token_id))
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    test = _write(tmp_path / "test.jsonl", [{"prompt": p, "answer": a} for p, a in
+                                            addition.problems(3)[::37]])
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    right = 0
+    for line in test.read_text().splitlines():
+        r = json.loads(line)
+        scores = []
+        for s in range(28):
+            ids = tok(r["prompt"])["input_ids"] + tok(str(s), add_special_tokens=False)[
+                "input_ids"] + [tok.eos_token_id]
+            with torch.no_grad():
+                scores.append(rm(torch.tensor([ids])).logits[0, 0].item())
+        right += max(range(28), key=scores.__getitem__) == int(r["answer"])
+    expected = right / len(test.read_text().splitlines())
+    assert addition.reward_model_picks(tmp_path / "rm", test) == pytest.approx(expected)
