@@ -42,7 +42,7 @@ STEPS = {
             "ppo.advantage_estimator=gae", "ppo.samples_per_prompt=1",
             "ppo.rollout_batch_size=128", "ppo.mini_batch_size=64", "ppo.micro_batch_size=64",
             "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "policy.lr=5.0e-4", "value.lr=3.0e-3",
-            "iterations=100"],
+            "ppo.critic_warmup_iterations=20", "iterations=120"],
 }
 QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=20"]}
 
