@@ -7,7 +7,8 @@
 Step 1 prepares one starting point in `--out-dir/shared` from ds_ppo's own config (the tiny default
 plus any `key=value` overrides): the random-init policy and tokenizer built by ds_ppo's
 `materialize_arch`, ds_ppo's prompts in ds_ppo's sampling order, and the numbers the peer mirrors
-(reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes).
+(reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes,
+gradient checkpointing: TRL's GRPOConfig turns it on by default, ds_ppo's policy off).
 Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.bench.peer_trl`, `--schedule ppo`:
 ds_ppo's 2 epochs x mini-batches), ds_ppo PPO (the config as given) and, where this ds_ppo has it, ds_ppo
 GRPO (`ppo.advantage_estimator=grpo ppo.samples_per_prompt=G`, mini/micro-batches x G, TRL's
@@ -70,6 +71,7 @@ def prepare(shared: Path, overrides: list[str]) -> dict:
             "lr": cfg.policy.lr, "warmup_steps": cfg.policy.warmup_steps,
             "betas": list(cfg.policy.betas), "eps": cfg.policy.eps,
             "weight_decay": cfg.policy.weight_decay, "grad_clip": cfg.policy.max_grad_norm,
+            "gradient_checkpointing": cfg.policy.gradient_checkpointing,
             "seed": cfg.seed, "reward": cfg.reward.function, "pad_token_id": tok.pad_token_id,
             "policy_sha256": _weights_hash(shared / "policy")}
     if meta["reward"] is None:
@@ -122,10 +124,10 @@ def _run(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - t
 
 
-def run_trl(shared: Path, out: Path, meta: dict, g: int) -> dict:
-    rows_file = out / "trl.jsonl"
+def run_trl(shared: Path, out: Path, meta: dict, g: int, tag: str = "") -> dict:
+    rows_file = out / f"trl{tag}.jsonl"
     wall = _run([sys.executable, "-m", "ds_ppo.bench.peer_trl", "--shared", str(shared), "--out",
-                 str(rows_file), "--num-generations", str(g)], out / "trl.log")
+                 str(rows_file), "--num-generations", str(g)], out / f"trl{tag}.log")
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     steps = [r for r in rows if not r.get("summary")]
     return _summary(f"TRL {rows[-1]['trl']} GRPOTrainer, G={g}", steps, "seconds", wall,
@@ -185,15 +187,19 @@ def _summary(label: str, steps: list[dict], total_key: str, wall: float, opt_ste
 
 
 def table(results: list[dict]) -> str:
-    """One markdown table; ratios are each run's s/iteration and sequences/s over TRL's."""
-    ref = next((r for r in results if r["label"].startswith("TRL")), None)
+    """One markdown table; ratios are each run's s/iteration and sequences/s over the TRL run of
+    its own pair (`pair`; one pair when absent)."""
+    refs = {r.get("pair", 0): r for r in results if r["label"].startswith("TRL")}
+    pairs = len({r.get("pair", 0) for r in results}) > 1
     head = ("| run | seqs/iter | opt steps/iter | generation s | scoring s | update s | s/iter "
             "| seqs/s | score first 5 -> last 5 | s/iter vs TRL | seqs/s vs TRL | process s |")
     lines = [head, "|" + "---|" * 12]
     for r in results:
+        ref = refs.get(r.get("pair", 0))
         ratio = (f"{r['s_per_iter'] / ref['s_per_iter']:.2f}x", f"{r['seq_per_s'] / ref['seq_per_s']:.2f}x") \
             if ref else ("-", "-")
-        lines.append(f"| {r['label']} | {r['sequences']} | {r['optimizer_steps']} "
+        label = f"{r['label']} (pair {r['pair'] + 1})" if pairs else r["label"]
+        lines.append(f"| {label} | {r['sequences']} | {r['optimizer_steps']} "
                      f"| {r['generation_s']:.3f} | {r['scoring_s']:.3f} | {r['update_s']:.3f} "
                      f"| {r['s_per_iter']:.3f} | {r['seq_per_s']:.0f} "
                      f"| {r['score_first5']:.3f} -> {r['score_last5']:.3f} | {ratio[0]} "
@@ -201,13 +207,55 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def pair_ratios(results: list[dict]) -> dict[str, list[float]]:
+    """Per ds_ppo run label: its s/iteration over its own pair's TRL run, pair by pair (runs
+    without a TRL run in their pair are left out)."""
+    refs = {r.get("pair", 0): r for r in results if r["label"].startswith("TRL")}
+    ratios: dict[str, list[float]] = {}
+    for r in results:
+        ref = refs.get(r.get("pair", 0))
+        if ref is not None and r is not ref:
+            ratios.setdefault(r["label"], []).append(r["s_per_iter"] / ref["s_per_iter"])
+    return ratios
+
+
+def _run_pair(runs: list[str], shared: Path, out: Path, meta: dict, g: int,
+              overrides: list[str], pair: int, notes: list[str]) -> list[dict]:
+    """One run of each of `runs`, in --runs order (pair 0 keeps the unsuffixed file names)."""
+    tag = f"_{pair + 1}" if pair else ""
+    results = []
+    for name in runs:
+        if name == "trl":
+            results.append(run_trl(shared, out, meta, g, tag))
+        elif name == "ppo":
+            results.append(run_dsppo(f"dsppo_ppo{tag}", "ds_ppo PPO (config as given)",
+                                     overrides, out, meta))
+        elif name == "grpo":
+            grpo = grpo_overrides(overrides, g)
+            if grpo is not None:
+                results.append(run_dsppo(f"dsppo_grpo{tag}", f"ds_ppo GRPO, G={g}", grpo, out,
+                                         meta))
+            elif not pair:
+                notes.append("ds_ppo grpo: skipped, this ds_ppo has no "
+                             "ppo.advantage_estimator=grpo")
+        elif name == "ppo-z3":
+            results.append(run_dsppo(f"dsppo_ppo_z3{tag}", "ds_ppo PPO, every role ZeRO-3",
+                                     overrides + list(ZERO3), out, meta))
+    return [dict(r, pair=pair) for r in results]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="ds-ppo bench --peer trl",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--peer", choices=("trl",), default="trl")
     ap.add_argument("--runs", default="trl,ppo,grpo",
-                    help="comma-separated: trl, ppo, grpo (skipped where ds_ppo lacks it), ppo-z3 "
-                    "(PPO with every role on ZeRO-3, the reference offloaded)")
+                    help="comma-separated, run in this order: trl, ppo, grpo (skipped where "
+                    "ds_ppo lacks it), ppo-z3 (PPO with every role on ZeRO-3, the reference "
+                    "offloaded)")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="run --runs this many times, interleaved (trl, grpo, trl, grpo, ...); "
+                    "each ratio is to the TRL run of its own pair, so a load change on a "
+                    "shared machine shows as spread between pairs instead of bias")
     ap.add_argument("--iterations", type=int, default=None,
                     help="iterations of every run (default: the config's, 40 for the tiny one)")
     ap.add_argument("--num-generations", type=int, default=4,
@@ -219,46 +267,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("overrides", nargs="*", help="ds_ppo key=value overrides (both sides)")
     args = ap.parse_args(argv)
+    args.run_list = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = set(args.run_list) - set(RUNS)
+    if bad:
+        raise UserError(f"bench --peer: --runs has {sorted(bad)}; choose from {', '.join(RUNS)}")
+    if args.pairs < 1:
+        raise UserError(f"bench --peer: --pairs must be >= 1, got {args.pairs}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     global THREADS
     THREADS = args.threads or None
     overrides = list(args.overrides)
     if args.iterations:
         overrides.append(f"iterations={args.iterations}")
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = set(runs) - set(RUNS)
-    if bad:
-        raise UserError(f"bench --peer: --runs has {sorted(bad)}; choose from {', '.join(RUNS)}")
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    meta = prepare(out / "shared", overrides)
-    g = args.num_generations
-    results, notes = [], []
+    runs = args.run_list
     if "trl" in runs:
         try:
             import trl  # noqa: F401
         except ImportError:
             raise UserError('bench --peer trl: trl is not installed; pip install -e ".[peer]" '
                             "(or drop trl from --runs)") from None
-        results.append(run_trl(out / "shared", out, meta, g))
-    if "ppo" in runs:
-        results.append(run_dsppo("dsppo_ppo", "ds_ppo PPO (config as given)", overrides, out,
-                                 meta))
-    if "grpo" in runs:
-        grpo = grpo_overrides(overrides, g)
-        if grpo is not None:
-            results.append(run_dsppo("dsppo_grpo", f"ds_ppo GRPO, G={g}", grpo, out, meta))
-        else:
-            notes.append("ds_ppo grpo: skipped, this ds_ppo has no ppo.advantage_estimator=grpo")
-    if "ppo-z3" in runs:
-        results.append(run_dsppo("dsppo_ppo_z3", "ds_ppo PPO, every role ZeRO-3",
-                                 overrides + list(ZERO3), out, meta))
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    meta = prepare(out / "shared", overrides)
+    results, notes = [], []
+    for pair in range(args.pairs):
+        results += _run_pair(runs, out / "shared", out, meta, args.num_generations, overrides,
+                             pair, notes)
     print(f"starting point {out / 'shared'} (policy sha256 {meta['policy_sha256'][:12]}); "
           f"threads {THREADS or 'default'}; means over iterations 2..N; overrides: {' '.join(overrides) or '(none)'}")
     print(table(results))
+    ratios = pair_ratios(results)
+    if args.pairs > 1:
+        for label, rs in ratios.items():
+            print(f"{label}: s/iter vs TRL by pair {', '.join(f'{r:.2f}x' for r in rs)}; "
+                  f"median {statistics.median(rs):.2f}x")
     for n in notes:
         print(n)
     if args.json:
         Path(args.json).write_text(json.dumps({"overrides": overrides, "results": results,
+                                               "pairs": args.pairs, "ratios": ratios,
                                                "notes": notes}, indent=1) + "\n")
     return 0
 

@@ -5,7 +5,8 @@ point `ds_ppo.bench.peer` prepared (run in its own process, never imported by ds
 
 DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`),
 `prompts.jsonl` (ds_ppo's prompts in ds_ppo's sampling order) and `meta.json` (the ds_ppo config
-numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes). The
+numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes,
+gradient checkpointing). The
 reward is ds_ppo's own `reward.function`, called on the decoded completions.
 
 One step = one rollout of `rollout_batch_size` prompts x `--num-generations` completions, then
@@ -57,7 +58,7 @@ def _optimizer(model, meta: dict):
     return opt, sched
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ds_ppo.bench.peer_trl", description=__doc__.split("\n")[0])
     ap.add_argument("--shared", required=True, help="the directory ds_ppo.bench.peer prepared")
     ap.add_argument("--out", required=True, help="JSONL: one row per step, then a summary row")
@@ -66,35 +67,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="sequences per forward/backward (default: ds_ppo's micro x generations)")
     ap.add_argument("--schedule", choices=("ppo", "brief"), default="ppo")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import torch
-    import transformers
-    import trl
+
+def _dataset(shared: Path, tok, need: int):
+    """The first `need` prepared prompts as a datasets.Dataset, after checking that TRL's
+    tokenisation of their text gives the ids ds_ppo trained on."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from ds_ppo.rewards.call import load_reward_function
-
-    shared = Path(args.shared)
-    meta = json.loads((shared / "meta.json").read_text())
-    steps = args.steps or meta["iterations"]
-    g = args.num_generations
-    prompts_per_step = meta["rollout_batch_size"]
-    seqs = prompts_per_step * g
-    tok = AutoTokenizer.from_pretrained(shared / "policy")
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(shared / "policy", dtype=torch.float32)
     rows = [json.loads(line) for line in (shared / "prompts.jsonl").read_text().splitlines()]
     bad = [r for r in rows[:64] if tok(r["prompt"])["input_ids"] != r["prompt_ids"]]
     if bad:  # TRL tokenises the text itself: it must see the ids ds_ppo sees
         sys.exit(f"peer_trl: tokenizer differs from ds_ppo's on {len(bad)} prompts, e.g. {bad[0]}")
-    need = steps * prompts_per_step
     if len(rows) < need:
         sys.exit(f"peer_trl: {shared}/prompts.jsonl has {len(rows)} rows, {need} needed")
-    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows[:need]]})
+    return Dataset.from_dict({"prompt": [r["prompt"] for r in rows[:need]]})
 
+
+def _schedule(args: argparse.Namespace, meta: dict, seqs: int) -> tuple[int, int, int, int]:
+    """(sequences per optimizer step, TRL num_iterations, optimizer steps per rollout, micro-batch)
+    of --schedule."""
+    g = args.num_generations
     if args.schedule == "brief":
         per_opt, num_iterations, opt_per_step = seqs, 1, 1
     else:
@@ -104,30 +97,53 @@ def main(argv: list[str] | None = None) -> int:
     micro = args.micro_batch or min(per_opt, meta["micro_batch_size"] * g)
     if per_opt % micro:
         sys.exit(f"peer_trl: --micro-batch {micro} must divide {per_opt}")
+    return per_opt, num_iterations, opt_per_step, micro
 
-    score_fn = load_reward_function(meta["reward"])
-    reward_log: list[float] = []
+
+def _reward(spec: str, log: list[float]):
+    """ds_ppo's reward.function as a TRL reward function; each call's mean score goes to `log`."""
+    from ds_ppo.rewards.call import load_reward_function
+
+    score_fn = load_reward_function(spec)
 
     def reward(prompts, completions, **kwargs):
         scores = [float(s) for s in score_fn(list(prompts), list(completions))]
-        reward_log.append(statistics.fmean(scores))
+        log.append(statistics.fmean(scores))
         return scores
 
     reward.__name__ = "ds_ppo_reward"
+    return reward
+
+
+def _config(args: argparse.Namespace, meta: dict, steps: int, seqs: int):
+    """TRL's GRPOConfig mirroring the prepared ds_ppo numbers; and optimizer steps per rollout."""
+    from trl import GRPOConfig
+
+    per_opt, num_iterations, opt_per_step, micro = _schedule(args, meta, seqs)
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trl",
         max_steps=steps * opt_per_step, per_device_train_batch_size=micro,
         gradient_accumulation_steps=per_opt // micro, generation_batch_size=seqs,
-        num_generations=g, num_iterations=num_iterations,
+        num_generations=args.num_generations, num_iterations=num_iterations,
         max_completion_length=meta["max_new_tokens"], temperature=meta["temperature"],
         top_p=meta["top_p"], top_k=meta["top_k"] or 0,
         generation_kwargs={"suppress_tokens": [meta["pad_token_id"]]},  # as ds_ppo samples
         learning_rate=meta["lr"], max_grad_norm=meta["grad_clip"], beta=meta["kl_coef"],
+        # TRL's default is on (a recomputed forward per backward); ds_ppo's policy.* setting
+        gradient_checkpointing=meta.get("gradient_checkpointing", False),
         shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=meta["seed"], dataloader_num_workers=0)
+    return config, opt_per_step
 
-    clock, marks, out_rows = _PhaseClock(), [], []
+
+def _step_timer(clock: _PhaseClock, opt_per_step: int, seqs: int, reward_log: list[float],
+                out_rows: list[dict]):
+    """A TrainerCallback that appends one row per rollout to `out_rows` (once its optimizer
+    steps are done): seconds in all, and per phase from `clock`."""
+    from transformers import TrainerCallback
+
+    marks: list[tuple[float, dict]] = []
 
     class StepTimer(TrainerCallback):
         def on_train_begin(self, *a, **kw):
@@ -147,9 +163,33 @@ def main(argv: list[str] | None = None) -> int:
                              "update_s": secs - both, "sequences": seqs,
                              "optimizer_steps": opt_per_step})
 
+    return StepTimer()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    shared = Path(args.shared)
+    meta = json.loads((shared / "meta.json").read_text())
+    steps = args.steps or meta["iterations"]
+    seqs = meta["rollout_batch_size"] * args.num_generations
+    tok = AutoTokenizer.from_pretrained(shared / "policy")
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(shared / "policy", dtype=torch.float32)
+    dataset = _dataset(shared, tok, steps * meta["rollout_batch_size"])
+    reward_log: list[float] = []
+    config, opt_per_step = _config(args, meta, steps, seqs)
+    clock, out_rows = _PhaseClock(), []
     opt, sched = _optimizer(model, meta)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[StepTimer()], optimizers=(opt, sched))
+    trainer = GRPOTrainer(model=model, reward_funcs=_reward(meta["reward"], reward_log),
+                          args=config, train_dataset=dataset, processing_class=tok,
+                          callbacks=[_step_timer(clock, opt_per_step, seqs, reward_log, out_rows)],
+                          optimizers=(opt, sched))
     clock.wrap(trainer, "_generate", "gen")
     clock.wrap(trainer, "_generate_and_score_completions", "gen_score")
     t0 = time.perf_counter()
@@ -159,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in out_rows:
             f.write(json.dumps(r) + "\n")
         f.write(json.dumps({"summary": True, "train_s": total, "schedule": args.schedule,
-                            "num_generations": g, "micro_batch": micro,
+                            "num_generations": args.num_generations,
+                            "micro_batch": config.per_device_train_batch_size,
                             "optimizer_steps_per_step": opt_per_step, "trl": trl.__version__,
                             "transformers": transformers.__version__,
                             "torch": torch.__version__, "threads": torch.get_num_threads()})

@@ -66,9 +66,11 @@ class GenerationConfig(Section):
         "holds the step's all-reduces and the group's ranks capture together; if capture "
         "fails on any of them, all decode eagerly (the reason is logged once).")
     stop_check_every: int = Field(
-        16, gt=0, description="loop=own: decoding steps between checks whether every response "
+        8, gt=0, description="loop=own: decoding steps between checks whether every response "
         "has ended, and with continuous batching between refills of the ended rows' slots "
-        "(each check waits for the device; a slot idles up to this many steps minus one).")
+        "(each check waits for the device; a slot idles up to this many steps minus one: "
+        "8 keeps >= 88% of continuous batching's slot-steps busy, 16 79-84%, "
+        "docs/PERFORMANCE.md).")
     cache_implementation: Literal["dynamic", "static"] = Field(
         "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
         "transformers' compiled decoding.")

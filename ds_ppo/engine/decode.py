@@ -129,7 +129,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            max_new_tokens: int, eos_ids: list[int], pad_id: int, min_new_tokens: int = 0,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
-           stop_check_every: int = 16, trim: bool = True, group=None,
+           stop_check_every: int = 8, trim: bool = True, group=None,
            slots: int | None = None) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
@@ -162,7 +162,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
 
     kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):
-        run = Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id)
+        # eager steps (no CUDA graph to replay) attend only to the cache columns written so far
+        eager = not (cuda_graph and _graphs_available(device))
+        run = Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id,
+                    trim=eager)
         stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
                            narrow=slots is not None)
     width = min(stats.steps, T)

@@ -32,15 +32,17 @@ def _ring_layer_class():
     at columns 0..n-1: a ring of columns, so a slot given a new prompt mid-run writes its
     prompt into the columns just before the shared one (which its previous row no longer
     needs). Attention reads columns through the mask, positions come in `position_ids`, so the
-    order of the columns does not matter."""
+    order of the columns does not matter. `span` (a one-element list shared by the layers, or
+    None: every column) is how many leading columns attention reads (`Slots.trim`)."""
     global _RING_LAYER
     if _RING_LAYER is None:
         from transformers.cache_utils import StaticLayer
 
         class RingLayer(StaticLayer):
-            def __init__(self, max_cache_len: int, column: torch.Tensor):
+            def __init__(self, max_cache_len: int, column: torch.Tensor,
+                         span: list[int] | None = None):
                 super().__init__(max_cache_len=max_cache_len)
-                self.column = column
+                self.column, self.span = column, span
 
             def update(self, key_states, value_states, *args, **kwargs):
                 if not self.is_initialized:
@@ -49,7 +51,9 @@ def _ring_layer_class():
                 cols = self.column if n == 1 else torch.arange(n, device=self.device)
                 self.keys.index_copy_(2, cols, key_states)
                 self.values.index_copy_(2, cols, value_states)
-                return self.keys, self.values
+                if self.span is None:
+                    return self.keys, self.values
+                return self.keys[:, :, :self.span[0]], self.values[:, :, :self.span[0]]
 
         _RING_LAYER = RingLayer
     return _RING_LAYER
@@ -58,13 +62,13 @@ def _ring_layer_class():
 _RING_LAYER = None
 
 
-def ring_cache(config, width: int, column: torch.Tensor):
+def ring_cache(config, width: int, column: torch.Tensor, span: list[int] | None = None):
     """A StaticCache of `width` columns whose layers are ring layers (`_ring_layer_class`)."""
     from transformers import StaticCache
 
     cache = StaticCache(config=config, max_cache_len=width)
     layer = _ring_layer_class()
-    cache.layers = [layer(width, column) for _ in cache.layers]
+    cache.layers = [layer(width, column, span) for _ in cache.layers]
     return cache
 
 
@@ -77,10 +81,16 @@ class Slots:
     Cache columns: W = P + T, a ring (`ring_cache`). The step writes its input token at the
     shared column `col` and advances it; a slot filled after k steps holds its prompt in the P
     columns before (k .. k + P - 1 mod W), and its row never lives long enough (P + T - 1
-    columns) to be overwritten by itself."""
+    columns) to be overwritten by itself.
+
+    `trim` (eager decoding only: it changes the step's shapes, so no CUDA graph): attention
+    reads only the columns written so far, P + k + 1 at step k until the ring wraps (a refill
+    writes the columns just before the shared one, so those too), instead of all W: the
+    columns left out are masked, so the outputs are the same; the attention's cost per step
+    then grows with the tokens decoded, as HF generate's dynamic cache does."""
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, S: int,
-                 T: int, choose, eos_ids: list[int], pad_id: int):
+                 T: int, choose, eos_ids: list[int], pad_id: int, trim: bool = False):
         N, P = prompt_ids.shape
         device = prompt_ids.device
         self.model, self.P, self.T, self.W, self.pad_id = model, P, T, P + T, pad_id
@@ -91,7 +101,9 @@ class Slots:
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         self.col = torch.zeros(1, dtype=torch.long, device=device)  # P % W once filled
         self.col0 = torch.zeros(1, dtype=torch.long, device=device)  # a one-token prefill's
-        self.cache = ring_cache(model.config, self.W, self.col)
+        self.trim, self.steps_run = trim, 0
+        self.span = [self.W]  # leading cache columns attention reads (trim: those written)
+        self.cache = ring_cache(model.config, self.W, self.col, self.span)
         self.token = torch.zeros(S, 1, dtype=torch.long, device=device)  # last chosen token
         self.pos = torch.zeros(S, 1, dtype=torch.long, device=device)  # its position
         self.keys = torch.zeros(S, 1, 1, self.W, dtype=torch.bool, device=device)
@@ -115,11 +127,15 @@ class Slots:
         self.idx.add_(1).clamp_(max=self.T)
 
     def step(self) -> None:
-        """One decoding step of every slot (no host sync, no value-dependent shape)."""
+        """One decoding step of every slot (no host sync; no value-dependent shape, and with
+        `trim` off a fixed one)."""
+        if self.trim:
+            self.span[0] = min(self.W, self.P + self.steps_run + 1)
+        self.steps_run += 1
         self.keys.index_fill_(-1, self.col, True)  # the input token's cache column
         logits = self.model(input_ids=self.token, attention_mask=attention_input(
-            self.keys, self.dtype, self.kernel), position_ids=self.pos, use_cache=True,
-            **{self.cache_kw: self.cache}).logits[:, -1]
+            self.keys[..., :self.span[0]], self.dtype, self.kernel), position_ids=self.pos,
+            use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
         self.col.add_(1).remainder_(self.W)
         self.pos.add_((~self.done)[:, None].long())  # an ended row's position stays in range
         self._record(logits)
@@ -133,7 +149,9 @@ class Slots:
         r_t = torch.tensor(rows, dtype=torch.long, device=device)
         ids, mask = self.ids.index_select(0, r_t), self.mask.index_select(0, r_t)
         first = steps_run == 0 and len(slots) == self.keys.shape[0]
-        width = self.W if first else self.P
+        width = self.W if first and not self.trim else self.P
+        if first:  # trim: the first prefill reads the P columns it writes
+            self.span[0] = width
         cache = self.cache if first else ring_cache(self.model.config, self.P, self.col0)
         prompt_mask = decode_attention_mask(mask, width, prefill=True)
         logits = self.model(input_ids=ids, attention_mask=attention_input(

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import clean_env
-from ds_ppo.bench.peer import PHASES, _summary, table
+from ds_ppo.bench.peer import PHASES, _summary, pair_ratios, table
 
 try:
     import trl  # noqa: F401
@@ -32,6 +32,37 @@ def test_summary_and_ratios():
     lines = table([trl_row, ours]).splitlines()
     assert lines[2].split("|")[10:12] == [" 1.00x ", " 1.00x "]
     assert lines[3].split("|")[10:12] == [" 1.50x ", " 0.50x "]
+
+
+def test_pairs_take_their_ratio_to_their_own_trl_run():
+    """--pairs: each ds_ppo run is divided by the TRL run of its pair, not by the first one."""
+    steps = [{"score": 0.5, "seconds": 2.0, "sequences": 8, "generation_s": 0.5,
+              "scoring_s": 0.5, "update_s": 1.0} for _ in range(3)]
+    base = _summary("TRL x", steps, "seconds", 30.0, 4)
+    results = [dict(base, pair=0), dict(base, label="ds_ppo GRPO", s_per_iter=1.0, pair=0),
+               dict(base, s_per_iter=4.0, pair=1),
+               dict(base, label="ds_ppo GRPO", s_per_iter=1.0, pair=1)]
+    assert pair_ratios(results) == {"ds_ppo GRPO": [0.5, 0.25]}
+    lines = table(results).splitlines()
+    assert "(pair 2)" in lines[5] and lines[5].split("|")[10] == " 0.25x "
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed")
+def test_trl_mirrors_the_policys_gradient_checkpointing(tmp_path):
+    """TRL's GRPOConfig turns gradient checkpointing on by default (a recomputed forward in every
+    backward); the peer run takes ds_ppo's policy.gradient_checkpointing instead, and its
+    schedule: 2 epochs x (128 / 64) optimizer steps of 2 x 32 sequences."""
+    from ds_ppo.bench.peer_trl import _config, _parse
+
+    args = _parse(["--shared", str(tmp_path), "--out", str(tmp_path / "o.jsonl")])
+    meta = {"mini_batch_size": 16, "micro_batch_size": 8, "ppo_epochs": 2, "max_new_tokens": 8,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pad_token_id": 0, "lr": 1e-3,
+            "grad_clip": 1.0, "kl_coef": 0.02, "seed": 1}
+    for on in (False, True):
+        config, opt_per_step = _config(args, dict(meta, gradient_checkpointing=on), 3, 128)
+        assert config.gradient_checkpointing is on
+        assert opt_per_step == 4 and config.max_steps == 12
+        assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (32, 2)
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason='trl is not installed: pip install -e ".[peer]" '

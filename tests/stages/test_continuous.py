@@ -4,13 +4,16 @@ utilisation on forced lengths, the same samples from the same random stream, and
 equal to the training forward's in float32."""
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
-from support.forced_lengths import ForcedLengths, forced_prompts
+from support.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths
 from test_decode import EOS, PAD, V, hf_greedy, tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ds_ppo.algo import response_mask
+from ds_ppo.config.sections import GenerationConfig
 from ds_ppo.containers import Rollout
 from ds_ppo.engine.decode import decode
 from ds_ppo.engine.forward import response_logprobs
@@ -76,6 +79,25 @@ def test_continuous_batching_keeps_the_slots_busy():
         assert torch.equal(part.response_ids, continuous.response_ids[k:k + 4, :T])
     static = tokens / slot_steps
     assert static < 0.5 and _utilisation(continuous, [EOS]) >= 0.85, (static, continuous.stats)
+
+
+def test_default_check_interval_keeps_continuous_slots_busy():
+    """generation.stop_check_every's default (decode's too): a row that ends waits for the next
+    check, so the interval sets how busy continuous batching keeps its slots. 32 log-normal
+    lengths (median 12, max 64) in 8 slots: >= 75% of the slot-steps count a token at the
+    default 8 (79.7%; the interval 16 gave 57.3%; docs/PERFORMANCE.md has the 64-prompt table)."""
+    check = GenerationConfig().stop_check_every
+    assert inspect.signature(decode).parameters["stop_check_every"].default == check
+    lengths = lognormal_lengths(32, 12, 64)
+    ids, mask = forced_prompts(lengths, 4, 512, PAD)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    model = ForcedLengths(LlamaForCausalLM(cfg), EOS).eval()
+    out = decode(model, ids, mask, max_new_tokens=64, eos_ids=[EOS], pad_id=PAD,
+                 temperature=1.0, slots=8)
+    assert response_mask(out.response_ids, [EOS]).sum(-1).tolist() == lengths
+    assert _utilisation(out, [EOS]) >= 0.75, out.stats
 
 
 def test_same_random_stream_same_samples():

@@ -74,6 +74,29 @@ def test_greedy_equals_hf_generate(attn, min_new):
         assert (ended >= min_new + 1).all() or (ended == T).all()
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_eager_steps_attend_only_to_the_columns_written(attn):
+    """Without a CUDA graph, decoding step k attends to the P + k + 1 cache columns written so
+    far (the first prefill to its P), not to all P + T: the same greedy tokens as HF generate
+    at a cost per step that grows as HF's dynamic cache does."""
+    model = tiny_llama(attn)
+    ids, mask = left_padded()
+    P, T = ids.shape[1], 12
+    widths = []
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def watched(*args, **kwargs):
+        widths.append((kwargs["input_ids"].shape[1], kwargs["attention_mask"].shape[-1]))
+        return inner(*args, **kwargs)
+
+    model.forward = watched
+    out, stats = ours_greedy(model, ids, mask, T, [EOS], check_every=1000)
+    model.forward = inner
+    assert widths == [(P, P)] + [(1, P + k + 1) for k in range(T - 1)]
+    assert torch.equal(out, hf_greedy(model, ids, mask, T, [EOS]))
+
+
 def test_all_rows_ending_stops_the_loop_and_trims_like_hf():
     model = tiny_llama()
     ids, mask = left_padded(B=3, pads=(0, 1, 2))
