@@ -150,9 +150,9 @@ def test_job_config_checks_name_key_and_fix():
         str(e.value) and "data.path = None" in str(e.value)
     cfg = load_config(None, ["data.path=x.jsonl", "rm.batch_size=16", "rm.micro_batch_size=4",
                              "rm.rejected_key=chosen", "policy.lora.r=8"])
-    with pytest.raises(ConfigError, match="(?s)rm.chosen_key = rm.rejected_key.*policy.lora "
-                       "with ds-ppo rm"):
+    with pytest.raises(ConfigError, match="rm.chosen_key = rm.rejected_key") as e:
         validate_job(cfg, "rm", 2)
+    assert "lora" not in str(e.value)  # a LoRA reward model trains (test_supervised.py)
     assert job_accum_steps(cfg, "rm", 2) == 2
     ok = load_config(None, ["data.path=x.jsonl", "sft.batch_size=16", "sft.micro_batch_size=4"])
     validate_job(ok, "sft", 2)
