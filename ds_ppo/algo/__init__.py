@@ -18,7 +18,8 @@ Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) 
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
-Supervised jobs (supervised.py): nll_sum (SFT), bradley_terry + pair_stats (reward model).
+Supervised jobs (supervised.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
+(reward model).
 """
 
 import importlib
@@ -82,6 +83,7 @@ _EXPORTS = {
     "response_mask": "masks",
     "response_predictors": "packing",
     "ROLLOUT_CORRECTIONS": "choices",
+    "reward_centering": "supervised",
     "rollout_is_weights": "correction",
     "rollout_mismatch": "correction",
     "RolloutCorrection": "choices",

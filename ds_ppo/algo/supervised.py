@@ -28,6 +28,14 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor,
     return -F.logsigmoid(diff)
 
 
+def reward_centering(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """(P,) float32 (r_chosen + r_rejected)^2: the auxiliary loss that keeps a reward model's
+    scores centred on 0 for every prompt (Eisenstein et al. 2023, "Helping or herding?"; TRL's
+    center_rewards_coefficient). Bradley-Terry fixes only differences, so a prompt-dependent
+    offset is free; PPO then sees it as reward noise the critic has to learn away."""
+    return (chosen.float() + rejected.float()).square()
+
+
 def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-pair statistics, summed: `correct` (pairs whose chosen answer scores higher) and
     `margin` (sum of r_chosen - r_rejected); () float64 each, for a global mean by pair count."""

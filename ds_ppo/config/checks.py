@@ -181,9 +181,6 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
                         f"{columns}; set data.path")
     if job == "rm" and j.chosen_key == j.rejected_key:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
-    if job == "rm" and cfg.policy.lora is not None:
-        problems.append("policy.lora with ds-ppo rm: a reward model is trained fully (LoRA "
-                        "reward models are not supported yet); drop policy.lora")
     problems += source_problems(cfg, ("policy",))
     d = cfg.deepspeed.policy
     if d.offload_param and d.zero_stage not in (3, "auto"):

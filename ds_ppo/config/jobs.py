@@ -60,3 +60,8 @@ class RMConfig(SupervisedJob):
     margin_key: str | None = Field(
         None, description="Optional column of a number per pair: the loss becomes "
         "-log sigmoid(r_chosen - r_rejected - margin) (Llama 2's margin loss); null: no margin.")
+    center_coef: float = Field(
+        0.0, ge=0, description="Weight of the centring loss mean((r_chosen + r_rejected)^2) "
+        "added to the Bradley-Terry loss (Eisenstein et al. 2023; TRL's "
+        "center_rewards_coefficient): scores near 0 for every prompt, so PPO's reward carries "
+        "no prompt-dependent offset for the critic to learn away; 0: off.")

@@ -298,14 +298,19 @@ class LastTokenScorer(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, L) ids and mask (any padding side) -> (B,) float32 scores."""
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        """(B, L) ids and mask (any padding side) -> (B,) float32 scores. A LoRA reward model
+        (`ds-ppo rm` with policy.lora) runs through its peft wrapper's base model, whose layers
+        hold the adapters."""
+        from ds_ppo.engine.lora import plain_model
+
+        model = plain_model(self.model)
+        backbone = getattr(model, model.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids(attention_mask),
                           use_cache=False).last_hidden_state
         last = last_token_index(attention_mask)
         picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-        return self.model.score(picked).squeeze(-1).float()
+        return model.score(picked).squeeze(-1).float()
 
 
 def sequence_scores(reward_engine, input_ids: torch.Tensor,

@@ -255,6 +255,9 @@ def saved_config(module: torch.nn.Module):
 
 def _hf_config_copy(module: torch.nn.Module, dtype: torch.dtype):
     config = saved_config(module)
+    # as save_pretrained records it: the class that wrote the weights (a reward model's
+    # export says ...ForSequenceClassification, which the critic-from-RM load reads)
+    config.architectures = [type(module).__name__]
     config.use_cache = True
     config.dtype = str(dtype).split(".")[1]  # what save_pretrained records
     return config

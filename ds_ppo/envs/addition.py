@@ -8,7 +8,7 @@ and the rest; and writes the files each step reads:
 | file | rows | read by |
 |---|---|---|
 | sft.jsonl | prompt, completion (the right sum) | `ds-ppo sft` |
-| pairs.jsonl | prompt, chosen (right), rejected (wrong) over all non-test problems | `ds-ppo rm` |
+| pairs.jsonl | prompt, chosen (right), rejected (wrong): 8 per non-test problem, half near misses | `ds-ppo rm` |
 | pairs_test.jsonl | the same for the test problems | `ds-ppo rm` data.eval_split |
 | rl.jsonl | prompt, answer: every non-test problem | `ds-ppo train` (answer: data.reward_keys) |
 | test.jsonl | prompt, answer (= completion): the test problems | `evaluate` (greedy exact match), `ds-ppo sft` data.eval_split |
@@ -57,7 +57,7 @@ def split(terms: int, seed: int, test: int, sft: int) -> dict[str, list[tuple[st
 
 
 def write_task(out_dir: str | Path, seed: int = 0, terms: int = 3, test: int = 200,
-               sft: int = 300, pairs_per_problem: int = 2) -> dict[str, Path]:
+               sft: int = 300, pairs_per_problem: int = 8) -> dict[str, Path]:
     """Write the task's files (module docstring) into `out_dir`; returns name -> path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,6 +110,33 @@ def evaluate(model_dir: str | Path, test_file: str | Path, batch_size: int = 256
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         right += sum(exact_match([], texts, [r["answer"] for r in chunk]))
+    return right / len(rows)
+
+
+def reward_model_picks(model_dir: str | Path, test_file: str | Path, terms: int = 3) -> float:
+    """The share of test problems on which a reward model (a Hugging Face sequence-classification
+    directory, plain transformers) scores the right sum highest among every sum 0..9 x terms,
+    each written as a completion after the prompt and ended by EOS, as `ds-ppo rm` and
+    `ds-ppo train` read answers. The best a policy can do by maximising that reward model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in Path(test_file).read_text().splitlines() if line]
+    answers = [tok(str(s), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+               for s in range(9 * terms + 1)]
+    right = 0
+    for r in rows:
+        prompt = tok(r["prompt"])["input_ids"]
+        scores = torch.empty(len(answers))
+        for width in sorted({len(a) for a in answers}):  # equal lengths: no padding
+            which = [s for s, a in enumerate(answers) if len(a) == width]
+            with torch.no_grad():
+                scores[which] = model(input_ids=torch.tensor(
+                    [prompt + answers[s] for s in which])).logits[:, 0].float()
+        right += int(scores.argmax()) == int(r["answer"])
     return right / len(rows)
 
 

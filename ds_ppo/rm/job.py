@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_ppo.algo import bradley_terry, pair_stats
+from ds_ppo.algo import bradley_terry, pair_stats, reward_centering
 from ds_ppo.containers import longest_first
 from ds_ppo.data.sampler import left_pad
 from ds_ppo.data.supervised import PairSet, load_pairs
@@ -34,9 +34,11 @@ class RMJob:
     def count(self, data: PairSet, rows: list[int]) -> float:
         return float(len(rows))
 
-    def loss(self, role, data: PairSet, rows: list[int], pad_id: int, packed: bool = False):
-        """(summed pair loss of the micro-batch, {name: (sum, count)}: loss, accuracy (chosen
-        scored higher), margin_mean (r_chosen - r_rejected), chosen_mean, rejected_mean)."""
+    def loss(self, cfg, role, data: PairSet, rows: list[int], pad_id: int,
+             packed: bool = False):
+        """(summed pair loss of the micro-batch: Bradley-Terry + rm.center_coef x centring,
+        {name: (sum, count)}: loss, center ((r_chosen + r_rejected)^2), accuracy (chosen scored
+        higher), margin_mean (r_chosen - r_rejected), chosen_mean, rejected_mean)."""
         device = next(role.engine.module.parameters()).device
         ids, am = left_pad([data.chosen[i] for i in rows] + [data.rejected[i] for i in rows],
                            pad_id)
@@ -47,8 +49,12 @@ class RMJob:
                   if data.margin is not None else None)
         losses = bradley_terry(chosen, rejected, margin)
         loss = losses.sum()
+        center = reward_centering(chosen, rejected).sum()
+        if cfg.rm.center_coef:
+            loss = loss + cfg.rm.center_coef * center
         stats = pair_stats(chosen, rejected)
         return loss, {"loss": (loss.detach().double(), float(n)),
+                      "center": (center.detach().double(), float(n)),
                       "accuracy": (stats["correct"], float(n)),
                       "margin_mean": (stats["margin"], float(n)),
                       "chosen_mean": (chosen.detach().double().sum(), float(n)),

@@ -54,7 +54,8 @@ class Job(Protocol):
     def micro_batches(self, cfg: Config, data, rows: list[int], packed: bool
                       ) -> list[list[int]]: ...
     def count(self, data, rows: list[int]) -> float: ...
-    def loss(self, role, data, rows: list[int], pad_id: int, packed: bool = False): ...
+    def loss(self, cfg: Config, role, data, rows: list[int], pad_id: int,
+             packed: bool = False): ...
     def eval_metrics(self, m: dict[str, float]) -> dict[str, float]: ...
     def progress(self, m: dict[str, float]) -> str: ...
 
@@ -191,7 +192,7 @@ def train_step(job: Job, cfg: Config, engines, data, rows: list[int], acc: Accum
     engines.policy.train()
     for k in range(steps):
         batch = mine[k] if k < len(mine) else [shortest]
-        loss, stats = job.loss(engines.policy, data, batch, pad_id, packed)
+        loss, stats = job.loss(cfg, engines.policy, data, batch, pad_id, packed)
         weight = scale / divisor if k < len(mine) else 0.0
         engines.policy.backward_step(loss * weight, boundary=k == steps - 1)
         if k < len(mine):
@@ -216,7 +217,7 @@ def evaluate(job: Job, cfg: Config, engines, data, pad_id: int) -> dict[str, flo
     acc = Accumulator()
     engines.policy.eval()
     for k in range(steps):
-        _, stats = job.loss(engines.policy, data, mine[min(k, len(mine) - 1)], pad_id)
+        _, stats = job.loss(cfg, engines.policy, data, mine[min(k, len(mine) - 1)], pad_id)
         if k < len(mine):
             for name, (total, count) in stats.items():
                 acc.add_mean(f"eval/{name}", float(total), count)

@@ -32,7 +32,8 @@ from ds_ppo.envs import addition
 STEPS = {
     "sft": ["sft", "data.path={task}/sft.jsonl", "data.eval_split={task}/test.jsonl"],
     "rm": ["rm", "data.path={task}/pairs.jsonl", "data.eval_split={task}/pairs_test.jsonl",
-           "policy.arch=null", "policy.path={out}/sft/final"],
+           "policy.arch=null", "policy.path={out}/sft/final", "policy.lr=1.0e-3",
+           "data.eval_size=1600"],  # every held-out pair: 200 problems x 8
     "grpo": ["train", "data.path={task}/rl.jsonl", "policy.arch=null",
              "policy.path={out}/sft/final", "policy.tokenizer=null", "policy.lr=5.0e-4",
              "iterations=60", "data.reward_keys=[answer]"],
@@ -40,7 +41,8 @@ STEPS = {
             "policy.path={out}/sft/final", "reward.function=null", "reward.model={out}/rm/final",
             "ppo.advantage_estimator=gae", "ppo.samples_per_prompt=1",
             "ppo.rollout_batch_size=128", "ppo.mini_batch_size=64", "ppo.micro_batch_size=64",
-            "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "policy.lr=1.0e-3", "value.lr=3.0e-3"],
+            "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "policy.lr=5.0e-4", "value.lr=3.0e-3",
+            "ppo.critic_warmup_iterations=20", "iterations=120"],
 }
 QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=20"]}
 
@@ -120,6 +122,8 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
                 res[f"{name}_acc"] = addition.evaluate(root / name / "final", task / "test.jsonl")
             if name == "rm":
                 res["rm_acc"] = _last(root / "rm" / "metrics.jsonl", "eval/accuracy")
+                res["rm_pick"] = addition.reward_model_picks(root / "rm" / "final",
+                                                             task / "test.jsonl")
             if name in ("grpo", "ppo"):  # the reward the RL step maximised: first vs last
                 res[f"{name}_score_first"] = _first(root / name / "metrics.jsonl", "score/mean")
                 res[f"{name}_score_last"] = _last(root / name / "metrics.jsonl", "score/mean")
@@ -134,6 +138,7 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
 
 def table(results: list[dict[str, float]]) -> str:
     cols = [("seed", "seed"), ("sft_acc", "SFT acc"), ("rm_acc", "RM pair acc"),
+            ("rm_pick", "RM picks right sum"),
             ("grpo_acc", "GRPO acc"), ("ppo_acc", "PPO (RM) acc"),
             ("ppo_score_first", "PPO RM score first"), ("ppo_score_last", "last"),
             ("wall_s", "wall s")]

@@ -72,7 +72,8 @@ class SFTJob:
         """The loss's divisor contribution of these rows: their counted tokens."""
         return float(data.counted(rows))
 
-    def loss(self, role, data: SFTSet, rows: list[int], pad_id: int, packed: bool = False):
+    def loss(self, cfg, role, data: SFTSet, rows: list[int], pad_id: int,
+             packed: bool = False):
         """(summed NLL of the micro-batch's counted tokens, {name: (sum, count)} statistics)."""
         ids, am, lm = right_padded(data, rows, pad_id, role_device(role))
         logprobs = counted_logprobs(role.engine, ids, am, lm, packed,

@@ -99,20 +99,33 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
 
 
 def test_exports_load_with_plain_transformers(data, tmp_path):
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoTokenizer)
+    """The SFT export loads as a causal LM; a reward model trained from it (fully, and with
+    LoRA: its adapters merged into the export, the score head trained fully) loads as a
+    sequence classifier whose scores give back the job's own evaluation."""
+    from transformers import AutoModelForCausalLM
 
-    sft_out, rm_out = tmp_path / "sft", tmp_path / "rm"
+    sft_out = tmp_path / "sft"
     job_loop.run_job(_cfg("sft", data, sft_out, "sft.steps=2", "checkpoint.export_dtype=fp32"),
                      _job("sft"))
     policy = AutoModelForCausalLM.from_pretrained(sft_out / "final")
-    # the reward model starts from the SFT model's backbone, as the recipe does
-    res = job_loop.run_job(_cfg("rm", data, rm_out, "rm.steps=2", "policy.arch=null",
-                                f"policy.path={sft_out / 'final'}",
-                                "checkpoint.export_dtype=fp32"), _job("rm"))
-    rm = AutoModelForSequenceClassification.from_pretrained(rm_out / "final")
-    assert rm.config.num_labels == 1 and policy.config.model_type == rm.config.model_type
-    tok = AutoTokenizer.from_pretrained(rm_out / "final")
+    assert policy.config.architectures == ["LlamaForCausalLM"]
+    for name, extra in (("rm", []), ("rm_lora", ["policy.lora.r=8"])):
+        # the reward model starts from the SFT model's backbone, as the recipe does
+        res = job_loop.run_job(_cfg("rm", data, tmp_path / name, "rm.steps=2", "policy.arch=null",
+                                    f"policy.path={sft_out / 'final'}",
+                                    "checkpoint.export_dtype=fp32", *extra), _job("rm"))
+        _check_reward_export(tmp_path / name / "final", data, res, policy.config.model_type)
+
+
+def _check_reward_export(final, data, res, model_type):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm = AutoModelForSequenceClassification.from_pretrained(final)
+    assert rm.config.num_labels == 1 and model_type == rm.config.model_type
+    # what the critic-from-RM load (engine/roles.value_head_mapping) reads
+    assert rm.config.architectures == ["LlamaForSequenceClassification"]
+    assert not (final / "adapter_config.json").exists()
+    tok = AutoTokenizer.from_pretrained(final)
     # the job's evaluation, recomputed from the export: mean r_chosen - r_rejected of the first
     # 8 pairs, each read at its last token (EOS) as ds-ppo train's reward role reads it
     rows = [json.loads(line) for line in (data / "pairs.jsonl").read_text().splitlines()][:8]
