@@ -170,7 +170,9 @@ class Experience:
     old_values: torch.Tensor | None  # (B, T) float32, value estimates at sampling time (None:
     # a critic-free estimator, no value model)
     scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
-    entropy: torch.Tensor  # (B, T) float32, policy entropy per position (metric only)
+    # (B, T) float32, policy entropy per position (metric only); None with
+    # ppo.old_logprobs=rollout (no scoring forward: the update's first epoch measures it)
+    entropy: torch.Tensor | None
     reward_cut: torch.Tensor | None = None  # (B,) bool, reward-model input cut to reward.max_len
     reward_s: float = 0.0  # seconds this rank spent on the reward scores (metric only)
     reward_retries: int | None = None  # reward.url: requests retried for them (metric only)

@@ -77,6 +77,8 @@ _EXPORTS = {
     "next_tokens_with_logprobs": "sampling",
     "nll_sum": "supervised",
     "pair_stats": "supervised",
+    "OLD_LOGPROBS": "choices",
+    "OldLogprobs": "choices",
     "packed_layout": "packing",
     "PackedLayout": "packing",
     "policy_loss": "losses",

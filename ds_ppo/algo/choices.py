@@ -1,5 +1,5 @@
 """The named choices of the PPO math, one table each: advantage estimators, KL estimators,
-loss aggregations and rollout corrections. The config's literal types, its checks, `ds-ppo config --describe`, the
+loss aggregations, rollout corrections and old log-prob sources. The config's literal types, its checks, `ds-ppo config --describe`, the
 advantage stage and the README's estimator table all read these tables (a test ties them
 together), so a new estimator is one row here plus one registered function in
 `algo/estimators.py`.
@@ -20,6 +20,11 @@ LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 # ppo.rollout_correction (algo/correction.py): none, truncated or masked importance sampling
 RolloutCorrection = Literal["none", "tis", "mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
+
+# ppo.old_logprobs: where the PPO ratio's old log-probs come from: a scoring forward of the
+# policy (training) or the sampler's own log-probs (rollout), which skips that forward
+OldLogprobs = Literal["training", "rollout"]
+OLD_LOGPROBS: tuple[str, ...] = get_args(OldLogprobs)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from ds_ppo.role_names import ROLES
 # `ppo-z3`: every role on ZeRO-3 with the reference offloaded (the tiny preset before zero_stage auto)
 ZERO3 = tuple(f"deepspeed.{r}.zero_stage=3" for r in ROLES) \
     + ("deepspeed.reference.offload_param=true",)
-RUNS = ("trl", "ppo", "grpo", "ppo-z3")
+# `grpo-rollout`: ds_ppo GRPO with ppo.old_logprobs=rollout (no scoring forward of the policy)
+RUNS = ("trl", "ppo", "grpo", "grpo-rollout", "ppo-z3")
 PHASES = ("generation_s", "scoring_s", "update_s")
 
 
@@ -230,11 +231,15 @@ def _run_pair(runs: list[str], shared: Path, out: Path, meta: dict, g: int,
         elif name == "ppo":
             results.append(run_dsppo(f"dsppo_ppo{tag}", "ds_ppo PPO (config as given)",
                                      overrides, out, meta))
-        elif name == "grpo":
+        elif name in ("grpo", "grpo-rollout"):
             grpo = grpo_overrides(overrides, g)
-            if grpo is not None:
+            if grpo is not None and name == "grpo":
                 results.append(run_dsppo(f"dsppo_grpo{tag}", f"ds_ppo GRPO, G={g}", grpo, out,
                                          meta))
+            elif grpo is not None:
+                results.append(run_dsppo(f"dsppo_grpo_rollout{tag}",
+                                         f"ds_ppo GRPO, G={g}, old log-probs from the rollout",
+                                         grpo + ["ppo.old_logprobs=rollout"], out, meta))
             elif not pair:
                 notes.append("ds_ppo grpo: skipped, this ds_ppo has no "
                              "ppo.advantage_estimator=grpo")
@@ -250,8 +255,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peer", choices=("trl",), default="trl")
     ap.add_argument("--runs", default="trl,ppo,grpo",
                     help="comma-separated, run in this order: trl, ppo, grpo (skipped where "
-                    "ds_ppo lacks it), ppo-z3 (PPO with every role on ZeRO-3, the reference "
-                    "offloaded)")
+                    "ds_ppo lacks it), grpo-rollout (grpo with ppo.old_logprobs=rollout: no "
+                    "scoring forward of the policy), ppo-z3 (PPO with every role on ZeRO-3, "
+                    "the reference offloaded)")
     ap.add_argument("--pairs", type=int, default=1,
                     help="run --runs this many times, interleaved (trl, grpo, trl, grpo, ...); "
                     "each ratio is to the TRL run of its own pair, so a load change on a "

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
-                                 RolloutCorrection, describe_estimators)
+                                 OldLogprobs, RolloutCorrection, describe_estimators)
 from ds_ppo.config.base import Section
 
 
@@ -98,6 +98,19 @@ class PPOConfig(Section):
         "importance sampling); mis drops the tokens whose r leaves [1/cap, cap] from the loss "
         "and weights the rest by r (masked importance sampling); none: off (the gap is still "
         "measured: metrics rollout/*). Needs the rollout log-probs of generation.loop=own.")
+    old_logprobs: OldLogprobs = Field(
+        "training", description="The PPO ratio's old log-probs: training = a scoring forward "
+        "of the policy over the rollout; rollout = the log-probs the sampler drew each token "
+        "with (generation.loop=own), which skips that forward (one policy forward over every "
+        "sequence per iteration; verl's rollout-correction bypass mode). On CPU in float32 the "
+        "two are equal up to kernel rounding; on a GPU the replica's 16-bit kernels differ, and "
+        "the first step's ratio absorbs that gap (the behaviour policy is the sampler's). The "
+        "sampler's distribution must be the policy's: no generation.top_k / top_p / "
+        "min_new_tokens, and no ppo.rollout_correction (it compares the two). The pad token is "
+        "never sampled, so each log-prob is the policy's renormalised without it, higher by "
+        "-log(1 - p_pad): negligible once a model gives pad no mass (a random-init toy: ~0.002 "
+        "per token). policy/entropy is then measured in the first PPO epoch's forwards (not in "
+        "critic warm-up iterations).")
     rollout_is_cap: float = Field(
         2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
         "(tis: min(r, C); mis: the band [1/C, C]).")

@@ -93,6 +93,7 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         f"{g.loop!r} / generation.mode = {g.mode!r} use HF generate: set "
                         "generation.loop=own (mode gathered or tensor_parallel), or "
                         "ppo.rollout_correction=none")
+    problems += _old_logprob_problems(cfg, hf_only)
     if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
@@ -260,3 +261,35 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
     return out
+
+
+def _old_logprob_problems(cfg: Config, hf_only: bool) -> list[str]:
+    """ppo.old_logprobs = rollout: the sampler's log-probs stand for the policy's, so they must
+    exist (our decoding loop) and be of the policy's own distribution."""
+    g, p = cfg.generation, cfg.ppo
+    if p.old_logprobs != "rollout":
+        return []
+    problems = []
+    if hf_only:
+        problems.append("ppo.old_logprobs = 'rollout' needs the rollout log-probs of our "
+                        f"decoding loop, but generation.loop = {g.loop!r} / generation.mode = "
+                        f"{g.mode!r} use HF generate: set generation.loop=own (mode gathered "
+                        "or tensor_parallel), or ppo.old_logprobs=training")
+    changed = [f"generation.{k} = {v}" for k, v, off in (
+        ("top_k", g.top_k, 0), ("top_p", g.top_p, 1.0), ("min_new_tokens", g.min_new_tokens, 0))
+        if v != off]
+    if changed:
+        problems.append("ppo.old_logprobs = 'rollout' uses the sampler's log-probs as the "
+                        "policy's, but " + ", ".join(changed) + " samples from another "
+                        "distribution (renormalised over fewer tokens): drop "
+                        + ("it" if len(changed) == 1 else "them") + ", or set "
+                        "ppo.old_logprobs=training")
+    if cfg.env.enabled:
+        problems.append("ppo.old_logprobs = 'rollout': multi-turn episodes (env) do not carry "
+                        "the sampler's log-probs yet; set ppo.old_logprobs=training")
+    if p.rollout_correction != "none":
+        problems.append(f"ppo.rollout_correction = {p.rollout_correction!r} weighs the "
+                        "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
+                        "'rollout' makes them the same (every weight 1): set "
+                        "ppo.rollout_correction=none, or ppo.old_logprobs=training")
+    return problems

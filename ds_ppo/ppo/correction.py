@@ -18,7 +18,8 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
     rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max, rollout/kl_k3; with
     ppo.rollout_correction also rollout_is/weight_mean (over the kept tokens) and
     rollout_is/clipped_frac (tokens truncated by tis or dropped by mis), and the experience
-    with its weights. A rollout without log-probs (HF generate) adds nothing."""
+    with its weights. A rollout without log-probs (HF generate), or with ppo.old_logprobs =
+    rollout (they are the old log-probs), adds nothing."""
     rollout_lp = exp.rollout.rollout_logprobs
     mode = cfg.ppo.rollout_correction
     if rollout_lp is None:
@@ -27,6 +28,8 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
                               "of our decoding loop, but this policy's rollouts came from HF "
                               "generate (generation.loop resolved to hf): set "
                               "ppo.rollout_correction=none, or generation.loop=own")
+        return exp
+    if cfg.ppo.old_logprobs == "rollout":  # they are the old log-probs: no gap to measure
         return exp
     mask = exp.mask
     diff, kl = rollout_mismatch(exp.old_logprobs, rollout_lp, mask)

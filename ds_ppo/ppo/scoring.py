@@ -10,7 +10,8 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
-from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.errors import (ConfigError, RewardError, RewardFunctionError, RewardTimeout,
+                           UserError)
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
 
@@ -140,6 +141,19 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     return scores, cut
 
 
+def _sampled_logprobs(rollout: Rollout, cfg: Config) -> torch.Tensor | None:
+    """With ppo.old_logprobs = rollout, the sampler's log-probs (the config checks make them
+    the policy's own distribution's); None: the old log-probs come from a scoring forward."""
+    if cfg.ppo.old_logprobs != "rollout":
+        return None
+    if rollout.rollout_logprobs is None:  # generation.loop=auto fell back to HF generate
+        raise ConfigError("ppo.old_logprobs = 'rollout' needs the rollout log-probs of our "
+                          "decoding loop, but this policy's rollouts came from HF generate "
+                          "(generation.loop resolved to hf): set ppo.old_logprobs=training, "
+                          "or generation.loop=own")
+    return rollout.rollout_logprobs.float()
+
+
 @torch.no_grad()
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
@@ -148,6 +162,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     micro-batches make up the difference)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
+    sampled = _sampled_logprobs(rollout, cfg)  # ppo.old_logprobs=rollout: no policy forward
     engines.policy.eval()
     if critic is not None:
         critic.eval()
@@ -159,10 +174,11 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
         watchdog.progress(k)
         mb = rollout.slice(rows)
         split = is_split(rollout, cfg, rows)  # one row across the sequence-parallel group
-        lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed,
-                                          split=split, **tiling)
-        logp.append(lp)
-        entropy.append(ent)
+        if sampled is None:
+            lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed,
+                                              split=split, **tiling)
+            logp.append(lp)
+            entropy.append(ent)
         ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, split=split,
                                                    **tiling)[0])
         if critic is not None:
@@ -184,7 +200,9 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     reward_s = time.perf_counter() - t0
     if retries is not None:
         retries = engines.reward_fn.retries - retries
-    return Experience(rollout=rollout, old_logprobs=zero(logp), ref_logprobs=zero(ref_logp),
-                      old_values=zero(values) if values else None, entropy=zero(entropy),
+    old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
+    return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=zero(ref_logp),
+                      old_values=zero(values) if values else None,
+                      entropy=zero(entropy) if sampled is None else None,
                       scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
                       scoring_positions=rollout.positions(batches, packed, mine))

@@ -98,6 +98,7 @@ class _Step:
     train_policy: bool  # False in the critic warm-up (ppo.critic_warmup_iterations)
     ptx_rows: list[int] | None  # this rank's PPO-ptx rows of this step (None: off)
     ptx_tok: float  # ptx target tokens of the global mini-batch (the LM loss's divisor)
+    entropy: bool = False  # measure policy/entropy here (ppo.old_logprobs=rollout, epoch 0)
 
 
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator,
@@ -142,8 +143,10 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
         for mine, n_steps, (n_tok, pg_div, ptx_tok), rows in zip(micro, steps, counts.tolist(),
                                                                   ptx_rows):
+            # no scoring forward (ppo.old_logprobs=rollout): the first epoch's forwards, which
+            # see each row once, give policy/entropy
             step = _Step(max(n_tok, 1.0), max(pg_div, 1.0), n_steps, train_policy, rows,
-                         max(ptx_tok, 1.0))
+                         max(ptx_tok, 1.0), entropy=exp.entropy is None and epoch == 0)
             _optimizer_step(exp, mine, step, engines, cfg, acc, ptx)
 
 
@@ -221,14 +224,16 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
     loss), its statistics, and the detached terms as metrics. `split`: one row split across
     the sequence-parallel group."""
     p = cfg.ppo
-    logprobs, _ = engines.policy.logprobs(mb.rollout, cfg.generation.temperature, packed=packed,
-                                          tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens,
-                                          split=split)
+    logprobs, entropy = engines.policy.logprobs(
+        mb.rollout, cfg.generation.temperature, with_entropy=step.entropy, packed=packed,
+        tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens, split=split)
     pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
                                     clip_eps=p.clip_eps, num_tokens=step.pg_div,
                                     clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
                                     token_weights=pg_weights)
+    if entropy is not None:  # a token mean over the micro-batch, as the other statistics
+        pg_stats["entropy"] = (entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
     terms = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
         kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, step.pg_div,

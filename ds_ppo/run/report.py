@@ -41,7 +41,8 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
     acc.add_tensor_mean("kl/clamped_frac", kl_clamped(exp.old_logprobs, exp.ref_logprobs,
                                                       kl_estimator, kl_clip).float(), mask)
-    acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
+    if exp.entropy is not None:  # else the update's first epoch measured it
+        acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)
     acc.add_mean("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))

@@ -47,6 +47,21 @@ def test_pairs_take_their_ratio_to_their_own_trl_run():
     assert "(pair 2)" in lines[5] and lines[5].split("|")[10] == " 0.25x "
 
 
+def test_grpo_rollout_run_is_grpo_without_the_scoring_forward(monkeypatch, tmp_path):
+    """--runs grpo,grpo-rollout: the second is the first plus ppo.old_logprobs=rollout."""
+    from ds_ppo.bench import peer
+
+    calls = []
+    monkeypatch.setattr(peer, "run_dsppo", lambda name, label, overrides, out, meta:
+                        calls.append((name, overrides)) or {"label": label})
+    out = peer._run_pair(["grpo", "grpo-rollout"], tmp_path, tmp_path, {}, 4,
+                         ["generation.max_new_tokens=6"], 1, [])
+    (n1, grpo), (n2, rollout) = calls
+    assert (n1, n2) == ("dsppo_grpo_2", "dsppo_grpo_rollout_2")
+    assert "ppo.advantage_estimator=grpo" in grpo and rollout == grpo + ["ppo.old_logprobs=rollout"]
+    assert [r["pair"] for r in out] == [1, 1]
+
+
 @pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed")
 def test_trl_mirrors_the_policys_gradient_checkpointing(tmp_path):
     """TRL's GRPOConfig turns gradient checkpointing on by default (a recomputed forward in every

@@ -550,6 +550,75 @@ def test_scoring_and_the_update_use_only_the_role_methods():
     assert "policy/grad_norm" not in acc.reduce()  # DeepSpeed computed none
 
 
+class _SteppingEngine(_CountingEngine):
+    """A _CountingEngine that trains: SGD on every `accum`-th step() (DeepSpeed's gradient
+    accumulation boundary)."""
+
+    def __init__(self, module, accum: int):
+        super().__init__(module)
+        self.accum, self.micro_steps = accum, 0
+        self.sgd = torch.optim.SGD(module.parameters(), lr=0.5)
+
+    def step(self):
+        self.micro_steps += 1
+        if self.micro_steps % self.accum == 0:
+            self.sgd.step()
+            self.sgd.zero_grad()
+
+
+def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
+    """ppo.old_logprobs=rollout: scoring runs no policy forward and takes the sampler's
+    log-probs (here the policy's own, as our loop gives them in float32), so the update is the
+    same as with a scoring forward; policy/entropy comes from the first epoch's forwards (all
+    before its one optimizer step, so equal to scoring's; epoch 2, after the step, would move
+    it)."""
+    from transformers import LlamaForTokenClassification
+
+    from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
+    from ds_ppo.ppo.advantages import add_advantages, advantage_settings
+    from ds_ppo.ppo.correction import rollout_correction
+    from ds_ppo.ppo.scoring import score
+
+    rollout = _padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
+    with torch.no_grad():
+        sampled, _ = response_logprobs(small_llama(), rollout, 0.7)
+    rollout.rollout_logprobs = sampled.masked_fill(~rollout.mask, 0.0)
+    runs = {}
+    for mode in ("training", "rollout"):
+        torch.manual_seed(2)
+        value = LlamaForTokenClassification(LlamaConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, num_labels=1))
+        policy = _SteppingEngine(small_llama(), accum=2)
+        engines = types.SimpleNamespace(
+            policy=PolicyRole(policy), reference=ReferenceRole(_CountingEngine(small_llama())),
+            value=ValueRole(_SteppingEngine(value, accum=2)), reward=None,
+            reward_fn=lambda prompts, responses, **kw: [float(len(r)) for r in responses])
+        cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=4", "ppo.rollout_batch_size=4",
+                   "ppo.ppo_epochs=2", "generation.temperature=0.7", f"ppo.old_logprobs={mode}")
+        acc = Accumulator()
+        exp = rollout_correction(score(rollout, engines, cfg, None), cfg, acc)
+        scoring_calls = policy.calls
+        exp = add_advantages(exp, advantage_settings(cfg, 0.1))
+        ppo_update(exp, engines, cfg, 1, acc)
+        runs[mode] = (scoring_calls, exp, acc.reduce(), [p.detach().clone()
+                                                         for p in policy.parameters()])
+    (calls_t, exp_t, m_t, w_t), (calls_r, exp_r, m_r, w_r) = runs["training"], runs["rollout"]
+    assert (calls_t, calls_r) == (2, 0)  # 4 rows in micro-batches of 2
+    assert policy.calls == 4  # the update: 2 epochs x 2 micro-batches
+    torch.testing.assert_close(exp_r.old_logprobs, exp_t.old_logprobs, rtol=0, atol=1e-6)
+    assert exp_r.entropy is None and "rollout/kl_k3" in m_t and "rollout/kl_k3" not in m_r
+    mask = rollout.mask
+    scored_entropy = float((exp_t.entropy * mask).sum() / mask.sum())
+    assert "policy/entropy" not in m_t  # the report adds the scored one (not called here)
+    assert m_r["policy/entropy"] == pytest.approx(scored_entropy, rel=1e-5)
+    for name in ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac"):
+        assert m_r[name] == pytest.approx(m_t[name], rel=1e-5, abs=1e-7), name
+    assert m_t["policy/approx_kl"] > 1e-6  # the second epoch ran on stepped weights
+    for a, b in zip(w_r, w_t):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_param_chunks_bound_each_gather():
     from ds_ppo.engine.generation import _param_chunks
 
