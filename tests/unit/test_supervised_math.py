@@ -15,6 +15,7 @@ from ds_ppo.data.supervised import chat_ids, load_pairs, load_sft
 from ds_ppo.data.tokenizer import load_tokenizer
 from ds_ppo.envs import addition
 from ds_ppo.errors import ConfigError, DataError
+from support.tiny_models import small_llama
 
 
 @pytest.fixture(scope="module")
@@ -214,14 +215,10 @@ def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
 def test_reward_model_picks_is_the_argmax_over_every_sum(tmp_path, tok):
     """`addition.reward_model_picks` (batched by answer width) against each of the 28 answers
     scored alone, on a random tiny sequence classifier that saves and loads like an export."""
-    from transformers import (AutoModelForSequenceClassification, LlamaConfig,
-                              LlamaForSequenceClassification)
+    from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-        pad_token_id=tok.pad_token_id))
+    model = small_llama(LlamaForSequenceClassification, vocab_size=len(tok), num_labels=1,
+                        pad_token_id=tok.pad_token_id)
     model.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
     test = _write(tmp_path / "test.jsonl", [{"prompt": p, "answer": a} for p, a in
