@@ -31,6 +31,20 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """A full run (`pytest` with no paths: the testpaths) must collect every tests/**/test_*.py:
+    a folder left out by norecursedirs (pytest's default skips any folder named dist) or a
+    file that collects nothing would otherwise pass unseen."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.option.keyword \
+            or config.option.markexpr or config.option.deselect:
+        return
+    collected = {Path(item.path).resolve() for item in items}
+    missing = sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")
+                     if f.resolve() not in collected)
+    if missing:
+        raise pytest.UsageError(f"these test files were not collected: {missing}")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny in-process models (`pytestmark =
