@@ -35,8 +35,9 @@ def pytest_collection_modifyitems(session, config, items):
     """A full run (`pytest` with no paths: the testpaths) must collect every tests/**/test_*.py:
     a folder left out by norecursedirs (pytest's default skips any folder named dist) or a
     file that collects nothing would otherwise pass unseen."""
-    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.option.keyword \
-            or config.option.markexpr or config.option.deselect:
+    narrowed = [getattr(config.option, name, None)
+                for name in ("keyword", "markexpr", "deselect", "lf", "stepwise")]
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or any(narrowed):
         return
     collected = {Path(item.path).resolve() for item in items}
     missing = sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")
