@@ -558,6 +558,7 @@ class _SteppingEngine(_CountingEngine):
         super().__init__(module)
         self.accum, self.micro_steps = accum, 0
         self.sgd = torch.optim.SGD(module.parameters(), lr=0.5)
+        self.optimizer = None  # no DeepSpeed optimizer: the role's lr() is NaN
 
     def step(self):
         self.micro_steps += 1
@@ -577,7 +578,9 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.correction import rollout_correction
+    from ds_ppo.algo.kl import FixedKLController
     from ds_ppo.ppo.scoring import score
+    from ds_ppo.run.report import iteration_metrics
 
     rollout = _padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
     with torch.no_grad():
@@ -601,8 +604,12 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
         scoring_calls = policy.calls
         exp = add_advantages(exp, advantage_settings(cfg, 0.1))
         ppo_update(exp, engines, cfg, 1, acc)
-        runs[mode] = (scoring_calls, exp, acc.reduce(), [p.detach().clone()
-                                                         for p in policy.parameters()])
+        for phase in ("generation", "scoring", "update"):
+            acc.add_max(f"time/{phase}_s", 1.0)
+        # what train() logs: the report's rollout statistics, then every rank's reduction
+        metrics = iteration_metrics(acc, exp, engines, FixedKLController(0.1), 0.0)
+        runs[mode] = (scoring_calls, exp, metrics, [p.detach().clone()
+                                                    for p in policy.parameters()])
     (calls_t, exp_t, m_t, w_t), (calls_r, exp_r, m_r, w_r) = runs["training"], runs["rollout"]
     assert (calls_t, calls_r) == (2, 0)  # 4 rows in micro-batches of 2
     assert policy.calls == 4  # the update: 2 epochs x 2 micro-batches
@@ -610,13 +617,18 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     assert exp_r.entropy is None and "rollout/kl_k3" in m_t and "rollout/kl_k3" not in m_r
     mask = rollout.mask
     scored_entropy = float((exp_t.entropy * mask).sum() / mask.sum())
-    assert "policy/entropy" not in m_t  # the report adds the scored one (not called here)
-    assert m_r["policy/entropy"] == pytest.approx(scored_entropy, rel=1e-5)
-    for name in ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac"):
+    assert m_t["policy/entropy"] == pytest.approx(scored_entropy, rel=1e-6)  # the report's
+    assert m_r["policy/entropy"] == pytest.approx(scored_entropy, rel=1e-5)  # the update's
+    for name in ("loss/policy", "loss/value", "policy/approx_kl", "policy/clip_frac",
+                 "kl/token_mean", "score/mean"):
         assert m_r[name] == pytest.approx(m_t[name], rel=1e-5, abs=1e-7), name
     assert m_t["policy/approx_kl"] > 1e-6  # the second epoch ran on stepped weights
     for a, b in zip(w_r, w_t):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a rollout without the sampler's log-probs (generation.loop=auto chose HF generate)
+    rollout.rollout_logprobs = None
+    with pytest.raises(ConfigError, match="ppo.old_logprobs = 'rollout' needs the rollout"):
+        score(rollout, engines, cfg, None)
 
 
 def test_param_chunks_bound_each_gather():
