@@ -233,16 +233,17 @@ def _run_pair(runs: list[str], shared: Path, out: Path, meta: dict, g: int,
                                      overrides, out, meta))
         elif name in ("grpo", "grpo-rollout"):
             grpo = grpo_overrides(overrides, g)
-            if grpo is not None and name == "grpo":
+            if grpo is None:
+                if not pair:
+                    notes.append("ds_ppo grpo: skipped, this ds_ppo has no "
+                                 "ppo.advantage_estimator=grpo")
+            elif name == "grpo":
                 results.append(run_dsppo(f"dsppo_grpo{tag}", f"ds_ppo GRPO, G={g}", grpo, out,
                                          meta))
-            elif grpo is not None:
+            else:
                 results.append(run_dsppo(f"dsppo_grpo_rollout{tag}",
                                          f"ds_ppo GRPO, G={g}, old log-probs from the rollout",
                                          grpo + ["ppo.old_logprobs=rollout"], out, meta))
-            elif not pair:
-                notes.append("ds_ppo grpo: skipped, this ds_ppo has no "
-                             "ppo.advantage_estimator=grpo")
         elif name == "ppo-z3":
             results.append(run_dsppo(f"dsppo_ppo_z3{tag}", "ds_ppo PPO, every role ZeRO-3",
                                      overrides + list(ZERO3), out, meta))

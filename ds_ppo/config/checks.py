@@ -87,13 +87,15 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
         problems.append("generation.continuous = true needs our decoding loop, but "
                         f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
                         "generate: set generation.continuous=auto, or generation.loop=own")
-    if hf_only and cfg.ppo.rollout_correction != "none":
-        problems.append(f"ppo.rollout_correction = {cfg.ppo.rollout_correction!r} needs the "
-                        "rollout log-probs of our decoding loop, but generation.loop = "
-                        f"{g.loop!r} / generation.mode = {g.mode!r} use HF generate: set "
-                        "generation.loop=own (mode gathered or tensor_parallel), or "
-                        "ppo.rollout_correction=none")
-    problems += _old_logprob_problems(cfg, hf_only)
+    # the settings that read the sampler's log-probs, which only our decoding loop keeps
+    for key, value, off in (("rollout_correction", cfg.ppo.rollout_correction, "none"),
+                            ("old_logprobs", cfg.ppo.old_logprobs, "training")):
+        if hf_only and value != off:
+            problems.append(f"ppo.{key} = {value!r} needs the rollout log-probs of our decoding "
+                            f"loop, but generation.loop = {g.loop!r} / generation.mode = "
+                            f"{g.mode!r} use HF generate: set generation.loop=own (mode "
+                            f"gathered or tensor_parallel), or ppo.{key}={off}")
+    problems += _old_logprob_problems(cfg)
     if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
@@ -263,18 +265,13 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
     return out
 
 
-def _old_logprob_problems(cfg: Config, hf_only: bool) -> list[str]:
+def _old_logprob_problems(cfg: Config) -> list[str]:
     """ppo.old_logprobs = rollout: the sampler's log-probs stand for the policy's, so they must
-    exist (our decoding loop) and be of the policy's own distribution."""
+    be of the policy's own distribution (that our decoding loop keeps them: the caller)."""
     g, p = cfg.generation, cfg.ppo
     if p.old_logprobs != "rollout":
         return []
     problems = []
-    if hf_only:
-        problems.append("ppo.old_logprobs = 'rollout' needs the rollout log-probs of our "
-                        f"decoding loop, but generation.loop = {g.loop!r} / generation.mode = "
-                        f"{g.mode!r} use HF generate: set generation.loop=own (mode gathered "
-                        "or tensor_parallel), or ppo.old_logprobs=training")
     changed = [f"generation.{k} = {v}" for k, v, off in (
         ("top_k", g.top_k, 0), ("top_p", g.top_p, 1.0), ("min_new_tokens", g.min_new_tokens, 0))
         if v != off]

@@ -73,7 +73,7 @@ def import_deepspeed():
     try:
         import deepspeed
     finally:
-        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+        if sys.modules.get("mlflow", False) is None:
             del sys.modules["mlflow"]
     return deepspeed
 

@@ -6,11 +6,25 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ds_ppo.algo import rollout_is_weights, rollout_mismatch
 from ds_ppo.config import Config
-from ds_ppo.containers import Experience
+from ds_ppo.containers import Experience, Rollout
 from ds_ppo.errors import ConfigError
 from ds_ppo.metrics import Accumulator
+
+
+def sampler_logprobs(rollout: Rollout, key: str, value: str, off: str) -> torch.Tensor:
+    """The rollout's sampler log-probs, which ppo.<key> = `value` reads; a ConfigError naming
+    ppo.<key>=`off` when HF generate sampled the rollout (generation.loop=auto fell back to it
+    for this policy: the config checks could not know)."""
+    if rollout.rollout_logprobs is None:
+        raise ConfigError(f"ppo.{key} = {value!r} needs the rollout log-probs of our decoding "
+                          "loop, but this policy's rollouts came from HF generate "
+                          f"(generation.loop resolved to hf): set ppo.{key}={off}, or "
+                          "generation.loop=own")
+    return rollout.rollout_logprobs
 
 
 def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experience:
@@ -20,15 +34,10 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
     rollout_is/clipped_frac (tokens truncated by tis or dropped by mis), and the experience
     with its weights. A rollout without log-probs (HF generate), or with ppo.old_logprobs =
     rollout (they are the old log-probs), adds nothing."""
-    rollout_lp = exp.rollout.rollout_logprobs
     mode = cfg.ppo.rollout_correction
-    if rollout_lp is None:
-        if mode != "none":  # generation.loop=auto fell back to HF generate for this policy
-            raise ConfigError(f"ppo.rollout_correction = {mode!r} needs the rollout log-probs "
-                              "of our decoding loop, but this policy's rollouts came from HF "
-                              "generate (generation.loop resolved to hf): set "
-                              "ppo.rollout_correction=none, or generation.loop=own")
+    if exp.rollout.rollout_logprobs is None and mode == "none":  # HF generate: no gap to measure
         return exp
+    rollout_lp = sampler_logprobs(exp.rollout, "rollout_correction", mode, "none")
     if cfg.ppo.old_logprobs == "rollout":  # they are the old log-probs: no gap to measure
         return exp
     mask = exp.mask

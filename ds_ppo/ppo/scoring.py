@@ -10,8 +10,8 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
-from ds_ppo.errors import (ConfigError, RewardError, RewardFunctionError, RewardTimeout,
-                           UserError)
+from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.ppo.correction import sampler_logprobs
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
 
@@ -141,19 +141,6 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     return scores, cut
 
 
-def _sampled_logprobs(rollout: Rollout, cfg: Config) -> torch.Tensor | None:
-    """With ppo.old_logprobs = rollout, the sampler's log-probs (the config checks make them
-    the policy's own distribution's); None: the old log-probs come from a scoring forward."""
-    if cfg.ppo.old_logprobs != "rollout":
-        return None
-    if rollout.rollout_logprobs is None:  # generation.loop=auto fell back to HF generate
-        raise ConfigError("ppo.old_logprobs = 'rollout' needs the rollout log-probs of our "
-                          "decoding loop, but this policy's rollouts came from HF generate "
-                          "(generation.loop resolved to hf): set ppo.old_logprobs=training, "
-                          "or generation.loop=own")
-    return rollout.rollout_logprobs.float()
-
-
 @torch.no_grad()
 def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
@@ -162,7 +149,10 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     micro-batches make up the difference)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
-    sampled = _sampled_logprobs(rollout, cfg)  # ppo.old_logprobs=rollout: no policy forward
+    # ppo.old_logprobs=rollout: the sampler's log-probs (the config checks make them the
+    # policy's own distribution's) and no policy forward
+    sampled = (sampler_logprobs(rollout, "old_logprobs", "rollout", "training")
+               if cfg.ppo.old_logprobs == "rollout" else None)
     engines.policy.eval()
     if critic is not None:
         critic.eval()

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ds_ppo import watchdog
-from ds_ppo.algo import (kl_loss, lm_loss, loss_divisor, loss_token_weights, policy_loss,
-                         value_loss)
+from ds_ppo.algo import (kl_loss, lm_loss, loss_divisor, loss_token_weights, masked_mean,
+                         policy_loss, value_loss)
 from ds_ppo.config import Config, critic_warmup, grad_accum_steps, max_model_tokens
 from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
@@ -233,7 +233,7 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
                                     clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
                                     token_weights=pg_weights)
     if entropy is not None:  # a token mean over the micro-batch, as the other statistics
-        pg_stats["entropy"] = (entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+        pg_stats["entropy"] = masked_mean(entropy.detach(), mb.mask)
     terms = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
         kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, step.pg_div,
