@@ -15,11 +15,24 @@ import sys
 from ds_ppo.errors import UserError
 
 
+def _load(args: argparse.Namespace):
+    """The config of a command, saying once per job which of the file's keys the command line
+    replaced (policy.path given for a preset that sets policy.arch, ...)."""
+    from ds_ppo.config import load_config
+
+    notes: list[str] = []
+    cfg = load_config(args.config, args.overrides, notes)
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"ds-ppo: {note}", file=sys.stderr)
+    return cfg
+
+
 def _train(args: argparse.Namespace) -> int:
-    from ds_ppo.config import config_warnings, load_config, validate, world_size_from_env
+    from ds_ppo.config import config_warnings, validate, world_size_from_env
 
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     _hide_secrets([cfg.reward.url, cfg.tracking.uri])
     validate(cfg, world_size_from_env())
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
@@ -72,9 +85,9 @@ def _hide_secrets(urls: list[str | None]) -> None:
 def _job(args: argparse.Namespace) -> int:
     """`ds-ppo sft` / `ds-ppo rm`: a supervised job on the same config tree, engine and run
     directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/job_loop.py)."""
-    from ds_ppo.config import load_config, validate_job, world_size_from_env
+    from ds_ppo.config import job_config, validate_job, world_size_from_env
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = job_config(_load(args), args.command)
     validate_job(cfg, args.command, world_size_from_env())
     if args.dry_run:
         from ds_ppo.config.paths import missing_paths
@@ -122,12 +135,12 @@ def _check_resume_estimator(cfg) -> None:
 def _config(args: argparse.Namespace) -> int:
     import yaml
 
-    from ds_ppo.config import describe, load_config
+    from ds_ppo.config import describe
 
     if args.describe:
         print("\n".join(describe()))
         return 0
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 

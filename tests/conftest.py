@@ -46,6 +46,24 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(f"these test files were not collected: {missing}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """Module and session fixtures (launcher jobs shared by a file's tests) start in an empty
+    directory too, not in the directory pytest was started from."""
+    start = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("session_cwd"))
+    yield
+    os.chdir(start)
+
+
+@pytest.fixture(autouse=True)
+def _empty_working_directory(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty directory of its own: what the repository root holds (say
+    the `outputs/` a user's `ds-ppo train` left there, as the README's first command does)
+    must not change a result, and no test may write there."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny in-process models (`pytestmark =

@@ -82,3 +82,13 @@ def lora_output_head(lora_cfg, random_init: bool, tied: bool) -> bool:
                           "its input embeddings (one weight), which an adapter on the head alone "
                           "cannot follow; set policy.lora.output_head=false")
     return bool(lora_cfg.output_head)
+
+
+def job_config(cfg: Config, job: str) -> Config:
+    """The config a supervised job (`sft` or `rm`) trains the policy section's model with: its
+    own learning rate (`sft.lr`, `rm.lr`) in place of policy.lr when set. A new tree, built once
+    before the job starts."""
+    lr = getattr(cfg, job).lr
+    if lr is None:
+        return cfg
+    return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"lr": lr})})

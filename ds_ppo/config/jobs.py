@@ -27,6 +27,10 @@ class SupervisedJob(Section):
     max_len: int = Field(
         512, gt=0, description="Longest row in tokens (prompt + completion; rm: prompt + the "
         "longer answer); longer rows are dropped and counted (the data summary line).")
+    lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of this job; null: policy.lr. A config "
+        "for the whole recipe keeps its RL learning rate in policy.lr and each supervised "
+        "job's here.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on data.eval_split (at most data.eval_size rows) every N "
         "optimizer steps; 0: only after the last step. No data.eval_split: never.")

@@ -173,10 +173,48 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+# Keys of a section that name the same thing in different ways (where a model comes from, what
+# scores a response): one given on the command line replaces the others a config file sets.
+# Each source's companions (its tokenizer) go with the file's source.
+_ONE_OF = {"policy": (("path", "arch"), ("tokenizer",)),
+           "value": (("path", "arch"), ("tokenizer",)),
+           "reward": (("function", "model", "url"), ("tokenizer",))}
+
+
+def _command_line_sources(data: dict[str, Any], overrides: list[str]) -> tuple[dict, list[str]]:
+    """The file's config without the sources that a command-line override replaces (a preset's
+    `policy.arch` when `policy.path=...` is given, its `reward.function` when `reward.model=...`
+    is), and one note per replaced key."""
+    given = {o.split("=", 1)[0].strip(): o.split("=", 1)[1] for o in overrides if "=" in o}
+    data, notes = dict(data), []
+    for section, (sources, companions) in _ONE_OF.items():
+        chosen = [k for k in sources if f"{section}.{k}" in given
+                  and given[f"{section}.{k}"].strip() not in ("", "null", "~")]
+        block = data.get(section)
+        if not chosen or not isinstance(block, dict):
+            continue
+        block = dict(block)
+        dropped = [k for k in (*sources, *companions)
+                   if k not in chosen and block.get(k) is not None and f"{section}.{k}" not in given]
+        for key in dropped:
+            del block[key]
+        if dropped:
+            data[section] = block
+            replaced = ", ".join(f"{section}.{k}" for k in dropped)
+            notes.append(f"{section}.{chosen[0]} from the command line replaces the config "
+                         f"file's {replaced}")
+    return data, notes
+
+
 def load_config(source: str | os.PathLike | None = None,
-                overrides: list[str] | None = None) -> Config:
-    """Read a YAML file (or a preset name; None = the tiny default), apply overrides, parse."""
-    data = apply_overrides(_read_yaml(source), overrides or [])
+                overrides: list[str] | None = None, notes: list[str] | None = None) -> Config:
+    """Read a YAML file (or a preset name; None = the tiny default), apply overrides, parse.
+    A model or reward source given on the command line replaces the file's (its `arch` by a
+    `path`, its tokenizer with it); `notes`, when given, receives one line per key replaced."""
+    data, replaced = _command_line_sources(_read_yaml(source), overrides or [])
+    if notes is not None:
+        notes.extend(replaced)
+    data = apply_overrides(data, overrides or [])
     try:
         return Config.model_validate(data)
     except ValidationError as err:

@@ -32,16 +32,14 @@ from ds_ppo.envs import addition
 STEPS = {
     "sft": ["sft", "data.path={task}/sft.jsonl", "data.eval_split={task}/test.jsonl"],
     "rm": ["rm", "data.path={task}/pairs.jsonl", "data.eval_split={task}/pairs_test.jsonl",
-           "policy.arch=null", "policy.path={out}/sft/final", "policy.lr=1.0e-3",
+           "policy.path={out}/sft/final",
            "data.eval_size=1600"],  # every held-out pair: 200 problems x 8
-    "grpo": ["train", "data.path={task}/rl.jsonl", "policy.arch=null",
-             "policy.path={out}/sft/final", "policy.tokenizer=null", "policy.lr=5.0e-4",
-             "iterations=60", "data.reward_keys=[answer]"],
-    "ppo": ["train", "data.path={task}/rl.jsonl", "policy.arch=null",
-            "policy.path={out}/sft/final", "reward.function=null", "reward.model={out}/rm/final",
+    "grpo": ["train", "data.path={task}/rl.jsonl", "policy.path={out}/sft/final"],
+    "ppo": ["train", "data.path={task}/rl.jsonl", "policy.path={out}/sft/final",
+            "reward.model={out}/rm/final", "data.reward_keys=[]",
             "ppo.advantage_estimator=gae", "ppo.samples_per_prompt=1",
             "ppo.rollout_batch_size=128", "ppo.mini_batch_size=64", "ppo.micro_batch_size=64",
-            "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "policy.lr=5.0e-4", "value.lr=3.0e-3",
+            "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "value.lr=3.0e-3",
             "ppo.critic_warmup_iterations=20", "iterations=120"],
 }
 QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=20"]}

@@ -82,17 +82,40 @@ def test_default_run_leaves_checkpoint_export_and_local_mlflow(default_run):
 
 
 def test_readme_prints_what_the_default_run_prints(default_run):
-    """The README's lines of the tiny default are this run's (to regenerate them after a change
-    of the training numbers: python -m tests.support.readme_lines --write)."""
-    from support.readme_lines import blocks, progress_lines
+    """The README's lines of the tiny default are this run's: the first iteration to its
+    digits, later ones within the spread of seeds (another make of CPU prints other last digits
+    there; to regenerate the lines after a change of the training numbers:
+    python -m tests.support.readme_lines --write)."""
+    from support.readme_lines import blocks, differences, progress_lines
 
     _, proc = default_run
     printed = progress_lines(proc.stdout)
     shown = next(lines for overrides, lines in blocks((REPO / "README.md").read_text())
                  if not overrides)
-    assert shown and {i: printed.get(i) for i in shown} == shown, (
-        "README.md's lines of `ds-ppo train` differ from the run's; regenerate them with "
-        "python -m tests.support.readme_lines --write")
+    assert len(shown) >= 3, shown
+    assert not differences(shown, printed), (
+        differences(shown, printed), "README.md's lines of `ds-ppo train` differ from the run's; "
+        "regenerate them with python -m tests.support.readme_lines --write")
+
+
+def test_readme_lines_are_checked_to_the_digit_first_and_within_bands_later():
+    """What the README test accepts: the other CPU's 40th line (issue report) and another
+    seed's, not a first line off by a digit or a later one off by a changed default."""
+    from support.readme_lines import differences
+
+    readme = {1: "iter    1/40 | score +0.0493 | kl +0.0000 | entropy 6.225 | pg -0.0691 | "
+                 "vf 0.0278 | len 12.0 | ...",
+              40: "iter   40/40 | score +0.7218 | kl +12.9164 | entropy 5.271 | pg -0.0214 | "
+                  "vf 0.0081 | len 12.0 | ..."}
+    other_cpu = dict(readme)
+    other_cpu[40] = ("iter   40/40 | score +0.7028 | kl +11.3212 | entropy 5.345 | pg -0.0257 | "
+                     "vf 0.0125 | len 12.0 | ...")
+    assert differences(readme, other_cpu) == []
+    first_off = {**other_cpu, 1: readme[1].replace("+0.0493", "+0.0513")}
+    assert differences(readme, first_off) == ["iteration 1: score 0.0513 (README: 0.0493)"]
+    no_learning = {**other_cpu, 40: other_cpu[40].replace("+0.7028", "+0.3028")}
+    assert differences(readme, no_learning) == ["iteration 40: score 0.3028 (README: 0.7218)"]
+    assert differences(readme, {1: readme[1]}) == ["iteration 40: the run printed no line"]
 
 
 def test_start_up_says_each_roles_zero_stage_in_one_line_and_no_library_notices(default_run):
