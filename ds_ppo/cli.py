@@ -28,15 +28,31 @@ def _load(args: argparse.Namespace):
     return cfg
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    """The ranks the config is checked for: the launcher's WORLD_SIZE, or a dry run's
+    --world-size (a preset for 8 GPUs checked on a laptop)."""
+    from ds_ppo.config import world_size_from_env
+    from ds_ppo.errors import ConfigError
+
+    if args.world_size is None:
+        return world_size_from_env()
+    if not args.dry_run:
+        raise ConfigError("--world-size only applies to --dry-run (a run takes its ranks from "
+                          "the launcher)")
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be at least 1")
+    return args.world_size
+
+
 def _train(args: argparse.Namespace) -> int:
-    from ds_ppo.config import config_warnings, validate, world_size_from_env
+    from ds_ppo.config import config_warnings, validate
 
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = _load(args)
     _hide_secrets([cfg.reward.url, cfg.tracking.uri])
-    validate(cfg, world_size_from_env())
+    validate(cfg, _world_size(args))
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for warning in config_warnings(cfg, world_size_from_env()):
+        for warning in config_warnings(cfg, _world_size(args)):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
     from ds_ppo.config.preflight import preflight
@@ -47,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
 
         load_python_env(cfg.env.function, cfg.data.reward_keys)
     if args.dry_run:
-        print(f"config OK for world size {world_size_from_env()}")
+        print(f"config OK for world size {_world_size(args)}")
         return 0
     from ds_ppo.engine.checkpoint_files import finished_message, finished_run
 
@@ -85,18 +101,22 @@ def _hide_secrets(urls: list[str | None]) -> None:
 def _job(args: argparse.Namespace) -> int:
     """`ds-ppo sft` / `ds-ppo rm`: a supervised job on the same config tree, engine and run
     directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/job_loop.py)."""
-    from ds_ppo.config import job_config, validate_job, world_size_from_env
+    from ds_ppo.config import job_config, validate_job
 
     cfg = job_config(_load(args), args.command)
-    validate_job(cfg, args.command, world_size_from_env())
+    validate_job(cfg, args.command, _world_size(args))
     if args.dry_run:
-        from ds_ppo.config.paths import missing_paths
+        from ds_ppo.config.paths import missing_paths, placeholders
+        from ds_ppo.config.preflight import placeholder_problem
         from ds_ppo.errors import ConfigError
 
-        missing = missing_paths(cfg, job=args.command)
-        if missing:
-            raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
-        print(f"config OK for world size {world_size_from_env()}")
+        problems = missing_paths(cfg, job=args.command)
+        if placeholders(cfg, ("data", "policy")):
+            problems.append(placeholder_problem(cfg, ("data", "policy")))
+        if problems:
+            raise ConfigError(problems[0] if len(problems) == 1 else
+                              "\n  ".join([f"{len(problems)} problems:", *problems]))
+        print(f"config OK for world size {_world_size(args)}")
         return 0
     from ds_ppo.run.job_loop import run_job
     from ds_ppo.run.preemption import Preempted
@@ -175,6 +195,10 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+_WORLD_SIZE_HELP = ("with --dry-run: check the config for this many ranks (default: "
+                    "$WORLD_SIZE, else 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-ppo", description=__doc__.splitlines()[0])
     # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
@@ -186,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="YAML config file or preset name (default: the tiny preset)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
+    p.add_argument("--world-size", type=int, default=None, help=_WORLD_SIZE_HELP)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.kl_coef=0.05")
     p.set_defaults(func=_train)
@@ -197,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None,
                        help="YAML config file or preset name (default: the tiny preset)")
         p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
+        p.add_argument("--world-size", type=int, default=None, help=_WORLD_SIZE_HELP)
         p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                        help=argparse.SUPPRESS)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. "

@@ -174,35 +174,44 @@ def _format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
 
 
 # Keys of a section that name the same thing in different ways (where a model comes from, what
-# scores a response): one given on the command line replaces the others a config file sets.
-# Each source's companions (its tokenizer) go with the file's source.
-_ONE_OF = {"policy": (("path", "arch"), ("tokenizer",)),
-           "value": (("path", "arch"), ("tokenizer",)),
-           "reward": (("function", "model", "url"), ("tokenizer",))}
+# scores a response): one given on the command line replaces the others a config file sets,
+# together with the settings that only the replaced one reads (an arch's tokenizer, a reward
+# function's data columns) unless the new source reads them too.
+_SOURCES = {"policy": ("path", "arch"), "value": ("path", "arch"),
+            "reward": ("function", "model", "url")}
+_COMPANIONS = {"policy.arch": ("policy.tokenizer",), "value.arch": ("value.tokenizer",),
+               "reward.model": ("reward.tokenizer",), "reward.function": ("data.reward_keys",),
+               "reward.url": ("data.reward_keys",)}
 
 
 def _command_line_sources(data: dict[str, Any], overrides: list[str]) -> tuple[dict, list[str]]:
     """The file's config without the sources that a command-line override replaces (a preset's
-    `policy.arch` when `policy.path=...` is given, its `reward.function` when `reward.model=...`
-    is), and one note per replaced key."""
-    given = {o.split("=", 1)[0].strip(): o.split("=", 1)[1] for o in overrides if "=" in o}
-    data, notes = dict(data), []
-    for section, (sources, companions) in _ONE_OF.items():
-        chosen = [k for k in sources if f"{section}.{k}" in given
-                  and given[f"{section}.{k}"].strip() not in ("", "null", "~")]
-        block = data.get(section)
-        if not chosen or not isinstance(block, dict):
+    `policy.arch` and its tokenizer when `policy.path=...` is given, its `reward.function` and
+    `data.reward_keys` when `reward.model=...` is), and one note per replacement."""
+    given = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip()
+             for o in overrides if "=" in o}
+    data, notes = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}, []
+
+    def is_set(key: str) -> bool:
+        section, name = key.split(".")
+        return isinstance(data.get(section), dict) and data[section].get(name) is not None
+
+    for section, sources in _SOURCES.items():
+        chosen = next((f"{section}.{k}" for k in sources if given.get(f"{section}.{k}", "null")
+                       not in ("", "null", "~")), None)
+        if chosen is None:
             continue
-        block = dict(block)
-        dropped = [k for k in (*sources, *companions)
-                   if k not in chosen and block.get(k) is not None and f"{section}.{k}" not in given]
+        dropped = [f"{section}.{k}" for k in sources if f"{section}.{k}" != chosen
+                   and is_set(f"{section}.{k}") and f"{section}.{k}" not in given]
+        kept = set(_COMPANIONS.get(chosen, ()))
+        dropped += [c for d in dropped for c in _COMPANIONS.get(d, ())
+                    if c not in kept and c not in given and is_set(c)]
         for key in dropped:
-            del block[key]
+            sec, name = key.split(".")
+            del data[sec][name]
         if dropped:
-            data[section] = block
-            replaced = ", ".join(f"{section}.{k}" for k in dropped)
-            notes.append(f"{section}.{chosen[0]} from the command line replaces the config "
-                         f"file's {replaced}")
+            notes.append(f"{chosen} from the command line replaces the config file's "
+                         f"{', '.join(dropped)}")
     return data, notes
 
 

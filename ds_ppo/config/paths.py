@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel
+
 if TYPE_CHECKING:
     from ds_ppo.config import Config
 
@@ -47,4 +49,28 @@ def missing_paths(cfg: Config, job: str | None = None) -> list[str]:
     if split and split.lower().endswith(FILE_ENDINGS):  # an evaluation file, not a split name
         keys["data.eval_split"] = split
     return [f"{key} = {spec!r}: no such file or directory (from {Path.cwd()}; a hub name reads "
-            "as name or org/name)" for key, spec in keys.items() if missing_local(spec)]
+            "as name or org/name)" for key, spec in keys.items()
+            if missing_local(spec) and not is_placeholder(spec)]
+
+
+# the presets' stand-in for a path the user fills in (`tokenizer: /path/to/Llama-3.2-1B-Instruct`)
+PLACEHOLDER = "/path/to/"
+
+
+def is_placeholder(spec: str | None) -> bool:
+    return spec is not None and spec.startswith(PLACEHOLDER)
+
+
+def placeholders(cfg: Config, sections: tuple[str, ...] | None = None) -> list[str]:
+    """`key = value` for every setting that still holds a preset's /path/to/... placeholder
+    (in `sections` only, when given: the supervised jobs read data and policy)."""
+    found = []
+
+    def walk(section, prefix: str) -> None:
+        for name, value in section:
+            if isinstance(value, BaseModel):
+                walk(value, f"{prefix}{name}.")
+            elif isinstance(value, str) and is_placeholder(value):
+                found.append(f"{prefix}{name} = {value}")
+    walk(cfg, "")
+    return [f for f in found if sections is None or f.split(".", 1)[0] in sections]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ds_ppo.config.paths import missing_paths
+from ds_ppo.config.paths import is_placeholder, missing_paths, placeholders
 from ds_ppo.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -39,13 +39,22 @@ def data_column_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def placeholder_problem(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
+    """The settings that still hold a preset's /path/to/... placeholder, as one problem."""
+    return "\n    ".join(["paths still to fill in (the preset's placeholders; every other "
+                          "setting is checked):", *placeholders(cfg, sections)])
+
+
 def preflight(cfg: Config, paths: bool = False) -> None:
     """Raise one ConfigError listing every problem found: local paths that do not exist (with
     `paths`, the dry run), missing data columns, a reward function that cannot be imported or
     called with data.reward_keys. Columns come before the signature, so a misspelt
     data.reward_keys entry is reported as the column it does not name."""
     problems = missing_paths(cfg) if paths else []
-    data_missing = any(p.startswith("data.path ") for p in problems)
+    if placeholders(cfg):  # a preset's settings are checked before its paths are filled in
+        problems.append(placeholder_problem(cfg))
+    data_missing = (any(p.startswith("data.path ") for p in problems)
+                    or is_placeholder(cfg.data.path))
     columns = [] if data_missing else data_column_problems(cfg)
     problems += columns
     keys_ok = not any("(data.reward_keys)" in p for p in columns)

@@ -44,14 +44,6 @@ def leaves(model: BaseModel, prefix: str = ""):
             yield f"{prefix}{name}", field, value
 
 
-@pytest.fixture(autouse=True)
-def _outside_the_repo(tmp_path, monkeypatch):
-    """In-process dry runs resolve the tiny default's output_dir (outputs/tiny) against the
-    working directory: run them elsewhere, so a README run left in the checkout (its
-    checkpoints, e.g. of another estimator) does not decide them."""
-    monkeypatch.chdir(tmp_path)
-
-
 # ---------------------------------------------------------------------------- loading
 def test_default_is_the_tiny_preset_and_launch_tiny_is_a_link_to_it(monkeypatch):
     link = REPO / "launch" / "tiny.yaml"
@@ -200,7 +192,9 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     (["ppo.value_clip_eps=0"], 1, "ppo.value_clip_eps", "= 0.0"),
     (["ppo.value_clip_eps=-0.2"], 1, "ppo.value_clip_eps", "= -0.2"),
     # reward
-    (["reward.model=/models/rm"], 1, "reward.model", "model='/models/rm'"),
+    # (both on the command line: one there replaces the file's other source)
+    (["reward.model=/models/rm", "reward.function=ds_ppo.rewards:positive_words"], 1,
+     "reward.model", "model='/models/rm'"),
     (["reward.function=null"], 1, "reward.function", "function=None, model=None"),
     (["reward.function=my_rewards.score"], 1, "reward.function", "'my_rewards.score'"),
     (["reward.score_clip=0"], 1, "reward.score_clip", "= 0.0"),
@@ -212,7 +206,8 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
     (["data.path=p.jsonl", "data.reward_keys=[prompts]"], 1, "data.reward_keys",
      "not prompts or responses"),
     # models
-    (["policy.path=/models/llama"], 1, "policy.path", "'/models/llama'"),
+    (["policy.path=/models/llama", "policy.arch={model_type: llama}"], 1, "policy.path",
+     "'/models/llama'"),
     (["policy.arch={hidden_size: 8}"], 1, "policy.arch", "{'hidden_size': 8}"),
     (["value.arch={hidden_size: 8}"], 1, "value.arch", "{'hidden_size': 8}"),
     (["policy.arch=null"], 1, "policy.path", "policy.arch = None"),
@@ -263,7 +258,7 @@ def test_cross_field_errors_name_key_and_value(overrides, world_size, key, value
 
 def test_every_problem_is_reported_at_once():
     message = config_error(["ppo.mini_batch_size=24", "generation.min_new_tokens=20",
-                            "reward.model=/rm"])
+                            "reward.model=/rm", "reward.function=ds_ppo.rewards:positive_words"])
     assert message.startswith("invalid config:")
     for key in ("ppo.mini_batch_size = 24", "generation.min_new_tokens = 20", "model='/rm'"):
         problem_line(message, key)

@@ -134,7 +134,7 @@ def test_prompt_and_reward_columns_the_data_does_not_have(work, capsys, name, te
 @pytest.mark.parametrize("override,hint", [
     ("ppo.kl_coeff=0.1", "did you mean 'ppo.kl_coef'?"),
     ("itertions=3", "did you mean 'iterations'?"),
-    ("ppo.lr=1e-5", "did you mean 'policy.lr' or 'value.lr'?"),
+    ("ppo.lr=1e-5", "did you mean 'policy.lr' or 'value.lr' or 'sft.lr'?"),
 ])
 def test_unknown_keys_say_what_was_meant(work, capsys, override, hint):
     rc, out = _dry_run(capsys, override)
