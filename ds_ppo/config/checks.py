@@ -180,8 +180,10 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
     if cfg.data.path is None:
         columns = ("data.prompt_key + sft.completion_key, or data.messages_key" if job == "sft"
                    else "rm.chosen_key + rm.rejected_key (and data.prompt_key)")
+        example = "examples/demos.jsonl" if job == "sft" else "examples/pairs.jsonl"
         problems.append(f"data.path = None: ds-ppo {job} trains on a dataset file with columns "
-                        f"{columns}; set data.path")
+                        f"{columns}; set data.path (e.g. data.path={example}, with "
+                        "--config examples/my_run.yaml)")
     if job == "rm" and j.chosen_key == j.rejected_key:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
     problems += source_problems(cfg, ("policy",))

@@ -67,6 +67,24 @@ def total_steps(section, num_rows: int) -> int:
     return section.epochs * max(1, num_rows // section.batch_size)
 
 
+# a randomly initialised model trained for fewer optimizer steps than this learns no task
+FEW_STEPS_FROM_RANDOM = 100
+
+
+def few_steps_warning(cfg: Config, job: str, total: int, num_rows: int) -> str | None:
+    """A warning when a supervised job trains a random-init `policy.arch` for fewer than
+    FEW_STEPS_FROM_RANDOM optimizer steps (`<job>.epochs` over a small file gives a handful)."""
+    section = getattr(cfg, job)
+    if cfg.policy.arch is None or total >= FEW_STEPS_FROM_RANDOM:
+        return None
+    how = (f"{job}.steps = {section.steps}" if section.steps is not None else
+           f"{job}.epochs = {section.epochs} over {num_rows} rows at {job}.batch_size = "
+           f"{section.batch_size}")
+    return (f"{job} trains a randomly initialised policy.arch for {total} optimizer steps "
+            f"({how}): too few to learn a task; set {job}.steps (examples/my_run.yaml: 150 "
+            "for sft) or start from a trained model (policy.path)")
+
+
 def run_job(cfg: Config, job: Job) -> TrainResult:
     """Train the job's model as configured; resumes from output_dir's latest checkpoint when
     resume=auto (on the same world size)."""
@@ -83,6 +101,8 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
     # step 0. data, then the model (a bad dataset fails before any model loads)
     tokenizer, data, eval_data = _load_data(cfg, job, out)
     total = total_steps(section, len(data))
+    if (warning := few_steps_warning(cfg, job.name, total, len(data))) and dist.rank() == 0:
+        log.warning(warning)
     resume_from = find_resume(cfg.output_dir, cfg.resume)
     tracker = _open_tracker(cfg, resume_from)
     engines = init_job_engines(cfg, job.name, tokenizer, device, total)

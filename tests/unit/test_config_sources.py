@@ -107,3 +107,24 @@ def test_world_size_is_for_dry_runs(capsys):
     assert "--world-size only applies to --dry-run" in capsys.readouterr().err
     assert main(["sft", "--dry-run", "--world-size", "0", "data.path=x.jsonl"]) == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_sft_from_random_weights_for_a_handful_of_steps_is_warned_about():
+    from ds_ppo.run.job_loop import few_steps_warning, total_steps
+
+    cfg = load_config(None)  # the tiny preset: a random-init policy.arch, sft.epochs 1
+    total = total_steps(cfg.sft, 400)
+    assert total == 12
+    assert few_steps_warning(cfg, "sft", total, 400) == (
+        "sft trains a randomly initialised policy.arch for 12 optimizer steps (sft.epochs = 1 "
+        "over 400 rows at sft.batch_size = 32): too few to learn a task; set sft.steps "
+        "(examples/my_run.yaml: 150 for sft) or start from a trained model (policy.path)")
+    assert few_steps_warning(load_config(EXAMPLE), "sft", 150, 300) is None  # enough steps
+    trained = load_config(None, ["policy.path=some/model"])
+    assert few_steps_warning(trained, "rm", 12, 400) is None  # a trained model: fine-tuning
+
+
+def test_a_supervised_job_without_data_says_what_it_needs(capsys):
+    assert main(["sft"]) == 2
+    err = capsys.readouterr().err
+    assert "set data.path (e.g. data.path=examples/demos.jsonl" in err
