@@ -73,3 +73,11 @@ def test_the_reward_function_and_the_environment(workdir):
     run_cli([*env, "output_dir=outputs/env", *SHORT], cwd=workdir)
     (row,) = read_metrics(workdir / "outputs" / "env")
     assert "env/correct" in row and row["env/turns_mean"] >= 1.0
+
+
+def test_the_readme_shows_the_example_reward_function_as_it_is():
+    readme = (REPO / "README.md").read_text()
+    shown = re.search(r"```python\n# examples/my_rewards.py[^\n]*\n(.*?)```", readme, re.S)
+    assert shown is not None
+    assert shown.group(1) in (REPO / "examples" / "my_rewards.py").read_text().replace(
+        '    """1.0 where the response, stripped, is the row\'s answer; else 0.0."""\n', "")
