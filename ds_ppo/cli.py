@@ -74,7 +74,7 @@ def _train(args: argparse.Namespace) -> int:
             print(finished_message(cfg.output_dir, *done, cfg.iterations, c.export_at_end))
         return 0
     from ds_ppo.run.preemption import Preempted
-    from ds_ppo.run.loop import train
+    from ds_ppo.trainer import train
 
     try:
         train(cfg)
@@ -100,7 +100,7 @@ def _hide_secrets(urls: list[str | None]) -> None:
 
 def _job(args: argparse.Namespace) -> int:
     """`ds-ppo sft` / `ds-ppo rm`: a supervised job on the same config tree, engine and run
-    directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/job_loop.py)."""
+    directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/supervised_job.py)."""
     from ds_ppo.config import job_config, validate_job
 
     cfg = job_config(_load(args), args.command)
@@ -118,15 +118,11 @@ def _job(args: argparse.Namespace) -> int:
                               "\n  ".join([f"{len(problems)} problems:", *problems]))
         print(f"config OK for world size {_world_size(args)}")
         return 0
-    from ds_ppo.run.job_loop import run_job
     from ds_ppo.run.preemption import Preempted
+    from ds_ppo.trainer import run_supervised
 
-    if args.command == "sft":
-        from ds_ppo.sft import SFTJob as Job
-    else:
-        from ds_ppo.rm import RMJob as Job
     try:
-        run_job(cfg, Job())
+        run_supervised(cfg, args.command)
     except Preempted as e:
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code

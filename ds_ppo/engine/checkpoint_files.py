@@ -350,20 +350,20 @@ def check_estimator_family(path: Path, estimator: str) -> None:
             "to continue that run, or start a new run in another output_dir")
 
 
-def finished_run(output_dir: str | Path, resume: str, iterations: int, export_at_end: bool
-                 ) -> tuple[Path, TrainerState] | None:
+def finished_run(output_dir: str | Path, resume: str, iterations: int, export_at_end: bool,
+                 job: str = "ppo") -> tuple[Path, TrainerState] | None:
     """(checkpoint, its state) when the run in output_dir is already complete: the checkpoint it
     would resume from holds `iterations` (or more) and, with `export_at_end`, output_dir/final
     holds that iteration's export. Read from the files alone (no torch), so a re-run stops
     before anything loads; None when there is something to do (or a checkpoint is unusable:
-    the real start names the problem)."""
+    the real start names the problem, as it does for another `job`'s checkpoint)."""
     try:
         path = (None if resume == "never" else latest_checkpoint(output_dir)
                 if resume == "auto" else resolve_checkpoint(resume))
         state = read_state(path) if path is not None else None
     except UserError:
         return None
-    if state is None or state.iteration < iterations:
+    if state is None or state.iteration < iterations or state.job != job:
         return None
     if export_at_end:
         try:
@@ -376,8 +376,9 @@ def finished_run(output_dir: str | Path, resume: str, iterations: int, export_at
 
 
 def finished_message(output_dir: str | Path, path: Path, state: TrainerState, iterations: int,
-                     export_at_end: bool) -> str:
+                     export_at_end: bool, key: str = "iterations") -> str:
+    """`key`: the setting that counts the run (iterations; sft.steps, rm.steps)."""
     return (f"ds-ppo: the run in {output_dir} already completed {state.iteration} of "
-            f"iterations={iterations} ({path}"
+            f"{key}={iterations} ({path}"
             + (f", exported to {Path(output_dir) / 'final'}" if export_at_end else "")
-            + "); nothing to train: raise iterations to continue")
+            + f"); nothing to train: raise {key} to continue")

@@ -44,9 +44,10 @@ class JobEngines:
 
 
 def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
-                     total_steps: int) -> JobEngines:
+                     total_steps: int, load_universal: bool = False) -> JobEngines:
     """Build the job's model (`job`: sft or rm) with an LR schedule of `total_steps` optimizer
-    steps; a random-init policy.arch is materialised on rank 0 first (under output_dir)."""
+    steps; a random-init policy.arch is materialised on rank 0 first (under output_dir).
+    `load_universal`: it will load a checkpoint saved at another world size."""
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     if cfg.policy.arch is not None:
@@ -57,10 +58,12 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
     section = getattr(cfg, job)
     batch = (section.micro_batch_size, job_accum_steps(cfg, job, world))
     if job == "sft":
-        engine, ds = _init_policy(cfg, path, world, device, dtype, False, batch, total_steps)
+        engine, ds = _init_policy(cfg, path, world, device, dtype, load_universal, batch,
+                                  total_steps)
         role = PolicyRole(engine)
     else:
-        engine, ds = _init_scorer(cfg, path, world, device, dtype, batch, total_steps)
+        engine, ds = _init_scorer(cfg, path, world, device, dtype, batch, total_steps,
+                                  load_universal)
         role = ScorerRole(engine)
     lora_bases = {"policy": path} if cfg.policy.lora is not None else {}
     if lora_bases and dist.is_main():
@@ -70,7 +73,7 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
 
 
 def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple[int, int],
-                 total_steps: int):
+                 total_steps: int, load_universal: bool = False):
     """A sequence-classification model (one label, no bias, as a reward model and the value
     head built from it are) from `path`'s backbone, inside a `LastTokenScorer`, trained."""
     from transformers import AutoModelForSequenceClassification
@@ -78,7 +81,7 @@ def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple
     from ds_ppo.engine.forward import LastTokenScorer
 
     config, dropped = _model_config(path, cfg.policy.disable_dropout, num_labels=1)
-    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), False, batch)
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), load_universal, batch)
     with _zero_init_for(ds):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))

@@ -1,5 +1,5 @@
-"""`ds-ppo rm`: a reward model from preference pairs (RLHF's step 2), on the run package's
-supervised-job loop (ds_ppo/run/job_loop.py) and the engine's roles."""
-from ds_ppo.rm.job import RMJob
+"""`ds-ppo rm`: a reward model from preference pairs (RLHF's step 2): a task of the supervised job
+(ds_ppo/run/supervised_job.py) that the run driver runs."""
+from ds_ppo.rm.job import RMTask
 
-__all__ = ["RMJob"]
+__all__ = ["RMTask"]

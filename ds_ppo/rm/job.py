@@ -1,4 +1,4 @@
-"""What `ds-ppo rm` adds to the supervised-job loop (run/job_loop.py): its preference pairs
+"""What `ds-ppo rm` adds to the supervised job (run/supervised_job.py): its preference pairs
 (data/supervised.py), micro-batches of pairs (longest first), and the Bradley-Terry loss
 -log sigmoid(r_chosen - r_rejected - margin) summed per micro-batch; the loop divides it by the
 global step's pair count, so the gradient is that of the pair-mean loss over the whole global
@@ -16,8 +16,8 @@ from ds_ppo.data.sampler import left_pad
 from ds_ppo.data.supervised import PairSet, load_pairs
 
 
-class RMJob:
-    """The reward-model job for run/job_loop.py."""
+class RMTask:
+    """The reward-model task of run/supervised_job.py."""
 
     name = "rm"
     model_class = "AutoModelForSequenceClassification"

@@ -1,5 +1,5 @@
-"""`ds-ppo sft`: supervised fine-tuning of the policy (RLHF's step 1), on the run package's
-supervised-job loop (ds_ppo/run/job_loop.py) and the engine's roles."""
-from ds_ppo.sft.job import SFTJob
+"""`ds-ppo sft`: supervised fine-tuning of the policy (RLHF's step 1): a task of the supervised job
+(ds_ppo/run/supervised_job.py) that the run driver runs."""
+from ds_ppo.sft.job import SFTTask
 
-__all__ = ["SFTJob"]
+__all__ = ["SFTTask"]

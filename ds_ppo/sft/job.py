@@ -1,4 +1,4 @@
-"""What `ds-ppo sft` adds to the supervised-job loop (run/job_loop.py): its rows
+"""What `ds-ppo sft` adds to the supervised job (run/supervised_job.py): its rows
 (data/supervised.py), its micro-batches (padded, or packed by sft.micro_batch_tokens) and its
 loss, the negative log-likelihood of the completion tokens summed per micro-batch. The loop
 divides it by the global step's count of completion tokens (`count`), so a step's gradient is
@@ -49,8 +49,8 @@ def counted_logprobs(model, ids: torch.Tensor, am: torch.Tensor, lm: torch.Tenso
     return logprobs_from_logits(out.logits[:, :-1], ids[:, 1:])[labels]
 
 
-class SFTJob:
-    """The SFT job for run/job_loop.py."""
+class SFTTask:
+    """The SFT task of run/supervised_job.py."""
 
     name = "sft"  # the config section and the command
     model_class = "AutoModelForCausalLM"  # what the export loads with

@@ -154,13 +154,13 @@ def test_a_second_ctrl_c_aborts_at_once():
 
 
 def test_an_interrupt_outside_the_loop_is_one_line_and_exit_130(monkeypatch, capsys):
-    import ds_ppo.run.loop
+    import ds_ppo.trainer
     from ds_ppo.cli import main
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ds_ppo.run.loop, "train", interrupted)
+    monkeypatch.setattr(ds_ppo.trainer, "train", interrupted)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
     assert err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"

@@ -142,3 +142,44 @@ def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
     assert str(err.value).startswith(f"checkpoint {ckpt} is unusable: {ckpt / 'policy' / 'ds'} "
                                      "cannot be converted for another world size")
     assert len(str(err.value).splitlines()) == 1
+
+
+# ------------------------------ ds-ppo sft: another world size through the driver (F, G)
+SFT = ["tracking.enabled=false", f"data.path={REPO / 'examples' / 'demos.jsonl'}",
+       "sft.batch_size=8", "sft.micro_batch_size=4", "sft.max_len=32", "checkpoint.every=2",
+       "checkpoint.export_at_end=false"]
+SFT_KEYS = ("loss/sft",)  # (one rank: ZeRO-0, which reports no gradient norm)
+
+
+@pytest.fixture(scope="module")
+def sft_scaleout(tmp_path_factory):
+    """F: `ds-ppo sft` on two ranks (ZeRO-3), 2 steps, saved; G: the same command on one rank
+    with sft.steps=4 continues it through the universal checkpoint; H: 4 steps on one rank."""
+    from conftest import deepspeed_cmd
+
+    work = tmp_path_factory.mktemp("sft_scaleout")
+    proc = subprocess.run([*deepspeed_cmd(2, free_port()), "--module", "ds_ppo", "sft", *SFT,
+                           "sft.steps=2", f"output_dir={work / 'f'}"], cwd=work,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    g = run_cli(["sft", *SFT, "sft.steps=4", f"output_dir={work / 'f'}"], cwd=work)
+    run_cli(["sft", *SFT, "sft.steps=4", f"output_dir={work / 'h'}"], cwd=work)
+    again = run_cli(["sft", *SFT, "sft.steps=4", f"output_dir={work / 'f'}"], cwd=work)
+    return work, g, again
+
+
+def test_sft_resumes_two_ranks_on_one_through_the_universal_checkpoint(sft_scaleout):
+    work, g, _ = sft_scaleout
+    assert "world size 2 -> 1 via a universal checkpoint" in g.stdout + g.stderr
+    f, h = read_metrics(work / "f"), read_metrics(work / "h")
+    assert [r["iteration"] for r in f] == [1, 2, 3, 4]
+    for x, y in zip(f, h):  # the SFT loss is the same at any world size (tests/dist/test_engine)
+        bad = [k for k in SFT_KEYS if not _close(x[k], y[k])]
+        assert not bad, (x["iteration"], {k: (x[k], y[k]) for k in bad})
+
+
+def test_a_finished_sft_run_stops_before_loading_a_model(sft_scaleout):
+    _, _, again = sft_scaleout
+    assert "already completed 4 of sft.steps=4" in again.stdout
+    assert "nothing to train: raise sft.steps to continue" in again.stdout
+    assert "ZeRO stage" not in again.stdout + again.stderr and "sft step" not in again.stdout

@@ -236,7 +236,7 @@ def test_bench_and_trainer_run_one_iteration_function():
               for rel, names in calls.items() if names & stages - allowed.get(rel, set())}
     assert not strays, strays
     assert {"run_iteration", "reward_encoder"} <= calls["bench/run.py"]
-    assert "run_iteration" in calls["run/loop.py"]
+    assert "run_iteration" in calls["ppo/job.py"]
 
 
 def test_gpu_checks_script_runs_its_steps_and_prints_a_summary(tmp_path):

@@ -42,7 +42,7 @@ def test_console_script_imports_the_reward_module_from_the_working_directory(tmp
 
 # ------------------------------------------------------------------------------ progress
 def test_eta_is_the_mean_of_recent_iterations_times_those_left():
-    from ds_ppo.run.progress import Eta, format_duration
+    from ds_ppo.progress import Eta, format_duration
 
     now = [100.0]
     eta = Eta(window=3, clock=lambda: now[0])

@@ -15,7 +15,8 @@ import torch
 
 from conftest import REPO, read_metrics
 from ds_ppo.config import load_config, validate_job
-from ds_ppo.run import job_loop
+from ds_ppo.run import driver
+from ds_ppo.trainer import run_supervised
 from ds_ppo.run.preemption import Preempted
 
 VOLATILE = ("time/",)
@@ -47,13 +48,6 @@ def _cfg(job: str, data, out, *extra):
     return cfg
 
 
-def _job(name: str):
-    from ds_ppo.rm import RMJob
-    from ds_ppo.sft import SFTJob
-
-    return SFTJob() if name == "sft" else RMJob()
-
-
 def _stop_after(step: int, monkeypatch):
     """A scheduler's SIGTERM seen at the end of `step` (what StopRequests reports)."""
     calls = {"n": 0}
@@ -61,7 +55,7 @@ def _stop_after(step: int, monkeypatch):
     def agreed(self, device):
         calls["n"] += 1
         return signal.SIGTERM if calls["n"] == step else 0
-    monkeypatch.setattr(job_loop.StopRequests, "agreed", agreed)
+    monkeypatch.setattr(driver.StopRequests, "agreed", agreed)
 
 
 @pytest.mark.parametrize("job", ["sft", "rm"])
@@ -69,14 +63,14 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     full, split = tmp_path / "full", tmp_path / "split"
-    job_loop.run_job(_cfg(job, data, full), _job(job))
+    run_supervised(_cfg(job, data, full), job)
     with monkeypatch.context() as m:
         _stop_after(2, m)
         with pytest.raises(Preempted) as stopped:
-            job_loop.run_job(_cfg(job, data, split), _job(job))
+            run_supervised(_cfg(job, data, split), job)
     assert stopped.value.exit_code == 128 + signal.SIGTERM and stopped.value.iteration == 2
     assert not (split / "final").exists()
-    job_loop.run_job(_cfg(job, data, split), _job(job))  # the same command: resumes at step 3
+    run_supervised(_cfg(job, data, split), job)  # the same command: resumes at step 3
     a, b = read_metrics(full), read_metrics(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
@@ -105,15 +99,15 @@ def test_exports_load_with_plain_transformers(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
     sft_out = tmp_path / "sft"
-    job_loop.run_job(_cfg("sft", data, sft_out, "sft.steps=2", "checkpoint.export_dtype=fp32"),
-                     _job("sft"))
+    run_supervised(_cfg("sft", data, sft_out, "sft.steps=2", "checkpoint.export_dtype=fp32"),
+                   "sft")
     policy = AutoModelForCausalLM.from_pretrained(sft_out / "final")
     assert policy.config.architectures == ["LlamaForCausalLM"]
     for name, extra in (("rm", []), ("rm_lora", ["policy.lora.r=8"])):
         # the reward model starts from the SFT model's backbone, as the recipe does
-        res = job_loop.run_job(_cfg("rm", data, tmp_path / name, "rm.steps=2", "policy.arch=null",
-                                    f"policy.path={sft_out / 'final'}",
-                                    "checkpoint.export_dtype=fp32", *extra), _job("rm"))
+        res = run_supervised(_cfg("rm", data, tmp_path / name, "rm.steps=2", "policy.arch=null",
+                                  f"policy.path={sft_out / 'final'}",
+                                  "checkpoint.export_dtype=fp32", *extra), "rm")
         _check_reward_export(tmp_path / name / "final", data, res, policy.config.model_type)
 
 

@@ -213,7 +213,7 @@ def test_reward_url_credentials_are_not_logged(mlflow_uri, tmp_path):
     characters a URL allows in them (a quote in the password defeated a pattern)."""
     from mlflow import MlflowClient
 
-    from ds_ppo.run.loop import _open_tracker
+    from ds_ppo.run.driver import _open_tracker
 
     cfg = load_config(None, ["reward.function=null",
                              "reward.url=http://bob:hunter2-._~!$&'()*+,;=:%40Z@h:8000/s",

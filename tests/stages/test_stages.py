@@ -580,7 +580,7 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     from ds_ppo.ppo.correction import rollout_correction
     from ds_ppo.algo.kl import FixedKLController
     from ds_ppo.ppo.scoring import score
-    from ds_ppo.run.report import iteration_metrics
+    from ds_ppo.ppo.report import iteration_metrics
 
     rollout = _padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
     with torch.no_grad():
@@ -731,14 +731,20 @@ def test_minibatches_hold_the_same_samples_at_any_world_size(epoch):
 
 def test_divergence_check_losses_always_grad_norms_unless_fp16():
     from ds_ppo.errors import Diverged
-    from ds_ppo.run.loop import _stop_if_diverged
+    from ds_ppo.ppo.job import GRAD_NORMS, LOSSES, PPOJob
+    from ds_ppo.run.driver import stop_if_diverged
+
+    def _stop_if_diverged(metrics, iteration, last, grad_norms=True):
+        watched = LOSSES + (GRAD_NORMS if grad_norms else ())
+        stop_if_diverged(metrics, watched, f"iteration {iteration}", last, PPOJob.diverged_fix)
 
     healthy = {"loss/policy": 0.1, "loss/value": 0.2, "policy/grad_norm": 1.0,
                "value/explained_variance": math.nan}  # NaN there is normal
     _stop_if_diverged(healthy, 3, None)
     skipped_fp16_step = {**healthy, "policy/grad_norm": math.inf}
     _stop_if_diverged(skipped_fp16_step, 3, None, grad_norms=False)
-    with pytest.raises(Diverged, match=r"iteration 3: policy/grad_norm = inf.*the last "
+    with pytest.raises(Diverged, match=r"iteration 3: policy/grad_norm = inf.*this iteration's "
+                                       r"weights are not saved; the last "
                                        r"checkpoint, ck/iter_000002, was saved before it"):
         _stop_if_diverged(skipped_fp16_step, 3, "ck/iter_000002")
     with pytest.raises(Diverged, match=r"loss/value = nan.*no checkpoint was saved before it"):
@@ -746,7 +752,7 @@ def test_divergence_check_losses_always_grad_norms_unless_fp16():
 
 
 def test_samples_table_rows_carry_the_reward_columns():
-    from ds_ppo.run.report import sample_row as _sample_row
+    from ds_ppo.ppo.report import sample_row as _sample_row
 
     assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
         "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}

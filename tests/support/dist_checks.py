@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ds_ppo.config import load_config, validate  # noqa: E402
 from ds_ppo.engine import dist  # noqa: E402
 from ds_ppo.engine.dist import init_distributed  # noqa: E402
-from ds_ppo.run.loop import train  # noqa: E402
+from ds_ppo.trainer import train  # noqa: E402
 
 # reward.function=dist_checks:group_reward must find this module when it runs as a script
 sys.modules.setdefault("dist_checks", sys.modules[__name__])
@@ -265,7 +265,7 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     from ds_ppo.ppo.scoring import score
     from ds_ppo.ppo.update import ppo_update
 
-    from ds_ppo.run.loop import _sampler
+    from ds_ppo.ppo.job import prompt_sampler as _sampler
 
     prompts = load_prompts(cfg.data, tok)
     rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
@@ -485,9 +485,9 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
     """Each step's loss statistics of two optimizer steps of `ds-ppo sft` / `ds-ppo rm` (the
     second step's depend on the first update) and the evaluation after them."""
     from ds_ppo.config import validate_job
-    from ds_ppo.rm import RMJob
-    from ds_ppo.run.job_loop import run_job
-    from ds_ppo.sft import SFTJob
+    from ds_ppo.rm import RMTask
+    from ds_ppo.trainer import run_supervised
+    from ds_ppo.sft import SFTTask
 
     data = supervised_data(work)
     rows = "sft.jsonl" if job == "sft" else "pairs.jsonl"
@@ -497,7 +497,7 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
         f"data.path={data / rows}", f"data.eval_split={data / rows}", "data.eval_size=8",
         f"{job}.steps=2", f"{job}.batch_size=8", "rm.margin_key=margin"] + extra)
     validate_job(cfg, job, dist.world_size())
-    history = run_job(cfg, SFTJob() if job == "sft" else RMJob()).history
+    history = run_supervised(cfg, job).history
     return {f"{k}@{i}": h[k] for i, h in enumerate(history) for k in SUPERVISED_KEYS[job]
             if k in h}
 

@@ -99,7 +99,7 @@ def no_training(monkeypatch):
     import copy
 
     import ds_ppo.config.load
-    import ds_ppo.run.loop
+    import ds_ppo.trainer
 
     preset = ds_ppo.config.load._read_yaml(None)
     monkeypatch.setattr(ds_ppo.config.load, "_read_yaml",
@@ -107,7 +107,7 @@ def no_training(monkeypatch):
 
     def refuse(cfg):
         raise AssertionError("the config was accepted and training started")
-    monkeypatch.setattr(ds_ppo.run.loop, "train", refuse)
+    monkeypatch.setattr(ds_ppo.trainer, "train", refuse)
 
 
 @pytest.mark.parametrize("key", sorted(KEYS) + [f"{m}.{k}" for m, k in FREE_MAPS.items()])

@@ -50,7 +50,7 @@ def test_reward_centering_by_hand_and_in_the_rm_loss(tok, tmp_path):
     from types import SimpleNamespace
 
     from ds_ppo.data.supervised import load_pairs
-    from ds_ppo.rm import RMJob
+    from ds_ppo.rm import RMTask
 
     assert reward_centering(torch.tensor([2.0, -1.0]), torch.tensor([1.0, 0.5])).tolist() == \
         pytest.approx([9.0, 0.25])
@@ -63,7 +63,7 @@ def test_reward_centering_by_hand_and_in_the_rm_loss(tok, tmp_path):
     for coef in (0.0, 0.5):
         cfg = _cfg(path, f"rm.center_coef={coef}")
         data = load_pairs(cfg, tok)
-        loss, stats = RMJob().loss(cfg, role, data, [0, 1], pad_id=0)
+        loss, stats = RMTask().loss(cfg, role, data, [0, 1], pad_id=0)
         assert loss.item() == pytest.approx(bt + coef * 9.25, rel=1e-6)
         assert stats["center"][0].item() == pytest.approx(9.25)
 
@@ -196,7 +196,7 @@ def test_dry_run_and_plan_of_the_jobs(tmp_path, capsys):
 
 
 def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
-    from ds_ppo.run.job_loop import total_steps
+    from ds_ppo.run.supervised_job import total_steps
 
     cfg = load_config(None, ["sft.epochs=3", "sft.batch_size=8"])
     assert total_steps(cfg.sft, 20) == 3 * 2  # whole global batches per epoch

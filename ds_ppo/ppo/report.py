@@ -15,7 +15,7 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.ppo.episodes import format_transcript
-from ds_ppo.run.progress import Eta, format_duration
+from ds_ppo.progress import Eta, format_duration
 
 if TYPE_CHECKING:
     from ds_ppo.engine.roles import Engines

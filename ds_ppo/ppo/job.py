@@ -1,0 +1,203 @@
+"""`ds-ppo train` as a job of the run driver (run/driver.py): its data (prompts, the evaluation
+split, the reward model's tokenizer, PPO-ptx rows), its engines (policy, value, reference,
+reward), and one iteration: steps 1-4 of `ppo/iteration.py` (generate, score, KL-shaped rewards
+and advantages, PPO update), then the iteration's metrics, the evaluation when due, the KL
+controller's update and the report.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ds_ppo import watchdog
+from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.config import Config
+from ds_ppo.engine import dist, lora
+from ds_ppo.engine.checkpoint import TrainerState, check_estimator_family
+from ds_ppo.engine.generation import choose_loop, choose_mode
+from ds_ppo.engine.roles import Engines, init_engines
+from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.evaluate import evaluate
+from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
+from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
+from ds_ppo.rewards.encode import reward_encoder
+from ds_ppo.role_names import TRAINED_ROLES
+
+log = logging.getLogger("ds_ppo")
+
+# Metrics that are never NaN or infinite while training is healthy. With bf16 or fp32, DeepSpeed
+# applies a non-finite gradient, so one is enough to ruin the weights; stopping before the next
+# checkpoint keeps the saved ones usable. fp16's loss scaler skips such steps and reports their
+# gradient norm as inf, routinely in the first steps: there only the losses are checked.
+LOSSES = ("loss/policy", "loss/value")
+GRAD_NORMS = ("policy/grad_norm", "value/grad_norm")
+
+
+class PPOJob:
+    """One PPO iteration per unit (run/driver.py's `Job`)."""
+
+    name, unit, total_key = "ppo", "iteration", "iterations"
+    model_class = "AutoModelForCausalLM"
+    registers = True
+    watched = LOSSES + GRAD_NORMS
+    diverged_fix = ("Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
+                    "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        p = cfg.ppo
+        self.kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
+                       if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
+
+    # ------------------------------------------------------------------- start-up
+    def known_total(self, cfg: Config) -> int:
+        return cfg.iterations
+
+    def load_data(self, cfg: Config, out: Path):
+        from ds_ppo.data.prompts import load_prompts
+        from ds_ppo.data.tokenizer import load_policy_tokenizer, load_tokenizer
+
+        tokenizer = load_policy_tokenizer(cfg, out)
+        self.prompts = load_prompts(cfg.data, tokenizer)
+        self.eval_prompts = None
+        if cfg.data.eval_split is not None and cfg.data.eval_every > 0:
+            self.eval_prompts = load_prompts(cfg.data, tokenizer, split=cfg.data.eval_split)
+        self.reward_encode = None
+        if cfg.reward.model is not None:
+            self.reward_encode = reward_encoder(cfg, tokenizer, load_tokenizer(
+                cfg.reward.tokenizer or cfg.reward.model, out))
+        self.ptx_rows = None
+        if cfg.ppo.ptx_coef > 0:  # PPO-ptx rows (data.ptx_path)
+            from ds_ppo.data.ptx import load_ptx
+
+            self.ptx_rows = load_ptx(cfg.data.ptx_path, cfg.data.ptx_format, cfg.data.prompt_key,
+                                     cfg.data.ptx_max_len, tokenizer)
+            log.info("PPO-ptx: %d rows from %s (ppo.ptx_coef = %g)", len(self.ptx_rows),
+                     cfg.data.ptx_path, cfg.ppo.ptx_coef)
+        self.env = _environment(cfg)  # an env that does not import fails before models load
+        self.tokenizer = tokenizer
+        return tokenizer, cfg.iterations
+
+    def check_checkpoint(self, path: Path) -> None:
+        check_estimator_family(path, self.cfg.ppo.advantage_estimator)
+
+    def build(self, cfg: Config, device: torch.device, tracker, universal: bool) -> Engines:
+        return init_engines(cfg, self.tokenizer, device, load_universal=universal,
+                            reward_shares_tokenizer=self.reward_encode is None
+                            or self.reward_encode.same)
+
+    def trained_roles(self) -> tuple[str, ...]:
+        return TRAINED_ROLES if self.cfg.ppo.uses_critic else ("policy",)
+
+    def fresh_state(self, engines: Engines) -> TrainerState:
+        _seed_sampling(self.cfg.seed)
+        return TrainerState(world_size=dist.world_size(), seed=self.cfg.seed,
+                            sequence_parallel_size=dist.sp_size(),
+                            advantage_estimator=self.cfg.ppo.advantage_estimator,
+                            lora_bases=lora.base_record(engines.lora_bases))
+
+    def resumed(self, state: TrainerState) -> None:
+        state.advantage_estimator = self.cfg.ppo.advantage_estimator
+        self.kl_ctl.load_state_dict(state.kl_controller)
+
+    def start(self, run) -> None:
+        cfg, engines, tokenizer = run.cfg, run.engines, run.tokenizer
+        if engines.dtype == torch.float16:  # the loss scaler skips non-finite steps itself
+            self.watched = LOSSES
+        self.eos_ids = stop_token_ids(tokenizer, cfg)
+        self.gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype,
+                                    run.device)
+        log.info("generation: mode %s, decoding loop %s", self.gen_mode,
+                 choose_loop(cfg.generation, self.gen_mode, engines.policy.module.config))
+        mismatch = sampling_mismatch(cfg.generation)
+        if mismatch and dist.is_main():
+            log.warning("%s", mismatch)
+        self.sampler = prompt_sampler(cfg, len(self.prompts.input_ids))
+        self.inputs = IterationInputs(cfg, engines, tokenizer, self.prompts, self.gen_mode,
+                                      self.eos_ids, self.reward_encode,
+                                      _ptx_stream(cfg, self.ptx_rows, tokenizer), self.env)
+        from ds_ppo.ppo.report import Reporter
+
+        self.reporter = Reporter(cfg, run.tracker, run.out)
+
+    # ------------------------------------------------------------------- one iteration
+    def step(self, run, iteration: int) -> dict[str, float]:
+        from ds_ppo.ppo.report import iteration_metrics
+
+        cfg, engines, kl_ctl = run.cfg, run.engines, self.kl_ctl
+        acc, t_iter = Accumulator(), time.perf_counter()
+        # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
+        exp, _ = run_iteration(self.inputs, iteration, self.sampler.indices(iteration - 1),
+                               kl_ctl.value, acc, metric_timer(acc))
+        # step 5. metrics, reduced across ranks; evaluation; KL controller; report
+        watchdog.at("metrics", iteration)
+        metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
+                                    cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
+                                    cfg.ppo.kl_clip)
+        eval_samples = None
+        if self.eval_prompts is not None and iteration % cfg.data.eval_every == 0:
+            eval_metrics, eval_samples = self._evaluate(cfg, engines, run.tokenizer)
+            metrics.update(eval_metrics)
+        kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
+        self.reporter.report(metrics, iteration, exp, eval_samples)
+        run.state.kl_controller = kl_ctl.state_dict()
+        return metrics
+
+    def _evaluate(self, cfg: Config, engines: Engines, tokenizer) -> tuple[dict, list]:
+        """The eval/* metrics and samples of the policy; with policy.ema_decay also eval_ema/*
+        of its EMA (swapped into the policy's weights for the evaluation, then swapped back)."""
+        args = (self.eval_prompts, engines, cfg, tokenizer, self.gen_mode, self.eos_ids,
+                self.reward_encode)
+        metrics, samples = evaluate(*args)
+        if engines.policy.ema is not None:
+            with engines.policy.ema.swapped_in():
+                ema, _ = evaluate(*args)
+            metrics.update({k.replace("eval/", "eval_ema/", 1): v for k, v in ema.items()})
+        return metrics, samples
+
+
+def _environment(cfg: Config):
+    """The env section's EnvRunner (multi-turn episodes), or None."""
+    if not cfg.env.enabled:
+        return None
+    from ds_ppo.envs.runner import EnvRunner
+    from ds_ppo.rewards.service import call_deadline
+
+    return EnvRunner(cfg.env, cfg.data.reward_keys,
+                     call_deadline(cfg.dist_timeout_minutes, dist.world_size()))
+
+
+def _ptx_stream(cfg: Config, rows, tokenizer):
+    """This rank's PPO-ptx rows per mini-batch (None without ppo.ptx_coef)."""
+    if rows is None:
+        return None
+    from ds_ppo.config import steps_per_iteration
+    from ds_ppo.data.ptx import PtxStream
+
+    # per data-parallel rank: the ranks of a sequence-parallel group take the same rows
+    return PtxStream(rows, cfg.ppo.mini_batch_size, steps_per_iteration(cfg), dist.dp_rank(),
+                     dist.dp_world_size(), cfg.seed, tokenizer.pad_token_id)
+
+
+def _seed_sampling(seed: int) -> None:
+    # Each data-parallel rank samples its own responses: give each its own stream (the ranks
+    # of a sequence-parallel group share one: they generate the same rows)
+    torch.manual_seed(seed * 1000 + dist.dp_rank())
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed * 1000 + dist.dp_rank())
+
+
+def prompt_sampler(cfg: Config, num_prompts: int):
+    """The prompts of each iteration for this rank: grouped by PPO mini-batch, so each optimizer
+    step sees the same prompts at any world size (mini_batch_size counts responses:
+    samples_per_prompt of each prompt); indexed by the data-parallel rank: a sequence-parallel
+    group's ranks take the same prompts."""
+    from ds_ppo.data.prompts import PromptSampler
+
+    return PromptSampler(num_prompts, cfg.ppo.rollout_batch_size, dist.dp_rank(),
+                         dist.dp_world_size(),
+                         cfg.seed, shuffle=cfg.data.shuffle,
+                         group_size=cfg.ppo.mini_batch_size // cfg.ppo.samples_per_prompt)

@@ -1,0 +1,354 @@
+"""The run around any training job: `ds-ppo train` (ppo/job.py), `ds-ppo sft` and `ds-ppo rm`
+(run/supervised.py over sft/job.py and rm/job.py).
+
+`run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,
+logging, seeds), the output_dir's lock, the finished-run check, resume (the latest checkpoint,
+verified; at another world size through DeepSpeed's universal format), MLflow, the hang
+watchdog, the stop requests of a scheduler (SIGTERM / SIGUSR1: a checkpoint, then exit), the
+checkpoint every `checkpoint.every` units, the divergence stop, a failed collective named by
+the watchdog, and at the end the final save, the export and its registration. A job plugs in
+through `Job` (torchtune's recipe interface is the model): its data, its engines, one step, and
+what its checkpoints hold. The driver never imports a job.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ds_ppo import watchdog
+from ds_ppo.config import Config
+from ds_ppo.engine import dist, lora
+from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
+                                      load_checkpoint, read_state, rng_state)
+from ds_ppo.engine.dist import init_distributed
+from ds_ppo.errors import Diverged, RegistrationError, RewardError
+from ds_ppo.run.log_setup import quiet_libraries, setup_logging
+from ds_ppo.run.preemption import Preempted, StopRequests
+from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
+from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
+from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
+
+log = logging.getLogger("ds_ppo")
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns (identical on every rank)."""
+
+    history: list[dict[str, float]] = field(default_factory=list)  # metrics of this process's steps
+    output_dir: str = ""
+    last_checkpoint: str | None = None
+    export_dir: str | None = None
+    mlflow_run_id: str | None = None
+
+
+@dataclass
+class Run:
+    """What the driver and the job's steps share, built once by `run`."""
+
+    cfg: Config
+    out: Path
+    device: torch.device
+    tracker: Any
+    engines: Any  # engine.roles.Engines (ppo) or engine.supervised.JobEngines
+    tokenizer: Any
+    state: TrainerState
+    result: TrainResult
+
+
+class Job(Protocol):
+    """A training job as the driver sees it. Its unit (a PPO iteration, an optimizer step) is
+    what `checkpoint.every`, the progress lines and `metrics.jsonl` count."""
+
+    name: str  # ppo, sft, rm: what checkpoints record (`TrainerState.job`)
+    unit: str  # "iteration" or "step": the word messages use
+    total_key: str  # the setting that counts the run's units (iterations, sft.steps, ...)
+    model_class: str  # the transformers class the final export loads with
+    registers: bool  # its exports go to the MLflow model registry (tracking.register_*)
+    watched: tuple[str, ...]  # metrics that are never NaN or infinite while training is healthy
+    diverged_fix: str  # what to change when one of them is
+
+    def known_total(self, cfg: Config) -> int | None:
+        """The run's units from the config alone (None: they depend on the data)."""
+
+    def load_data(self, cfg: Config, out: Path) -> tuple[Any, int]:
+        """The tokenizer and the run's units; data problems fail here, before any model."""
+
+    def check_checkpoint(self, path: Path) -> None:
+        """Refuse a checkpoint this job cannot continue (another job's, another estimator's)."""
+
+    def build(self, cfg: Config, device: torch.device, tracker, universal: bool):
+        """The engines (`universal`: they will load a checkpoint of another world size)."""
+
+    def trained_roles(self) -> tuple[str, ...]:
+        """The roles whose optimizer settings a resume takes from the config."""
+
+    def fresh_state(self, run_engines) -> TrainerState:
+        """The state of a run that starts from scratch (seeds its sampling streams)."""
+
+    def resumed(self, state: TrainerState) -> None:
+        """Take the job's own parts of a loaded checkpoint's state (a KL controller, ...)."""
+
+    def start(self, run: Run) -> None:
+        """Everything the steps share, once the engines and the state exist."""
+
+    def step(self, run: Run, unit: int) -> dict[str, float]:
+        """Unit `unit` (1-based): train, evaluate when due, report (progress line,
+        metrics.jsonl, MLflow); its metrics, reduced across ranks. Leaves `run.state` ready to be
+        saved as of this unit but for `state.iteration`, which the driver sets."""
+
+
+
+def run(cfg: Config, job: Job) -> TrainResult:
+    """Run `job` as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    finished = _already_finished(cfg, job, job.known_total(cfg))
+    if finished is not None:  # nothing to load, train or export
+        return finished
+    device, out = _start_process(cfg)
+    # step 0. data, then the models (a bad dataset fails before any model loads)
+    tokenizer, total = job.load_data(cfg, out)
+    if job.known_total(cfg) is None and (done := _already_finished(cfg, job, total)) is not None:
+        return done
+    resume_from, universal = _find_resume(cfg, job)
+    tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
+    engines = job.build(cfg, device, tracker, universal)
+    _log_ds_configs(tracker, engines, resumed=resume_from is not None)
+    tracker.log_params(lora.trainable_counts(engines))
+    state = _start_or_resume(cfg, job, engines, resume_from, universal, total)
+    state.mlflow_run_id = tracker.run_id
+    run = Run(cfg, out, device, tracker, engines, tokenizer, state, TrainResult(
+        output_dir=str(out), mlflow_run_id=tracker.run_id,
+        last_checkpoint=str(resume_from) if resume_from is not None else None))
+    job.start(run)
+    dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
+    status, unregistered, rng_at_start = "FAILED", None, None
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next unit's boundary (step 4)
+    with StopRequests(cfg.checkpoint.save_on_signal) as stop:
+        try:
+            for unit in range(state.iteration + 1, total + 1):
+                rng_at_start = rng_state()  # what a save of the previous unit would hold
+                # step 1. the job's unit: train, evaluate when due, report
+                metrics = job.step(run, unit)
+                run.result.history.append(metrics)
+                # step 2. a diverged run stops before any save
+                _stop_if_diverged(job, metrics, unit, run.result.last_checkpoint)
+                state.iteration = unit
+                # step 3. checkpoint when due
+                saved = _checkpoint_if_due(run, job, unit)
+                # step 4. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                _stop_if_asked(run, stop, unit, saved)
+            # step 5. final save and export; the export into the MLflow model registry
+            unregistered = _end(run, job)
+            status = "FINISHED"
+        except RewardError as e:  # reward function or service failed: keep the last unit
+            raise stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
+                                       run.result.last_checkpoint, rng_at_start) from None
+        except (KeyboardInterrupt, Preempted):
+            status = "KILLED"
+            raise
+        except Exception as e:
+            if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
+                dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
+            raise
+        finally:
+            dog.stop()
+            tracker.close(status)
+    if unregistered is not None:
+        raise unregistered
+    return run.result
+
+
+# ------------------------------------------------------------------------- start-up
+def _start_process(cfg: Config) -> tuple[torch.device, Path]:
+    """This process's distributed group, logging, seeds and the output_dir's lock."""
+    quiet_libraries(cfg.log_level)
+    device = init_distributed(cfg.dist_timeout_minutes)
+    setup_logging(cfg.log_level)
+    seed_everything(cfg.seed)
+    out = Path(cfg.output_dir)
+    lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
+    return device, out
+
+
+def seed_everything(seed: int) -> None:
+    # Same seed on every rank for initialisation; a job seeds its sampling streams per rank.
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _already_finished(cfg: Config, job: Job, total: int | None) -> TrainResult | None:
+    """The result of a run that already completed `total` units (`finished_run`), printed
+    once; else None."""
+    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+
+    if total is None:
+        return None
+    c = cfg.checkpoint
+    done = finished_run(cfg.output_dir, cfg.resume, total, c.export_at_end, job.name)
+    if done is None:
+        return None
+    path, state = done
+    if os.environ.get("RANK", "0") == "0":
+        print(finished_message(cfg.output_dir, path, state, total, c.export_at_end,
+                               job.total_key), flush=True)
+    return TrainResult(output_dir=str(cfg.output_dir), last_checkpoint=str(path),
+                       export_dir=str(Path(cfg.output_dir) / "final") if c.export_at_end else None,
+                       mlflow_run_id=state.mlflow_run_id)
+
+
+def _find_resume(cfg: Config, job: Job) -> tuple[Path | None, bool]:
+    """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
+    DeepSpeed's universal format because the data-parallel world size changed."""
+    path = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
+    if path is None:
+        return None, False
+    job.check_checkpoint(path)  # before any model loads
+    universal = read_state(path).world_size != dist.world_size()
+    if universal:
+        ensure_universal(path)
+    return path, universal
+
+
+def _start_or_resume(cfg: Config, job: Job, engines, path: Path | None, universal: bool,
+                     total: int) -> TrainerState:
+    if path is None:
+        start_metrics_log(cfg.output_dir, None)  # an earlier log is moved aside, never truncated
+        return job.fresh_state(engines)
+    lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
+    state = load_checkpoint(path, engines, universal)
+    for role in job.trained_roles():
+        changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
+        if changed:
+            log.info("%s optimizer settings from the config, not the checkpoint: %s", role,
+                     ", ".join(changed))
+    start_metrics_log(cfg.output_dir, state.iteration)
+    job.resumed(state)
+    log.info("resumed from %s (%s %d%s%s)", path, job.unit, state.iteration,
+             f", world size {state.world_size} -> {dist.world_size()} via a universal checkpoint"
+             if universal else "",
+             f", sequence-parallel size {state.sequence_parallel_size} -> {dist.sp_size()}"
+             if state.sequence_parallel_size != dist.sp_size() else "")
+    state.world_size, state.sequence_parallel_size = dist.world_size(), dist.sp_size()
+    if state.iteration >= total:
+        log.info("the run in %s already completed %d of %s=%d; nothing to train (raise %s to "
+                 "continue)", cfg.output_dir, state.iteration, job.total_key, total,
+                 job.total_key)
+    return state
+
+
+def _open_tracker(cfg: Config, resume_from: Path | None):
+    """MLflow on rank 0 (continuing the checkpoint's run on resume); no-ops elsewhere."""
+    import importlib.metadata as md
+
+    from ds_ppo.redaction import redact_url
+    from ds_ppo.run.tracking import TrackingError, open_tracker
+
+    tags = {"world_size": str(dist.world_size()), "num_nodes": str(dist.num_nodes()),
+            "policy": cfg.policy.path or f"arch:{(cfg.policy.arch or {}).get('model_type')}",
+            "reward": cfg.reward.model or cfg.reward.function or redact_url(cfg.reward.url) or "",
+            "generation_mode": cfg.generation.mode}
+    try:
+        tags["ds_ppo_version"] = md.version("ds-ppo")
+    except md.PackageNotFoundError:
+        pass
+    run_id = read_state(resume_from).mlflow_run_id if resume_from is not None else None
+    tracker, error = None, None
+    try:
+        tracker = open_tracker(cfg, is_main=dist.is_main(), run_id=run_id, tags=tags)
+    except TrackingError as e:
+        error = e
+    # rank 0's verdict reaches every rank, so a failed start stops the whole job, not one rank
+    message = dist.broadcast_object(str(error) if error is not None else None)
+    if message is not None:
+        raise error or TrackingError(f"rank 0 could not start MLflow tracking: {message}")
+    if dist.is_main() and tracker.run_id:
+        log.info("%s", tracker.where())
+    return tracker
+
+
+def _log_ds_configs(tracker, engines, resumed: bool) -> None:
+    """Each role's final DeepSpeed config as a run artifact (once per run)."""
+    if not resumed:
+        for role, ds_config in engines.ds_configs.items():
+            tracker.log_dict(ds_config, f"deepspeed/{role}.json")
+
+
+def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
+    """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
+    from ds_ppo.config import watchdog_limit_s
+
+    token = dist.broadcast_object(uuid.uuid4().hex if dist.is_main() else None)  # collective
+    return watchdog.install(watchdog.Watchdog(
+        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
+        run_token=token)).start()
+
+
+# ------------------------------------------------------------------------- per unit
+def _stop_if_diverged(job: Job, metrics: dict[str, float], unit: int,
+                      last_checkpoint: str | None) -> None:
+    """Raise `Diverged` (on every rank alike: the metrics are reduced) when a watched metric
+    of this unit is not finite: its weights must not be saved over good checkpoints."""
+    stop_if_diverged(metrics, job.watched, f"{job.unit} {unit}", last_checkpoint,
+                     job.diverged_fix)
+
+
+def stop_if_diverged(metrics: dict[str, float], watched: tuple[str, ...], where: str,
+                     last_checkpoint: str | None, fix: str) -> None:
+    bad = {k: metrics[k] for k in watched if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        saved = (f"the last checkpoint, {last_checkpoint}, was saved before it" if last_checkpoint
+                 else "no checkpoint was saved before it")
+        unit = where.split()[0]
+        raise Diverged(f"{where}: {', '.join(f'{k} = {v}' for k, v in bad.items())}: training "
+                       f"diverged and this {unit}'s weights are not saved; {saved}. {fix}")
+
+
+def _checkpoint_if_due(run: Run, job: Job, unit: int) -> bool:
+    """A checkpoint every checkpoint.every units (registered with tracking.register_every);
+    whether one was saved."""
+    cfg = run.cfg
+    saved = bool(cfg.checkpoint.every) and unit % cfg.checkpoint.every == 0
+    if saved:
+        run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
+                                                    run.tokenizer)
+        if job.registers:
+            register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, unit,
+                                   run.result.history)
+    return saved
+
+
+def _stop_if_asked(run: Run, stop: StopRequests, unit: int, saved: bool) -> None:
+    """When any rank got SIGTERM/SIGUSR1: checkpoint (unless one was just saved) and raise
+    Preempted on every rank."""
+    signum = stop.agreed(run.device)
+    if signum:
+        if not saved:
+            run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
+                                                        run.tokenizer)
+        raise Preempted(signum, unit, run.result.last_checkpoint)
+
+
+def _end(run: Run, job: Job) -> RegistrationError | None:
+    """The final checkpoint and export, then (a job that registers) the export into the MLflow
+    model registry; a registration failure is returned, to be raised once the MLflow run is
+    closed: the training is done and saved (exit code 4)."""
+    result = run.result
+    result.last_checkpoint, result.export_dir = finish(
+        run.cfg, run.engines, run.state, run.tokenizer, result.last_checkpoint, job.model_class)
+    if not job.registers:
+        return None
+    with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers
+        try:
+            register_policy(run.cfg, run.tracker, result.export_dir, run.state.iteration,
+                            last_eval_score(result.history), strict=True)
+        except RegistrationError as e:
+            return e
+    return None
