@@ -47,6 +47,7 @@ class EpisodeStats:
     calls: int = 0  # environment calls (resets and steps)
     env_s: float = 0.0  # seconds in environment calls
     generate_calls: int = 0
+    retries: int | None = None  # env.url: requests retried (None: a Python environment)
     info: dict[str, list[float]] = field(default_factory=dict)  # Step.info values
 
 
@@ -131,6 +132,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     transcripts: list[list[dict]] = [[] for _ in range(B)]
     done, truncated = [False] * B, [False] * B
     error, episodes = None, None
+    retries_before = env.retries
     try:
         t0 = time.perf_counter()
         episodes = env.start(texts, extras)
@@ -180,6 +182,8 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
         raise error if error is not None else EnvFailed(
             f"{env.name} failed on another rank (its message is in that rank's log)")
+    if retries_before is not None:
+        stats.retries = env.retries - retries_before
     stats.out_of_turns = sum(1 for i in range(B) if not done[i] and not truncated[i])
     rollout = _episode_rollout(prompt_ids, texts, extras, response, model, rewards,
                                transcripts, done, tokenizer, device, prompts, indices)
@@ -267,6 +271,8 @@ def add_episode_metrics(acc, stats: EpisodeStats) -> None:
     acc.add_sum("env/calls", stats.calls)
     acc.add_max("time/env_s", stats.env_s)
     acc.add_max("env/generate_calls", stats.generate_calls)
+    if stats.retries is not None:  # env.url (on every rank alike: the config is one)
+        acc.add_sum("env/retries", stats.retries)
     # every rank reports the same keys (a collective reduce): the union of the ranks' keys
     keys = sorted(set().union(*dist.gather_objects(sorted(stats.info))))
     for k in keys:
