@@ -17,12 +17,9 @@ log = logging.getLogger("ds_ppo")
 
 
 def checkpoint_now(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    with watchdog.phase("save", state.iteration):
-        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+    with watchdog.phase("save", state.iteration):  # logs "saved checkpoint ..." (rank 0)
+        return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
                                    cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
-    if dist.is_main():
-        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
-    return path
 
 
 def stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
