@@ -18,6 +18,7 @@ The `Rollout` holds the whole episode as the response: `mask` True on the model'
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -51,23 +52,34 @@ class EpisodeStats:
     info: dict[str, list[float]] = field(default_factory=dict)  # Step.info values
 
 
+def stop_patterns(stops: list[str]) -> list[re.Pattern]:
+    """The env.stop strings as patterns. A string that begins or ends with a word character
+    (letter, digit, _) matches only as a whole word there: "look" ends a turn at "look at" or at
+    the turn's end, not inside "looks" or "outlook"; "</call>" anywhere."""
+    return [re.compile((r"(?<!\w)" if re.match(r"\w", s) else "") + re.escape(s) +
+                       (r"(?!\w)" if re.search(r"\w$", s) else "")) for s in stops]
+
+
 def cut_at_stop(tokenizer, context: list[int], tokens: list[int], stops: list[str]) -> list[int]:
     """`tokens` up to and including the token that completes the first of the `stops` strings
-    in their decoded text (all of them when none occurs). `context`: the tokens before, so a
+    (`stop_patterns`: whole words where they begin or end with a word character) in their
+    decoded text (all of them when none occurs). `context`: the tokens before, so a
     SentencePiece first word keeps its space."""
     if not stops:
         return tokens
 
-    def has_stop(k: int) -> bool:
-        text = decode_responses(tokenizer, [context], [tokens[:k]])[1][0]
-        return any(s in text for s in stops)
+    def text(k: int) -> str:
+        return decode_responses(tokenizer, [context], [tokens[:k]])[1][0]
 
-    if not has_stop(len(tokens)):
+    whole = text(len(tokens))  # the whole turn: the character after a word decides its end
+    ends = [m.end() for p in stop_patterns(stops) if (m := p.search(whole))]
+    if not ends:
         return tokens
-    lo, hi = 1, len(tokens)  # the shortest prefix that holds a stop string
+    upto = whole[:min(ends)]
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds the first match
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+        lo, hi = (lo, mid) if text(mid).startswith(upto) else (mid + 1, hi)
     return tokens[:lo]
 
 

@@ -148,6 +148,22 @@ def test_cut_at_stop_keeps_the_token_completing_the_string(tok):
     assert evaluate("what is 3 + 4 ? 2 * 5") == 10 and evaluate("no numbers") is None
 
 
+@pytest.mark.parametrize("turn, stop, kept", [
+    (" i look at it", "look", " i look"),  # a whole word: cut after it
+    (" she looks away", "look", " she looks away"),  # inside a longer word: no stop
+    (" the outlook is good", "look", " the outlook is good"),  # the word's end, not its start
+    (" we look", "look", " we look"),  # at the turn's end
+    (" look=7", "look", " look"),  # followed by a non-word character
+    (" look=7", "=", " look="),  # no word character at either end: matches anywhere
+    (" looks at look=7", "look", " looks at look"),  # the first whole-word match
+])
+def test_a_stop_string_ending_in_a_word_character_stops_at_a_word_boundary(tok, turn, stop,
+                                                                            kept):
+    ctx = _ids(tok, "what is")
+    cut = cut_at_stop(tok, ctx, _ids(tok, turn), [stop])
+    assert tok.decode(cut) == kept.lstrip() and cut == _ids(tok, turn)[:len(cut)]
+
+
 # ----------------------------------------------------------------- failing environments
 def raises(prompt, actions, answer):
     raise ValueError("the tool crashed")
