@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import unicodedata
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -89,6 +91,69 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Se
         prompts.append(prompt)
         responses.append(response)
     return prompts, responses
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def readable_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout,
+                       rows: int) -> list[str]:
+    """The first `rows` responses of `rollout` as text for people (the samples tables): as
+    decode_responses gives them, but without its losses. A model that samples stray
+    byte-fallback pieces (bytes that form no character, which decoding turns into U+FFFD) and
+    control characters other than newline and tab shows them by their piece names, `<0xE3>`,
+    `<0x0F>`; a valid byte sequence still shows its character. Decoded with the prompt, cut."""
+    out = []
+    for b in range(min(rows, len(rollout))):
+        prompt = rollout.prompt_ids[b][rollout.prompt_mask[b]].tolist()
+        response = rollout.response_ids[b][rollout.context[b]].tolist()
+        before, whole = _readable(tokenizer, prompt), _readable(tokenizer, prompt + response)
+        out.append(whole[len(before):] if whole.startswith(before) else
+                   _readable(tokenizer, response))
+    return out
+
+
+def _readable(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """`ids` decoded (special tokens skipped), each run of byte-fallback pieces decoded on its
+    own (`_bytes_shown`) between the texts of the other pieces, and control characters named."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in ids if i not in special]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    parts, plain, done, run = [], [], "", b""
+    for i, piece in zip(ids + [None], pieces + [None]):
+        m = _BYTE_PIECE.fullmatch(piece) if piece is not None else None
+        if m:
+            if not run:  # the text of the pieces before this run of bytes
+                text = tokenizer.decode(plain)
+                if not text.startswith(done):  # a decoder that is not piece by piece
+                    return _controls_shown(tokenizer.decode(ids))
+                parts.append(text[len(done):])
+                done = text
+            run += bytes([int(m.group(1), 16)])
+            continue
+        if run:
+            parts.append(_bytes_shown(run))
+            run = b""
+        if i is not None:
+            plain.append(i)
+    text = tokenizer.decode(plain)
+    if not text.startswith(done):
+        return _controls_shown(tokenizer.decode(ids))
+    parts.append(text[len(done):])
+    return _controls_shown("".join(parts))
+
+
+def _bytes_shown(data: bytes) -> str:
+    """UTF-8 `data` as text, each byte that is no part of a character as `<0xNN>`."""
+    text = data.decode("utf-8", errors="surrogateescape")  # stray byte N -> U+DC00 + N
+    return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if "\udc80" <= c <= "\udcff" else c
+                   for c in text)
+
+
+def _controls_shown(text: str) -> str:
+    """Control characters other than newline and tab as their UTF-8 bytes, `<0x0F>`."""
+    return "".join("".join(f"<0x{b:02X}>" for b in c.encode()) if
+                   unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],

@@ -153,7 +153,8 @@ def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     return _Run(cfg, out, device, tokenizer, eval_prompts, reward_encode, engines, tracker, state,
-                kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out))
+                kl_ctl, eos_ids, gen_mode, sampler, inputs, result,
+                Reporter(cfg, tracker, out, tokenizer))
 
 
 def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> None:
