@@ -115,31 +115,32 @@ def readable_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout,
 
 def _readable(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     """`ids` decoded (special tokens skipped), each run of byte-fallback pieces decoded on its
-    own (`_bytes_shown`) between the texts of the other pieces, and control characters named."""
+    own (`_bytes_shown`), each run of other pieces after the piece before it (which keeps a
+    SentencePiece word's space), and control characters named."""
     special = set(tokenizer.all_special_ids)
     ids = [i for i in ids if i not in special]
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    parts, plain, done, run = [], [], "", b""
-    for i, piece in zip(ids + [None], pieces + [None]):
-        m = _BYTE_PIECE.fullmatch(piece) if piece is not None else None
-        if m:
-            if not run:  # the text of the pieces before this run of bytes
-                text = tokenizer.decode(plain)
-                if not text.startswith(done):  # a decoder that is not piece by piece
-                    return _controls_shown(tokenizer.decode(ids))
-                parts.append(text[len(done):])
-                done = text
-            run += bytes([int(m.group(1), 16)])
-            continue
-        if run:
-            parts.append(_bytes_shown(run))
-            run = b""
-        if i is not None:
-            plain.append(i)
-    text = tokenizer.decode(plain)
-    if not text.startswith(done):
+    runs: list[tuple[bool, list[int], list[str]]] = []  # (byte pieces?, ids, pieces)
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        is_byte = _BYTE_PIECE.fullmatch(piece) is not None
+        if not runs or runs[-1][0] != is_byte:
+            runs.append((is_byte, [], []))
+        runs[-1][1].append(i)
+        runs[-1][2].append(piece)
+    if not any(is_byte for is_byte, _, _ in runs):
         return _controls_shown(tokenizer.decode(ids))
-    parts.append(text[len(done):])
+    parts, last = [], None  # last: the piece before the run
+    for is_byte, run, pieces in runs:
+        if is_byte:
+            parts.append(_bytes_shown(bytes(int(p[3:5], 16) for p in pieces)))
+            continue
+        if last is None and parts:  # after bytes at the start: as in mid-text, not at its start
+            last = run[0]
+        before = "" if last is None else tokenizer.decode([last])
+        text = tokenizer.decode(run if last is None else [last] + run)
+        if not text.startswith(before):  # a decoder that does not work piece by piece
+            return _controls_shown(tokenizer.decode(ids))
+        parts.append(text[len(before):])
+        last = run[-1]
     return _controls_shown("".join(parts))
 
 

@@ -399,3 +399,22 @@ def test_sample_responses_show_stray_bytes_and_control_characters_by_name(tiny):
                      " nice and\ttabs\nnew"]
     assert shown[2] == lossy[2]  # nothing to show differently: the decoded text
     assert readable_responses(tiny, rollout, 1) == shown[:1]
+
+
+def test_readable_text_equals_the_decoded_text_when_nothing_is_lost(tiny):
+    """Any pieces, with byte runs that form characters (é = <0xC3><0xA9>), anywhere (first
+    too): the samples' text is exactly what decoding gives."""
+    import random
+
+    from ds_ppo.rewards.encode import _readable
+
+    vocab = tiny.get_vocab()
+    plain = [i for p, i in vocab.items()
+             if not p.startswith("<0x") and i not in tiny.all_special_ids]
+    e_acute = [vocab["<0xC3>"], vocab["<0xA9>"]]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = []
+        for _ in range(rng.randint(1, 30)):
+            ids += e_acute if rng.random() < 0.2 else [rng.choice(plain)]
+        assert _readable(tiny, ids) == tiny.decode(ids, skip_special_tokens=True), ids
