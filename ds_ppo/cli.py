@@ -1,5 +1,5 @@
-"""The `ds-ppo` command line: train, sft, rm, config, plan, export, generate, samples, tokenizer,
-bench.
+"""The `ds-ppo` command line: train, sft, rm, config, plan, export, generate, samples, tokenizer
+and bench.
 
 Each sub-command imports its heavy modules lazily, so `ds-ppo config` or a config error never
 waits for DeepSpeed to import. User errors (config, data, paths) print one message and exit 2
@@ -196,7 +196,7 @@ _WORLD_SIZE_HELP = ("with --dry-run: check the config for this many ranks (defau
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-ppo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ds-ppo")  # its description: below, from the commands
     # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)
@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(ds-ppo bench --help for its flags); --peer trl: ds_ppo beside TRL "
                        "(ds-ppo bench --peer trl --help)", add_help=False)
     p.set_defaults(func=_bench)
+    names = list(sub.choices)
+    parser.description = ("RLHF for language models on DeepSpeed (PPO, supervised fine-tuning, "
+                          f"reward models) and its tools: the commands {', '.join(names[:-1])} "
+                          f"and {names[-1]} (`ds-ppo COMMAND --help` for each).")
     return parser
 
 

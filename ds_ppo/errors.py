@@ -31,9 +31,11 @@ class RewardError(UserError):
     """The reward stage failed (a function that raised, returned garbage or hung; a service
     that failed for good). Scoring runs before the update, so the weights are still the last
     completed iteration's: the trainer checkpoints it (unless `after_update`: the failure came in
-    evaluation, after this iteration's update) and stops with the message."""
+    evaluation, after this iteration's update) and stops with the message, then `fix`: what to
+    do before the same command runs again."""
 
     after_update = False
+    fix = "Fix the reward source"
 
 
 class RewardFunctionError(RewardError):
@@ -43,6 +45,8 @@ class RewardFunctionError(RewardError):
 
 class RewardTimeout(RewardError):
     """A reward.function call ran longer than reward.timeout_s."""
+
+    fix = "Find what makes the function hang, or raise reward.timeout_s"
 
 
 class CheckpointError(UserError):

@@ -106,7 +106,9 @@ class EnvConfig(Section):
         "(metric env/truncated_frac). generation.max_new_tokens limits each turn.")
     stop: list[str] = Field(
         default_factory=list, description="Strings that end a model turn (e.g. </call>): the "
-        "turn is cut after the token that completes the first of them. Single tokens can also "
+        "turn is cut after the token that completes the first of them. One that begins or ends "
+        "with a letter, digit or _ matches there only as a whole word (\"look\" ends a turn at "
+        "\"look at\" or \"look=\", not inside \"looks\" or \"outlook\"). Single tokens can also "
         "go in generation.stop_tokens, which stop the decoding itself.")
     observation_role: str = Field(
         "tool", description="Chat prompts: the role of an observation given as text (a Step "

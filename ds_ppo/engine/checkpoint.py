@@ -71,6 +71,7 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                     keep_last: int, save_hf_weights: bool = True, verify: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory. `verify`: write the
     manifest (every file's size and CRC-32, engine/manifest.py) that resume and export check.
+    Rank 0 logs the save, then each checkpoint that keep_last prunes.
 
     Raises:
         CheckpointError: the disk filled up (or a file hit the size limit) during the save; the
@@ -116,6 +117,7 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
     except (OSError, RuntimeError) as e:
         raise _save_failed(e, root, tmp) from None
     if dist.is_main():
+        log.info("saved checkpoint %s (iteration %d)", final, state.iteration)
         _prune(root, keep_last, final)
     dist.barrier()
     return final
@@ -213,6 +215,7 @@ def _prune(root: Path, keep_last: int, just_written: Path) -> None:
     for _, old in done:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
+            log.info("removed checkpoint %s (checkpoint.keep_last = %d)", old, keep_last)
 
 
 def ensure_universal(path: Path) -> None:

@@ -26,9 +26,13 @@ class EnvFailed(RewardTimeout):
     """The environment raised, hung past env.timeout_s or answered something that is not a
     step. The run stops like after a hung reward function: a checkpoint of the last completed
     iteration (the failing one's rollout had not trained anything yet), so the same command
-    resumes; the message names the environment, the episode and the turn."""
+    resumes; the message names the environment, the episode and the turn. `hung`: the call
+    ran past env.timeout_s (only then does the advice name it)."""
 
-    fix = "Fix the environment (or raise env.timeout_s), then run the same command to resume."
+    def __init__(self, message: str, hung: bool = False) -> None:
+        super().__init__(message)
+        self.fix = ("Find what makes the environment hang, or raise env.timeout_s" if hung else
+                    "Fix the environment")
 
 
 @dataclass(frozen=True)

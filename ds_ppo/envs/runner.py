@@ -73,7 +73,7 @@ def _check(started: dict[int, float], errors: dict[int, BaseException], timeout_
     for i, t in enumerate(threads):
         if t.is_alive() and now - started[i] > timeout_s:
             raise EnvFailed(f"{name} did not return within env.timeout_s = {timeout_s:g} s "
-                            f"({what(i)})")
+                            f"({what(i)})", hung=True)
 
 
 class EnvRunner:
@@ -88,6 +88,11 @@ class EnvRunner:
             self.name = f"env.url = {self.impl.shown!r}"
         else:
             self.kind, self.impl, self.name = load_python_env(env_cfg.function, keys)
+
+    @property
+    def retries(self) -> int | None:
+        """env.url: the requests retried so far on this rank (None for a Python environment)."""
+        return self.impl.retries if self.kind == "url" else None
 
     def start(self, prompts: list[str], extras: list[dict]) -> list[Episode]:
         """The rank's episodes, reset (env.class: one instance each, `reset(prompt, **keys)`)."""

@@ -18,6 +18,7 @@ The `Rollout` holds the whole episode as the response: `mask` True on the model'
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -47,26 +48,38 @@ class EpisodeStats:
     calls: int = 0  # environment calls (resets and steps)
     env_s: float = 0.0  # seconds in environment calls
     generate_calls: int = 0
+    retries: int | None = None  # env.url: requests retried (None: a Python environment)
     info: dict[str, list[float]] = field(default_factory=dict)  # Step.info values
+
+
+def stop_patterns(stops: list[str]) -> list[re.Pattern]:
+    """The env.stop strings as patterns. A string that begins or ends with a word character
+    (letter, digit, _) matches only as a whole word there: "look" ends a turn at "look at" or at
+    the turn's end, not inside "looks" or "outlook"; "</call>" anywhere."""
+    return [re.compile((r"(?<!\w)" if re.match(r"\w", s) else "") + re.escape(s) +
+                       (r"(?!\w)" if re.search(r"\w$", s) else "")) for s in stops]
 
 
 def cut_at_stop(tokenizer, context: list[int], tokens: list[int], stops: list[str]) -> list[int]:
     """`tokens` up to and including the token that completes the first of the `stops` strings
-    in their decoded text (all of them when none occurs). `context`: the tokens before, so a
+    (`stop_patterns`: whole words where they begin or end with a word character) in their
+    decoded text (all of them when none occurs). `context`: the tokens before, so a
     SentencePiece first word keeps its space."""
     if not stops:
         return tokens
 
-    def has_stop(k: int) -> bool:
-        text = decode_responses(tokenizer, [context], [tokens[:k]])[1][0]
-        return any(s in text for s in stops)
+    def text(k: int) -> str:
+        return decode_responses(tokenizer, [context], [tokens[:k]])[1][0]
 
-    if not has_stop(len(tokens)):
+    whole = text(len(tokens))  # the whole turn: the character after a word decides its end
+    ends = [m.end() for p in stop_patterns(stops) if (m := p.search(whole))]
+    if not ends:
         return tokens
-    lo, hi = 1, len(tokens)  # the shortest prefix that holds a stop string
+    upto = whole[:min(ends)]
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds the first match
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+        lo, hi = (lo, mid) if text(mid).startswith(upto) else (mid + 1, hi)
     return tokens[:lo]
 
 
@@ -131,6 +144,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     transcripts: list[list[dict]] = [[] for _ in range(B)]
     done, truncated = [False] * B, [False] * B
     error, episodes = None, None
+    retries_before = env.retries
     try:
         t0 = time.perf_counter()
         episodes = env.start(texts, extras)
@@ -180,6 +194,8 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
         raise error if error is not None else EnvFailed(
             f"{env.name} failed on another rank (its message is in that rank's log)")
+    if retries_before is not None:
+        stats.retries = env.retries - retries_before
     stats.out_of_turns = sum(1 for i in range(B) if not done[i] and not truncated[i])
     rollout = _episode_rollout(prompt_ids, texts, extras, response, model, rewards,
                                transcripts, done, tokenizer, device, prompts, indices)
@@ -267,6 +283,8 @@ def add_episode_metrics(acc, stats: EpisodeStats) -> None:
     acc.add_sum("env/calls", stats.calls)
     acc.add_max("time/env_s", stats.env_s)
     acc.add_max("env/generate_calls", stats.generate_calls)
+    if stats.retries is not None:  # env.url (on every rank alike: the config is one)
+        acc.add_sum("env/retries", stats.retries)
     # every rank reports the same keys (a collective reduce): the union of the ranks' keys
     keys = sorted(set().union(*dist.gather_objects(sorted(stats.info))))
     for k in keys:

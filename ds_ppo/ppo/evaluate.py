@@ -11,6 +11,7 @@ from ds_ppo.errors import RewardError
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.ppo.rollout import make_rollout
 from ds_ppo.ppo.scoring import reward_scores
+from ds_ppo.rewards.encode import readable_responses
 
 log = logging.getLogger("ds_ppo")
 
@@ -55,5 +56,5 @@ def evaluate(prompts: PromptSet, engines, cfg: Config, tokenizer, mode: str,
     m = acc.reduce()
     m["eval/score_std"] = std_from_moments(m["eval/score_mean"], m.pop("eval/_score_sq"))
     k = cfg.tracking.num_samples
-    return m, list(zip(rollout.prompts[:k], rollout.responses[:k], scores[:k].tolist(),
-                       rollout.extras[:k]))
+    return m, list(zip(rollout.prompts[:k], readable_responses(tokenizer, rollout, k),
+                       scores[:k].tolist(), rollout.extras[:k]))

@@ -121,7 +121,7 @@ class PPOJob:
                                       _ptx_stream(cfg, self.ptx_rows, tokenizer), self.env)
         from ds_ppo.ppo.report import Reporter
 
-        self.reporter = Reporter(cfg, run.tracker, run.out)
+        self.reporter = Reporter(cfg, run.tracker, run.out, tokenizer)
 
     # ------------------------------------------------------------------- one iteration
     def step(self, run, iteration: int) -> dict[str, float]:

@@ -16,6 +16,7 @@ from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.ppo.episodes import format_transcript
 from ds_ppo.progress import Eta, format_duration
+from ds_ppo.rewards.encode import readable_responses
 
 if TYPE_CHECKING:
     from ds_ppo.engine.roles import Engines
@@ -95,8 +96,9 @@ class Reporter:
     Created by `train()`; `report` is called once per iteration on every rank (the samples
     table is gathered from all ranks)."""
 
-    def __init__(self, cfg: Config, tracker, out: Path):
+    def __init__(self, cfg: Config, tracker, out: Path, tokenizer):
         self.cfg, self.tracker, self.out = cfg, tracker, out
+        self.tokenizer = tokenizer  # the policy's: the samples' response text
         self.eta = Eta()  # rank 0's time left, from the mean of recent iterations
         self.warned_cut = False  # the reward-input cut is reported once per process
 
@@ -111,8 +113,8 @@ class Reporter:
             k = cfg.tracking.num_samples
             r = exp.rollout
             rows = [sample_row(p, resp, s, extra) for p, resp, s, extra in
-                    zip(r.prompts[:k], r.responses[:k], exp.episode_scores[:k].tolist(),
-                        r.extras[:k])]
+                    zip(r.prompts[:k], readable_responses(self.tokenizer, r, k),
+                        exp.episode_scores[:k].tolist(), r.extras[:k])]
             if r.transcripts is not None:  # an episode: each turn with its reward
                 for row, turns in zip(rows, r.transcripts[:k]):
                     row["turns"] = format_transcript(turns)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import unicodedata
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -89,6 +91,70 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[Se
         prompts.append(prompt)
         responses.append(response)
     return prompts, responses
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def readable_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout,
+                       rows: int) -> list[str]:
+    """The first `rows` responses of `rollout` as text for people (the samples tables): as
+    decode_responses gives them, but without its losses. A model that samples stray
+    byte-fallback pieces (bytes that form no character, which decoding turns into U+FFFD) and
+    control characters other than newline and tab shows them by their piece names, `<0xE3>`,
+    `<0x0F>`; a valid byte sequence still shows its character. Decoded with the prompt, cut."""
+    out = []
+    for b in range(min(rows, len(rollout))):
+        prompt = rollout.prompt_ids[b][rollout.prompt_mask[b]].tolist()
+        response = rollout.response_ids[b][rollout.context[b]].tolist()
+        before, whole = _readable(tokenizer, prompt), _readable(tokenizer, prompt + response)
+        out.append(whole[len(before):] if whole.startswith(before) else
+                   _readable(tokenizer, response))
+    return out
+
+
+def _readable(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """`ids` decoded (special tokens skipped), each run of byte-fallback pieces decoded on its
+    own (`_bytes_shown`), each run of other pieces after the piece before it (which keeps a
+    SentencePiece word's space), and control characters named."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in ids if i not in special]
+    runs: list[tuple[bool, list[int], list[str]]] = []  # (byte pieces?, ids, pieces)
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        is_byte = _BYTE_PIECE.fullmatch(piece) is not None
+        if not runs or runs[-1][0] != is_byte:
+            runs.append((is_byte, [], []))
+        runs[-1][1].append(i)
+        runs[-1][2].append(piece)
+    if not any(is_byte for is_byte, _, _ in runs):
+        return _controls_shown(tokenizer.decode(ids))
+    parts, last = [], None  # last: the piece before the run
+    for is_byte, run, pieces in runs:
+        if is_byte:
+            parts.append(_bytes_shown(bytes(int(p[3:5], 16) for p in pieces)))
+            continue
+        if last is None and parts:  # after bytes at the start: as in mid-text, not at its start
+            last = run[0]
+        before = "" if last is None else tokenizer.decode([last])
+        text = tokenizer.decode(run if last is None else [last] + run)
+        if not text.startswith(before):  # a decoder that does not work piece by piece
+            return _controls_shown(tokenizer.decode(ids))
+        parts.append(text[len(before):])
+        last = run[-1]
+    return _controls_shown("".join(parts))
+
+
+def _bytes_shown(data: bytes) -> str:
+    """UTF-8 `data` as text, each byte that is no part of a character as `<0xNN>`."""
+    text = data.decode("utf-8", errors="surrogateescape")  # stray byte N -> U+DC00 + N
+    return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if "\udc80" <= c <= "\udcff" else c
+                   for c in text)
+
+
+def _controls_shown(text: str) -> str:
+    """Control characters other than newline and tab as their UTF-8 bytes, `<0x0F>`."""
+    return "".join("".join(f"<0x{b:02X}>" for b in c.encode()) if
+                   unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 def encode_for_reward(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import math
 import queue
 import threading
@@ -36,6 +37,8 @@ from ds_ppo import watchdog
 from ds_ppo.errors import RewardError
 from ds_ppo.http_deadline import AnswerTooLarge, Connection, HttpTimeout
 from ds_ppo.redaction import redact_url
+
+log = logging.getLogger("ds_ppo")
 
 BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
 MAX_BODY_BYTES = 8 * 2**20  # an answer's body, decompressed: scores take ~20 bytes per response
@@ -59,7 +62,10 @@ class RewardService:
     one float per response, in row order (the signature of a `reward.function`).
 
     `retries` counts the retried requests of every call so far (for the metric
-    `reward/retries`); the calls themselves are made from this rank only."""
+    `reward/retries`); the calls themselves are made from this rank only. Each retry is
+    logged as it is made (a warning: every rank shows it)."""
+
+    KEY = "reward.url"  # the config key, in messages
 
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
                  timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0,
@@ -142,14 +148,19 @@ class RewardService:
         rank's progress for the watchdog."""
         body = json.dumps(payload, default=str).encode()
         expected = len(payload["responses"])
-        what = "no attempt fitted in the call's deadline"
+        key = self.KEY.partition(".")[0]  # the config section: reward or env
+        what, fix = "no attempt fitted in the call's deadline", ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 pause = backoff_pause(attempt, self.backoff_s)
                 if end is not None and time.monotonic() + pause >= end:
                     raise self._out_of_time(what)
-                if failed.wait(pause):
+                if failed.is_set():
                     break  # the call has failed already: no more tries
+                log.warning("%s = %s: %s (attempt %d of %d); next attempt in %.1f s", self.KEY,
+                            self.shown, what, attempt, self.max_retries + 1, pause)
+                if failed.wait(pause):
+                    break
             timeout = self.timeout_s
             if end is not None:
                 left = end - time.monotonic()
@@ -160,27 +171,29 @@ class RewardService:
             try:  # the whole request, to the answer's last byte, within `timeout`
                 r = session.post(body, timeout, max_bytes=self.max_answer_bytes)
             except HttpTimeout:
-                what = (f"no answer within reward.timeout_s = {self.timeout_s} s"
+                what = (f"no answer within {key}.timeout_s = {self.timeout_s} s"
                         if timeout == self.timeout_s else
                         f"no answer within the {timeout:.1f} s left before the deadline")
+                fix = (f"check that the service answers within {key}.timeout_s, or raise "
+                       f"{key}.timeout_s / {key}.retries")
                 continue
             except AnswerTooLarge as err:
                 raise self._error(f"answered {err}; refused unread", "return a {\"scores\": [...]} body") from None
             except (OSError, http.client.HTTPException) as err:
                 what = f"ConnectionError: {type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
+                fix = f"check that the service is up at that address, or raise {key}.retries"
                 continue
             if r.status >= 500:
                 what = f"HTTP {r.status}: {self._quote(r.text)}"
+                fix = f"check the service's log, or raise {key}.retries"
                 continue
             if r.status != 200:
                 raise self._error(f"answered HTTP {r.status}: {self._quote(r.text)}",
                                   "check the request format (README: reward service contract) "
                                   "and the service's log")
             return Answer(self._parse(r.text, expected), attempt)
-        raise self._error(f"failed {self.max_retries + 1} times (reward.retries = "
-                          f"{self.max_retries}); last: {what}",
-                          "check that the service is up and answers within reward.timeout_s, "
-                          "or raise reward.retries / reward.timeout_s")
+        raise self._error(f"failed {self.max_retries + 1} times ({key}.retries = "
+                          f"{self.max_retries}); last: {what}", fix)
 
     def _out_of_time(self, what: str) -> RewardServiceError:
         return self._error(f"did not answer within the call's deadline of {self.deadline_s:.0f} s "

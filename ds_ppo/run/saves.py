@@ -11,18 +11,15 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import (TrainerState, checkpoint_name, latest_checkpoint,
                                       save_checkpoint, set_rng_state)
 from ds_ppo.engine.roles import Engines
-from ds_ppo.errors import RewardError, RewardTimeout
+from ds_ppo.errors import RewardError
 
 log = logging.getLogger("ds_ppo")
 
 
 def checkpoint_now(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
-    with watchdog.phase("save", state.iteration):
-        path = str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
+    with watchdog.phase("save", state.iteration):  # logs "saved checkpoint ..." (rank 0)
+        return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
                                    cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
-    if dist.is_main():
-        log.info("saved checkpoint %s (iteration %d)", path, state.iteration)
-    return path
 
 
 def stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
@@ -41,14 +38,19 @@ def stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engi
         last = checkpoint_now(cfg, out, engines, state, tokenizer)
     elif latest is not None:
         last = str(latest)
-    where = (f"the last completed iteration's checkpoint is {last}; run the same command again "
-             "to resume from it" if last else "no checkpoint was saved")
-    fix = getattr(err, "fix", None) or (
-        "Find what makes the function hang, or raise reward.timeout_s."
-        if isinstance(err, RewardTimeout) else "Fix the reward source, then resume.")
-    stop = type(err)(f"{err}: stopped ({where}). {fix}")
-    stop.after_update = err.after_update
+    stop = type(err)(stop_message(err, last))
+    stop.after_update, stop.fix = err.after_update, err.fix
     return stop
+
+
+def stop_message(err: RewardError, last: str | None) -> str:
+    """`err` as the run stops with it: where the work is (`last`: the checkpoint to resume
+    from, None when nothing was saved) and what to do (`err.fix`), each said once."""
+    if last:
+        return (f"{err}: stopped (the last completed iteration's checkpoint is {last}). "
+                f"{err.fix}, then run the same command again to resume from it.")
+    return (f"{err}: stopped (no checkpoint was saved). {err.fix}, then run the same command: "
+            "the run starts over.")
 
 
 def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,

@@ -116,12 +116,17 @@ def test_served_task_gives_the_in_process_functions_scores(server):
     assert _service(srv.url, batch_size=2)(prompts, texts) == positive_words(prompts, texts)
 
 
-def test_500_twice_then_success_is_retried_and_counted(server):
+def test_500_twice_then_success_is_retried_logged_and_counted(server, caplog):
     srv = server(lambda body, n: (500, "overloaded") if n <= 2 else
                  positive_words_service(body, n))
-    svc = _service(srv.url, retries=3)
-    assert svc(["p"], ["good"]) == [1.0]
+    svc = _service(srv.url, retries=3, backoff_s=0.1)
+    with caplog.at_level("WARNING", logger="ds_ppo"):
+        assert svc(["p"], ["good"]) == [1.0]
     assert srv.count == 3 and svc.retries == 2
+    # one line per retry as it is made: what failed, the attempt, the wait before the next
+    assert [r.getMessage() for r in caplog.records] == [
+        f"reward.url = {srv.url}: HTTP 500: 'overloaded' (attempt 1 of 4); next attempt in 0.1 s",
+        f"reward.url = {srv.url}: HTTP 500: 'overloaded' (attempt 2 of 4); next attempt in 0.2 s"]
 
 
 def test_5xx_past_retries_stops_naming_url_and_answer(server):
@@ -132,6 +137,8 @@ def test_5xx_past_retries_stops_naming_url_and_answer(server):
     msg = str(e.value)
     assert srv.url in msg and "HTTP 503" in msg and "model is loading" in msg
     assert "reward.retries = 2" in msg
+    # the advice fits the cause: a 5xx is not a timeout
+    assert msg.endswith("check the service's log, or raise reward.retries")
 
 
 def test_slow_server_times_out_after_retries(server):
@@ -142,6 +149,8 @@ def test_slow_server_times_out_after_retries(server):
     assert time.monotonic() - t0 < 0.95  # two 0.2 s attempts, not a 1 s answer
     assert srv.count == 2
     assert "reward.timeout_s = 0.2 s" in str(e.value) and srv.url in str(e.value)
+    assert str(e.value).endswith("check that the service answers within reward.timeout_s, or "
+                                 "raise reward.timeout_s / reward.retries")
 
 
 def test_a_call_gives_up_at_its_deadline_with_the_services_error(server):
@@ -204,16 +213,19 @@ def test_server_down_stops_naming_the_url():
     with pytest.raises(RewardServiceError) as e:
         _service(url, retries=1)(["p"], ["a"])
     assert url in str(e.value) and "ConnectionError" in str(e.value)
+    assert str(e.value).endswith("check that the service is up at that address, or raise "
+                                 "reward.retries")
 
 
-def test_credentials_are_sent_but_never_shown(server):
+def test_credentials_are_sent_but_never_shown(server, caplog):
     srv = server(lambda body, n: (500, "no"))
     url = srv.url.replace("http://", "http://alice:s3cret@")
     assert redact_url(url) == srv.url.replace("http://", "http://***@")
-    with pytest.raises(RewardServiceError) as e:
-        _service(url, retries=0)(["p"], ["a"])
+    with pytest.raises(RewardServiceError) as e, caplog.at_level("WARNING", logger="ds_ppo"):
+        _service(url, retries=1)(["p"], ["a"])
     assert srv.auth[0] and srv.auth[0].startswith("Basic ")  # requests sent them
     assert "s3cret" not in str(e.value) and "alice" not in str(e.value)
+    assert "http://***@" in caplog.text and "s3cret" not in caplog.text  # the retry's line
     with pytest.raises(ConfigError) as e:  # the config error shows the redacted form too
         validate(load_config(None, [f"reward.url={url}"]), 1)
     assert "exactly one" in str(e.value) and "s3cret" not in str(e.value)

@@ -124,12 +124,18 @@ def test_pruning_never_removes_latest_or_the_checkpoint_just_written(tmp_path):
     assert _names(tmp_path) == ["iter_000003", "iter_000005", "iter_000006"]
 
 
-def test_pruning_orders_by_recorded_iteration_not_by_name(tmp_path):
+def test_pruning_orders_by_recorded_iteration_not_by_name(tmp_path, caplog):
     _save(tmp_path, 999_998)
     _save(tmp_path, 999_999)
-    _save(tmp_path, 1_000_000)  # "iter_1000000" sorts before "iter_999998" by name
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        _save(tmp_path, 1_000_000)  # "iter_1000000" sorts before "iter_999998" by name
     assert _names(tmp_path) == ["iter_1000000", "iter_999999"]
     assert latest_checkpoint(tmp_path).name == "iter_1000000"
+    # the save, then each checkpoint pruned: one line each
+    root = tmp_path / "checkpoints"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"saved checkpoint {root / 'iter_1000000'} (iteration 1000000)",
+        f"removed checkpoint {root / 'iter_999998'} (checkpoint.keep_last = 2)"]
 
 
 class _Killed(BaseException):

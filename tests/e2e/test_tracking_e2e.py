@@ -95,6 +95,11 @@ def test_samples_and_evaluations_are_printed_and_kept_beside_mlflow(tracked, cap
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["split"]) for r in rows] == [
         (i, split) for i in (2, 4, 6) for split in ("train",) * 4 + ("eval",) * 4]
+    # the tiny model samples byte-fallback pieces (half its vocabulary): shown by name, never
+    # as U+FFFD or a control character
+    texts = [r["response"] for r in rows]
+    assert not any("\ufffd" in t or any(c < " " and c not in "\n\t" for c in t) for t in texts)
+    assert any("<0x" in t for t in texts)
     client = _client(uri)
     for split, table in (("train", "samples"), ("eval", "eval_samples")):
         path = client.download_artifacts(run_id, f"{table}/iter_000004.json", str(out.parent))

@@ -148,6 +148,22 @@ def test_cut_at_stop_keeps_the_token_completing_the_string(tok):
     assert evaluate("what is 3 + 4 ? 2 * 5") == 10 and evaluate("no numbers") is None
 
 
+@pytest.mark.parametrize("turn, stop, kept", [
+    (" i look at it", "look", " i look"),  # a whole word: cut after it
+    (" she looks away", "look", " she looks away"),  # inside a longer word: no stop
+    (" the outlook is good", "look", " the outlook is good"),  # the word's end, not its start
+    (" we look", "look", " we look"),  # at the turn's end
+    (" look=7", "look", " look"),  # followed by a non-word character
+    (" look=7", "=", " look="),  # no word character at either end: matches anywhere
+    (" looks at look=7", "look", " looks at look"),  # the first whole-word match
+])
+def test_a_stop_string_ending_in_a_word_character_stops_at_a_word_boundary(tok, turn, stop,
+                                                                            kept):
+    ctx = _ids(tok, "what is")
+    cut = cut_at_stop(tok, ctx, _ids(tok, turn), [stop])
+    assert tok.decode(cut) == kept.lstrip() and cut == _ids(tok, turn)[:len(cut)]
+
+
 # ----------------------------------------------------------------- failing environments
 def raises(prompt, actions, answer):
     raise ValueError("the tool crashed")
@@ -197,14 +213,33 @@ class _CalculatorService(BaseHTTPRequestHandler):
     """A stateless calculator over HTTP: replays each episode's actions."""
 
     requests: list = []
+    seen: dict = {}  # requests per first prompt
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _CalculatorService.requests.append((req, self.headers.get("Authorization")))
-        if req["prompts"][0] == "boom":
+        first = req["prompts"][0]
+        n = self.seen[first] = self.seen.get(first, 0) + 1
+        if first == "boom":
             self.send_response(400)
             self.end_headers()
             self.wfile.write(b"bad request: no such tool")
+            return
+        # "down": always a 500; "flaky ...": a 500 for the first two requests of the prompt
+        if first == "down" or (first.startswith("flaky") and n <= 2):
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"the sandbox pool is empty")
+            return
+        if first == "slow":
+            time.sleep(1.0)
+        if first == "nan":
+            body = json.dumps({"steps": [{"observation": None, "reward": float("nan"),
+                                          "done": True}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         steps = []
         for prompt, actions, answer in zip(req["prompts"], req["actions"], req["answer"]):
@@ -326,3 +361,99 @@ def test_a_rank_whose_episodes_ended_keeps_generating_for_an_idle_row(tok, monke
     for a, b in zip(alone[0].__dict__.items(), idle[0].__dict__.items()):
         assert a[0] == b[0]
         assert torch.equal(a[1], b[1]) if isinstance(a[1], torch.Tensor) else a[1] == b[1], a[0]
+
+
+# ----------------------------------------------- failure messages and retries of env.url
+def key_error(prompt, actions, answer):
+    return {"x": 1}["observation"]
+
+
+def _failure(service: str, *overrides: str, prompt: str = "what is 3 + 4 ?") -> EnvFailed:
+    """The EnvFailed of one step of `prompt` against env.url = `service` (or an env.function
+    when an override sets one), retries 1 s apart shortened to 0.05 s."""
+    over = overrides if any(o.startswith("env.function") for o in overrides) else (
+        f"env.url={service}", *overrides)
+    runner = EnvRunner(_cfg(*over).env, ["answer"])
+    if runner.kind == "url":
+        runner.impl.backoff_s = 0.05
+    t0 = time.perf_counter()
+    with pytest.raises(EnvFailed) as err:
+        runner.step(runner.start([prompt], [{"answer": "7"}]), [0], [" ="], 0)
+    assert time.perf_counter() - t0 < 5
+    return err.value
+
+
+@pytest.mark.parametrize("case, says, hung", [
+    ("down", "HTTP 500: 'the sandbox pool is empty'; check the service's log, or raise "
+             "env.retries", False),
+    ("nan", "returned the reward nan; it must be a finite number", False),
+    ("key_error", "raised KeyError: 'observation'", False),
+    ("hangs", "did not return within env.timeout_s = 0.3 s", True),
+    ("slow", "last: no answer within env.timeout_s = 0.3 s; check that the service answers "
+             "within env.timeout_s, or raise env.timeout_s / env.retries", False),
+])
+def test_an_environments_failure_message_fits_its_cause(service, case, says, hung):
+    """Each stop says what failed, the advice for that cause (env.timeout_s only after a
+    timeout) and, once, how to go on: resume from the checkpoint, or start over when none was
+    saved."""
+    from ds_ppo.run.saves import stop_message
+
+    python = {"key_error": "env.function=episode_envs:key_error",
+              "hangs": "env.function=episode_envs:hangs"}
+    overrides = [python[case]] if case in python else []
+    err = _failure(service, *overrides, "env.timeout_s=0.3", "env.retries=1", prompt=case)
+    assert says in str(err)
+    resumed = stop_message(err, "out/checkpoints/iter_000002")
+    fresh = stop_message(err, None)
+    assert resumed.startswith(str(err))
+    hint = "Find what makes the environment hang, or raise env.timeout_s" if hung else \
+        "Fix the environment"
+    assert resumed.endswith(f"stopped (the last completed iteration's checkpoint is "
+                            f"out/checkpoints/iter_000002). {hint}, then run the same command "
+                            "again to resume from it.")
+    assert fresh.endswith(f"stopped (no checkpoint was saved). {hint}, then run the same "
+                          "command: the run starts over.")
+    for text in (resumed, fresh):
+        assert text.count("run the same command") == 1
+        assert ("timeout_s" in text) == (case in ("hangs", "slow"))
+    assert "resume" not in fresh
+
+
+def test_a_failure_before_any_checkpoint_says_the_run_starts_over(service, tmp_path):
+    """Iteration 1 fails: nothing is saved (no engines are touched) and the message says so."""
+    from ds_ppo.engine.checkpoint import TrainerState
+    from ds_ppo.run.saves import stop_on_reward_error
+
+    err = _failure(service, "env.retries=0", prompt="down")
+    cfg = load_config(None, [f"output_dir={tmp_path}"])
+    stop = stop_on_reward_error(err, cfg, tmp_path, None, TrainerState(iteration=0), None, None)
+    assert isinstance(stop, EnvFailed) and not (tmp_path / "checkpoints").exists()
+    assert str(stop).endswith("stopped (no checkpoint was saved). Fix the environment, then run "
+                              "the same command: the run starts over.")
+
+
+def test_env_url_retries_are_logged_as_they_happen_and_counted(service, tok, monkeypatch,
+                                                               caplog):
+    """A service that fails twice then answers: two warning lines (what failed, attempt k of
+    n, the wait), the episode goes on, and the rollout counts 2 retries (metric env/retries)."""
+    from ds_ppo.metrics import Accumulator
+    from ds_ppo.ppo.episodes import add_episode_metrics
+    from ds_ppo.rewards import service as service_module
+
+    monkeypatch.setattr(service_module, "backoff_pause", lambda attempt, backoff_s: 0.1 * attempt)
+    cfg = _cfg(f"env.url={service}", "env.retries=3")
+    eos, seven = tok.eos_token_id, _ids(tok, "7")[-1]
+    with caplog.at_level("WARNING", logger="ds_ppo"):
+        rollout, _, stats, _, _ = _episodes(tok, monkeypatch, cfg, ["flaky: what is 3 + 4 ?"],
+                                            ["7"], [[[seven, eos]]])
+    lines = [r.getMessage() for r in caplog.records if "env.url" in r.getMessage()]
+    host = service.split("@")[1]
+    assert lines == [f"env.url = http://***@{host}: HTTP 500: 'the sandbox pool is empty' "
+                     f"(attempt {k} of 4); next attempt in {0.1 * k:.1f} s" for k in (1, 2)]
+    assert rollout.turn_rewards.sum().item() > 0 and stats.retries == 2
+    acc = Accumulator()
+    add_episode_metrics(acc, stats)
+    assert acc.reduce()["env/retries"] == 2.0
+    python = _episodes(tok, monkeypatch, _cfg("env.function=ds_ppo.envs.calculator:Calculator"),
+                       ["what is 3 + 4 ?"], ["7"], [[[seven, eos]]])[2]
+    assert python.retries is None  # no env/retries for a Python environment

@@ -171,3 +171,23 @@ def test_working_batch_sizes_fit_every_rule():
                                      {"rollout_batch_size": rollout, "mini_batch_size": mini,
                                       "micro_batch_size": micro, **fix}.items()])
             validate(cfg, world)
+
+
+def test_the_help_says_in_one_sentence_every_command(capsys):
+    """`ds-ppo --help` opens with a complete sentence naming every sub-command (bench too)."""
+    import argparse
+
+    from ds_ppo.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    description = " ".join(text.split("\n\n")[1].split())  # after the usage, before the options
+    assert description.startswith("RLHF for language models") and description.endswith(".")
+    assert description.count(".") == 1  # one sentence
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = list(sub.choices)
+    assert "bench" in names and len(names) >= 10
+    listed = description.split("the commands ")[1].split(" (")[0]
+    assert listed == ", ".join(names[:-1]) + " and " + names[-1]

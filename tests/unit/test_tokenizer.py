@@ -362,3 +362,59 @@ def test_reward_template_that_rejects_a_chat_is_a_clear_error(tiny, unigram_dir)
     with pytest.raises(UserError, match=r"reward.tokenizer's chat template cannot render row 0's "
                        r"messages \(roles system, user, assistant\): .*System role not supported"):
         encode_rollout_for_reward(reward, rollout, max_len=64)
+
+
+def test_sample_responses_show_stray_bytes_and_control_characters_by_name(tiny):
+    """The samples tables' text: byte-fallback pieces that form no character (decoded: U+FFFD)
+    or a control character appear as `<0xNN>`; a valid byte sequence, newlines, tabs and every
+    other piece read as the decoded text does."""
+    from ds_ppo.containers import Rollout
+    from ds_ppo.data.prompts import left_pad
+    from ds_ppo.rewards.encode import readable_responses
+
+    vocab = tiny.get_vocab()
+
+    def ids(text):
+        return tiny(text, add_special_tokens=False).input_ids
+
+    def byte(*values):
+        return [vocab[f"<0x{v:02X}>"] for v in values]
+
+    prompts = [ids("the cat"), ids("we love"), ids("you are")]
+    responses = [ids(" good") + byte(0xE3, 0x0F) + ids(" happy") + byte(0xC3, 0xA9) + ids(" day")
+                 + byte(0xC3) + [tiny.eos_token_id],
+                 byte(0x0F) + ids(" love") + byte(0x0A, 0x09) + ids("fun"),
+                 ids(" nice and\ttabs\nnew")]
+    lossy = decode_responses(tiny, prompts, responses)[1]
+    assert "\ufffd" in lossy[0] and "\x0f" in lossy[1]  # what decoding makes of them
+    p_ids, p_mask = left_pad(prompts, tiny.pad_token_id)
+    r_ids, mask = left_pad(responses, tiny.pad_token_id)  # the layout does not matter here
+    rollout = Rollout(prompt_ids=p_ids, prompt_mask=p_mask.bool(), response_ids=r_ids,
+                      mask=mask.bool(), ended=torch.ones(3, dtype=torch.bool),
+                      prompts=["the cat", "we love", "you are"], responses=lossy,
+                      prompt_lens=[len(p) for p in prompts],
+                      response_lens=[len(r) for r in responses], extras=[{}, {}, {}])
+    shown = readable_responses(tiny, rollout, 3)
+    assert shown == [" good<0xE3><0x0F> happyé day<0xC3>", "<0x0F> love\n\t fun",
+                     " nice and\ttabs\nnew"]
+    assert shown[2] == lossy[2]  # nothing to show differently: the decoded text
+    assert readable_responses(tiny, rollout, 1) == shown[:1]
+
+
+def test_readable_text_equals_the_decoded_text_when_nothing_is_lost(tiny):
+    """Any pieces, with byte runs that form characters (é = <0xC3><0xA9>), anywhere (first
+    too): the samples' text is exactly what decoding gives."""
+    import random
+
+    from ds_ppo.rewards.encode import _readable
+
+    vocab = tiny.get_vocab()
+    plain = [i for p, i in vocab.items()
+             if not p.startswith("<0x") and i not in tiny.all_special_ids]
+    e_acute = [vocab["<0xC3>"], vocab["<0xA9>"]]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = []
+        for _ in range(rng.randint(1, 30)):
+            ids += e_acute if rng.random() < 0.2 else [rng.choice(plain)]
+        assert _readable(tiny, ids) == tiny.decode(ids, skip_special_tokens=True), ids
