@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -62,6 +63,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     _check_lora_request(ckpt, lora_bases, with_value, adapter_only)
     if verify:
         verify_files(ckpt, "export", export_reads(ckpt, with_value))
+    else:
+        print(f"ds-ppo export: --no-verify: the files of {ckpt} are NOT checked against its "
+              "manifest (a damaged file may be exported as wrong weights)", file=sys.stderr,
+              flush=True)
     problem = source_problem(ckpt, with_value, lora_bases, adapter_only)
     if problem is not None:
         raise unusable(ckpt, *problem, command="export")

@@ -30,6 +30,7 @@ from ds_ppo.config import Config, job_accum_steps
 from ds_ppo.data.prompts import PromptSampler
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import TrainerState, find_resume, load_checkpoint, read_state
+from ds_ppo.engine.checkpoint_files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import ConfigError, Diverged
 from ds_ppo.metrics import Accumulator
@@ -80,10 +81,12 @@ def run_job(cfg: Config, job: Job) -> TrainResult:
     lock_output_dir(out)
     section = getattr(cfg, job.name)
 
-    # step 0. data, then the model (a bad dataset fails before any model loads)
+    # step 0. data, then the model (a bad dataset fails before any model loads; an export of
+    # ours it starts from is checked before its tokenizer loads)
+    verify_model_paths({"policy.path": cfg.policy.path}, cfg.checkpoint.verify)
     tokenizer, data, eval_data = _load_data(cfg, job, out)
     total = total_steps(section, len(data))
-    resume_from = find_resume(cfg.output_dir, cfg.resume)
+    resume_from = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
     tracker = _open_tracker(cfg, resume_from)
     engines = init_job_engines(cfg, job.name, tokenizer, device, total)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)

@@ -19,6 +19,7 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, ensure_universal,
                                       find_resume, load_checkpoint, read_state, rng_state)
+from ds_ppo.engine.checkpoint_files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
@@ -132,6 +133,10 @@ def _start_process(cfg: Config) -> tuple[torch.device, Path]:
 def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     """Data, environment, tracking, engines and the trainer state, fresh or resumed; each part
     that can fail without a model fails before any model loads."""
+    # our own exports (output_dir/final of an earlier run): checked before their tokenizers load
+    verify_model_paths({"policy.path": cfg.policy.path, "value.path": cfg.value.path,
+                        "reference.path": cfg.reference.path, "reward.model": cfg.reward.model},
+                       cfg.checkpoint.verify)
     tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
     env = _environment(cfg)  # an env that does not import fails before models load
     resume_from, universal = _find_resume(cfg)
