@@ -313,7 +313,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
     else:
         # a different world size: there is no saved stream for this rank; reseed deterministically
         # (the ranks of an SP group share their data-parallel rank's stream)
-        torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.dp_rank())
+        # modulo 2**64: the value torch.manual_seed takes a negative or large seed as
+        torch.manual_seed((state.seed * 7919 + state.iteration * 31 + dist.dp_rank()) % 2**64)
         log.warning("world size or sequence-parallel size changed (%d -> %d ranks, SP %d -> %d)"
                     ": RNG streams reseeded", state.world_size, dist.world_size(),
                     state.sequence_parallel_size, dist.sp_size())
