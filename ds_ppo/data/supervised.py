@@ -283,6 +283,9 @@ def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | Non
             c = _pair_ids(tokenizer, chosen[i], r.chosen_key, p)
             j = _pair_ids(tokenizer, rejected[i], r.rejected_key, p)
             m = _margin(margins[i], r.margin_key) if margins is not None else None
+            if c == j:  # the loss is log 2 whatever the model: nothing to learn, a tie to score
+                raise _Bad(f"columns {r.chosen_key!r} and {r.rejected_key!r} are the same "
+                           "answer (a pair must prefer one answer to another)")
         except _Bad as e:
             bad.append(f"{table.where[i]}: {e}")
             continue
