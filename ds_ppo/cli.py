@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
 
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = load_config(args.config, args.overrides)
-    _hide_secrets([cfg.reward.url, cfg.tracking.uri])
+    _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
     validate(cfg, world_size_from_env())
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
         for warning in config_warnings(cfg, world_size_from_env()):
@@ -127,8 +127,13 @@ def _config(args: argparse.Namespace) -> int:
     if args.describe:
         print("\n".join(describe()))
         return 0
+    from ds_ppo.redaction import redact_tree
+
+    _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = load_config(args.config, args.overrides)
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
+    # as the run shows it (its MLflow params, config.yaml): no password, no query token
+    print(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), end="")
     return 0
 
 
