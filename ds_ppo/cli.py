@@ -83,6 +83,11 @@ def _job(args: argparse.Namespace) -> int:
         missing = missing_paths(cfg, job=args.command)
         if missing:
             raise ConfigError("\n  ".join(["local paths that do not exist:", *missing]))
+        from ds_ppo.data.supervised import check_rows
+
+        check_rows(cfg, args.command)  # the rows, read and checked as the job reads them
+        if cfg.data.eval_split is not None:
+            check_rows(cfg, args.command, cfg.data.eval_split)
         print(f"config OK for world size {world_size_from_env()}")
         return 0
     from ds_ppo.run.job_loop import run_job
