@@ -99,8 +99,8 @@ def _need_columns(table, names: list[str], what: str) -> None:
                         f"its columns are: {', '.join(map(repr, table.columns)) or '(none)'}")
 
 
-def _text(value: Any, key: str) -> str:
-    why = "missing" if value is MISSING else check_text(value, key)
+def _text(value: Any, key: str, what: str = "prompt") -> str:
+    why = "missing" if value is MISSING else check_text(value, key, what)
     if why == "missing":
         raise _Bad(f"missing column {key!r}")
     if why is not None:
@@ -127,7 +127,8 @@ def _prompt_ids(tokenizer, value: Any, key: str) -> list[int]:
 
 def _answer_ids(tokenizer, value: Any, key: str) -> list[int]:
     """A completion / answer after a prompt: its tokens alone, then the EOS."""
-    return _encode(tokenizer, _text(value, key), specials=False) + [tokenizer.eos_token_id]
+    text = _text(value, key, "answer")
+    return _encode(tokenizer, text, specials=False) + [tokenizer.eos_token_id]
 
 
 def chat_ids(tokenizer, value: Any, key: str) -> tuple[list[int], list[bool]]:
@@ -274,11 +275,13 @@ def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
             elif job == "sft" or paired:
                 _prompt_shape(cells[0], d.prompt_key)
                 for k, v in zip(keys[1:], cells[1:]):
-                    _text(v, k)
+                    _text(v, k, "answer")
             else:
                 for k, v in zip(keys, cells):
-                    check = _chat_shape if isinstance(v, list) else _text
-                    check(v, k)
+                    if isinstance(v, list):
+                        _chat_shape(v, k)
+                    else:
+                        _text(v, k, "answer")
             if job == "rm":
                 if margins is not None:
                     _margin(margins[i], cfg.rm.margin_key)
@@ -330,7 +333,7 @@ def _pair_ids(tokenizer, cell: Any, key: str, prompt: list[int] | None) -> list[
     if isinstance(cell, list):  # a whole chat, scored with its EOS
         ids, _ = chat_ids(tokenizer, cell, key)
         return ids if ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-    return _encode(tokenizer, _text(cell, key), specials=True) + [tokenizer.eos_token_id]
+    return _encode(tokenizer, _text(cell, key, "answer"), specials=True) + [tokenizer.eos_token_id]
 
 
 def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None = None

@@ -38,8 +38,8 @@ def _not_unicode(text: str, where: str) -> str | None:
         "not valid Unicode text (an unpaired \\uD8xx-\\uDFxx escape?)")
 
 
-def check_text(value: Any, key: str) -> str | None:
-    """Why a plain-text prompt is bad, or None."""
+def check_text(value: Any, key: str, what: str = "prompt") -> str | None:
+    """Why a plain-text cell (a prompt, or `what`: a completion, an answer) is bad, or None."""
     if value is MISSING:
         return None  # reported by the caller, which knows the row's columns
     if value is None:
@@ -47,7 +47,7 @@ def check_text(value: Any, key: str) -> str | None:
     if not isinstance(value, str):
         return f"column {key!r} must be a string, got {describe_value(value)}"
     if not value.strip():
-        return f"column {key!r} is an empty prompt"
+        return f"column {key!r} is an empty {what}"
     return _not_unicode(value, f"column {key!r}")
 
 

@@ -178,7 +178,8 @@ SFT_ROWS = '{"prompt": "hi", "completion": "there"}\n'
 BAD_DATA = [
     # (job, file content, the run's words for it)
     ("sft", '{"prompt": "hi", "answer": "there"}\n', "no column 'messages'"),
-    ("sft", SFT_ROWS + '{"prompt": "hi", "completion": ""}\n', "line 2"),
+    ("sft", SFT_ROWS + '{"prompt": "hi", "completion": " "}\n',
+     "line 2: column 'completion' is an empty answer"),
     ("sft", SFT_ROWS.encode() + b'{"prompt": "hi", "completion": "th\xffere"}\n', "line 2"),
     ("sft", '{"messages": [{"role": "user", "content": "hi"}]}\n', "no assistant message"),
     ("rm", '{"prompt": "p", "chosen": "a", "rejected": "a"}\n', "are the same answer"),

@@ -146,6 +146,12 @@ def test_pairs_with_prompt_margin_and_chat_forms(tmp_path, tok):
         load_pairs(_cfg(_write(tmp_path / "x.jsonl", [{"chosen": "a"}])), tok)
 
 
+def test_an_empty_completion_is_named_as_one(tmp_path, tok):
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "hi", "completion": "  "}])
+    with pytest.raises(DataError, match="line 1: column 'completion' is an empty answer"):
+        load_sft(_cfg(path), tok)
+
+
 def test_a_pair_whose_answers_are_the_same_is_a_bad_row(tmp_path, tok):
     """chosen == rejected teaches nothing (log 2 whatever the model) and would score as a tie:
     a bad row (data.on_bad_row), named; all-identical data is refused, not trained on."""
