@@ -97,6 +97,9 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda x: (x[0], x[1].name))
 
 
+_WARNED: set[tuple] = set()  # the fallbacks `latest_checkpoint` has warned of in this process
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint a run continues from: the one `latest` names; when `latest` is missing,
     garbled or names no directory, the newest complete checkpoint (with a warning). None when
@@ -115,8 +118,11 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
         why = ("is missing" if not pointer.exists() else
                f"names {named.name}, which does not exist" if named is not None else
                "is unreadable")
-        log.warning("%s %s: continuing from the newest complete checkpoint, %s", pointer, why,
-                    done[-1][1])
+        # once per job: several steps of a start ask, on every rank
+        if (pointer, why, done[-1][1]) not in _WARNED and os.environ.get("RANK", "0") == "0":
+            _WARNED.add((pointer, why, done[-1][1]))
+            log.warning("%s %s: continuing from the newest complete checkpoint, %s", pointer,
+                        why, done[-1][1])
         return done[-1][1]
     if pointer.exists() or any(_NAME.fullmatch(p.name) for p in root.glob("iter_*")):
         raise CheckpointError(f"{root} holds no usable checkpoint (no iter_* directory with a "

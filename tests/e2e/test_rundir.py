@@ -86,6 +86,20 @@ def test_garbled_latest_continues_from_newest_complete_checkpoint(tmp_path, capl
     assert "unreadable" in caplog.text
 
 
+def test_a_latest_fallback_is_warned_of_once_per_job(tmp_path, caplog, monkeypatch):
+    """A start asks for the latest checkpoint several times (the finished-run check, the
+    estimator check, the resume, the final save), on every rank: one line, from rank 0."""
+    _save(tmp_path, 1)
+    (tmp_path / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="ds_ppo"):
+        latest_checkpoint(tmp_path)
+        monkeypatch.setenv("RANK", "0")
+        for _ in range(4):
+            assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_000001"
+    assert caplog.text.count("is unreadable: continuing from") == 1, caplog.text
+
+
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "iter_000004").mkdir(parents=True)
