@@ -3,8 +3,8 @@
 Each rank records the phase it is in (generation, scoring, reward call, update, save, export,
 ...: the iteration and the micro-batch) and its progress (a new phase or micro-batch). A daemon
 thread writes that record, with a beat counter, into the job's store (the TCPStore the ranks
-met through) every `beat_s` seconds and at once when the rank enters or leaves a phase, and a rank that made progress within `limit_s` adds 1 to a
-shared counter. When a rank has made no progress for `limit_s` (a collective some rank never
+met through) every `beat_s` seconds and at once when the rank enters or leaves a phase, and a
+rank that made progress within `limit_s` adds 1 to a shared counter. When a rank has made no progress for `limit_s` (a collective some rank never
 joins, a deadlock, a call that never returns) and the counter stands still (no rank is making
 progress: a rank that is merely slower, e.g. in a longer generation, keeps the others waiting
 without a false alarm), or a collective fails under it, or another rank has declared a hang, the
