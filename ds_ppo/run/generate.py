@@ -51,7 +51,9 @@ def check_files(path: Path, verify: bool = True) -> None:
 
     from ds_ppo.engine.checkpoint_files import is_export, verify_export, verify_files
 
-    ckpt = path.parent if (path.parent / "trainer_state.json").is_file() else None
+    # a checkpoint's hf/: known by either of its two records (deleting one switches nothing off)
+    ckpt = path.parent if any((path.parent / f).is_file()
+                              for f in ("trainer_state.json", "manifest.json")) else None
     if not verify:
         print(f"ds-ppo generate: --no-verify: the files of {path} are NOT checked against "
               "their manifest (a damaged file may give wrong text)", file=sys.stderr, flush=True)

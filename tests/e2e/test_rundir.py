@@ -313,6 +313,9 @@ def test_generate_checks_a_lora_checkpoint_adapter(tmp_path):
                                    "changed since it was saved")
     assert str(e.value).endswith(f"generate from the newest checkpoint that verifies: "
                                  f"ds-ppo generate --model {good}")
+    (path.parent / "trainer_state.json").unlink()  # the other record: still checked
+    with pytest.raises(CheckpointError, match="trainer_state.json is missing"):
+        check_files(path)
 
 
 def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):
