@@ -318,6 +318,33 @@ def test_generate_checks_a_lora_checkpoint_adapter(tmp_path):
         check_files(path)
 
 
+def test_a_lora_merge_checks_its_base_when_that_is_an_export(tmp_path):
+    """`ds-ppo export` of a LoRA policy merges the adapter into its base: a base that is a
+    ds_ppo export (e.g. an SFT run's final/) is checked against its manifest first."""
+    from ds_ppo.engine import manifest
+    from ds_ppo.engine.export import write_marker
+    from ds_ppo.errors import CheckpointError
+    from ds_ppo.run.export import export_checkpoint
+
+    base = tmp_path / "sft_final"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    write_marker(base, "sft", torch.bfloat16, False)
+    path = _save(tmp_path / "run", 1)
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["lora_bases"] = {"policy": {"path": str(base), "fingerprint": "x"}}
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    (path / "manifest.json").unlink()
+    manifest.write_share(path, 0, 1)
+    manifest.merge(path)
+    weights = base / "model.safetensors"
+    weights.write_bytes(b"\x00" * 16 + weights.read_bytes()[16:])
+    with pytest.raises(CheckpointError, match=f"the LoRA policy's base model {base} is unusable: "
+                                              f"{weights} has changed since it was saved"):
+        export_checkpoint(path, tmp_path / "out", torch.bfloat16)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):
     path = _save(tmp_path, 1)
     (path / "rng" / "rank_00000.pt").unlink()
