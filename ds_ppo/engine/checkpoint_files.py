@@ -174,7 +174,8 @@ def unusable(path: Path, file: Path, what: str, fallback: Path | None | bool = T
     elif command == "resume":
         fix = f"there is no earlier checkpoint: move {path} away to start fresh"
     else:
-        fix = f"there is no earlier checkpoint to {command}"
+        fix = "there is no earlier checkpoint to " + ("generate from" if command == "generate"
+                                                      else "export")
     return CheckpointError(f"checkpoint {path} is unusable: {file} {what}. To continue, {fix}")
 
 
