@@ -49,7 +49,7 @@ def _train(args: argparse.Namespace) -> int:
 
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = _load(args)
-    _hide_secrets([cfg.reward.url, cfg.tracking.uri])
+    _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
     validate(cfg, _world_size(args))
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
         for warning in config_warnings(cfg, _world_size(args)):
@@ -116,6 +116,11 @@ def _job(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems[0] if len(problems) == 1 else
                               "\n  ".join([f"{len(problems)} problems:", *problems]))
+        from ds_ppo.data.supervised import check_rows
+
+        check_rows(cfg, args.command)  # the rows, read and checked as the job reads them
+        if cfg.data.eval_split is not None:
+            check_rows(cfg, args.command, cfg.data.eval_split)
         print(f"config OK for world size {_world_size(args)}")
         return 0
     from ds_ppo.run.preemption import Preempted
@@ -156,8 +161,13 @@ def _config(args: argparse.Namespace) -> int:
     if args.describe:
         print("\n".join(describe()))
         return 0
+    from ds_ppo.redaction import redact_tree
+
+    _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
     cfg = _load(args)
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
+    # as the run shows it (its MLflow params, config.yaml): no password, no query token
+    print(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), end="")
     return 0
 
 

@@ -3,8 +3,8 @@
 Each rank records the phase it is in (generation, scoring, reward call, update, save, export,
 ...: the iteration and the micro-batch) and its progress (a new phase or micro-batch). A daemon
 thread writes that record, with a beat counter, into the job's store (the TCPStore the ranks
-met through) every `beat_s` seconds, and a rank that made progress within `limit_s` adds 1 to a
-shared counter. When a rank has made no progress for `limit_s` (a collective some rank never
+met through) every `beat_s` seconds and at once when the rank enters or leaves a phase, and a
+rank that made progress within `limit_s` adds 1 to a shared counter. When a rank has made no progress for `limit_s` (a collective some rank never
 joins, a deadlock, a call that never returns) and the counter stands still (no rank is making
 progress: a rank that is merely slower, e.g. in a longer generation, keeps the others waiting
 without a false alarm), or a collective fails under it, or another rank has declared a hang, the
@@ -87,6 +87,7 @@ class Watchdog:
         self._seq = 0
         self._lock, self._fire_lock = threading.Lock(), threading.Lock()
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # a new phase: beat it at once, not at the next beat
         self._thread: threading.Thread | None = None
         self._stuck: threading.Thread | None = None
         self._alive = (-1, time.monotonic())  # the shared counter's value, when it last moved
@@ -104,12 +105,14 @@ class Watchdog:
             limit = self.limit_s if limit_s is _UNSET else limit_s
             self._stack.append(_Phase(name, iteration, limit))
             self._progress_at = time.monotonic()
+        self._wake.set()
         try:
             yield
         finally:
             with self._lock:
                 self._stack.pop()
                 self._progress_at = time.monotonic()
+            self._wake.set()
 
     def at(self, name: str, iteration: int | None = None) -> None:
         """Set the loop's own position (the record under any `phase`), counted as progress."""
@@ -122,6 +125,7 @@ class Watchdog:
             else:
                 self._stack.append(record)
             self._progress_at = time.monotonic()
+        self._wake.set()
 
     def progress(self, micro: int | None = None) -> None:
         """Progress inside the current phase (a micro-batch, a generate call)."""
@@ -145,12 +149,24 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.beat_s)
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.beat_s):
+        """Beat every beat_s, and at once when the rank enters or leaves a phase (so the
+        record another rank reads when this one stops is its phase, not the one before);
+        the checks keep the beat_s period."""
+        due = time.monotonic() + self.beat_s
+        while True:
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            if self._stopped.is_set():
+                return
+            self._wake.clear()
             self._beat()
+            if woken and time.monotonic() < due:
+                continue
+            due = time.monotonic() + self.beat_s
             declared = self._declared()
             if declared is not None:
                 self.fire(f"rank {declared} saw a hang")

@@ -37,7 +37,9 @@ def reward_centering(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tens
 
 
 def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-pair statistics, summed: `correct` (pairs whose chosen answer scores higher) and
-    `margin` (sum of r_chosen - r_rejected); () float64 each, for a global mean by pair count."""
+    """Per-pair statistics, summed: `correct` (pairs whose chosen answer scores higher), `ties`
+    (pairs scored exactly equal: neither right nor wrong) and `margin` (sum of r_chosen -
+    r_rejected); () float64 each, for a global mean by pair count."""
     diff = (chosen.float() - rejected.float()).detach().double()
-    return {"correct": (diff > 0).double().sum(), "margin": diff.sum()}
+    return {"correct": (diff > 0).double().sum(), "ties": (diff == 0).double().sum(),
+            "margin": diff.sum()}

@@ -60,7 +60,8 @@ class RMConfig(SupervisedJob):
         "chosen", description="Column holding the preferred answer: text after the prompt "
         "(data.prompt_key), or, without a prompt column, a whole chat (messages) or text.")
     rejected_key: str = Field("rejected", description="Column holding the other answer, in the "
-                              "same form as chosen_key.")
+                              "same form as chosen_key; a row where it equals chosen_key's is a "
+                              "bad row (data.on_bad_row).")
     margin_key: str | None = Field(
         None, description="Optional column of a number per pair: the loss becomes "
         "-log sigmoid(r_chosen - r_rejected - margin) (Llama 2's margin loss); null: no margin.")

@@ -45,6 +45,19 @@ def placeholder_problem(cfg: Config, sections: tuple[str, ...] | None = None) ->
                           "setting is checked):", *placeholders(cfg, sections)])
 
 
+def ptx_problems(cfg: Config) -> list[str]:
+    """data.ptx_path's rows, read and checked as the run reads them (with ppo.ptx_coef > 0)."""
+    if cfg.ppo.ptx_coef <= 0 or cfg.data.ptx_path is None:
+        return []
+    from ds_ppo.data.validate import read_ptx
+
+    try:
+        read_ptx(cfg.data.ptx_path, cfg.data.ptx_format, cfg.data.prompt_key)
+    except DataError as e:
+        return [str(e)]
+    return []
+
+
 def preflight(cfg: Config, paths: bool = False) -> None:
     """Raise one ConfigError listing every problem found: local paths that do not exist (with
     `paths`, the dry run), missing data columns, a reward function that cannot be imported or
@@ -57,6 +70,8 @@ def preflight(cfg: Config, paths: bool = False) -> None:
                     or is_placeholder(cfg.data.path))
     columns = [] if data_missing else data_column_problems(cfg)
     problems += columns
+    if paths and not any(p.startswith("data.ptx_path ") for p in problems):
+        problems += ptx_problems(cfg)
     keys_ok = not any("(data.reward_keys)" in p for p in columns)
     if cfg.reward.function is not None and keys_ok:
         from ds_ppo.rewards.call import load_reward_function

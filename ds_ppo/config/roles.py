@@ -159,6 +159,6 @@ class RewardConfig(Section):
         "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
         "reward.url: the limit of one whole request, from connecting to the answer's last byte "
         "(then retried; an answer over 16 MiB stops the run); null: no limit.")
-    retries: int = Field(3, ge=0, description="reward.url: retries of a request after a "
+    retries: int = Field(3, ge=0, le=1000, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")

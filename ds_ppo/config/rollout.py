@@ -120,8 +120,8 @@ class EnvConfig(Section):
     concurrency: int = Field(16, gt=0, description="Environment calls in flight at once on "
                              "each rank (Python: worker threads; env.url: requests).")
     batch_size: int = Field(64, gt=0, description="env.url: episodes per request.")
-    retries: int = Field(3, ge=0, description="env.url: retries of a request after a connection "
-                         "error, a timeout or a 5xx answer (back-off 1, 2, 4... s).")
+    retries: int = Field(3, ge=0, le=1000, description="env.url: retries of a request after a "
+                         "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s).")
 
     @property
     def enabled(self) -> bool:

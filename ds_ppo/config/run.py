@@ -61,7 +61,8 @@ class CheckpointConfig(Section):
         "signal (a second Ctrl-C aborts at once).")
     verify: bool = Field(
         True, description="Write a manifest (every file's size and CRC-32) into each checkpoint "
-        "and check it on resume and in `ds-ppo export`: a damaged, cut or missing file is named, "
-        "with the newest checkpoint that verifies. Costs one read of the checkpoint's files at "
-        "each save and resume, spread over the ranks (docs/CHECKPOINTS.md); false skips both, "
-        "for very large checkpoints on slow storage.")
+        "and into output_dir/final, and check it on resume, in `ds-ppo export` and when a "
+        "model path (policy.path, reward.model, ...) is a ds_ppo export: a damaged, cut or "
+        "missing file is named, with the newest checkpoint that verifies. Costs one read of the "
+        "checkpoint's files at each save and resume, spread over the ranks "
+        "(docs/CHECKPOINTS.md); false skips both, for very large checkpoints on slow storage.")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ds_ppo.containers import Rollout
-from ds_ppo.data.readers import MISSING, read_table
 from ds_ppo.data.sampler import PromptSampler
+from ds_ppo.data.validate import read_ptx
 from ds_ppo.errors import DataError
 
 
@@ -39,22 +39,7 @@ def load_ptx(path: str, fmt: str, prompt_key: str, max_len: int, tokenizer) -> P
     """Read and tokenise data.ptx_path: rows of `text`, or of prompt_key + `completion`. A row is
     at most max_len tokens (a text keeps its start; a prompt keeps its end, the completion its
     start). Raises DataError naming the file, row and column of a bad row."""
-    table = read_table(path, fmt, "train")
-    if table.broken:
-        i, why = next(iter(table.broken.items()))
-        raise DataError(f"data.ptx_path {table.source}: {table.where[i]}: {why}")
-    text_mode = "text" in table.columns
-    keys = ["text"] if text_mode else [prompt_key, "completion"]
-    if not text_mode and not set(keys) <= set(table.columns):
-        raise DataError(f"data.ptx_path {table.source}: rows need a `text` column, or "
-                        f"`{prompt_key}` (data.prompt_key) and `completion`; found columns "
-                        f"{table.columns}")
-    columns = [table.column(k) for k in keys]
-    for k, col in zip(keys, columns):
-        for i, v in enumerate(col):
-            if v is MISSING or not isinstance(v, str) or not v:
-                raise DataError(f"data.ptx_path {table.source}: {table.where[i]}: column {k!r} "
-                                f"must be a non-empty string, got {v!r:.60}")
+    table, text_mode, columns = read_ptx(path, fmt, prompt_key)  # every row checked
     eos = tokenizer.eos_token_id
     prompts, targets = [], []
     if text_mode:

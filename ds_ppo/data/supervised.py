@@ -99,8 +99,8 @@ def _need_columns(table, names: list[str], what: str) -> None:
                         f"its columns are: {', '.join(map(repr, table.columns)) or '(none)'}")
 
 
-def _text(value: Any, key: str) -> str:
-    why = "missing" if value is MISSING else check_text(value, key)
+def _text(value: Any, key: str, what: str = "prompt") -> str:
+    why = "missing" if value is MISSING else check_text(value, key, what)
     if why == "missing":
         raise _Bad(f"missing column {key!r}")
     if why is not None:
@@ -127,7 +127,8 @@ def _prompt_ids(tokenizer, value: Any, key: str) -> list[int]:
 
 def _answer_ids(tokenizer, value: Any, key: str) -> list[int]:
     """A completion / answer after a prompt: its tokens alone, then the EOS."""
-    return _encode(tokenizer, _text(value, key), specials=False) + [tokenizer.eos_token_id]
+    text = _text(value, key, "answer")
+    return _encode(tokenizer, text, specials=False) + [tokenizer.eos_token_id]
 
 
 def chat_ids(tokenizer, value: Any, key: str) -> tuple[list[int], list[bool]]:
@@ -233,6 +234,84 @@ def load_sft(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None 
     return out
 
 
+def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
+    """`--dry-run`: the rows `load_sft` / `load_pairs` would read (job "sft" or "rm"), checked as
+    they check them but without a tokenizer (no torch, no transformers): the columns, rows that
+    do not read (not UTF-8, malformed JSON), cells that are not text, malformed chats, a chat
+    without an assistant turn, margins that are not numbers, pairs whose answers are the same.
+    Token counts (rows longer than max_len, chat templates) are the real start's.
+
+    Raises:
+        DataError: what the loader would raise (with data.on_bad_row=error, the first bad row;
+            with skip, a split with no row left).
+    """
+    d = cfg.data
+    table, rows = _open_split(cfg, split)
+    if job == "sft":
+        paired = cfg.sft.completion_key in table.columns
+        keys = ([d.prompt_key, cfg.sft.completion_key] if paired else [d.messages_key])
+        if paired:
+            _need_columns(table, [d.prompt_key], "data.prompt_key, with sft.completion_key")
+        else:
+            _need_columns(table, keys, f"data.messages_key; or {cfg.sft.completion_key!r} "
+                          "(sft.completion_key) with a prompt column")
+    else:
+        r = cfg.rm
+        _need_columns(table, [r.chosen_key, r.rejected_key] + ([r.margin_key] if r.margin_key
+                                                               else []),
+                      "rm.chosen_key, rm.rejected_key, rm.margin_key")
+        paired = d.prompt_key in table.columns
+        keys = ([d.prompt_key] if paired else []) + [r.chosen_key, r.rejected_key]
+    columns = {k: table.column(k) for k in keys}
+    margins = table.column(cfg.rm.margin_key) if job == "rm" and cfg.rm.margin_key else None
+    bad = []
+    for i in rows:
+        try:
+            if i in table.broken:
+                raise _Bad(table.broken[i])
+            cells = [columns[k][i] for k in keys]
+            if job == "sft" and not paired:
+                _chat_shape(cells[0], d.messages_key)
+            elif job == "sft" or paired:
+                _prompt_shape(cells[0], d.prompt_key)
+                for k, v in zip(keys[1:], cells[1:]):
+                    _text(v, k, "answer")
+            else:
+                for k, v in zip(keys, cells):
+                    if isinstance(v, list):
+                        _chat_shape(v, k)
+                    else:
+                        _text(v, k, "answer")
+            if job == "rm":
+                if margins is not None:
+                    _margin(margins[i], cfg.rm.margin_key)
+                if cells[-2] == cells[-1]:
+                    raise _Bad(f"columns {keys[-2]!r} and {keys[-1]!r} are the same answer (a "
+                               "pair must prefer one answer to another)")
+        except _Bad as e:
+            bad.append(f"{table.where[i]}: {e}")
+    report_bad(table.source, bad, d.on_bad_row)
+    if len(bad) == len(rows):
+        raise DataError(f"{table.source}: no rows left ({len(rows)} rows, {len(bad)} bad)")
+
+
+def _prompt_shape(value: Any, key: str) -> None:
+    if isinstance(value, list):
+        why = check_messages(value, key)[1]
+        if why is not None:
+            raise _Bad(why)
+    else:
+        _text(value, key)
+
+
+def _chat_shape(value: Any, key: str) -> None:
+    messages, why = check_messages(value, key)
+    if why is not None:
+        raise _Bad(why)
+    if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        raise _Bad(f"column {key!r}: no assistant message with content to learn")
+
+
 # ---------------------------------------------------------------------------------- RM
 def _margin(value: Any, key: str) -> float:
     if value is MISSING:
@@ -254,7 +333,7 @@ def _pair_ids(tokenizer, cell: Any, key: str, prompt: list[int] | None) -> list[
     if isinstance(cell, list):  # a whole chat, scored with its EOS
         ids, _ = chat_ids(tokenizer, cell, key)
         return ids if ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-    return _encode(tokenizer, _text(cell, key), specials=True) + [tokenizer.eos_token_id]
+    return _encode(tokenizer, _text(cell, key, "answer"), specials=True) + [tokenizer.eos_token_id]
 
 
 def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None = None
@@ -283,6 +362,9 @@ def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | Non
             c = _pair_ids(tokenizer, chosen[i], r.chosen_key, p)
             j = _pair_ids(tokenizer, rejected[i], r.rejected_key, p)
             m = _margin(margins[i], r.margin_key) if margins is not None else None
+            if c == j:  # the loss is log 2 whatever the model: nothing to learn, a tie to score
+                raise _Bad(f"columns {r.chosen_key!r} and {r.rejected_key!r} are the same "
+                           "answer (a pair must prefer one answer to another)")
         except _Bad as e:
             bad.append(f"{table.where[i]}: {e}")
             continue

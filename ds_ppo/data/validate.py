@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ds_ppo.data.readers import MISSING, Table, describe_value
+from ds_ppo.data.readers import MISSING, Table, describe_value, read_table
 from ds_ppo.errors import DataError
 
 if TYPE_CHECKING:
@@ -38,8 +38,8 @@ def _not_unicode(text: str, where: str) -> str | None:
         "not valid Unicode text (an unpaired \\uD8xx-\\uDFxx escape?)")
 
 
-def check_text(value: Any, key: str) -> str | None:
-    """Why a plain-text prompt is bad, or None."""
+def check_text(value: Any, key: str, what: str = "prompt") -> str | None:
+    """Why a plain-text cell (a prompt, or `what`: a completion, an answer) is bad, or None."""
     if value is MISSING:
         return None  # reported by the caller, which knows the row's columns
     if value is None:
@@ -47,7 +47,7 @@ def check_text(value: Any, key: str) -> str | None:
     if not isinstance(value, str):
         return f"column {key!r} must be a string, got {describe_value(value)}"
     if not value.strip():
-        return f"column {key!r} is an empty prompt"
+        return f"column {key!r} is an empty {what}"
     return _not_unicode(value, f"column {key!r}")
 
 
@@ -192,3 +192,30 @@ def report_bad(source: str, bad: list[str], on_bad_row: str) -> int:
         log.warning("%s: skipped %d bad row(s) (data.on_bad_row=skip), e.g.\n  %s",
                     source, len(bad), "\n  ".join(bad[:_LISTED]))
     return len(bad)
+
+
+def read_ptx(path: str, fmt: str, prompt_key: str):
+    """(table, text mode, its columns' cells) of data.ptx_path, every row checked (no tokenizer:
+    `--dry-run` calls it too). Raises DataError naming the file, row and column of a bad row."""
+    table = read_table(path, fmt, "train")
+    if table.broken:
+        i, why = next(iter(table.broken.items()))
+        raise DataError(f"data.ptx_path {table.source}: {table.where[i]}: {why}")
+    if not len(table):
+        raise DataError(f"data.ptx_path {table.source}: the file holds no rows")
+    text_mode = "text" in table.columns
+    keys = ["text"] if text_mode else [prompt_key, "completion"]
+    if not text_mode and not set(keys) <= set(table.columns):
+        raise DataError(f"data.ptx_path {table.source}: rows need a `text` column, or "
+                        f"`{prompt_key}` (data.prompt_key) and `completion`; found columns "
+                        f"{table.columns}")
+    columns = [table.column(k) for k in keys]
+    for k, col in zip(keys, columns):
+        for i, v in enumerate(col):
+            if v is MISSING:
+                raise DataError(f"data.ptx_path {table.source}: {table.where[i]}: column {k!r} "
+                                "is missing (every row needs it)")
+            if not isinstance(v, str) or not v:
+                raise DataError(f"data.ptx_path {table.source}: {table.where[i]}: column {k!r} "
+                                f"must be a non-empty string, got {v!r:.60}")
+    return table, text_mode, columns

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             checkpoints_dir, complete_checkpoints, find_resume,
                                             latest_checkpoint, named_by_latest, read_state,
                                             resolve_checkpoint, unusable, verify_checkpoint)
-from ds_ppo.engine.export import export_engine
+from ds_ppo.engine.export import disk_full_reason, export_engine
 from ds_ppo.engine.hf_writer import saved_config
 from ds_ppo.engine.lora import is_lora, save_adapters
 from ds_ppo.errors import CheckpointError, ConfigError
@@ -108,7 +108,9 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
             tokenizer.save_pretrained(tmp / "hf")
             if engines.value is not None:
                 saved_config(engines.value.module).save_pretrained(tmp / "hf_value")
-            (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+            # `manifest`: a load then requires manifest.json (deleting it switches nothing off)
+            (tmp / "trainer_state.json").write_text(
+                json.dumps(asdict(replace(state, manifest=verify)), indent=2))
         dist.barrier()  # every rank finished writing
         if verify:
             _write_manifest(tmp)
@@ -152,22 +154,11 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# how torch.save's C++ writer reports a failed write (it drops the errno)
-_TORCH_WRITE_FAILED = ("inline_container", "PytorchStreamWriter", "iostream error",
-                       "file write failed")
-
-
 def _save_failed(e: Exception, root: Path, tmp: Path) -> Exception:
     """A disk-full (or file-size-limit) failure during a save as one CheckpointError; any other
-    error unchanged. torch.save loses the errno ("enforce fail at inline_container.cc"), so
-    there the free space and the file-size limit decide."""
-    code = getattr(e, "errno", None)
-    torch_write = code is None and any(m in str(e) for m in _TORCH_WRITE_FAILED)
-    if code in (errno.ENOSPC, errno.EDQUOT) or (torch_write and _disk_full(root)):
-        reason = "no space left on the device"
-    elif code == errno.EFBIG or (torch_write and _size_limited()):
-        reason = "file too large (the file-size limit, `ulimit -f`)"
-    else:
+    error unchanged."""
+    reason = disk_full_reason(e, root)
+    if reason is None:
         return e
     where = getattr(e, "filename", None) or tmp
     if dist.is_main():
@@ -177,20 +168,6 @@ def _save_failed(e: Exception, root: Path, tmp: Path) -> Exception:
             "to resume from it" if prev is not None and prev.is_dir() else
             "no earlier checkpoint exists")
     return CheckpointError(f"{reason} while writing {where}; {kept}")
-
-
-def _disk_full(path: Path) -> bool:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 16 * 2**20
-
-
-def _size_limited() -> bool:
-    import resource
-
-    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
 
 
 def _fault_point(where: str, iteration: int, path: Path) -> None:
@@ -339,7 +316,8 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
     else:
         # a different world size: there is no saved stream for this rank; reseed deterministically
         # (the ranks of an SP group share their data-parallel rank's stream)
-        torch.manual_seed(state.seed * 7919 + state.iteration * 31 + dist.dp_rank())
+        # modulo 2**64: the value torch.manual_seed takes a negative or large seed as
+        torch.manual_seed((state.seed * 7919 + state.iteration * 31 + dist.dp_rank()) % 2**64)
         log.warning("world size or sequence-parallel size changed (%d -> %d ranks, SP %d -> %d)"
                     ": RNG streams reseeded", state.world_size, dist.world_size(),
                     state.sequence_parallel_size, dist.sp_size())

@@ -58,6 +58,8 @@ class TrainerState:
     job: str = "ppo"  # the command that wrote it: ppo (ds-ppo train), sft or rm (one model)
     # deepspeed.sequence_parallel_size of the run that wrote it (written before the key: 1)
     sequence_parallel_size: int = 1
+    # saved with a manifest.json (checkpoint.verify): every load then requires one
+    manifest: bool = False
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -95,6 +97,9 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda x: (x[0], x[1].name))
 
 
+_WARNED: set[tuple] = set()  # the fallbacks `latest_checkpoint` has warned of in this process
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint a run continues from: the one `latest` names; when `latest` is missing,
     garbled or names no directory, the newest complete checkpoint (with a warning). None when
@@ -113,8 +118,11 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
         why = ("is missing" if not pointer.exists() else
                f"names {named.name}, which does not exist" if named is not None else
                "is unreadable")
-        log.warning("%s %s: continuing from the newest complete checkpoint, %s", pointer, why,
-                    done[-1][1])
+        # once per job: several steps of a start ask, on every rank
+        if (pointer, why, done[-1][1]) not in _WARNED and os.environ.get("RANK", "0") == "0":
+            _WARNED.add((pointer, why, done[-1][1]))
+            log.warning("%s %s: continuing from the newest complete checkpoint, %s", pointer,
+                        why, done[-1][1])
         return done[-1][1]
     if pointer.exists() or any(_NAME.fullmatch(p.name) for p in root.glob("iter_*")):
         raise CheckpointError(f"{root} holds no usable checkpoint (no iter_* directory with a "
@@ -155,17 +163,19 @@ def unusable(path: Path, file: Path, what: str, fallback: Path | None | bool = T
              command: str = "resume") -> CheckpointError:
     """The error for a checkpoint that cannot be loaded: names the checkpoint, the file, and the
     checkpoint to use instead (`fallback`: True = the previous one; a path = that one, e.g. the
-    newest that verifies; None = there is none). `command`: "resume" or "export"."""
+    newest that verifies; None = there is none). `command`: "resume", "export" or "generate"."""
     prev = _previous(path) if fallback is True else fallback or None
     which = ("the previous checkpoint" if fallback is True else
              "the newest checkpoint that verifies")
-    use = f"resume={prev}" if command == "resume" else f"ds-ppo export --checkpoint {prev}"
+    use = (f"resume={prev}" if command == "resume" else
+           f"ds-ppo {command} {'--model' if command == 'generate' else '--checkpoint'} {prev}")
     if prev is not None:
         fix = f"{command} from {which}: {use}"
     elif command == "resume":
         fix = f"there is no earlier checkpoint: move {path} away to start fresh"
     else:
-        fix = "there is no earlier checkpoint to export"
+        fix = "there is no earlier checkpoint to " + ("generate from" if command == "generate"
+                                                      else "export")
     return CheckpointError(f"checkpoint {path} is unusable: {file} {what}. To continue, {fix}")
 
 
@@ -195,7 +205,9 @@ def verify_files(path: Path, command: str = "resume",
     from ds_ppo.engine import dist, manifest  # here: this module needs no torch (--dry-run)
 
     start = time.perf_counter()
-    mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes)
+    expected = ("its trainer_state.json records that it was saved with one"
+                if read_state(path).manifest else None)
+    mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes, expected)
     found = [p for part in dist.gather_objects(mine) for p in part]
     if found:
         def fail():
@@ -204,6 +216,90 @@ def verify_files(path: Path, command: str = "resume",
             raise unusable(path, path / rel, what + more, newest_verified(path), command)
         dist.on_rank0(fail)
     return time.perf_counter() - start
+
+
+def has_manifest(path: Path) -> bool:
+    """Whether the checkpoint `path` has, or was saved with, a manifest."""
+    from ds_ppo.engine.manifest import MANIFEST
+
+    return (path / MANIFEST).exists() or read_state(path).manifest
+
+
+def _export_marker(path: Path) -> dict:
+    try:
+        marker = json.loads((path / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):  # missing or damaged: the manifest (if any) names it
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def is_export(path: Path) -> bool:
+    """Whether `path` is a model directory ds_ppo exported (it holds its marker or a manifest)."""
+    from ds_ppo.engine.manifest import MANIFEST
+
+    return path.is_dir() and ((path / EXPORT_MARKER).exists() or (path / MANIFEST).exists())
+
+
+def verify_export(path: Path, what: str) -> float:
+    """Collective: check the export `path` (output_dir/final, `ds-ppo export --out`) against its
+    manifest, each rank its share, before it loads; one that its ds_ppo_export.json says was
+    written with a manifest must have it. `what` names it in the error (e.g. "policy.path").
+    -> seconds taken (this rank).
+
+    Raises:
+        CheckpointError (every rank): a file is missing, cut off or changed; names it and how
+            to get the export again.
+    """
+    import time
+
+    from ds_ppo.engine import dist, manifest
+
+    start = time.perf_counter()
+    marker = _export_marker(path)
+    expected = (f"its {EXPORT_MARKER} records that it was written with one"
+                if marker.get("manifest") else None)
+    mine = manifest.problems(path, dist.rank(), dist.world_size(), None, expected)
+    found = [p for part in dist.gather_objects(mine) for p in part]
+    if found:
+        def fail():
+            rel, why = found[0]
+            more = f" ({len(found) - 1} more files differ)" if len(found) > 1 else ""
+            source = str(marker.get("checkpoint", ""))
+            if source.startswith("the run in ") and not source.endswith("(EMA)"):
+                source = source.removeprefix("the run in ")
+            fix = (f"export it again: ds-ppo export --checkpoint {source} --out {path}"
+                   if source and not source.startswith("the run in ") else
+                   "export it again from the checkpoint it came from (ds-ppo export)")
+            raise CheckpointError(f"{what} {path} is unusable: {path / rel} {why}{more}. "
+                                  f"To use it, {fix}")
+        dist.on_rank0(fail)
+    return time.perf_counter() - start
+
+
+def verify_model_paths(paths: dict[str, str | None], verify: bool) -> None:
+    """Collective: every local model directory in `paths` ({config key: path}) that ds_ppo
+    exported is checked against its manifest (`verify_export`) before anything loads;
+    `verify` false (checkpoint.verify) skips that, with a warning naming each."""
+    from ds_ppo.engine import dist
+    from ds_ppo.engine.manifest import MANIFEST
+
+    for key, spec in paths.items():
+        if spec is None or not is_export(Path(spec)):
+            continue
+        if not verify:
+            if dist.is_main():
+                log.warning("checkpoint.verify=false: %s %s is loaded WITHOUT checking its files "
+                            "against its manifest (a damaged file may load as wrong weights)",
+                            key, spec)
+            continue
+        seconds = verify_export(Path(spec), key)
+        if dist.is_main():
+            if (Path(spec) / MANIFEST).exists():
+                log.info("verified %s %s against its manifest in %.1f s", key, spec, seconds)
+            else:
+                log.warning("%s %s has no manifest (exported with checkpoint.verify=false or "
+                            "before manifests existed): its files are loaded unchecked", key,
+                            spec)
 
 
 def read_state(path: Path) -> TrainerState:
@@ -283,8 +379,15 @@ def find_resume(output_dir: str | Path, resume: str, verify: bool = True) -> Pat
     if verify:
         seconds = verify_files(path)
         if dist.is_main():
-            log.info("verified %s against its manifest in %.1f s (checkpoint.verify)", path,
-                     seconds)
+            if has_manifest(path):
+                log.info("verified %s against its manifest in %.1f s (checkpoint.verify)", path,
+                         seconds)
+            else:
+                log.warning("%s has no manifest (saved with checkpoint.verify=false, or before "
+                            "manifests existed): its files are loaded unchecked", path)
+    elif dist.is_main() and has_manifest(path):
+        log.warning("checkpoint.verify=false: %s is loaded WITHOUT checking its files against "
+                    "its manifest (a damaged file may load as wrong weights)", path)
     dist.on_rank0(lambda: _set_aside_newer(checkpoints_dir(output_dir), path,
                                            read_state(path).iteration))
     return path

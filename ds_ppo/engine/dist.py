@@ -365,6 +365,18 @@ def num_nodes() -> int:
     return max(1, world_size() // local_world_size())
 
 
+def first_failure(error: BaseException | None) -> tuple[int, str, str | None] | None:
+    """Collective, after the ranks agreed that one failed: (rank, message, its `fix`
+    attribute) of the lowest rank whose `error` is not None, on every rank (None: none
+    failed). A rank that did not fail can then say which rank did and why, instead of
+    pointing at another rank's log."""
+    mine = None if error is None else (str(error), getattr(error, "fix", None))
+    for r, failed in enumerate(gather_objects(mine)):
+        if failed is not None:
+            return r, failed[0], failed[1]
+    return None
+
+
 def on_rank0(fn, *args):
     """`fn(*args)` on rank 0 only; its result on every rank. A `UserError` it raises is raised on
     every rank alike (same class and message), so a rank-0 check stops the whole job instead of

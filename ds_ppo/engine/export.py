@@ -12,6 +12,7 @@ ds_ppo/run/export.py.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ds_ppo.engine.checkpoint_files import EXPORT_MARKER, TAG
+from ds_ppo.errors import CheckpointError
 
 log = logging.getLogger("ds_ppo")
 MARKER = EXPORT_MARKER  # marks a directory an export wrote (engine/checkpoint_files.py)
@@ -37,24 +39,74 @@ def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) ->
 
 
 def export_final(engine, tokenizer, final: Path, dtype: torch.dtype, source: str,
-                 iteration: int | None = None) -> Path:
+                 iteration: int | None = None, with_manifest: bool = True) -> Path:
     """Collective: the end-of-run export. `export_engine` writes into `.final.tmp` next to
-    `final`; then rank 0 marks it (ds_ppo_export.json) and renames it into place
-    (`replace_dir`), so a kill at any moment leaves `final` as it was or complete, never a
-    mix of old and new files."""
+    `final`; then rank 0 marks it (ds_ppo_export.json), writes its manifest (`with_manifest`)
+    and renames it into place (`replace_dir`), so a kill at any moment leaves `final` as it was
+    or complete, never a mix of old and new files.
+
+    Raises:
+        CheckpointError: the disk filled up (or a file hit the size limit); `.final.tmp` is
+            removed, `final` is as it was.
+    """
     from ds_ppo.engine import dist
 
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
-    if dist.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    export_engine(engine, tokenizer, tmp, dtype)  # ends with a barrier: every shard written
-    if dist.is_main():
-        write_marker(tmp, source, dtype, with_value=False, iteration=iteration)
-        replace_dir(tmp, final)
+    try:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        export_engine(engine, tokenizer, tmp, dtype)  # ends with a barrier: every shard written
+        if dist.is_main():
+            write_marker(tmp, source, dtype, with_value=False, iteration=iteration,
+                         with_manifest=with_manifest)
+            replace_dir(tmp, final)
+    except (OSError, RuntimeError) as e:
+        why = disk_full_reason(e, final.parent)
+        if why is None:
+            raise
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the partial export took
+        raise CheckpointError(
+            f"{why} while exporting to {getattr(e, 'filename', None) or tmp}; {final} is as it "
+            "was and the checkpoints are intact: free space and run the same command to finish "
+            "the export") from None
     dist.barrier()
     return final
+
+
+# how torch.save's C++ writer reports a failed write (it drops the errno)
+_TORCH_WRITE_FAILED = ("inline_container", "PytorchStreamWriter", "iostream error",
+                       "file write failed")
+
+
+def disk_full_reason(e: BaseException, where: Path) -> str | None:
+    """"no space left on the device" or "file too large (...)" when `e` is a write that failed
+    for a full disk (or quota) or the file-size limit, else None. torch.save loses the errno
+    ("enforce fail at inline_container.cc"), so there the free space at `where` and the
+    file-size limit decide."""
+    code = getattr(e, "errno", None)
+    torch_write = code is None and any(m in str(e) for m in _TORCH_WRITE_FAILED)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (torch_write and _disk_full(where)):
+        return "no space left on the device"
+    if code == errno.EFBIG or (torch_write and _size_limited()):
+        return "file too large (the file-size limit, `ulimit -f`)"
+    return None
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 16 * 2**20
+
+
+def _size_limited() -> bool:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
 
 
 def replace_dir(new: Path, target: Path) -> None:
@@ -180,14 +232,22 @@ def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
 
 
 def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool,
-                 iteration: int | None = None) -> None:
-    """Mark `out_dir` as a ds_ppo export (a later `ds-ppo export --out` may replace it); a
+                 iteration: int | None = None, with_manifest: bool = True) -> None:
+    """Mark the complete export `out_dir` as ds_ppo's (a later `ds-ppo export --out` may
+    replace it), then write its manifest (engine/manifest.py: every file's size and CRC-32,
+    the marker's included), which the marker records, so every later load requires it. A
     run's own export at its end also records the iteration it holds."""
+    from ds_ppo.engine import manifest
+
     marker = {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
               "value": with_value}
     if iteration is not None:
         marker["iteration"] = iteration
+    if with_manifest:
+        marker["manifest"] = manifest.MANIFEST
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    if with_manifest:
+        manifest.write(out_dir)
 
 
 def _copy_adapter(src: Path, target: Path) -> None:

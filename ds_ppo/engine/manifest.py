@@ -6,7 +6,13 @@ Written at save, after every rank finished writing: each rank checksums a share 
 is that rank's; the rest are spread by size), writes its part, and rank 0 merges the parts
 into `manifest.json` before the checkpoint is committed. Checked on resume (every rank its
 share, the same split) and by `ds-ppo export` (the files the export reads). `checkpoint.verify:
-false` skips both. Nothing here imports torch or DeepSpeed: the checks are plain file reads.
+false` skips both. An export (output_dir/final, `ds-ppo export --out`) gets one too, written by
+one process once it is complete (`write`), checked wherever it is loaded. Nothing here imports
+torch or DeepSpeed: the checks are plain file reads.
+
+A checkpoint saved with a manifest says so in its trainer_state.json, an export in its
+ds_ppo_export.json: the checks take `expected`, so a deleted manifest is an error, not a
+checkpoint that loads unchecked.
 
     manifest.json   {"version": 1, "checksum": "crc32", "files": {"policy/ds/x.pt": [size, crc]}}
 
@@ -112,10 +118,23 @@ def merge(root: Path) -> int:
     for part in parts.iterdir():
         part.unlink()
     parts.rmdir()
-    lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(files.items()))
-    (root / MANIFEST).write_text(
-        f'{{"version": 1, "checksum": "crc32", "files": {{\n{lines}\n}}}}\n')
+    _write(root, files)
     return len(files)
+
+
+def write(root: Path) -> int:
+    """One process: `manifest.json` of every file in the complete directory `root` (an export).
+    -> files listed."""
+    files = _sums(root, sorted(list_files(root)))
+    _write(root, files)
+    return len(files)
+
+
+def _write(root: Path, files: dict[str, list[int]]) -> None:
+    lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(files.items()))
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(f'{{"version": 1, "checksum": "crc32", "files": {{\n{lines}\n}}}}\n')
+    os.replace(tmp, root / MANIFEST)
 
 
 def read(root: Path) -> dict[str, list[int]] | None:
@@ -137,15 +156,19 @@ def read(root: Path) -> dict[str, list[int]] | None:
 
 
 def problems(root: Path, rank: int = 0, world: int = 1,
-             prefixes: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+             prefixes: tuple[str, ...] | None = None,
+             expected: str | None = None) -> list[tuple[str, str]]:
     """Check this rank's share of the files the manifest lists (only those under `prefixes`,
     e.g. ("hf/",), when given): [(file relative to root, what is wrong)], empty when all match
-    or there is no manifest."""
+    or there is no manifest and none is `expected` (else: why one is, e.g. "trainer_state.json
+    records that it was saved with one")."""
     try:
         files = read(root)
     except ValueError as e:
         return [(MANIFEST, str(e))] if rank == 0 else []
     if files is None:
+        if expected is not None and rank == 0:
+            return [(MANIFEST, f"is missing ({expected}: it was deleted or lost in a copy)")]
         return []
     if prefixes is not None:
         files = {k: v for k, v in files.items() if k.startswith(prefixes)}

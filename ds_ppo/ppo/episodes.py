@@ -111,6 +111,18 @@ def _any_rank(flag: int, device) -> int:
                                                 device=device)))
 
 
+def _failure(error: EnvFailed | None) -> EnvFailed:
+    """Collective, once the ranks agreed that one failed: this rank's error, or on a rank that
+    did not fail the failing rank's message, naming it (the same stop on every rank)."""
+    rank, message, fix = dist.first_failure(error)
+    if error is not None:
+        return error
+    out = EnvFailed(f"on rank {rank}: {message}")
+    if fix is not None:
+        out.fix = fix
+    return out
+
+
 def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
                    eos_ids: list[int], pad_id: int) -> tuple[list[list[int]], Generated]:
     """One generate() call over the contexts (left-padded): each row's counted tokens."""
@@ -158,8 +170,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         code = 2 if error is not None else 1 if live else 0
         worst = _any_rank(code, device)
         if worst == 2:
-            raise error if error is not None else EnvFailed(
-                f"{env.name} failed on another rank (its message is in that rank's log)")
+            raise _failure(error)
         if worst == 0:
             break
         rows = live or [0]  # a rank with no live episode still takes part in the call
@@ -192,8 +203,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
                                     transcripts, done, truncated, tokenizer, chat, eos_ids,
                                     cfg, stats)
     if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
-        raise error if error is not None else EnvFailed(
-            f"{env.name} failed on another rank (its message is in that rank's log)")
+        raise _failure(error)
     if retries_before is not None:
         stats.retries = env.retries - retries_before
     stats.out_of_turns = sum(1 for i in range(B) if not done[i] and not truncated[i])

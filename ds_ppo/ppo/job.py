@@ -42,6 +42,7 @@ class PPOJob:
     name, unit, total_key = "ppo", "iteration", "iterations"
     model_class = "AutoModelForCausalLM"
     registers = True
+    model_keys = ("policy.path", "value.path", "reference.path", "reward.model")
     watched = LOSSES + GRAD_NORMS
     diverged_fix = ("Resume from a checkpoint with a lower learning rate (policy.lr, value.lr), "
                     "gradient clipping (max_grad_norm) or a smaller ppo.clip_eps.")

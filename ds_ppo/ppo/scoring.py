@@ -98,16 +98,18 @@ def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True) -> li
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
     worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
     if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
+        failed = dist.first_failure(error if isinstance(error, RewardTimeout) else None)
         raise error if isinstance(error, RewardTimeout) else RewardTimeout(
-            f"reward.function = {cfg.reward.function!r} did not return within "
-            f"reward.timeout_s = {cfg.reward.timeout_s:g} s on another rank")
+            f"on rank {failed[0]}: {failed[1]}")
     if worst == 1.0:
-        what = "reward.function" if cfg.reward.function else "reward.url"
+        failed = dist.first_failure(error)  # a rank that did not fail names the one that did
         if isinstance(error, RewardError):  # every rank raises one: the checkpoint is collective
             raise error
-        raise RewardFunctionError(str(error) if error is not None else
-                                  f"{what} = {spec!r} failed on another rank (its message is in "
-                                  "that rank's log)")
+        out = RewardFunctionError(str(error) if error is not None else
+                                  f"on rank {failed[0]}: {failed[1]}")
+        if error is None and failed[2] is not None:
+            out.fix = failed[2]
+        raise out
     return scores
 
 

@@ -178,7 +178,8 @@ class RewardService:
                        f"{key}.timeout_s / {key}.retries")
                 continue
             except AnswerTooLarge as err:
-                raise self._error(f"answered {err}; refused unread", "return a {\"scores\": [...]} body") from None
+                raise self._error(f"answered {err}; refused unread",
+                                  "send fewer rows per request (lower reward.batch_size)") from None
             except (OSError, http.client.HTTPException) as err:
                 what = f"ConnectionError: {type(err).__name__}: {self._hide(str(err))[:BODY_QUOTE]}"
                 fix = f"check that the service is up at that address, or raise {key}.retries"

@@ -38,7 +38,8 @@ class RMTask:
              packed: bool = False):
         """(summed pair loss of the micro-batch: Bradley-Terry + rm.center_coef x centring,
         {name: (sum, count)}: loss, center ((r_chosen + r_rejected)^2), accuracy (chosen scored
-        higher), margin_mean (r_chosen - r_rejected), chosen_mean, rejected_mean)."""
+        higher), ties (scored equal: counted in neither accuracy nor its complement's errors),
+        margin_mean (r_chosen - r_rejected), chosen_mean, rejected_mean)."""
         device = next(role.engine.module.parameters()).device
         ids, am = left_pad([data.chosen[i] for i in rows] + [data.rejected[i] for i in rows],
                            pad_id)
@@ -56,6 +57,7 @@ class RMTask:
         return loss, {"loss": (loss.detach().double(), float(n)),
                       "center": (center.detach().double(), float(n)),
                       "accuracy": (stats["correct"], float(n)),
+                      "ties": (stats["ties"], float(n)),
                       "margin_mean": (stats["margin"], float(n)),
                       "chosen_mean": (chosen.detach().double().sum(), float(n)),
                       "rejected_mean": (rejected.detach().double().sum(), float(n))}

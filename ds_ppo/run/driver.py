@@ -28,6 +28,7 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
                                       load_checkpoint, read_state, rng_state)
+from ds_ppo.engine.checkpoint_files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import Diverged, RegistrationError, RewardError
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
@@ -73,6 +74,7 @@ class Job(Protocol):
     total_key: str  # the setting that counts the run's units (iterations, sft.steps, ...)
     model_class: str  # the transformers class the final export loads with
     registers: bool  # its exports go to the MLflow model registry (tracking.register_*)
+    model_keys: tuple[str, ...]  # the settings naming models it loads (our exports are verified)
     watched: tuple[str, ...]  # metrics that are never NaN or infinite while training is healthy
     diverged_fix: str  # what to change when one of them is
 
@@ -113,7 +115,10 @@ def run(cfg: Config, job: Job) -> TrainResult:
     if finished is not None:  # nothing to load, train or export
         return finished
     device, out = _start_process(cfg)
-    # step 0. data, then the models (a bad dataset fails before any model loads)
+    # step 0. data, then the models (a bad dataset fails before any model loads; an export of
+    # ours that a model starts from is checked before its tokenizer loads)
+    verify_model_paths({key: _setting(cfg, key) for key in job.model_keys},
+                       cfg.checkpoint.verify)
     tokenizer, total = job.load_data(cfg, out)
     if job.known_total(cfg) is None and (done := _already_finished(cfg, job, total)) is not None:
         return done
@@ -176,6 +181,11 @@ def _start_process(cfg: Config) -> tuple[torch.device, Path]:
     out = Path(cfg.output_dir)
     lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
     return device, out
+
+
+def _setting(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def seed_everything(seed: int) -> None:

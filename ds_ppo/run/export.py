@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import (read_state, resolve_checkpoint, unusable,
-                                            verify_files)
+from ds_ppo.engine.checkpoint_files import (is_export, read_state, resolve_checkpoint, unusable,
+                                            verify_export, verify_files)
 from ds_ppo.engine.export import (MARKER, export_engine, export_into, export_reads,
                                   replace_dir, source_problem, write_marker)
 from ds_ppo.errors import CheckpointError, UserError
@@ -62,6 +63,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     _check_lora_request(ckpt, lora_bases, with_value, adapter_only)
     if verify:
         verify_files(ckpt, "export", export_reads(ckpt, with_value))
+        if "policy" in lora_bases and not adapter_only:  # the merge reads the base too
+            base = Path(lora_bases["policy"]["path"])
+            if is_export(base):
+                verify_export(base, "the LoRA policy's base model")
+    else:
+        print(f"ds-ppo export: --no-verify: the files of {ckpt} are NOT checked against its "
+              "manifest (a damaged file may be exported as wrong weights)", file=sys.stderr,
+              flush=True)
     problem = source_problem(ckpt, with_value, lora_bases, adapter_only)
     if problem is not None:
         raise unusable(ckpt, *problem, command="export")

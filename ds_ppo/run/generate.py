@@ -6,6 +6,11 @@ safetensors, or a LoRA policy's PEFT adapter over its base) or a run's output_di
 checkpoint). The prompt goes through the tokenizer's chat template as a user turn when the
 tokenizer has one (`--no-chat-template`: as plain text, as prompts from `data.prompt_key` are
 trained); decoding is greedy unless `--temperature` > 0.
+
+Before anything loads, the files are checked against their manifest (a checkpoint's `hf/`
+against the checkpoint's, an export against its own; a LoRA adapter's base too when it is an
+export): a damaged file is one line naming it, never garbage text. `--no-verify` skips that,
+with a warning.
 """
 from __future__ import annotations
 
@@ -32,6 +37,39 @@ def model_dir(spec: str) -> Path:
                         f"them with `ds-ppo export --checkpoint {spec} --out DIR`, then "
                         "`ds-ppo generate --model DIR`")
     return hf
+
+
+def check_files(path: Path, verify: bool = True) -> None:
+    """The files `path` (from `model_dir`) loads, against their manifest; `verify` false: a
+    warning instead.
+
+    Raises:
+        CheckpointError: a file is missing, cut off or changed since it was saved (named).
+    """
+    import json
+    import sys
+
+    from ds_ppo.engine.checkpoint_files import is_export, verify_export, verify_files
+
+    # a checkpoint's hf/: known by either of its two records (deleting one switches nothing off)
+    ckpt = path.parent if any((path.parent / f).is_file()
+                              for f in ("trainer_state.json", "manifest.json")) else None
+    if not verify:
+        print(f"ds-ppo generate: --no-verify: the files of {path} are NOT checked against "
+              "their manifest (a damaged file may give wrong text)", file=sys.stderr, flush=True)
+        return
+    if ckpt is not None:
+        verify_files(ckpt, "generate", (f"{path.name}/",))
+    elif is_export(path):
+        verify_export(path, "--model")
+    if (path / "adapter_config.json").is_file():
+        try:
+            base = json.loads((path / "adapter_config.json").read_text())[
+                "base_model_name_or_path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # the loader names what is wrong with it
+        if isinstance(base, str) and is_export(Path(base)):
+            verify_export(Path(base), "the adapter's base model")
 
 
 def load(path: Path):
@@ -78,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()
     torch.manual_seed(args.seed)
     path = model_dir(args.model)
+    check_files(path, not args.no_verify)
     model, tokenizer = load(path)
     for prompt in args.prompts:
         response = generate(model, tokenizer, prompt, args.max_new_tokens, args.temperature,
@@ -96,6 +135,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="for sampled decoding")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check of the model's files against their manifest (sizes and "
+                   "CRC-32, docs/CHECKPOINTS.md), with a warning")
     p.add_argument("--no-chat-template", action="store_true",
                    help="the prompt as plain text, even when the tokenizer has a chat template")
     p.set_defaults(func=main)

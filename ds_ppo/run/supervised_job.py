@@ -82,6 +82,7 @@ class SupervisedJob:
 
     unit = "step"
     registers = False
+    model_keys = ("policy.path",)
 
     def __init__(self, cfg: Config, task: Task) -> None:
         self.cfg, self.task = cfg, task

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -230,11 +232,19 @@ def test_export_refuses_damaged_cut_or_missing_files_in_one_line(damaged, capsys
     assert line.endswith(f"ds-ppo export --checkpoint {good}")
     weights.write_bytes(weights.read_bytes()[:4096])
     assert main([*args, "--no-verify"]) == 2
-    assert f"{weights} is cut off" in _one_line(capsys.readouterr().err)
+    assert f"{weights} is cut off" in _one_line(_skipped_loudly(capsys.readouterr().err))
     (ckpt / "hf" / "config.json").unlink()
     assert main([*args, "--no-verify"]) == 2
-    assert f"{ckpt / 'hf' / 'config.json'} is missing" in _one_line(capsys.readouterr().err)
+    assert f"{ckpt / 'hf' / 'config.json'} is missing" in _one_line(
+        _skipped_loudly(capsys.readouterr().err))
     assert not target.exists() and not list(out.glob(".export*"))
+
+
+def _skipped_loudly(err: str) -> str:
+    """stderr after --no-verify's warning line (which is checked)."""
+    first, _, rest = err.partition("\n")
+    assert "--no-verify: the files of" in first and "NOT checked" in first, err
+    return rest
 
 
 def test_a_damaged_pickle_is_one_message_naming_the_file(damaged):
@@ -261,3 +271,54 @@ def test_a_damaged_pickle_is_one_message_naming_the_file(damaged):
     assert str(err.value).startswith(f"checkpoint {ckpt} is unusable: {pt.parent} cannot be "
                                      "loaded (")
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_generate_refuses_damaged_weights_in_one_line(damaged, capsys):
+    """16 bytes flipped in a checkpoint's hf/model.safetensors, then in an export's
+    model.safetensors: `ds-ppo generate` stops with one line naming the file (garbage text
+    otherwise); `--no-verify` generates, with a warning."""
+    from ds_ppo.cli import main
+
+    out, ckpt, good = damaged
+    export = out / "exported"
+    assert main(["export", "--checkpoint", str(good), "--out", str(export)]) == 0
+    assert (export / "manifest.json").exists()
+    capsys.readouterr()
+    for weights, model in ((ckpt / "hf" / "model.safetensors", out),
+                           (export / "model.safetensors", export)):
+        _flip(weights, weights.stat().st_size // 2, 16)
+        assert main(["generate", "--model", str(model), "--max-new-tokens", "2", "hi"]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert f"{weights} has changed since it was saved" in line
+    assert line.endswith(f"export it again: ds-ppo export --checkpoint {good} --out {export}")
+    assert main(["generate", "--model", str(export), "--max-new-tokens", "2", "--no-verify",
+                 "hi"]) == 0
+    assert "--no-verify: the files of" in capsys.readouterr().err
+
+
+def test_a_full_disk_during_the_export_at_the_end_is_one_line_and_resumable(restarted_run,
+                                                                            tmp_path):
+    """The end-of-run export under a file-size limit (`ulimit -f`, smaller than the exported
+    weights): exit 2, one line, no partial .final.tmp, the checkpoint intact; the same command
+    without the limit finishes the export."""
+    work, out, args, _, _ = restarted_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    size = (copy / "checkpoints" / "iter_000001" / "hf" / "model.safetensors").stat().st_size
+    cmd = args[:-1] + [f"output_dir={copy}", "checkpoint.export_at_end=true"]
+    limited = subprocess.run(
+        ["bash", "-c", f"ulimit -f {size // 4 // 1024} && exec {sys.executable} -m ds_ppo "
+         + " ".join(cmd)], cwd=work, env=clean_env(), capture_output=True, text=True,
+        timeout=600)
+    assert limited.returncode == 2, limited.stderr[-3000:]
+    line = _one_line(limited.stderr)
+    assert line.startswith("ds-ppo: error: file too large (the file-size limit, `ulimit -f`) "
+                           f"while exporting to {copy / '.final.tmp'}")
+    assert line.endswith("run the same command to finish the export")
+    assert not (copy / ".final.tmp").exists() and not (copy / "final").exists()
+    assert (copy / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    run_cli(cmd, cwd=work)
+    assert json.loads((copy / "final" / "ds_ppo_export.json").read_text())["iteration"] == 1
+    from ds_ppo.engine.checkpoint_files import verify_export
+
+    verify_export(copy / "final", "final")

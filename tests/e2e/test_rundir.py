@@ -86,6 +86,20 @@ def test_garbled_latest_continues_from_newest_complete_checkpoint(tmp_path, capl
     assert "unreadable" in caplog.text
 
 
+def test_a_latest_fallback_is_warned_of_once_per_job(tmp_path, caplog, monkeypatch):
+    """A start asks for the latest checkpoint several times (the finished-run check, the
+    estimator check, the resume, the final save), on every rank: one line, from rank 0."""
+    _save(tmp_path, 1)
+    (tmp_path / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="ds_ppo"):
+        latest_checkpoint(tmp_path)
+        monkeypatch.setenv("RANK", "0")
+        for _ in range(4):
+            assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_000001"
+    assert caplog.text.count("is unreadable: continuing from") == 1, caplog.text
+
+
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "iter_000004").mkdir(parents=True)
@@ -192,6 +206,149 @@ def test_corrupted_torch_file_names_the_file(tmp_path, damage):
     with pytest.raises(UserError) as e:  # and the check before any model is built names it
         ckpt.verify_checkpoint(bad, world_size=1)
     assert str(f) in str(e.value) and "corrupted or cut off" in str(e.value)
+
+
+def test_a_deleted_manifest_does_not_switch_the_check_off(tmp_path, caplog):
+    """A checkpoint saved with a manifest records so in trainer_state.json: deleting
+    manifest.json is an error naming it, not a resume that loads unchecked; one saved without
+    (checkpoint.verify=false) loads with a warning that says so, and checkpoint.verify=false
+    on a checkpoint that has one warns that it is not checked."""
+    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.errors import CheckpointError
+
+    path = _save(tmp_path, 1)
+    assert read_state(path).manifest
+    (path / "manifest.json").unlink()
+    with caplog.at_level(logging.INFO, logger="ds_ppo"), pytest.raises(CheckpointError) as e:
+        find_resume(tmp_path, "auto")
+    assert f"{path / 'manifest.json'} is missing (its trainer_state.json records that it was " \
+           "saved with one" in str(e.value)
+    assert "verified" not in caplog.text
+    unchecked = tmp_path / "unchecked"
+    path = save_checkpoint(unchecked, _engines(), TrainerState(iteration=1), _Saver(), 2,
+                           save_hf_weights=False, verify=False)
+    assert not read_state(path).manifest and not (path / "manifest.json").exists()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        assert find_resume(unchecked, "auto") == path
+    assert "has no manifest" in caplog.text and "loaded unchecked" in caplog.text
+    assert "verified" not in caplog.text
+    checked = _save(tmp_path / "skipped", 1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        assert find_resume(tmp_path / "skipped", "auto", verify=False) == checked
+    assert "loaded WITHOUT checking its files against its manifest" in caplog.text
+
+
+def test_exports_are_checked_wherever_they_load(tmp_path, caplog):
+    """An export carries a manifest that its marker records: a flipped byte, a deleted
+    manifest or a deleted marker is an error naming the file at a model path (policy.path
+    etc.) and in `ds-ppo generate`; checkpoint.verify=false / --no-verify warn instead."""
+    from ds_ppo.engine.checkpoint_files import verify_model_paths
+    from ds_ppo.engine.export import write_marker
+    from ds_ppo.errors import CheckpointError
+    from ds_ppo.run.generate import check_files
+
+    export = tmp_path / "final"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    write_marker(export, str(tmp_path / "checkpoints" / "iter_000003"), torch.bfloat16, False)
+    listed = json.loads((export / "manifest.json").read_text())["files"]
+    assert sorted(listed) == ["config.json", "ds_ppo_export.json", "model.safetensors"]
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        verify_model_paths({"policy.path": str(export), "value.path": None}, True)
+        check_files(export)
+    assert f"verified policy.path {export} against its manifest" in caplog.text
+
+    weights = export / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[1000:1016] = bytes(b ^ 0xFF for b in data[1000:1016])
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        verify_model_paths({"reward.model": str(export)}, True)
+    assert str(e.value) == (
+        f"reward.model {export} is unusable: {weights} has changed since it was saved "
+        f"(CRC-32 {e.value.args[0].split('CRC-32 ')[1][:8]}, saved as "
+        f"{listed['model.safetensors'][1]:08x}: damaged on disk or in transfer). To use it, "
+        f"export it again: ds-ppo export --checkpoint {tmp_path / 'checkpoints' / 'iter_000003'}"
+        f" --out {export}")
+    with pytest.raises(CheckpointError, match="--model .* has changed since it was saved"):
+        check_files(export)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        verify_model_paths({"policy.path": str(export)}, False)
+    assert f"policy.path {export} is loaded WITHOUT checking" in caplog.text
+    check_files(export, verify=False)  # warns on stderr (tested through the CLI)
+
+    (export / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"manifest.json is missing \(its ds_ppo_export"
+                                              r".json records that it was written with one"):
+        check_files(export)
+    write_marker(export, "x", torch.bfloat16, False)  # a fresh manifest; now lose the marker
+    (export / "ds_ppo_export.json").unlink()
+    with pytest.raises(CheckpointError, match="ds_ppo_export.json is missing"):
+        verify_model_paths({"policy.path": str(export)}, True)
+
+
+def test_generate_checks_a_lora_checkpoint_adapter(tmp_path):
+    """`ds-ppo generate --model CHECKPOINT` loads hf/ (here a LoRA policy's PEFT adapter):
+    checked against the checkpoint's manifest, named with the checkpoint to use instead."""
+    from ds_ppo.errors import CheckpointError
+    from ds_ppo.run.generate import check_files, model_dir
+
+    good = _save(tmp_path, 1)
+    for path in (good, _save(tmp_path, 2)):  # the adapter is written before the manifest
+        (path / "hf" / "adapter_config.json").write_text("{}")
+        (path / "hf" / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (path / "manifest.json").unlink()
+        from ds_ppo.engine import manifest
+
+        manifest.write_share(path, 0, 1)
+        manifest.merge(path)
+    path = model_dir(str(tmp_path))
+    assert path == tmp_path / "checkpoints" / "iter_000002" / "hf"
+    check_files(path)
+    adapter = path / "adapter_model.safetensors"
+    data = bytearray(adapter.read_bytes())
+    data[500:516] = bytes(b ^ 0xFF for b in data[500:516])
+    adapter.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        check_files(path)
+    assert str(e.value).startswith(f"checkpoint {path.parent} is unusable: {adapter} has "
+                                   "changed since it was saved")
+    assert str(e.value).endswith(f"generate from the newest checkpoint that verifies: "
+                                 f"ds-ppo generate --model {good}")
+    (path.parent / "trainer_state.json").unlink()  # the other record: still checked
+    with pytest.raises(CheckpointError, match="trainer_state.json is missing"):
+        check_files(path)
+
+
+def test_a_lora_merge_checks_its_base_when_that_is_an_export(tmp_path):
+    """`ds-ppo export` of a LoRA policy merges the adapter into its base: a base that is a
+    ds_ppo export (e.g. an SFT run's final/) is checked against its manifest first."""
+    from ds_ppo.engine import manifest
+    from ds_ppo.engine.export import write_marker
+    from ds_ppo.errors import CheckpointError
+    from ds_ppo.run.export import export_checkpoint
+
+    base = tmp_path / "sft_final"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    write_marker(base, "sft", torch.bfloat16, False)
+    path = _save(tmp_path / "run", 1)
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["lora_bases"] = {"policy": {"path": str(base), "fingerprint": "x"}}
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    (path / "manifest.json").unlink()
+    manifest.write_share(path, 0, 1)
+    manifest.merge(path)
+    weights = base / "model.safetensors"
+    weights.write_bytes(b"\x00" * 16 + weights.read_bytes()[16:])
+    with pytest.raises(CheckpointError, match=f"the LoRA policy's base model {base} is unusable: "
+                                              f"{weights} has changed since it was saved"):
+        export_checkpoint(path, tmp_path / "out", torch.bfloat16)
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_rng_file_is_an_error_not_a_world_size_change(tmp_path, caplog):

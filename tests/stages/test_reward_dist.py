@@ -3,6 +3,7 @@ rank stops every rank alike, so no rank is left waiting in a collective. Imports
 transformers, so the two spawned ranks start quickly."""
 from __future__ import annotations
 
+import re
 import threading
 import types
 
@@ -44,14 +45,30 @@ def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         cfg = load_config(None, ["reward.timeout_s=1"])
-        # (rank 0's function, rank 1's function) -> what every rank raises
-        for fns, expected in [((fine, raises), RewardFunctionError),
-                              ((fine, hangs), RewardTimeout), ((raises, hangs), RewardTimeout),
-                              ((fine, stops), UserError)]:
-            with pytest.raises(expected):
+        # (rank 0's function, rank 1's function) -> what every rank raises; the rank that did
+        # not fail names the one that did and says why (not "see another rank's log")
+        for fns, expected, on_rank0 in [
+                ((fine, raises), RewardFunctionError, "on rank 1: .*KeyError"),
+                ((fine, hangs), RewardTimeout, "on rank 1: .*did not return within"),
+                ((raises, hangs), RewardTimeout, "on rank 1: .*did not return within"),
+                ((fine, stops), UserError, "on rank 1: the service said no")]:
+            with pytest.raises(expected) as e:
                 reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fns[rank]), cfg, None)
+            if rank == 0:
+                assert re.search(on_rank0, str(e.value)), str(e.value)
         scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), cfg, None)
         assert scores.tolist() == [1.0]  # the ranks are still in step
+        # an environment that failed on rank 1 only: rank 0 stops with its message and advice
+        from ds_ppo.envs.base import EnvFailed
+        from ds_ppo.ppo.episodes import _failure
+
+        mine = EnvFailed("calc failed at episode 3, turn 1: ValueError: bad") if rank else None
+        if mine is not None:
+            mine.fix = "Fix the environment"
+        got = _failure(mine)
+        assert got is mine if rank else (
+            str(got) == "on rank 1: calc failed at episode 3, turn 1: ValueError: bad"
+            and got.fix == "Fix the environment")
     finally:
         dist.destroy_process_group()
 

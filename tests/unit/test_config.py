@@ -376,6 +376,24 @@ def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
     return run_cli(args, cwd=REPO, timeout=60, env=clean_env(**env), check=False)
 
 
+def test_config_command_hides_credentials_as_the_run_does(tmp_path):
+    """`ds-ppo config` prints the config as the run records it: the passwords and query tokens
+    of reward.url, env.url and tracking.uri masked, from a file and from overrides alike."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "reward": {"url": "http://alice:S3cret'Pw@rm.example:8000/score?token=T0kenValue"},
+        "tracking": {"uri": "http://bob:TrackPw99@mlflow.example:5000"}}))
+    proc = _cli(["config", "--config", str(path),
+                 "env.url=https://carol:EnvPw777@env.example/step?key=EnvKey42"])
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["reward"]["url"] == "http://***@rm.example:8000/score?token=***"
+    assert printed["tracking"]["uri"] == "http://***@mlflow.example:5000"
+    assert printed["env"]["url"] == "https://***@env.example/step?key=***"
+    for secret in ("S3cret", "T0kenValue", "TrackPw99", "EnvPw777", "EnvKey42"):
+        assert secret not in proc.stdout + proc.stderr
+
+
 def test_cli_batch_size_error_exits_2_without_traceback():
     proc = _cli(["train", "--dry-run", "ppo.mini_batch_size=7"])
     assert proc.returncode == 2

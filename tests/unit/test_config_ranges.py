@@ -134,3 +134,34 @@ def test_real_train_command_stops_before_any_model_loads(override, shown, tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert shown in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+# durations, at the longest the platform's clocks can represent (1e9 s: thread waits, sockets
+# and collectives count nanoseconds in 64 bits) and just past it
+DURATIONS = {"reward.timeout_s": ("1e9", "1.1e9"), "env.timeout_s": ("1e9", "1e12"),
+             "dist_timeout_minutes": ("16666666", "1e10"), "watchdog_minutes": (None, "1e9")}
+INTEGERS = sorted(k for k, f in KEYS.items()
+                  if int in (typing.get_args(f.annotation) or (f.annotation,)))
+
+
+def test_every_duration_is_bounded():
+    assert sorted(k for k in KEYS if k.endswith(("_s", "_minutes"))) == sorted(DURATIONS)
+
+
+@pytest.mark.parametrize("key", sorted(DURATIONS) + INTEGERS)
+def test_values_the_platform_cannot_represent_stop_the_dry_run(key, no_training, capsys,
+                                                               tmp_path, monkeypatch):
+    """A duration past 1e9 s (reward.timeout_s=1e12 was an OverflowError at the first reward
+    call, dist_timeout_minutes=1e10 a C++ abort) and a count or seed past 64 bits: one line
+    naming the key at --dry-run; the longest duration itself is accepted."""
+    monkeypatch.chdir(tmp_path)
+    ok, beyond = DURATIONS.get(key, (None, str(10**20)))
+    assert main(["train", "--dry-run", f"{key}={beyond}"]) == 2, key
+    err = capsys.readouterr().err
+    assert f"{key} = " in err and "Traceback" not in err and err.count("\n") <= 3, err
+    if key in DURATIONS:
+        assert "about 31 years" in err, err
+    elif key in ("seed", "iterations"):  # no bound of their own: the 64-bit one
+        assert "must be at most 9223372036854775807 in size" in err, err
+    if ok is not None:
+        assert main(["train", "--dry-run", f"{key}={ok}"]) == 0, capsys.readouterr().err

@@ -191,3 +191,64 @@ def test_the_help_says_in_one_sentence_every_command(capsys):
     assert "bench" in names and len(names) >= 10
     listed = description.split("the commands ")[1].split(" (")[0]
     assert listed == ", ".join(names[:-1]) + " and " + names[-1]
+
+
+# ------------------------------------------ the supervised jobs' and PPO-ptx files, as read
+SFT_ROWS = '{"prompt": "hi", "completion": "there"}\n'
+BAD_DATA = [
+    # (job, file content, the run's words for it)
+    ("sft", '{"prompt": "hi", "answer": "there"}\n', "no column 'messages'"),
+    ("sft", SFT_ROWS + '{"prompt": "hi", "completion": " "}\n',
+     "line 2: column 'completion' is an empty answer"),
+    ("sft", SFT_ROWS.encode() + b'{"prompt": "hi", "completion": "th\xffere"}\n', "line 2"),
+    ("sft", '{"messages": [{"role": "user", "content": "hi"}]}\n', "no assistant message"),
+    ("rm", '{"prompt": "p", "chosen": "a", "rejected": "a"}\n', "are the same answer"),
+    ("rm", '{"prompt": "p", "chosen": "a", "rejected": "b", "m": "x"}\n', "must be a number"),
+]
+
+
+@pytest.mark.parametrize("job, content, words", BAD_DATA)
+def test_the_job_dry_run_refuses_rows_the_job_would_refuse(job, content, words, tmp_path,
+                                                           monkeypatch, capsys):
+    """`ds-ppo sft|rm --dry-run` reads the rows as the job does (without a tokenizer): what
+    the job would stop on seconds later, the dry run stops on."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    extra = ["rm.margin_key=m"] if '"m"' in str(content) else []
+    assert main([job, "--dry-run", f"data.path={path}", "output_dir=out", *extra]) == 2
+    err = capsys.readouterr().err
+    assert words in err and str(path) in err and "Traceback" not in err, err
+
+
+def test_the_job_dry_run_accepts_good_rows_and_skips_bad_ones_when_told(tmp_path,
+                                                                       monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "d.jsonl"
+    path.write_text(SFT_ROWS + '{"prompt": "hi", "completion": ""}\n')
+    args = ["sft", "--dry-run", f"data.path={path}", "output_dir=out"]
+    assert main([*args, "data.on_bad_row=skip"]) == 0
+    assert "config OK" in capsys.readouterr().out
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", '
+                     '"content": "a"}], "rejected": [{"role": "user", "content": "q"}, '
+                     '{"role": "assistant", "content": "b"}]}\n')
+    assert main(["rm", "--dry-run", f"data.path={pairs}", "output_dir=out"]) == 0, \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, words", [
+    ("", "ptx.jsonl: the file is empty"),
+    ('{"text": "a b c"\n', "line 1"),
+    ('{"body": "a b c"}\n', "rows need a `text` column"),
+    ('{"text": "a b c"}\n{"other": 1}\n', "line 2: column 'text' is missing"),
+])
+def test_the_train_dry_run_reads_the_ptx_rows(content, words, work, capsys):
+    """data.ptx_path (with ppo.ptx_coef > 0) is read and checked at --dry-run as the run reads
+    it: an empty, malformed or wrong-column file, a row without `text` (named as missing)."""
+    tmp_path, _ = work
+    (tmp_path / "ptx.jsonl").write_text(content)
+    rc, out = _dry_run(capsys, "ppo.ptx_coef=0.1", "data.ptx_path=ptx.jsonl")
+    assert rc == 2 and words in out and "Traceback" not in out and "<object" not in out, out
+    (tmp_path / "ptx.jsonl").write_text('{"text": "a b c"}\n')
+    assert _dry_run(capsys, "ppo.ptx_coef=0.1", "data.ptx_path=ptx.jsonl")[0] == 0

@@ -127,6 +127,15 @@ def test_an_answer_over_the_size_limit_is_refused(drip, announced):
         svc(["p"], ["good"])
     assert srv.requests == 1  # not retried: the service's answer is wrong, not late
     assert "over the limit of 1,000" in str(e.value) or "more than 1,000 bytes" in str(e.value)
+    assert str(e.value).endswith("send fewer rows per request (lower reward.batch_size)")
+    from ds_ppo.envs.base import EnvFailed
+    from ds_ppo.envs.service import EnvService
+
+    env = EnvService(srv.url, timeout_s=5.0, retries=0, max_answer_bytes=1000)
+    with pytest.raises(EnvFailed) as e:  # an environment is not told to return scores
+        env._post_all([{"responses": ["x"]}], None)
+    assert "scores" not in str(e.value), str(e.value)
+    assert str(e.value).endswith("send fewer rows per request (lower env.batch_size)")
     with pytest.raises(AnswerTooLarge):
         Connection(srv.url).post(b"{}", timeout_s=5.0, max_bytes=1000)
 

@@ -42,6 +42,10 @@ def test_bradley_terry_by_hand():
     assert with_margin[0].item() == pytest.approx(math.log(2), rel=1e-6)
     stats = pair_stats(chosen, rejected)
     assert stats["correct"].item() == 1 and stats["margin"].item() == pytest.approx(0.0)
+    assert stats["ties"].item() == 0
+    # a tie is neither right nor wrong: counted apart
+    stats = pair_stats(torch.tensor([1.0, 0.5, 0.0]), torch.tensor([1.0, 0.0, 0.5]))
+    assert (stats["correct"].item(), stats["ties"].item()) == (1, 1)
 
 
 def test_reward_centering_by_hand_and_in_the_rm_loss(tok, tmp_path):
@@ -140,6 +144,28 @@ def test_pairs_with_prompt_margin_and_chat_forms(tmp_path, tok):
     assert pairs.chosen[0] != pairs.rejected[0]
     with pytest.raises(DataError, match=r"no column 'rejected'"):
         load_pairs(_cfg(_write(tmp_path / "x.jsonl", [{"chosen": "a"}])), tok)
+
+
+def test_an_empty_completion_is_named_as_one(tmp_path, tok):
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "hi", "completion": "  "}])
+    with pytest.raises(DataError, match="line 1: column 'completion' is an empty answer"):
+        load_sft(_cfg(path), tok)
+
+
+def test_a_pair_whose_answers_are_the_same_is_a_bad_row(tmp_path, tok):
+    """chosen == rejected teaches nothing (log 2 whatever the model) and would score as a tie:
+    a bad row (data.on_bad_row), named; all-identical data is refused, not trained on."""
+    path = _write(tmp_path / "p.jsonl", [
+        {"prompt": "the cat", "chosen": "sat", "rejected": "sun"},
+        {"prompt": "the cat", "chosen": "sat", "rejected": "sat"}])
+    with pytest.raises(DataError, match=r"line 2: columns 'chosen' and 'rejected' are the same "
+                                        r"answer"):
+        load_pairs(_cfg(path), tok)
+    pairs = load_pairs(_cfg(path, "data.on_bad_row=skip"), tok)
+    assert len(pairs) == 1 and pairs.stats["skipped_bad"] == 1
+    same = _write(tmp_path / "s.jsonl", [{"chosen": "a b", "rejected": "a b"}] * 3)
+    with pytest.raises(DataError):
+        load_pairs(_cfg(same, "data.on_bad_row=skip"), tok)
 
 
 # ------------------------------------------------------------------------------ config

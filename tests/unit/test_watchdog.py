@@ -187,3 +187,31 @@ def test_collective_failures_are_told_apart_from_other_errors():
     assert is_collective_failure(tdist.DistBackendError("NCCL watchdog timeout"))
     assert not is_collective_failure(RuntimeError("shape mismatch"))
     assert not is_collective_failure(ValueError("Connection closed by peer"))
+
+
+def test_a_new_phase_is_in_the_record_at_once_not_at_the_next_beat():
+    """A rank that enters a phase and then stops (SIGSTOP, a dead node) is named by the others
+    with that phase, not the one its last periodic beat recorded (beat_s = 30 s here)."""
+    store = FakeStore()
+    dog = Watchdog(600.0, rank=1, world_size=2, store=store, beat_s=30.0).start()
+
+    def recorded(timeout: float = 3.0) -> str | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            beat = json.loads(store.data[f"{dog.key}beat/1"])
+            if beat["phase"] == want:
+                return beat["phase"]
+            time.sleep(0.01)
+        return json.loads(store.data[f"{dog.key}beat/1"])["phase"]
+
+    try:
+        with dog.phase("update", 3):
+            want = "update"
+            assert recorded() == "update"
+            with dog.phase("save"):
+                want = "save"
+                assert recorded() == "save"
+        want = "between phases"
+        assert recorded() == "between phases"
+    finally:
+        dog.stop()
