@@ -11,6 +11,8 @@ Imports only torch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 import torch
 
 
@@ -72,24 +74,99 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator)
 
 
-def next_tokens_with_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
-                              top_p: float = 1.0, generator: torch.Generator | None = None
+def next_tokens_with_logprobs(logits: torch.Tensor, temperature: float,
+                              generator: torch.Generator | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`next_tokens`, plus (B,) float32: each chosen token's log-prob under the distribution it
-    was drawn from, the rollout log-probs a trainer compares with its own (Yao et al. 2025).
+    """(B, V) logits already shaped by `shape_logits` -> (B,) long chosen tokens (greedy argmax
+    when temperature == 0, else a sample) and (B,) float32 each chosen token's log-prob under
+    that distribution, the rollout log-probs a trainer compares with its own (Yao et al. 2025).
 
-    Sampling: log softmax of the filtered logits (temperature, top-k, top-p, and whatever the
-    caller blocked, e.g. pad or EOS before min_new_tokens). Greedy (temperature 0): log softmax
-    of the processed logits at temperature 1, what the training forward computes at
-    temperature 0 (a point mass would say 0 and mean nothing). Computed as the training
-    forward computes its log-probs (`logprobs_from_logits`), so in float32 with the same
-    logits the two agree to the last bit."""
+    Greedy: the log-prob under the shaped logits at temperature 1, what the training forward
+    computes at temperature 0 (a point mass would say 0 and mean nothing). Computed as the
+    training forward computes its log-probs (`logprobs_from_logits` over the same shaped
+    logits), so in float32 with the same model logits the two agree to the last bit."""
     from .logits import logprobs_from_logits
 
-    if temperature == 0:
-        dist = logits
-        chosen = logits.argmax(dim=-1)
-    else:
-        dist = filter_logits(logits, temperature, top_k, top_p)
-        chosen = sample_from_logits(dist, generator)
-    return chosen, logprobs_from_logits(dist[:, None], chosen[:, None])[:, 0]
+    chosen = logits.argmax(dim=-1) if temperature == 0 else sample_from_logits(logits, generator)
+    return chosen, logprobs_from_logits(logits[:, None], chosen[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class LogitShape:
+    """Everything that makes the distribution a response is sampled from differ from the
+    model's plain softmax, in the order HF's processors apply it: EOS blocked before
+    `min_new_tokens` tokens of a turn, `suppress_ids` never sampled (the pad token, which would
+    read as padding downstream), then the temperature (0 = greedy: no division, no filter),
+    top-k and top-p. The sampler and the trainer both shape their logits with `shape_logits`
+    from one LogitShape, so PPO's log-probs, entropy and KL are those of the distribution that
+    was sampled."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    suppress_ids: tuple[int, ...] = ()
+    eos_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    # device -> (suppress ids (K,) long, EOS ids (E,) long): made once, outside a CUDA graph
+    _ids: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut the distribution (never when greedy)."""
+        return self.temperature != 0 and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def blocks_eos(self) -> bool:
+        return self.min_new_tokens > 0 and bool(self.eos_ids)
+
+    @property
+    def is_plain(self) -> bool:
+        """The model's own softmax: nothing blocked, no temperature, no filter."""
+        return (self.temperature in (0.0, 1.0) and not self.truncates and not self.suppress_ids
+                and not self.blocks_eos)
+
+    def untruncated(self) -> "LogitShape":
+        """The same shape without top-k / top-p (the reference's: module docstring of
+        `ds_ppo.engine.forward`)."""
+        return replace(self, top_k=0, top_p=1.0, _ids={})
+
+    def ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(suppress ids, EOS ids) as long tensors on `device`, made on the first call (call it
+        once before capturing a step that shapes logits: no tensor is made inside)."""
+        key = str(device)
+        if key not in self._ids:
+            self._ids[key] = tuple(torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)
+                                   for ids in (self.suppress_ids, self.eos_ids))
+        return self._ids[key]
+
+
+def shape_logits(logits: torch.Tensor, shape: LogitShape, new_index: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) float logits -> (..., V) the logits of the distribution `shape` samples from
+    (-inf on the tokens it cannot pick). Not in place.
+
+    new_index: (...) long, each position's count of tokens already generated in its turn (EOS is
+    blocked where it is < shape.min_new_tokens); None: no EOS blocking. keep: (...) long token
+    ids never blocked (the trainer passes the sampled tokens: a near tie that the trainer's
+    top-k / top-p resolves otherwise than the sampler's then costs a renormalisation, never a
+    -inf log-prob; and masked positions, whose labels are e.g. the pad, stay finite).
+
+    The ops are those of the sampler (`block_tokens`, `filter_logits`) over the last dimension,
+    so the same float32 logits give the same bits whatever the leading shape: (B, V) in a
+    decoding step, (b, t, V) in the trainer's blocks.
+    """
+    suppress_t, eos_t = shape.ids(logits.device)
+    out = logits.clone() if suppress_t.numel() or (shape.blocks_eos and new_index is not None) \
+        else logits
+    if shape.blocks_eos and new_index is not None:
+        block_tokens(out, eos_t, (new_index < shape.min_new_tokens)[..., None])
+    if suppress_t.numel():
+        block_tokens(out, suppress_t)
+    if shape.temperature != 0:
+        out = filter_logits(out, shape.temperature, shape.top_k, shape.top_p)
+    if keep is not None and (out is not logits):
+        kept = logits.gather(-1, keep[..., None])
+        if shape.temperature not in (0.0, 1.0):
+            kept = kept / shape.temperature
+        out = out.scatter(-1, keep[..., None], kept)
+    return out

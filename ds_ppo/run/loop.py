@@ -26,7 +26,7 @@ from ds_ppo.errors import Diverged, RegistrationError, RewardError
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
-from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
+from ds_ppo.ppo.rollout import stop_token_ids
 from ds_ppo.rewards.encode import reward_encoder
 from ds_ppo.role_names import TRAINED_ROLES
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
@@ -146,7 +146,6 @@ def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype, device)
     log.info("generation: mode %s, decoding loop %s", gen_mode,
              choose_loop(cfg.generation, gen_mode, engines.policy.module.config))
-    _warn(sampling_mismatch(cfg.generation))
     sampler = _sampler(cfg, len(prompts.input_ids))
     inputs = IterationInputs(cfg, engines, tokenizer, prompts, gen_mode, eos_ids, reward_encode,
                              _ptx_stream(cfg, ptx_rows, tokenizer), env)
@@ -249,11 +248,6 @@ def _already_finished(cfg: Config) -> TrainResult | None:
     return TrainResult(output_dir=str(cfg.output_dir), last_checkpoint=str(path),
                        export_dir=str(Path(cfg.output_dir) / "final") if c.export_at_end else None,
                        mlflow_run_id=state.mlflow_run_id)
-
-
-def _warn(message: str | None) -> None:
-    if message and dist.is_main():
-        log.warning("%s", message)
 
 
 def _seed_everything(seed: int) -> None:
