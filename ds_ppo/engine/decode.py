@@ -46,6 +46,7 @@ import torch.distributed as tdist
 
 from ds_ppo.algo.masks import response_mask
 from ds_ppo.algo.sampling import LogitShape, next_tokens_with_logprobs, shape_logits
+from ds_ppo.engine import batch_invariant
 from ds_ppo.engine.slots import Slots
 
 log = logging.getLogger("ds_ppo")
@@ -101,7 +102,7 @@ def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value
 def _attention_function(model: torch.nn.Module, kernel: str):
     """sdpa models decode through grouped_sdpa_attention (the config's attention setting is
     switched for the call and restored after: the replica may share its config object)."""
-    if kernel != "sdpa":
+    if kernel != "sdpa" or batch_invariant.active():  # its own attention: batch_invariant.py
         yield
         return
     from transformers import AttentionInterface
