@@ -97,6 +97,13 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                             f"{g.mode!r} use HF generate: set generation.loop=own (mode "
                             f"gathered or tensor_parallel), or {key}={str(off).lower()}")
     problems += _old_logprob_problems(cfg)
+    if g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
+                              or cfg.policy.attn_implementation not in ("sdpa", "eager")):
+        problems.append(f"generation.batch_invariant = true replaces the sdpa / eager attention "
+                        f"of whole replicas, but generation.mode = {g.mode!r} / "
+                        f"policy.attn_implementation = {cfg.policy.attn_implementation!r}: set "
+                        "generation.mode=gathered and policy.attn_implementation=sdpa, or "
+                        "generation.batch_invariant=false")
     if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "

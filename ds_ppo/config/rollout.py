@@ -78,6 +78,13 @@ class GenerationConfig(Section):
         "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
         "transformers' compiled decoding.")
     compile: bool = Field(False, description="loop=hf: torch.compile the replica's decoding step.")
+    batch_invariant: bool = Field(
+        False, description="Every forward of the iteration (the decoding steps, scoring, the "
+        "update) runs batch-invariant kernels (ds_ppo/engine/batch_invariant.py: linear layers "
+        "and attention reduce in an order that depends on neither the batch nor the sequence "
+        "layout), so the sampler's log-probs equal the trainer's to the last bit: "
+        "rollout/logprob_abs_diff_max is 0 (whole replicas: mode gathered, sdpa or eager "
+        "attention). Pure torch: slower, most of all on a GPU (docs/SAMPLING.md).")
     require_exact: bool = Field(
         False, description="Stop the run (one line, exit code 2, before the iteration's update) "
         "when the sampler's log-probs differ from the trainer's by anything: the iteration's "

@@ -239,6 +239,8 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
      "ppo.old_logprobs = 'rollout'", "generation.loop = 'hf'"),
     (["generation.loop=hf", "generation.require_exact=true"], 1,
      "generation.require_exact = True", "generation.require_exact=false"),
+    (["generation.batch_invariant=true", "generation.mode=zero3"], 1,
+     "generation.batch_invariant = true", "generation.mode=gathered"),
     (["generation.require_exact=true", "ppo.old_logprobs=rollout"], 1,
      "generation.require_exact = true compares", "ppo.old_logprobs=training"),
     (["ppo.rollout_correction=mis", "ppo.old_logprobs=rollout"], 1,
