@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ds_ppo.algo import token_budget_batches, turn_token_index
-from ds_ppo.algo.sampling import LogitShape
+from ds_ppo.algo.distribution import LogitShape
 
 
 def _slice_fields(obj, idx: slice | list[int]):

@@ -16,12 +16,11 @@ Imports only torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from .sampling import LogitShape
+from .distribution import LogitShape, shape_logits
 
 
 def _blocks(B: int, T: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
@@ -66,8 +65,6 @@ class _Shaper:
     def __call__(self, block: torch.Tensor, bs: slice, ts: slice) -> torch.Tensor:
         if self.plain:
             return block
-        from .sampling import shape_logits
-
         def rows(x):
             return None if x is None else x[bs, ts]
         return shape_logits(block, self.shape, rows(self.new_index), rows(self.keep))
@@ -153,7 +150,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
                          new_index: torch.Tensor | None = None,
                          truncate: bool = True) -> torch.Tensor:
     """log softmax(logits)[label] per position, computed block by block; with `shape`, of the
-    logits as the sampler shaped them (`ds_ppo.algo.sampling.shape_logits`, the labels kept).
+    logits as the sampler shaped them (`ds_ppo.algo.distribution.shape_logits`, the labels kept).
 
     Args:
         logits: (B, T, V) float of any dtype (bf16/fp16/fp32), already aligned with

@@ -18,14 +18,11 @@ Imports only torch.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .sampling import shape_logits
-
-if TYPE_CHECKING:
-    from .sampling import LogitShape
+from .distribution import LogitShape, shape_logits
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # (n, H) hidden -> (n, V) logits
 

@@ -276,7 +276,7 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
 def _old_logprob_problems(cfg: Config) -> list[str]:
     """ppo.old_logprobs = rollout: the sampler's log-probs stand for the policy's. They are of
     the distribution the trainer computes whatever the sampling settings (the trainer shapes its
-    logits as the sampler did, `ds_ppo.algo.sampling.shape_logits`); that our decoding loop
+    logits as the sampler did, `ds_ppo.algo.distribution.shape_logits`); that our decoding loop
     keeps them: the caller. generation.require_exact compares the two, so needs both."""
     p, problems = cfg.ppo, []
     if p.old_logprobs == "rollout" and p.rollout_correction != "none":

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as tdist
 
 from ds_ppo.algo.masks import response_mask
-from ds_ppo.algo.sampling import LogitShape, next_tokens_with_logprobs, shape_logits
+from ds_ppo.algo.distribution import LogitShape, shape_logits
+from ds_ppo.algo.sampling import next_tokens_with_logprobs
 from ds_ppo.engine import batch_invariant
 from ds_ppo.engine.slots import Slots
 

@@ -31,7 +31,7 @@ import torch
 
 from ds_ppo import watchdog
 from ds_ppo.algo import response_mask
-from ds_ppo.algo.sampling import LogitShape
+from ds_ppo.algo.distribution import LogitShape
 from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist

@@ -1,5 +1,5 @@
 """One sampled distribution: the trainer's log-probs are those of the distribution the sampler
-drew from (`Rollout.sampling`, `ds_ppo.algo.sampling.shape_logits`), for every sampling
+drew from (`Rollout.sampling`, `ds_ppo.algo.distribution.shape_logits`), for every sampling
 setting, packed or tiled forwards, and multi-turn episodes: on CPU in float32 the sampler's
 log-probs equal the trainer's to rounding (the decoding step and the whole-sequence forward
 reduce in different orders), while the plain softmax misses them by the blocked pad's mass and

@@ -106,14 +106,14 @@ SHAPES = [
 
 
 def _shaped_case(shape_kw, seed=0, B=3, T=5, V=40):
-    from ds_ppo.algo.sampling import LogitShape
+    from ds_ppo.algo.distribution import LogitShape
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g) * 2
     index = torch.arange(T).expand(B, T)
     shape = LogitShape(**shape_kw)
     # the sampled tokens: drawn from the shaped distribution, as the sampler draws them
-    from ds_ppo.algo.sampling import shape_logits
+    from ds_ppo.algo.distribution import shape_logits
 
     shaped = shape_logits(logits, shape, index)
     labels = (shaped if shape.temperature else shaped * 50).softmax(-1).reshape(-1, V) \
@@ -126,7 +126,8 @@ def test_sampler_and_trainer_shape_the_same_bits(shape_kw):
     """The decoding step's (B, V) logits and the trainer's (b, t, V) blocks of the same
     float32 logits give the same log-probs to the last bit: one function shapes both."""
     from ds_ppo.algo import logprobs_from_logits
-    from ds_ppo.algo.sampling import next_tokens_with_logprobs, shape_logits
+    from ds_ppo.algo.distribution import shape_logits
+    from ds_ppo.algo.sampling import next_tokens_with_logprobs
 
     logits, labels, index, shape = _shaped_case(shape_kw)
     B, T, V = logits.shape
@@ -154,7 +155,7 @@ def test_sampler_and_trainer_shape_the_same_bits(shape_kw):
 
 def _reference(logits, labels, index, shape):
     """Log-probs and entropy of the shaped distribution by plain autograd ops."""
-    from ds_ppo.algo.sampling import shape_logits
+    from ds_ppo.algo.distribution import shape_logits
 
     shaped = shape_logits(logits, shape, index, keep=labels)
     logp = torch.log_softmax(shaped, -1)
@@ -207,7 +208,7 @@ def test_the_reference_untruncated_and_the_sampled_token_kept():
     outside its own top-k), keeps the blocked pad; a sampled token the trainer's top-k would
     cut (a near tie) keeps its logit, so its log-prob is finite."""
     from ds_ppo.algo import logprobs_from_logits
-    from ds_ppo.algo.sampling import LogitShape
+    from ds_ppo.algo.distribution import LogitShape
 
     logits = torch.tensor([[[3.0, 2.0, 1.0, 0.5, 0.0]]])
     shape = LogitShape(temperature=1.0, top_k=2, suppress_ids=(4,))
