@@ -91,8 +91,8 @@ class LogitShape:
                 and not self.blocks_eos)
 
     def untruncated(self) -> "LogitShape":
-        """The same shape without top-k / top-p (the reference's: module docstring of
-        `ds_ppo.engine.forward`)."""
+        """The same shape without top-k / top-p (the reference's log-probs use it:
+        `ds_ppo.engine.forward.logit_shape` says why)."""
         return replace(self, top_k=0, top_p=1.0, _ids={})
 
     def ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

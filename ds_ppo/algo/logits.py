@@ -8,6 +8,11 @@ by custom Functions that save only the original logits plus one float per row an
 recompute each block's softmax in backward, so peak extra memory is one block,
 in forward and in backward.
 
+With a `LogitShape` (the sampling settings: temperature, blocked tokens, top-k, top-p), each
+float32 block is shaped by `distribution.shape_logits` before it is reduced, so the log-probs
+and entropies are those of the distribution the sampler drew from; backward recomputes the
+shaped block (blocked tokens have p = 0, hence no gradient) and divides by the temperature.
+
 Shapes: B = sequences, T = tokens (the positions whose next token is scored),
 V = vocabulary. Outputs are float32 (float64 if the logits are float64).
 
@@ -150,7 +155,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
                          new_index: torch.Tensor | None = None,
                          truncate: bool = True) -> torch.Tensor:
     """log softmax(logits)[label] per position, computed block by block; with `shape`, of the
-    logits as the sampler shaped them (`ds_ppo.algo.distribution.shape_logits`, the labels kept).
+    logits as the sampler shaped them (`distribution.shape_logits`, the labels kept).
 
     Args:
         logits: (B, T, V) float of any dtype (bf16/fp16/fp32), already aligned with
