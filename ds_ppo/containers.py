@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ds_ppo.algo import token_budget_batches
+from ds_ppo.algo import token_budget_batches, turn_token_index
+from ds_ppo.algo.distribution import LogitShape
 
 
 def _slice_fields(obj, idx: slice | list[int]):
@@ -69,18 +70,32 @@ class Rollout:
     # (B, T) float32: each response token's log-prob under the distribution it was sampled
     # from (generation.loop=own; 0 outside mask), None when HF generate sampled it
     rollout_logprobs: torch.Tensor | None = None
+    # the distribution the responses were sampled from (temperature, blocked tokens, top-k,
+    # top-p): the trainer's log-probs, entropy and KL shape the logits alike; None: the
+    # plain softmax at the temperature the caller gives (e.g. PPO-ptx text rows)
+    sampling: LogitShape | None = None
     # multi-turn episodes (None: one response per prompt, every response token counts)
     context_mask: torch.Tensor | None = None  # (B, T) bool, True on model and observation tokens
     model_lens: list[int] | None = None  # B model tokens per row (mask.sum(1)), host values
     turn_rewards: torch.Tensor | None = None  # (B, T) float32, each turn's environment reward
     # at its last model token, 0 elsewhere
     transcripts: list | None = None  # B episodes' turns: {turn, model, reward, observation}
+    # (B, T) bool, True on the first token of each model turn (None: one turn from column 0)
+    turn_starts: torch.Tensor | None = None
 
     @property
     def context(self) -> torch.Tensor:  # (B, T) bool
         """The response tokens the model reads: every counted token, and an episode's
         observations (which are not counted: no loss, no KL, no reward)."""
         return self.mask if self.context_mask is None else self.context_mask
+
+    def new_token_index(self) -> torch.Tensor:
+        """(B, T) long: how many tokens of its model turn precede each response token (the
+        sampler's token index, which generation.min_new_tokens compares)."""
+        B, T = self.response_ids.shape
+        if self.turn_starts is None:
+            return torch.arange(T, device=self.response_ids.device).expand(B, T)
+        return turn_token_index(self.turn_starts)
 
     @property
     def counted_lens(self) -> list[int]:

@@ -64,3 +64,8 @@ class RegistrationError(UserError):
 
 class OutputDirBusy(UserError):
     """Another run holds the lock on this output_dir; the message names its host and pid."""
+
+
+class NotOnPolicy(UserError):
+    """generation.require_exact: the sampler's log-probs differ from the trainer's for the same
+    tokens; the message names the iteration's largest gap and how to close it."""

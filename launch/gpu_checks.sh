@@ -11,6 +11,8 @@
 #      (tests/support/measure_packing.py --device cuda; with flash-attention 2 too if installed)
 #   3. tensor-parallel decoding captured as a CUDA graph with its NCCL all-reduces
 #      (tests/stages/test_decode_tp.py -k nccl: needs two GPUs, reports the skip on one)
+#   4. the sampler's log-probs against the trainer's in bf16, with and without
+#      generation.batch_invariant, and what its kernels cost (tests/support/measure_exactness.py)
 #
 # GPU_CHECKS_DEVICE=cpu runs the same steps on a CPU (what the CPU test of this script does).
 set -uo pipefail
@@ -39,6 +41,8 @@ if "$PY" -c "import flash_attn" 2>/dev/null && [[ $DEVICE == cuda ]]; then
 fi
 step tp_nccl_graph "$PY" -m pytest -q -o addopts= -p no:cacheprovider tests/stages/test_decode_tp.py \
     -k nccl -rs
+step exactness "$PY" tests/support/measure_exactness.py --device "$DEVICE" \
+    ${GPU_CHECKS_EXACT_FLAGS:---dtype bf16} --json "$RESULTS/exactness.json"
 
 echo
 printf '%s\n' "${summary[@]}"

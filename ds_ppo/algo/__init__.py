@@ -8,8 +8,9 @@ Free functions over (B, T) response-token tensors (B = sequences, T = response
 tokens) with ``mask`` True on tokens that count. Imports only torch: no deepspeed,
 no transformers, no trainer state.
 
-Decoding: decode_attention_mask, block_tokens -> filter_logits -> next_tokens (sampling on the
-device, no host sync).
+Decoding: decode_attention_mask, shape_logits (a LogitShape: block_tokens -> filter_logits) ->
+next_tokens (sampling on the device, no host sync). The trainer's log-probs, entropy and KL
+shape their logits with the same shape_logits, so they are of the distribution sampled.
 
 Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden states: no
 (B, T, V) logits for long responses) -> shape_rewards -> gae ->
@@ -30,7 +31,7 @@ _EXPORTS = {
     "additive_mask": "packing",
     "advantages_for": "estimators",
     "block_causal_mask": "packing",
-    "block_tokens": "sampling",
+    "block_tokens": "distribution",
     "bradley_terry": "supervised",
     "broadcast_to_tokens": "group",
     "cumulative_lengths": "packing",
@@ -41,7 +42,7 @@ _EXPORTS = {
     "ESTIMATORS": "choices",
     "EstimatorSpec": "choices",
     "explained_variance": "stats",
-    "filter_logits": "sampling",
+    "filter_logits": "distribution",
     "from_model_tokens": "turns",
     "FixedKLController": "kl",
     "gae": "returns",
@@ -64,6 +65,7 @@ _EXPORTS = {
     "LOG_RATIO_CLAMP": "kl",
     "log_ratio_clamped": "kl",
     "logprobs_from_logits": "logits",
+    "LogitShape": "distribution",
     "LOSS_AGGREGATIONS": "aggregation",
     "loss_divisor": "aggregation",
     "loss_token_weights": "aggregation",
@@ -90,11 +92,13 @@ _EXPORTS = {
     "rollout_mismatch": "correction",
     "RolloutCorrection": "choices",
     "sample_from_logits": "sampling",
+    "shape_logits": "distribution",
     "shape_rewards": "shaping",
     "to_model_tokens": "turns",
     "tiled_logprobs": "tiled",
     "token_budget_batches": "packing",
     "turn_ends": "turns",
+    "turn_token_index": "turns",
     "unpack": "packing",
     "value_loss": "losses",
 }

@@ -22,21 +22,41 @@ from typing import Callable
 
 import torch
 
+from .distribution import LogitShape, shape_logits
+
 Head = Callable[[torch.Tensor], torch.Tensor]  # (n, H) hidden -> (n, V) logits
 
 
-def _tile_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(n,) log p(label) and (n,) entropy (or None) of (n, V) logits, computed in at least
-    float32 (the formulas of logits.py: log p_y = z_y - logsumexp(z);
-    H = logsumexp(z) - sum_k p_k z_k)."""
+def _shaped(logits: torch.Tensor, shape: "LogitShape | None", index: torch.Tensor | None,
+            labels: torch.Tensor) -> torch.Tensor:
+    """(n, V) logits in at least float32, shaped as the sampler shaped them (`shape_logits`,
+    the labels kept); as they are without a shape."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if shape is None or shape.is_plain:
+        return z
+    return shape_logits(z, shape, index, labels)
+
+
+def _chain(grad: torch.Tensor, shape: "LogitShape | None") -> torch.Tensor:
+    """A gradient w.r.t. the shaped logits -> w.r.t. the head's logits (the temperature
+    division; blocked tokens have p = 0, so no gradient)."""
+    t = 1.0 if shape is None else shape.temperature
+    return grad if t in (0.0, 1.0) else grad.div_(t)
+
+
+def _tile_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool,
+                shape: "LogitShape | None" = None, index: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n,) log p(label) and (n,) entropy (or None) of (n, V) logits (shaped by `shape`),
+    computed in at least float32 (the formulas of logits.py: log p_y = z_y - logsumexp(z);
+    H = logsumexp(z) - sum_k p_k z_k, blocked tokens adding 0)."""
+    z = _shaped(logits, shape, index, labels)
     lse = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, labels[:, None]).squeeze(-1) - lse
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            entropy = lse - (torch.softmax(z, dim=-1) * z).nan_to_num(nan=0.0).sum(-1)
     return logprobs, entropy
 
 
@@ -52,19 +72,22 @@ class _TiledLogprobs(torch.autograd.Function):
     reduce the head's gradient once, after the last tile)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, head, tile_tokens, with_entropy, before_backward_tile):
+    def forward(ctx, hidden, labels, head, tile_tokens, with_entropy, before_backward_tile,
+                shape, index):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
         with torch.no_grad():
             for s in _tiles(n, tile_tokens):
-                lp, ent = _tile_stats(head(hidden[s]), labels[s], with_entropy)
+                lp, ent = _tile_stats(head(hidden[s]), labels[s], with_entropy, shape,
+                                      None if index is None else index[s])
                 logprobs[s] = lp
                 if with_entropy:
                     entropy[s] = ent
         ctx.save_for_backward(hidden, labels)
         ctx.head, ctx.tile_tokens, ctx.hook = head, tile_tokens, before_backward_tile
+        ctx.shape, ctx.index = shape, index
         if entropy is None:
             return logprobs, None
         ctx.mark_non_differentiable(entropy)
@@ -84,35 +107,41 @@ class _TiledLogprobs(torch.autograd.Function):
                 logits = ctx.head(h)  # (n, V), its graph through the head only
             # d log p_y / d z_k = 1[k = y] - p_k, written in place into one (n, V) buffer
             z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+            if ctx.shape is not None and not ctx.shape.is_plain:
+                z = _shaped(z, ctx.shape, None if ctx.index is None else ctx.index[s], labels[s])
             z -= torch.logsumexp(z, dim=-1, keepdim=True)
             g = grad_logprobs[s].unsqueeze(-1).to(z.dtype)
-            grad_logits = z.exp_().mul_(-g).scatter_add_(-1, labels[s].unsqueeze(-1), g)
+            grad_logits = _chain(z.exp_().mul_(-g).scatter_add_(-1, labels[s].unsqueeze(-1), g),
+                                 ctx.shape)
             # accumulates the head's parameter gradients (.grad) tile by tile, as reentrant
             # activation checkpointing does
             torch.autograd.backward(logits, grad_logits.to(logits.dtype))
             del logits, z, grad_logits  # else two tiles' (n, V) tensors meet at the next head call
             if grad_hidden is not None:
                 grad_hidden[s] = h.grad
-        return grad_hidden, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_tokens: int,
                    with_entropy: bool = False,
-                   before_backward_tile: Callable[[bool], None] | None = None
+                   before_backward_tile: Callable[[bool], None] | None = None,
+                   shape: "LogitShape | None" = None, new_index: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden))[label] per position (and the entropy of that softmax), the head
-    applied `tile_tokens` positions at a time.
+    applied `tile_tokens` positions at a time; with `shape`, of the logits as the sampler
+    shaped them (as `logprobs_from_logits`).
 
     Args:
         hidden: (B, T, H) final hidden states aligned with labels (hidden[:, t] predicts
             labels[:, t]); may be a non-contiguous slice; with grad for the update.
         labels: (B, T) long token ids in [0, V) (also at masked positions).
-        head: (n, H) -> (n, V) logits (the output layer, a temperature division included); its
+        head: (n, H) -> (n, V) logits (the output layer); its
             parameters get their gradients during backward, tile by tile.
         tile_tokens: positions per tile; peak extra memory about tile_tokens x V x (logits'
             bytes + 4 for the float32 copy), x2 in backward.
         with_entropy: also return the entropy (a metric: not differentiable).
         before_backward_tile: called with `last` (bool) before each tile's backward.
+        shape, new_index ((B, T) long or None): as in `logprobs_from_logits`.
 
     Returns:
         (B, T) float32 log-probs (nats), differentiable w.r.t. hidden and the head's
@@ -123,6 +152,7 @@ def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_
                          f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
     B, T, H = hidden.shape
     flat = hidden.reshape(B * T, H)
+    index = None if new_index is None else new_index.reshape(B * T)
     lp, ent = _TiledLogprobs.apply(flat, labels.reshape(B * T).long(), head, tile_tokens,
-                                   with_entropy, before_backward_tile)
+                                   with_entropy, before_backward_tile, shape, index)
     return lp.view(B, T), (ent.view(B, T) if ent is not None else None)

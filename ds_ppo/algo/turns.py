@@ -47,3 +47,13 @@ def turn_ends(mask: torch.Tensor) -> torch.Tensor:
     mask = mask.bool()
     after = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
     return mask & ~after
+
+
+def turn_token_index(turn_starts: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True at the first token of each model turn -> (B, T) long, each position's
+    distance from the last turn start at or before it (the token index the sampler had there;
+    positions before the first start count from column 0)."""
+    T = turn_starts.shape[-1]
+    pos = torch.arange(T, device=turn_starts.device).expand_as(turn_starts)
+    last = torch.where(turn_starts.bool(), pos, torch.zeros_like(pos)).cummax(dim=-1).values
+    return pos - last

@@ -102,15 +102,14 @@ class PPOConfig(Section):
         "training", description="The PPO ratio's old log-probs: training = a scoring forward "
         "of the policy over the rollout; rollout = the log-probs the sampler drew each token "
         "with (generation.loop=own), which skips that forward (one policy forward over every "
-        "sequence per iteration; verl's rollout-correction bypass mode). On CPU in float32 the "
-        "two are equal up to kernel rounding; on a GPU the replica's 16-bit kernels differ, and "
-        "the first step's ratio absorbs that gap (the behaviour policy is the sampler's). The "
-        "sampler's distribution must be the policy's: no generation.top_k / top_p / "
-        "min_new_tokens, and no ppo.rollout_correction (it compares the two). The pad token is "
-        "never sampled, so each log-prob is the policy's renormalised without it, higher by "
-        "-log(1 - p_pad): negligible once a model gives pad no mass (a random-init toy: ~0.002 "
-        "per token). policy/entropy is then measured in the first PPO epoch's forwards (not in "
-        "critic warm-up iterations).")
+        "sequence per iteration; verl's rollout-correction bypass mode). The trainer shapes its "
+        "logits as the sampler did (temperature, the suppressed pad, min_new_tokens, stop "
+        "tokens, top-k, top-p), so with any sampling setting and in multi-turn episodes the two "
+        "are the same distribution: on CPU in float32 equal up to kernel rounding; on a GPU the "
+        "replica's 16-bit kernels differ, and the first step's ratio absorbs that gap (the "
+        "behaviour policy is the sampler's). Not with ppo.rollout_correction (it compares the "
+        "two). policy/entropy is then measured in the first PPO epoch's forwards (not in critic "
+        "warm-up iterations).")
     rollout_is_cap: float = Field(
         2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
         "(tis: min(r, C); mis: the band [1/C, C]).")

@@ -88,14 +88,22 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
                         "generate: set generation.continuous=auto, or generation.loop=own")
     # the settings that read the sampler's log-probs, which only our decoding loop keeps
-    for key, value, off in (("rollout_correction", cfg.ppo.rollout_correction, "none"),
-                            ("old_logprobs", cfg.ppo.old_logprobs, "training")):
+    for key, value, off in (("ppo.rollout_correction", cfg.ppo.rollout_correction, "none"),
+                            ("ppo.old_logprobs", cfg.ppo.old_logprobs, "training"),
+                            ("generation.require_exact", g.require_exact, False)):
         if hf_only and value != off:
-            problems.append(f"ppo.{key} = {value!r} needs the rollout log-probs of our decoding "
+            problems.append(f"{key} = {value!r} needs the rollout log-probs of our decoding "
                             f"loop, but generation.loop = {g.loop!r} / generation.mode = "
                             f"{g.mode!r} use HF generate: set generation.loop=own (mode "
-                            f"gathered or tensor_parallel), or ppo.{key}={off}")
+                            f"gathered or tensor_parallel), or {key}={str(off).lower()}")
     problems += _old_logprob_problems(cfg)
+    if g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
+                              or cfg.policy.attn_implementation not in ("sdpa", "eager")):
+        problems.append(f"generation.batch_invariant = true replaces the sdpa / eager attention "
+                        f"of whole replicas, but generation.mode = {g.mode!r} / "
+                        f"policy.attn_implementation = {cfg.policy.attn_implementation!r}: set "
+                        "generation.mode=gathered and policy.attn_implementation=sdpa, or "
+                        "generation.batch_invariant=false")
     if g.loop == "own" and cfg.policy.attn_implementation not in ("sdpa", "eager"):
         problems.append(f"generation.loop = 'own' supports the sdpa and eager attention kernels, "
                         f"not policy.attn_implementation = {cfg.policy.attn_implementation!r}: "
@@ -268,27 +276,19 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
 
 
 def _old_logprob_problems(cfg: Config) -> list[str]:
-    """ppo.old_logprobs = rollout: the sampler's log-probs stand for the policy's, so they must
-    be of the policy's own distribution (that our decoding loop keeps them: the caller)."""
-    g, p = cfg.generation, cfg.ppo
-    if p.old_logprobs != "rollout":
-        return []
-    problems = []
-    changed = [f"generation.{k} = {v}" for k, v, off in (
-        ("top_k", g.top_k, 0), ("top_p", g.top_p, 1.0), ("min_new_tokens", g.min_new_tokens, 0))
-        if v != off]
-    if changed:
-        problems.append("ppo.old_logprobs = 'rollout' uses the sampler's log-probs as the "
-                        "policy's, but " + ", ".join(changed) + " samples from another "
-                        "distribution (renormalised over fewer tokens): drop "
-                        + ("it" if len(changed) == 1 else "them") + ", or set "
-                        "ppo.old_logprobs=training")
-    if cfg.env.enabled:
-        problems.append("ppo.old_logprobs = 'rollout': multi-turn episodes (env) do not carry "
-                        "the sampler's log-probs yet; set ppo.old_logprobs=training")
-    if p.rollout_correction != "none":
+    """ppo.old_logprobs = rollout: the sampler's log-probs stand for the policy's. They are of
+    the distribution the trainer computes whatever the sampling settings (the trainer shapes its
+    logits as the sampler did, `ds_ppo.algo.distribution.shape_logits`); that our decoding loop
+    keeps them: the caller. generation.require_exact compares the two, so needs both."""
+    p, problems = cfg.ppo, []
+    if p.old_logprobs == "rollout" and p.rollout_correction != "none":
         problems.append(f"ppo.rollout_correction = {p.rollout_correction!r} weighs the "
                         "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
                         "'rollout' makes them the same (every weight 1): set "
                         "ppo.rollout_correction=none, or ppo.old_logprobs=training")
+    if cfg.generation.require_exact and p.old_logprobs == "rollout":
+        problems.append("generation.require_exact = true compares the sampler's log-probs with "
+                        "the trainer's scoring forward, which ppo.old_logprobs = 'rollout' "
+                        "skips: set ppo.old_logprobs=training, or generation.require_exact="
+                        "false")
     return problems

@@ -28,14 +28,17 @@ class GenerationConfig(Section):
         "default: the ranks of one node. Must divide the world size and the policy's attention "
         "heads, KV heads and MLP width.")
     max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
-    min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed before this many tokens.")
+    min_new_tokens: int = Field(0, ge=0, description="EOS (and every stop token) is "
+                                "suppressed before this many tokens of a turn; the trainer's "
+                                "log-probs suppress it alike.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy. Scoring "
                                "and the update divide the logits by it too.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Log-probs are "
-                         "computed over the full softmax, so top_p < 1 makes the update "
-                         "slightly off-policy (a warning at start-up).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off. As with top_p, log-probs "
-                       "ignore the filter (a warning at start-up).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. The policy's "
+                         "log-probs, entropy and ratio are of the same truncated, renormalised "
+                         "distribution (exact on-policy PPO); the reference's log-probs use its "
+                         "full softmax (docs/SAMPLING.md).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off. In the log-probs as "
+                       "top_p is.")
     stop_tokens: list[str] = Field(
         default_factory=list,
         description="Extra tokens (each one vocabulary entry) that end a response like EOS.")
@@ -75,6 +78,19 @@ class GenerationConfig(Section):
         "dynamic", description="loop=hf: KV cache of the gathered replica; static enables "
         "transformers' compiled decoding.")
     compile: bool = Field(False, description="loop=hf: torch.compile the replica's decoding step.")
+    batch_invariant: bool = Field(
+        False, description="Every forward of the iteration (the decoding steps, scoring, the "
+        "update) runs batch-invariant kernels (ds_ppo/engine/batch_invariant.py: linear layers "
+        "and attention reduce in an order that depends on neither the batch nor the sequence "
+        "layout), so the sampler's log-probs equal the trainer's to the last bit: "
+        "rollout/logprob_abs_diff_max is 0 (whole replicas: mode gathered, sdpa or eager "
+        "attention). Pure torch: slower, most of all on a GPU (docs/SAMPLING.md).")
+    require_exact: bool = Field(
+        False, description="Stop the run (one line, exit code 2, before the iteration's update) "
+        "when the sampler's log-probs differ from the trainer's by anything: the iteration's "
+        "rollout/logprob_abs_diff_max over all ranks must be 0. The proof in the run that PPO "
+        "trains the distribution it sampled (docs/SAMPLING.md); needs the comparison: "
+        "generation.loop=own and ppo.old_logprobs=training.")
     keep_replica: bool = Field(
         False, description="Keep the gathered replica between rollouts and refresh its weights "
         "in place: no re-allocation and no recompilation, at the cost of its 16-bit weights "

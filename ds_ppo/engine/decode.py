@@ -45,7 +45,9 @@ import torch
 import torch.distributed as tdist
 
 from ds_ppo.algo.masks import response_mask
-from ds_ppo.algo.sampling import block_tokens, next_tokens_with_logprobs
+from ds_ppo.algo.distribution import LogitShape, shape_logits
+from ds_ppo.algo.sampling import next_tokens_with_logprobs
+from ds_ppo.engine import batch_invariant
 from ds_ppo.engine.slots import Slots
 
 log = logging.getLogger("ds_ppo")
@@ -101,7 +103,7 @@ def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value
 def _attention_function(model: torch.nn.Module, kernel: str):
     """sdpa models decode through grouped_sdpa_attention (the config's attention setting is
     switched for the call and restored after: the replica may share its config object)."""
-    if kernel != "sdpa":
+    if kernel != "sdpa" or batch_invariant.active():  # its own attention: batch_invariant.py
         yield
         return
     from transformers import AttentionInterface
@@ -149,16 +151,15 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     S = N if slots is None else max(1, min(slots, N))
     T = max_new_tokens
     device = prompt_ids.device
-    eos_t = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    suppress_t = torch.tensor(sorted(set(suppress_ids)), dtype=torch.long, device=device)
+    # the distribution sampled from; the trainer shapes its logits with the same LogitShape
+    # (`Rollout.sampling`), so its log-probs are of this distribution
+    shape = LogitShape(temperature=temperature, top_k=top_k, top_p=top_p,
+                       suppress_ids=tuple(sorted(set(suppress_ids))),
+                       eos_ids=tuple(sorted(set(eos_ids))), min_new_tokens=min_new_tokens)
+    shape.ids(device)  # its id tensors made here, not inside a captured step
 
     def choose(logits: torch.Tensor, idx: torch.Tensor):
-        logits = logits.float()
-        if suppress_t.numel():
-            block_tokens(logits, suppress_t)
-        if min_new_tokens > 0:
-            block_tokens(logits, eos_t, (idx < min_new_tokens)[:, None])
-        return next_tokens_with_logprobs(logits, temperature, top_k, top_p)
+        return next_tokens_with_logprobs(shape_logits(logits.float(), shape, idx), temperature)
 
     kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):

@@ -20,11 +20,12 @@ memory, instead of the L x L scores of the masked math kernel).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
-from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths,
+from ds_ppo.algo import (LogitShape, additive_mask, block_causal_mask, cumulative_lengths,
                          entropy_from_logits, logprobs_from_logits, packed_layout,
                          response_predictors, tiled_logprobs, unpack)
 from ds_ppo.containers import Rollout
@@ -59,20 +60,31 @@ def _unpadded_mask(rollout: Rollout, am: torch.Tensor) -> torch.Tensor | None:
 
 
 def _response_logits(model, ids: torch.Tensor, am: torch.Tensor, mask: torch.Tensor | None,
-                     num_response: int, temperature: float) -> torch.Tensor:
-    """(B, T, V) logits predicting the last T tokens of `ids`, divided by the sampling
-    temperature. Only the last T + 1 positions' logits are computed (`logits_to_keep`), so the
-    prompt logits are never materialised."""
+                     num_response: int) -> torch.Tensor:
+    """(B, T, V) logits predicting the last T tokens of `ids`. Only the last T + 1 positions'
+    logits are computed (`logits_to_keep`), so the prompt logits are never materialised."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(am),
                 logits_to_keep=num_response + 1, use_cache=False)
-    return _tempered(out.logits[:, :-1], temperature)
+    return out.logits[:, :-1]
 
 
-def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits divided by the sampling temperature (as sampling divides them; 0 = greedy)."""
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return logits
+def logit_shape(rollout: Rollout, temperature: float, truncate: bool = True) -> LogitShape:
+    """The distribution whose log-probs a forward over `rollout` computes: the one its responses
+    were sampled from (`Rollout.sampling`: temperature, blocked tokens, top-k, top-p; the plain
+    softmax at `temperature` for rows sampled elsewhere), without top-k / top-p unless
+    `truncate`.
+
+    The policy's log-probs, entropy and the policy side of the KL use the whole shape, so they
+    are of the distribution that was sampled. The reference's log-probs (truncate=False) use
+    the model-independent part only: the temperature and the blocked tokens (the pad, EOS before
+    min_new_tokens), which no sampled token can be, but not top-k / top-p, whose cut set depends
+    on the model: a token the policy's top-k keeps may lie outside the reference's, which would
+    make its log-prob -inf. The KL term is then KL(pi_sampled || pi_ref) with pi_ref the
+    reference's full (tempered, blocked) softmax, finite for every sampled token."""
+    shape = rollout.sampling or LogitShape(temperature=temperature)
+    if shape.temperature != temperature:
+        shape = replace(shape, temperature=temperature, _ids={})
+    return shape if truncate else shape.untruncated()
 
 
 def _full_width(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -147,10 +159,10 @@ def causal_lm(model):
     return model
 
 
-def output_head(lm, temperature: float):
+def output_head(lm):
     """(head, grad_ready): head maps (n, H) final hidden states to (n, V) logits as the model's
-    own forward computes them (its output layer, Gemma-2's final logit soft-capping), divided by
-    the temperature; grad_ready is tiled_logprobs' before_backward_tile for ZeRO."""
+    own forward computes them (its output layer, Gemma-2's final logit soft-capping);
+    grad_ready is tiled_logprobs' before_backward_tile for ZeRO."""
     out = lm.get_output_embeddings()
     cap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
 
@@ -158,7 +170,7 @@ def output_head(lm, temperature: float):
         logits = out(hidden)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return _tempered(logits, temperature)
+        return logits
 
     params = [p for p in out.parameters() if p.requires_grad]
 
@@ -195,7 +207,7 @@ def final_hidden(runner, lm, **inputs) -> torch.Tensor:
     return seen[-1]
 
 
-def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool,
+def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_entropy: bool,
                              packed: bool, tile_tokens: int):
     """`response_logprobs`, the output head applied tile by tile to the final hidden states
     (module docstring). A LoRA reference (lora.AdaptersOff) keeps its adapters off for the
@@ -209,6 +221,7 @@ def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_e
                 _, pred = _packed_forward(runner, rollout, keep="none")
             hidden = seen[-1][:, pred]  # (1, n, H)
             labels = rollout.response_ids[rollout.mask][None]  # (1, n)
+            index = _new_index(rollout, shape, packed=True)
         else:
             ids, am, keep = rollout.model_inputs()
             L = ids.shape[1]
@@ -216,9 +229,10 @@ def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_e
                                   attention_mask=_unpadded_mask(rollout, am)
                                   )[:, L - keep - 1:L - 1]  # (B, T', H)
             labels = ids[:, L - keep:]
-        head, grad_ready = output_head(lm, temperature)
+            index = _new_index(rollout, shape, keep=keep)
+        head, grad_ready = output_head(lm)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
-                                           grad_ready)
+                                           grad_ready, shape=shape, new_index=index)
     if packed:
         return unpack(logprobs[0], rollout.mask), (
             unpack(entropy[0], rollout.mask) if with_entropy else None)
@@ -230,34 +244,53 @@ def _vocab(model) -> int:
     return int(causal_lm(model).get_output_embeddings().out_features)
 
 
+def _new_index(rollout: Rollout, shape: LogitShape, packed: bool = False,
+               keep: int | None = None) -> torch.Tensor | None:
+    """The response tokens' `Rollout.new_token_index` in the layout of a forward's labels:
+    packed (1, n) over the counted tokens, else (B, keep); None when the shape blocks no EOS."""
+    if not shape.blocks_eos:
+        return None
+    index = rollout.new_token_index()
+    return index[rollout.mask][None] if packed else index[:, :keep]
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,
                       packed: bool = False, tiled: Literal["auto"] | bool = False,
-                      tile_tokens: int = 1024):
-    """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked). The
-    forward runs on `rollout.model_inputs()` (unused padding dropped); the columns after the
-    longest counted response are 0, and like every masked position they mean nothing.
+                      tile_tokens: int = 1024, truncate: bool = True):
+    """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked) under the
+    distribution they were sampled from (`logit_shape`; truncate=False: without top-k / top-p,
+    the reference's). The forward runs on `rollout.model_inputs()` (unused padding dropped);
+    the columns after the longest counted response are 0, and like every masked position they
+    mean nothing.
     packed: the rows packed into one sequence (module docstring); only the counted response
     tokens' logits are computed, and every position outside rollout.mask is 0.
     tiled (ppo.tiled_logits; `tile_logits` decides auto): the output head runs `tile_tokens`
     positions at a time on the final hidden states; the same numbers, no (B, T, V) logits."""
+    shape = logit_shape(rollout, temperature, truncate)
     positions = sum(rollout.response_lens) if packed else \
         len(rollout) * max(rollout.response_lens, default=0)
     if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
-        return _tiled_response_logprobs(model, rollout, temperature, with_entropy, packed,
+        return _tiled_response_logprobs(model, rollout, shape, with_entropy, packed,
                                         tile_tokens)
     if packed:
         out, _ = _packed_forward(model, rollout, keep="predictors")
-        logits = _tempered(out.logits, temperature)  # (1, n, V)
+        logits = out.logits  # (1, n, V)
         labels = rollout.response_ids[rollout.mask][None]  # (1, n)
-        logprobs = unpack(logprobs_from_logits(logits, labels)[0], rollout.mask)
-        entropy = unpack(entropy_from_logits(logits.detach())[0],
+        index = _new_index(rollout, shape, packed=True)
+        logprobs = unpack(logprobs_from_logits(logits, labels, shape=shape,
+                                               new_index=index)[0], rollout.mask)
+        entropy = unpack(entropy_from_logits(logits.detach(), shape=shape, new_index=index,
+                                             labels=labels)[0],
                          rollout.mask) if with_entropy else None
         return logprobs, entropy
     ids, am, keep = rollout.model_inputs()
     T = rollout.response_ids.shape[1]
-    logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep, temperature)
-    logprobs = logprobs_from_logits(logits, ids[:, ids.shape[1] - keep:])
-    entropy = _full_width(entropy_from_logits(logits.detach()), T) if with_entropy else None
+    logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep)
+    labels = ids[:, ids.shape[1] - keep:]
+    index = _new_index(rollout, shape, keep=keep)
+    logprobs = logprobs_from_logits(logits, labels, shape=shape, new_index=index)
+    entropy = _full_width(entropy_from_logits(logits.detach(), shape=shape, new_index=index,
+                                              labels=labels), T) if with_entropy else None
     return _full_width(logprobs, T), entropy
 
 

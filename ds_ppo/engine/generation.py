@@ -31,6 +31,7 @@ import torch
 
 from ds_ppo import watchdog
 from ds_ppo.algo import response_mask
+from ds_ppo.algo.distribution import LogitShape
 from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
@@ -57,6 +58,7 @@ class Generated:
     # (B, T) float32: each token's log-prob under the distribution it was sampled from, 0
     # outside mask (loop=own; None with HF generate)
     logprobs: torch.Tensor | None = None
+    sampling: LogitShape | None = None  # the distribution sampled from (`sampling_shape`)
 
 
 def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -170,11 +172,22 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     return replica
 
 
+def sampling_shape(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> LogitShape:
+    """The distribution responses are sampled from (both loops, every mode), which the trainer's
+    log-probs, entropy and KL then use too (`Rollout.sampling`): the configured temperature,
+    top-k, top-p and min_new_tokens, the stop tokens, and the pad token suppressed (a sampled
+    pad would read as padding downstream) unless it is itself a stop token."""
+    return LogitShape(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                      suppress_ids=() if pad_id in eos_ids else (pad_id,),
+                      eos_ids=tuple(sorted(set(eos_ids))), min_new_tokens=cfg.min_new_tokens)
+
+
 def _generate_kwargs(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> dict:
     kw = dict(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
               eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
-    if pad_id not in eos_ids:
-        kw["suppress_tokens"] = [pad_id]  # a sampled pad would read as padding downstream
+    suppress = sampling_shape(cfg, eos_ids, pad_id).suppress_ids
+    if suppress:
+        kw["suppress_tokens"] = list(suppress)
     if cfg.temperature == 0:
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
@@ -209,13 +222,13 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
     """A `(ids, mask) -> (response ids, log-probs, DecodeStats)` function running our loop
     (loop=own); `group`: the tensor-parallel group decoding together (None: a whole replica);
     `slots`: rows decoding at once (None: all; fewer: continuous batching)."""
-    suppress = [] if pad_id in eos_ids else [pad_id]  # a sampled pad would read as padding
+    shape = sampling_shape(cfg, eos_ids, pad_id)
 
     def run(ids: torch.Tensor, am: torch.Tensor):
         out = decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
-                     pad_id=pad_id, min_new_tokens=cfg.min_new_tokens,
-                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                     suppress_ids=suppress, cuda_graph=cfg.cuda_graph,
+                     pad_id=pad_id, min_new_tokens=shape.min_new_tokens,
+                     temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
+                     suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
                      stop_check_every=cfg.stop_check_every, group=group, slots=slots)
         return out.response_ids, out.logprobs, out.stats
     return run
@@ -333,4 +346,5 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         rollout_lp = in_row_order(_stack_chunks(logprobs, 0.0), order)
         rollout_lp = rollout_lp[offset:offset + prompt_ids.shape[0]].masked_fill(~mask, 0.0)
     return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
-                     decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp)
+                     decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp,
+                     sampling=sampling_shape(cfg, eos_ids, pad_id))

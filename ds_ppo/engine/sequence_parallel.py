@@ -28,7 +28,7 @@ import torch
 
 from ds_ppo.algo import tiled_logprobs
 from ds_ppo.containers import Rollout
-from ds_ppo.engine.forward import causal_lm, final_hidden, output_head
+from ds_ppo.engine.forward import causal_lm, final_hidden, logit_shape, output_head
 from ds_ppo.errors import ConfigError
 
 _SHARDED = contextvars.ContextVar("ds_ppo_sequence_parallel", default=False)
@@ -154,7 +154,7 @@ def _positions(mine: slice, device) -> torch.Tensor:
 
 
 def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens: int,
-                 with_entropy: bool = False):
+                 with_entropy: bool = False, truncate: bool = True):
     """(1, T) float32 log-probs (and entropy) of one row's response tokens, the row split
     across the SP group (module docstring); every rank of the group passes the same row and
     gets the same result. Positions after the counted response are 0, as in
@@ -168,11 +168,18 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
         with sharded():
             hidden = final_hidden(runner, lm, input_ids=ids[:, mine], attention_mask=None,
                                   position_ids=_positions(mine, ids.device))
-        head, grad_ready = output_head(lm, temperature)
+        head, grad_ready = output_head(lm)
         # every local position predicts the next token (labels shifted by one; the pads' are
         # junk)
         labels = ids[:, mine.start + 1:mine.stop + 1]
-        lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready)
+        shape = logit_shape(rollout, temperature, truncate)
+        index = None
+        if shape.blocks_eos:  # the response tokens' index in their turn, far off elsewhere
+            index = torch.full((ids.shape[1],), 2**31, dtype=torch.long, device=ids.device)
+            index[P - 1:L - 1] = rollout.new_token_index()[0, :R]
+            index = index[mine][None]
+        lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready,
+                                 shape=shape, new_index=index)
     T = rollout.response_ids.shape[1]
     return _response(lp, group, P, R, L, T), (_response(ent, group, P, R, L, T)
                                               if with_entropy else None)

@@ -11,18 +11,20 @@ import torch
 from ds_ppo.algo import rollout_is_weights, rollout_mismatch
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout
-from ds_ppo.errors import ConfigError
+from ds_ppo.engine import dist
+from ds_ppo.errors import ConfigError, NotOnPolicy
 from ds_ppo.metrics import Accumulator
 
 
-def sampler_logprobs(rollout: Rollout, key: str, value: str, off: str) -> torch.Tensor:
-    """The rollout's sampler log-probs, which ppo.<key> = `value` reads; a ConfigError naming
-    ppo.<key>=`off` when HF generate sampled the rollout (generation.loop=auto fell back to it
-    for this policy: the config checks could not know)."""
+def sampler_logprobs(rollout: Rollout, key: str, value, off: str) -> torch.Tensor:
+    """The rollout's sampler log-probs, which `key` (ppo.<key> unless dotted) = `value` reads;
+    a ConfigError naming <key>=`off` when HF generate sampled the rollout
+    (generation.loop=auto fell back to it for this policy: the config checks could not know)."""
     if rollout.rollout_logprobs is None:
-        raise ConfigError(f"ppo.{key} = {value!r} needs the rollout log-probs of our decoding "
+        key = key if "." in key else f"ppo.{key}"
+        raise ConfigError(f"{key} = {value!r} needs the rollout log-probs of our decoding "
                           "loop, but this policy's rollouts came from HF generate "
-                          f"(generation.loop resolved to hf): set ppo.{key}={off}, or "
+                          f"(generation.loop resolved to hf): set {key}={off}, or "
                           "generation.loop=own")
     return rollout.rollout_logprobs
 
@@ -34,17 +36,22 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
     rollout_is/clipped_frac (tokens truncated by tis or dropped by mis), and the experience
     with its weights. A rollout without log-probs (HF generate), or with ppo.old_logprobs =
     rollout (they are the old log-probs), adds nothing."""
-    mode = cfg.ppo.rollout_correction
-    if exp.rollout.rollout_logprobs is None and mode == "none":  # HF generate: no gap to measure
-        return exp
-    rollout_lp = sampler_logprobs(exp.rollout, "rollout_correction", mode, "none")
+    mode, exact = cfg.ppo.rollout_correction, cfg.generation.require_exact
+    if exp.rollout.rollout_logprobs is None and mode == "none" and not exact:
+        return exp  # HF generate: no gap to measure
+    rollout_lp = (sampler_logprobs(exp.rollout, "rollout_correction", mode, "none")
+                  if mode != "none" else
+                  sampler_logprobs(exp.rollout, "generation.require_exact", True, "false"))
     if cfg.ppo.old_logprobs == "rollout":  # they are the old log-probs: no gap to measure
         return exp
     mask = exp.mask
     diff, kl = rollout_mismatch(exp.old_logprobs, rollout_lp, mask)
+    largest = float(diff.max()) if diff.numel() else 0.0
     acc.add_tensor_mean("rollout/logprob_abs_diff_mean", diff, mask)
-    acc.add_max("rollout/logprob_abs_diff_max", float(diff.max()) if diff.numel() else 0.0)
+    acc.add_max("rollout/logprob_abs_diff_max", largest)
     acc.add_tensor_mean("rollout/kl_k3", kl, mask)
+    if exact:
+        require_exact(largest, exp.rollout.rollout_logprobs.device)
     if mode == "none":
         return exp
     weights, kept, cut = rollout_is_weights(exp.old_logprobs, rollout_lp, mask, mode,
@@ -52,3 +59,17 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
     acc.add_tensor_mean("rollout_is/weight_mean", weights, kept)
     acc.add_tensor_mean("rollout_is/clipped_frac", cut.float(), mask)
     return replace(exp, is_weights=weights, is_kept=kept, is_kept_lens=kept.sum(1).tolist())
+
+
+def require_exact(largest: float, device: torch.device) -> None:
+    """generation.require_exact: a NotOnPolicy error on every rank when any rank's largest
+    |old_logprobs - rollout_logprobs| over its counted tokens (`largest`) is not 0 (one
+    all-reduce, so all ranks stop together, before the update)."""
+    worst = float(dist.all_reduce_max(torch.tensor([largest], dtype=torch.float64,
+                                                   device=device)))
+    if worst != 0.0:
+        raise NotOnPolicy(
+            f"generation.require_exact: the sampler's log-probs differ from the trainer's by up "
+            f"to {worst:.3g} nats (rollout/logprob_abs_diff_max); the decoding step and the "
+            "training forward reduce in different orders (docs/SAMPLING.md): set "
+            "generation.batch_invariant=true, or generation.require_exact=false")

@@ -124,8 +124,10 @@ def _failure(error: EnvFailed | None) -> EnvFailed:
 
 
 def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
-                   eos_ids: list[int], pad_id: int) -> tuple[list[list[int]], Generated]:
-    """One generate() call over the contexts (left-padded): each row's counted tokens."""
+                   eos_ids: list[int], pad_id: int
+                   ) -> tuple[list[list[int]], list[list[float]] | None, Generated]:
+    """One generate() call over the contexts (left-padded): each row's counted tokens and
+    their sampler log-probs (None with HF generate)."""
     ids, am = left_pad(contexts, pad_id)
     gen = generate(engines.policy, ids.to(engines.device), am.to(engines.device).bool(),
                    cfg.generation, mode, eos_ids, pad_id, engines.dtype,
@@ -133,7 +135,10 @@ def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
     engines.replica = gen.replica
     counted = [[t for t, m in zip(row, keep) if m]
                for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
-    return counted, gen
+    logprobs = None
+    if gen.logprobs is not None:  # the counted tokens are each row's first ones
+        logprobs = [row[:len(toks)] for row, toks in zip(gen.logprobs.tolist(), counted)]
+    return counted, logprobs, gen
 
 
 def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
@@ -152,6 +157,8 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     B, pad = len(indices), tokenizer.pad_token_id
     response: list[list[int]] = [[] for _ in range(B)]
     model: list[list[bool]] = [[] for _ in range(B)]
+    sampled: list[list[float]] | None = [[] for _ in range(B)]  # the sampler's log-probs
+    starts: list[list[int]] = [[] for _ in range(B)]  # each model turn's first position
     rewards: list[list[tuple[int, float]]] = [[] for _ in range(B)]  # (position, reward)
     transcripts: list[list[dict]] = [[] for _ in range(B)]
     done, truncated = [False] * B, [False] * B
@@ -174,20 +181,26 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         if worst == 0:
             break
         rows = live or [0]  # a rank with no live episode still takes part in the call
-        counted, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows], engines,
-                                      cfg, mode, eos_ids, pad)
+        counted, turn_lp, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows],
+                                               engines, cfg, mode, eos_ids, pad)
+        if turn_lp is None:
+            sampled = None
         gens.append(gen)
         stats.generate_calls += 1
         if not live:
             continue
         actions = []
-        for toks, i in zip(counted, live):
+        for k, (toks, i) in enumerate(zip(counted, live)):
             ctx = prompt_ids[i] + response[i]
             toks = cut_at_stop(tokenizer, ctx, toks, e.stop)
             room = e.max_total_tokens - len(response[i])
             if len(toks) > room:  # the turn would pass the episode's budget: it ends here
                 toks, truncated[i] = toks[:room], True
             actions.append(decode_responses(tokenizer, [ctx], [toks])[1][0])
+            if toks:
+                starts[i].append(len(response[i]))
+            if sampled is not None:  # a cut turn keeps its first tokens' log-probs
+                sampled[i] += turn_lp[k][:len(toks)]
             response[i] += toks
             model[i] += [True] * len(toks)
             stats.turns += 1
@@ -202,6 +215,9 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         live = _append_observations(live, steps, actions, turn, response, model, rewards,
                                     transcripts, done, truncated, tokenizer, chat, eos_ids,
                                     cfg, stats)
+        if sampled is not None:  # observations: 0, as every position outside the mask
+            for i in range(B):
+                sampled[i] += [0.0] * (len(response[i]) - len(sampled[i]))
     if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
         raise _failure(error)
     if retries_before is not None:
@@ -209,13 +225,34 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     stats.out_of_turns = sum(1 for i in range(B) if not done[i] and not truncated[i])
     rollout = _episode_rollout(prompt_ids, texts, extras, response, model, rewards,
                                transcripts, done, tokenizer, device, prompts, indices)
+    rollout.turn_starts = _turn_starts(starts, rollout.mask.shape, device)
+    rollout.sampling = gens[-1].sampling if gens else None
+    if sampled is not None and gens:
+        rollout.rollout_logprobs = _pad_rows(sampled, rollout.mask.shape[1], device)
     stats.model_tokens = sum(rollout.model_lens)
     stats.observation_tokens = sum(rollout.response_lens) - stats.model_tokens
     last = gens[-1]
     generated = Generated(response_ids=rollout.response_ids, mask=rollout.mask,
                           ended=rollout.ended, replica=engines.replica, loop=last.loop,
-                          decode_stats=[s for g in gens for s in g.decode_stats])
+                          decode_stats=[s for g in gens for s in g.decode_stats],
+                          logprobs=rollout.rollout_logprobs, sampling=rollout.sampling)
     return rollout, generated, stats
+
+
+def _turn_starts(starts: list[list[int]], shape, device) -> torch.Tensor:
+    """(B, T) bool, True at each model turn's first position (`Rollout.turn_starts`)."""
+    out = torch.zeros(shape, dtype=torch.bool)
+    for i, row in enumerate(starts):
+        out[i, row] = True
+    return out.to(device)
+
+
+def _pad_rows(rows: list[list[float]], T: int, device) -> torch.Tensor:
+    """(B, T) float32 of the rows' values, 0 after each row's end."""
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out.to(device)
 
 
 def _append_observations(live, steps, actions, turn, response, model, rewards, transcripts,

@@ -17,6 +17,7 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
+from ds_ppo.engine.batch_invariant import batch_invariant
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
@@ -58,6 +59,13 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_c
     `Experience` (B = this rank's sequences) with its advantages, after the PPO update of the
     engines; and what generation ran (decoding loop and its statistics). The update's
     statistics go into `acc`; `timed(phase)` wraps each stage."""
+    # generation.batch_invariant: the sampler's and the trainer's forwards give equal logits
+    with batch_invariant(run.cfg.generation.batch_invariant):
+        return _iteration(run, iteration, indices, kl_coef, acc, timed)
+
+
+def _iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
+               acc: Accumulator, timed: PhaseTimer) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):

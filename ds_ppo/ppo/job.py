@@ -22,7 +22,7 @@ from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
-from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
+from ds_ppo.ppo.rollout import stop_token_ids
 from ds_ppo.rewards.encode import reward_encoder
 from ds_ppo.role_names import TRAINED_ROLES
 
@@ -113,9 +113,6 @@ class PPOJob:
                                     run.device)
         log.info("generation: mode %s, decoding loop %s", self.gen_mode,
                  choose_loop(cfg.generation, self.gen_mode, engines.policy.module.config))
-        mismatch = sampling_mismatch(cfg.generation)
-        if mismatch and dist.is_main():
-            log.warning("%s", mismatch)
         self.sampler = prompt_sampler(cfg, len(self.prompts.input_ids))
         self.inputs = IterationInputs(cfg, engines, tokenizer, self.prompts, self.gen_mode,
                                       self.eos_ids, self.reward_encode,

@@ -23,22 +23,6 @@ def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
     return sorted(set(ids))
 
 
-def sampling_mismatch(g) -> str | None:
-    """A warning when generation samples from a top-k / top-p filtered distribution: old
-    log-probs, the PPO ratio and the entropy are computed over the full softmax (at the same
-    temperature), so the first update is slightly off-policy (OpenRLHF and verl do the same and
-    say so). None when nothing is filtered (or decoding is greedy)."""
-    if g.temperature == 0 or (g.top_k == 0 and g.top_p >= 1.0):
-        return None
-    used = ", ".join(f"generation.{k} = {v}" for k, v in (("top_k", g.top_k), ("top_p", g.top_p))
-                     if (k == "top_k" and v > 0) or (k == "top_p" and v < 1.0))
-    return (f"{used}: responses are sampled from the filtered distribution, but log-probs (the "
-            "PPO ratio, the KL and the entropy) are computed over the full softmax at "
-            f"temperature {g.temperature:g}, so the update starts slightly off-policy "
-            "(measured: metrics rollout/*); set generation.top_k=0 and generation.top_p=1 for "
-            "exact on-policy PPO, or ppo.rollout_correction=tis to correct for it")
-
-
 def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
     """generation/slot_utilisation (loop=own): counted response tokens per token position the
     decoding slots were given (`DecodeStats.slot_steps`; 1 = no slot idled), over all ranks; a
@@ -100,6 +84,6 @@ def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]]
                       extras=[prompts.extra(i) for i in indices],
                       messages=([prompts.chat(i) for i in indices]
                                 if prompts.messages is not None else None),
-                      rollout_logprobs=gen.logprobs)
+                      rollout_logprobs=gen.logprobs, sampling=gen.sampling)
     return rollout
 

@@ -171,8 +171,9 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
                                               split=split, **tiling)
             logp.append(lp)
             entropy.append(ent)
+        # the reference's softmax without top-k / top-p (forward.logit_shape says why)
         ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, split=split,
-                                                   **tiling)[0])
+                                                   truncate=False, **tiling)[0])
         if critic is not None:
             values.append(critic.values(mb, packed=packed, split=split))
     del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches

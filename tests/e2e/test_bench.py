@@ -245,12 +245,16 @@ def test_gpu_checks_script_runs_its_steps_and_prints_a_summary(tmp_path):
     from conftest import REPO
 
     env = clean_env(GPU_CHECKS_DEVICE="cpu", GPU_CHECKS_PACKING_FLAGS=(
-        "--rows 8 --layers 1 --hidden 64 --vocab 512 --repeats 1 --tokens 256"))
+        "--rows 8 --layers 1 --hidden 64 --vocab 512 --repeats 1 --tokens 256"),
+        GPU_CHECKS_EXACT_FLAGS="--tiny --dtype fp32")
     proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_checks.sh"), str(tmp_path / "res")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = proc.stdout.strip().splitlines()[-3:]
+    summary = proc.stdout.strip().splitlines()[-4:]
     assert [line.split(":")[0] for line in summary] == ["packed_equal", "packed_time",
-                                                         "tp_nccl_graph"], summary
+                                                         "tp_nccl_graph", "exactness"], summary
     assert all(": exit 0 |" in line for line in summary), summary
     assert "passed" in summary[0] and "/ rows" in summary[1] and "skipped" in summary[2]
+    exact = json.loads((tmp_path / "res" / "exactness.json").read_text())
+    assert exact["batch_invariant"]["logprob_abs_diff_max"] == 0.0  # exact on CPU in fp32
+    assert exact["plain"]["tokens"] > 0 and exact["batch_invariant"]["scoring_s"] > 0

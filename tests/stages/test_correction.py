@@ -105,3 +105,27 @@ def test_correction_without_rollout_logprobs_is_an_error(mismatch):
     assert _run(hf, "none")[1] == {}  # HF generate: nothing to measure
     with pytest.raises(ConfigError, match="rollout_correction"):
         _run(hf, "tis")
+
+
+def test_require_exact_stops_on_any_gap(mismatch):
+    """generation.require_exact: a gap stops the run with one line naming it and the fix
+    (after the metrics are recorded); no gap passes; a rollout from HF generate has none to
+    compare, a ConfigError."""
+    from dataclasses import replace
+
+    from ds_ppo.errors import NotOnPolicy
+
+    exp, pairs = mismatch
+    cfg = load_config(None, ["generation.require_exact=true"])
+    acc = Accumulator()
+    with pytest.raises(NotOnPolicy) as info:
+        rollout_correction(exp, cfg, acc)
+    worst = max(abs(o - r) for o, r in pairs)
+    assert f"by up to {worst:.3g} nats" in str(info.value)
+    assert "generation.batch_invariant=true" in str(info.value) and "\n" not in str(info.value)
+    assert acc.reduce()["rollout/logprob_abs_diff_max"] == pytest.approx(worst, rel=1e-5)
+    same = replace(exp, old_logprobs=exp.rollout.rollout_logprobs.clone())
+    assert rollout_correction(same, cfg, Accumulator()) is same
+    hf = replace(exp, rollout=replace(exp.rollout, rollout_logprobs=None))
+    with pytest.raises(ConfigError, match="generation.require_exact = True needs"):
+        rollout_correction(hf, cfg, Accumulator())

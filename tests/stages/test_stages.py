@@ -784,27 +784,31 @@ def test_trained_roles_load_without_dropout(tmp_path):
     assert _model_config(str(tmp_path / "llama"), True, num_labels=1)[0].num_labels == 1
 
 
-def test_temperature_in_sampling_and_scoring_and_a_filter_warning():
-    """Generation samples from softmax(logits / T) and scoring's log-probs are those of the same
-    distribution; top-k / top-p filters are not in the log-probs: a start-up warning says so."""
-    from ds_ppo.algo import filter_logits
+def test_temperature_and_filters_in_sampling_and_scoring():
+    """Generation samples from softmax(filter(logits / T)) and scoring's log-probs are those of
+    the same distribution, top-k / top-p included (the rollout carries its LogitShape); the
+    reference's (truncate=False) are of the tempered softmax without the filters."""
+    from ds_ppo.algo import LogitShape, filter_logits
     from ds_ppo.engine.generation import _generate_kwargs
-    from ds_ppo.ppo.rollout import sampling_mismatch
 
     model = small_llama()
     rollout = _padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
     ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
+    labels = torch.tensor(RESPONSES[0])[:, None]
     with torch.no_grad():
         logits = model(ids).logits[0, 2:-1]  # (4, V): the positions predicting the response
-        for temp in (0.5, 1.0, 1.7):
-            sampled = torch.softmax(filter_logits(logits, temp), -1)  # own decoding loop
-            scored = response_logprobs(model, rollout, temp)[0][0].exp()
-            torch.testing.assert_close(scored, sampled.gather(-1, torch.tensor(RESPONSES[0])[:, None])[:, 0],
-                                       atol=1e-5, rtol=1e-5)
+        for temp, top_k, top_p in ((0.5, 0, 1.0), (1.0, 0, 1.0), (1.7, 0, 1.0), (1.0, 3, 1.0),
+                                   (0.8, 0, 0.6), (1.3, 10, 0.9)):
+            rollout.sampling = LogitShape(temperature=temp, top_k=top_k, top_p=top_p)
+            kept = filter_logits(logits, temp, top_k, top_p)
+            kept = kept.scatter(-1, labels, (logits / temp).gather(-1, labels))  # sampled: kept
+            sampled = torch.log_softmax(kept, -1).gather(-1, labels)[:, 0]
+            scored = response_logprobs(model, rollout, temp)[0][0]
+            torch.testing.assert_close(scored, sampled, atol=1e-6, rtol=1e-6)
+            full = torch.log_softmax(logits / temp, -1).gather(-1, labels)[:, 0]
+            reference = response_logprobs(model, rollout, temp, truncate=False)[0][0]
+            torch.testing.assert_close(reference, full, atol=1e-6, rtol=1e-6)
+            if top_k or top_p < 1:
+                assert (scored > reference + 1e-4).all()  # renormalised over fewer tokens
     assert _generate_kwargs(_cfg("generation.temperature=0.5").generation, [2], 0)["temperature"] \
         == 0.5  # HF generate
-    assert sampling_mismatch(_cfg().generation) is None
-    assert sampling_mismatch(_cfg("generation.top_k=5", "generation.temperature=0").generation) \
-        is None  # greedy
-    warning = sampling_mismatch(_cfg("generation.top_k=5", "generation.top_p=0.9").generation)
-    assert "generation.top_k = 5, generation.top_p = 0.9" in warning and "off-policy" in warning

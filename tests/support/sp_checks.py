@@ -15,7 +15,7 @@ def compare() -> dict:
     """Collective on a world of 2 ranks (the process group initialised)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ds_ppo.algo import policy_loss
+    from ds_ppo.algo import LogitShape, policy_loss
     from ds_ppo.containers import Rollout
     from ds_ppo.engine import sequence_parallel as sp
     from ds_ppo.engine.forward import response_logprobs
@@ -33,7 +33,11 @@ def compare() -> dict:
         prompt_mask=torch.tensor([[False] * 2 + [True] * P]),
         response_ids=torch.randint(3, 300, (1, T), generator=g),
         mask=torch.tensor([[True] * R + [False] * (T - R)]), ended=torch.ones(1, dtype=torch.bool),
-        prompts=[""], responses=[""], prompt_lens=[P], response_lens=[R], extras=[{}])
+        prompts=[""], responses=[""], prompt_lens=[P], response_lens=[R], extras=[{}],
+        # sampled with a shaped distribution: EOS (1, 2) blocked for the first 5 tokens, the
+        # pad suppressed, top-k; the split row must map each position's shape as the whole does
+        sampling=LogitShape(temperature=0.7, top_k=50, suppress_ids=(0,), eos_ids=(1, 2),
+                            min_new_tokens=5))
     old = torch.randn(1, T, generator=g) - 5
     adv = torch.randn(1, T, generator=g)
 

@@ -232,14 +232,14 @@ def test_range_errors_name_key_value_and_what_is_valid(override, key, value, val
      "ppo.rollout_correction = 'tis'", "generation.mode = 'zero3'"),
     (["generation.loop=hf", "ppo.old_logprobs=rollout"], 1,
      "ppo.old_logprobs = 'rollout'", "generation.loop = 'hf'"),
-    (["generation.top_p=0.9", "ppo.old_logprobs=rollout"], 1,
-     "ppo.old_logprobs = 'rollout'", "generation.top_p = 0.9"),
-    (["generation.min_new_tokens=2", "generation.top_k=5", "ppo.old_logprobs=rollout"], 1,
-     "generation.top_k = 5, generation.min_new_tokens = 2", "drop them"),
+    (["generation.loop=hf", "generation.require_exact=true"], 1,
+     "generation.require_exact = True", "generation.require_exact=false"),
+    (["generation.batch_invariant=true", "generation.mode=zero3"], 1,
+     "generation.batch_invariant = true", "generation.mode=gathered"),
+    (["generation.require_exact=true", "ppo.old_logprobs=rollout"], 1,
+     "generation.require_exact = true compares", "ppo.old_logprobs=training"),
     (["ppo.rollout_correction=mis", "ppo.old_logprobs=rollout"], 1,
      "ppo.rollout_correction = 'mis'", "ppo.old_logprobs = 'rollout'"),
-    (["env.function=ds_ppo.envs.calculator:Calculator", "ppo.old_logprobs=rollout"], 1,
-     "multi-turn episodes (env)", "ppo.old_logprobs=training"),
     # deepspeed (the reference's default offload_param=True needs ZeRO-3 too)
     (["deepspeed.value.zero_stage=2", "deepspeed.value.offload_param=true"], 1,
      "deepspeed.value.offload_param", "deepspeed.value.zero_stage = 3 (got 2)"),
@@ -606,3 +606,14 @@ def test_value_starts_from_its_path_under_auto_and_the_policy_schedule_skips_the
     assert source("value.path=/v", "value.init_from=policy") == "policy"
     cfg = load_config(None, ["ppo.critic_warmup_iterations=10"])  # tiny: 40 x 2 epochs x 2
     assert optimizer_steps(cfg) == 160 and optimizer_steps(cfg, "policy") == 120
+
+
+@pytest.mark.parametrize("overrides", [
+    ["generation.top_p=0.9"], ["generation.top_k=5", "generation.min_new_tokens=2"],
+    ["generation.temperature=0.7", "generation.stop_tokens=[b]"],
+    ["env.function=ds_ppo.envs.calculator:Calculator"],
+])
+def test_old_logprobs_from_the_rollout_with_any_sampling_setting(overrides):
+    """The trainer shapes its logits as the sampler did, so the sampler's log-probs stand for
+    the policy's with every sampling setting and with episodes: no refusal."""
+    validate(load_config(None, [*overrides, "ppo.old_logprobs=rollout"]), 1)
