@@ -1,6 +1,6 @@
-"""An environment (README: "Environments and tools"): env.function `examples.my_env:SecondTry`
-from the repository root. One episode per prompt: the model answers; a wrong answer is told so
-and gets one more turn, for half the reward."""
+"""An environment (docs/GUIDE.md: "Environments and tools"): env.function
+`examples.my_env:SecondTry` from the repository root. One episode per prompt: the model answers;
+a wrong answer is told so and gets one more turn, for half the reward."""
 from ds_ppo.envs.base import Step
 
 

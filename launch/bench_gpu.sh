@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU benchmark session (issue 8, docs/PERFORMANCE.md): the 1b bench with its
+# The prepared GPU benchmark session (docs/PERFORMANCE.md): the 1b bench with its
 # baselines, then variants of the training settings without baselines, each within what is left
 # of a time budget; the main table and a one-row-per-run summary are printed last.
 #

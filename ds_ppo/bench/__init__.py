@@ -1,10 +1,10 @@
 """`ds-ppo bench` (or `python -m ds_ppo.bench`): time one PPO iteration's phases on one device.
 
 Builds the four roles (policy, value, reference, reward model) of one Llama-shape architecture
-with random weights (`--shape 1b`: the 0.85B model of the device notes, hidden 2048, 16 layers,
-GQA 16/4 heads, vocab 32000; `--shape tiny` for CPU/CI), feeds random-token prompts of a fixed
-length, and runs a warm-up iteration and then `--iterations` PPO iterations through the trainer's
-own `run_iteration` (ds_ppo/iteration.py: the code `ds-ppo train` runs). Then, on the same batch and
+with random weights (`--shape 1b`: a 0.85B model, hidden 2048, 16 layers, GQA 16/4 heads, vocab
+32000; `--shape tiny` for CPU/CI), feeds random-token prompts of a fixed length, and runs a
+warm-up iteration and then `--iterations` PPO iterations through the trainer's own
+`run_iteration` (ds_ppo/ppo/iteration.py: the code `ds-ppo train` runs). Then, on the same batch and
 the same weights, three greedy generations: HF generate through the ZeRO-3 hooks (generation mode
 `zero3`), plain HF generate on the gathered replica with the default dynamic cache, and ours
 (mode `gathered` with the configured cache / compile). It prints one markdown table and one JSON

@@ -1,12 +1,12 @@
-"""The numbers and tables of `ds-ppo bench`: per-phase rates, TFLOP/s and MFU against the issue's
-targets, the markdown table of one run and the one-row-per-run summary of several."""
+"""The numbers and tables of `ds-ppo bench`: per-phase rates, TFLOP/s and MFU against the
+performance targets, the markdown table of one run and the one-row-per-run summary of several."""
 from __future__ import annotations
 
 import math
 
 from ds_ppo.bench.flops import FlopModel
 
-# The issue's targets on the H200 (ratios: ours / baseline tok/s; MFU: fraction of peak).
+# The performance targets on the H200 (ratios: ours / baseline tok/s; MFU: fraction of peak).
 TARGETS = {"generation_vs_hooks": 20.0, "generation_vs_plain": 5.0, "training_mfu": 0.35,
            "end_to_end_mfu": 0.25}
 
@@ -165,7 +165,7 @@ def format_table(result: dict) -> str:
 
 
 def summary_table(results: list[tuple[str, dict]]) -> str:
-    """One row per bench result (name, JSON dict): the numbers the issue's targets are about."""
+    """One row per bench result (name, JSON dict): the numbers the targets are about."""
     lines = ["| run | settings | gen tok/s (sampled) | ours greedy tok/s | vs hooks | vs plain "
              "| greedy == plain (fp32) | training MFU | end-to-end MFU | peak mem GiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -10,8 +10,8 @@ from typing import Any
 
 from ds_ppo.role_names import ROLES
 
-# Per shape: the architecture and the default batch. `1b` is the 0.85B model the device notes
-# measured (untied embeddings); `tiny` runs in seconds on a CPU.
+# Per shape: the architecture and the default batch. `1b` is a 0.85B model
+# (untied embeddings); `tiny` runs in seconds on a CPU.
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         arch=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

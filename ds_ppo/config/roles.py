@@ -147,8 +147,8 @@ class RewardConfig(Section):
         "max_new_tokens without an EOS (null: none).")
     url: str | None = Field(
         None, description="A reward service: POST {prompts, responses, <data.reward_keys "
-        "columns>} as JSON, answer {scores: [one float per response]} (README: reward service). "
-        "Each rank posts its own share, reward.batch_size responses per request.")
+        "columns>} as JSON, answer {scores: [one float per response]} (docs/GUIDE.md: A reward "
+        "service). Each rank posts its own share, reward.batch_size responses per request.")
     batch_size: int = Field(64, gt=0, description="reward.url: responses per request.")
     concurrency: int = Field(4, gt=0, description="reward.url: requests in flight at once, "
                              "per rank.")

@@ -100,8 +100,8 @@ class GenerationConfig(Section):
 # ------------------------------------------------------------------------ environment
 class EnvConfig(Section):
     """Multi-turn rollouts: each response is an episode of model turns and environment
-    observations (README "Environments and tools", docs/ENVIRONMENTS.md). Unset (no function,
-    no url): one prompt -> one response."""
+    observations (docs/GUIDE.md "Environments and tools", docs/ENVIRONMENTS.md). Unset (no
+    function, no url): one prompt -> one response."""
 
     function: str | None = Field(
         None, description="module:Name of a Python environment, importable like "

@@ -10,8 +10,8 @@ with the row's answer.
 
 Rewards: CALL_REWARD for the first tool call of an episode; on the answer turn (which ends the
 episode) FORMAT_REWARD if it holds a number, plus 1 if that number is the answer. A random policy stumbles on `=` in a few percent of its first turns and on the
-right digit rarely; PPO makes both common (README "Environments and tools"). Step.info reports
-`tool_call` (the episode called the calculator) and `correct` on the answer turn: metrics
+right digit rarely; PPO makes both common (docs/GUIDE.md "Environments and tools"). Step.info
+reports `tool_call` (the episode called the calculator) and `correct` on the answer turn: metrics
 env/tool_call and env/correct.
 """
 from __future__ import annotations

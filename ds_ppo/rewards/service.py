@@ -190,7 +190,7 @@ class RewardService:
                 continue
             if r.status != 200:
                 raise self._error(f"answered HTTP {r.status}: {self._quote(r.text)}",
-                                  "check the request format (README: reward service contract) "
+                                  "check the request format (docs/GUIDE.md: A reward service) "
                                   "and the service's log")
             return Answer(self._parse(r.text, expected), attempt)
         raise self._error(f"failed {self.max_retries + 1} times ({key}.retries = "

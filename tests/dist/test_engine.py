@@ -238,7 +238,7 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters
 
 
-# ------------------------------------------------------ the RLHF recipe's extras (issue 27)
+# ------------------------------------------------------------------ the RLHF recipe's extras
 PTX_KEYS = LOSS_KEYS + ("loss/ptx", "ema/distance")
 
 

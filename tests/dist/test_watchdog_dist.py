@@ -1,4 +1,4 @@
-"""Hangs that name themselves (issue 31, item 9), on two real gloo ranks of `ds-ppo train`.
+"""Hangs that name themselves, on two real gloo ranks of `ds-ppo train`.
 
 Rank 1 is stopped with SIGSTOP mid-run (a frozen process: a dead GPU, a node under swap). Rank
 0, waiting for it in a collective, must not sit there for dist_timeout_minutes and then die with

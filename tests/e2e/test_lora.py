@@ -311,7 +311,8 @@ def test_resume_on_a_changed_base_fails_clearly(lora_run):
 @pytest.mark.slow
 def test_tiny_default_with_lora_learns(tmp_path):
     """`ds-ppo train policy.lora.r=8`, nothing else, in half its 40 iterations: the mean score of
-    the last 5 iterations clearly above the first 5 (README: 0.05 -> 0.40 here, 0.80 over 40).
+    the last 5 iterations clearly above the first 5 (0.05 -> 0.40 here; 0.80 over 40:
+    docs/RESULTS.md).
     With policy.lora.output_head=false (adapters below the random-init head only) it stays flat:
     0.05 -> 0.09, entropy 6.225 throughout."""
     out = tmp_path / "run"

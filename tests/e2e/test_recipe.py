@@ -2,7 +2,7 @@
 launch/recipe_tiny.sh runs): `ds-ppo sft` from a random-init model on the digit-sum task, then
 `ds-ppo train` (GRPO, exact-match reward) from its export; RL raises the held-out greedy
 exact-match accuracy over the SFT model's, and MLflow holds the pipeline as a parent run with a
-child run per step (tracking.parent_run_id). The full recipe's numbers: README."""
+child run per step (tracking.parent_run_id). The full recipe's numbers: docs/RESULTS.md."""
 from __future__ import annotations
 
 import json

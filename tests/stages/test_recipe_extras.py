@@ -1,4 +1,4 @@
-"""The RLHF recipe's extras without DeepSpeed (issue 27, items 3-6): a critic started from a
+"""The RLHF recipe's extras without DeepSpeed: a critic started from a
 reward model's export, the critic warm-up, the policy's EMA (engine/ema.py) and PPO-ptx (its
 rows, its stream, and its gradient by hand)."""
 from __future__ import annotations

@@ -614,7 +614,7 @@ def main() -> None:
             "ppo.micro_batch_size=4", "policy.lora.r=8", "value.lora.r=8",
             "ppo.micro_batch_tokens=30"]),
         "lora": lambda: lora_roles(work),
-        # the RLHF recipe's extras (issue 27): PPO-ptx with the EMA; the critic from a reward
+        # the RLHF recipe's extras: PPO-ptx with the EMA; the critic from a reward
         # model's export
         "zero3_ptx_ema": lambda: ptx_ema_update(work, "z3ptx", ["ppo.micro_batch_size=4"]),
         "value_from_rm": lambda: value_from_reward_model(work),

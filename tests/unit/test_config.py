@@ -565,7 +565,7 @@ def test_continuous_batching_is_decided_in_one_place():
         choose_loop(gen("generation.continuous=true"), "zero3", None)
 
 
-# ------------------------------------------------- the RLHF recipe's extras (issue 27)
+# ------------------------------------------------------------- the RLHF recipe's extras
 @pytest.mark.parametrize("overrides, key, fix", [
     (["ppo.critic_warmup_iterations=2", *GRPO], "ppo.critic_warmup_iterations = 2",
      "ppo.advantage_estimator=gae"),

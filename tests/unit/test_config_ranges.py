@@ -1,4 +1,4 @@
-"""Every number of the config is range-checked before anything runs (issue 31, item 7).
+"""Every number of the config is range-checked before anything runs.
 
 The test walks the typed config tree (every section, also the optional ones such as
 policy.lora), finds every numeric key and gives it NaN, infinity and a value outside its range:

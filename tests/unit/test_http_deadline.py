@@ -1,4 +1,4 @@
-"""reward.timeout_s is a deadline for the whole request (issue 31, item 10), against real
+"""reward.timeout_s is a deadline for the whole request, against real
 slow-drip servers on 127.0.0.1: a server that sends its answer a byte at a time, each byte well
 within any socket timeout, is stopped at the deadline, not when it finishes; an answer over the
 size limit is refused with a clear error. Each server stops dripping after DRIP_S seconds (the

@@ -1,4 +1,4 @@
-"""The cap on the per-token KL value, ppo.kl_clip (issue 31, item 8), worked by hand.
+"""The cap on the per-token KL value, ppo.kl_clip, worked by hand.
 
 The log-ratio clamp (+-20 nats) alone lets one tail token's k3 reach e^20 - 21 = 4.85e8 nats:
 at kl_coef 0.05 a reward of -2.4e7 on one token. With the cap (default 10, as OpenRLHF caps every
