@@ -227,7 +227,8 @@ def test_credentials_are_sent_but_never_shown(server, caplog):
     assert "s3cret" not in str(e.value) and "alice" not in str(e.value)
     assert "http://***@" in caplog.text and "s3cret" not in caplog.text  # the retry's line
     with pytest.raises(ConfigError) as e:  # the config error shows the redacted form too
-        validate(load_config(None, [f"reward.url={url}"]), 1)
+        validate(load_config(None, [f"reward.url={url}",  # and a function: one source only
+                                    "reward.function=ds_ppo.rewards:positive_words"]), 1)
     assert "exactly one" in str(e.value) and "s3cret" not in str(e.value)
 
 
