@@ -12,6 +12,8 @@ Used by the reward service (`ds_ppo.rewards.service`) and meant for any other JS
 client of the trainer (environments). Stdlib only (http.client): user and password in the URL
 are sent as HTTP basic auth; connections are kept alive and reused by one thread at a time
 (`Connection`); no proxy is used (HTTP(S)_PROXY are not read: the services are the job's own).
+The retry arithmetic (back-off, the worst case of a request, a call's deadline on several ranks)
+is here too, where the config's checks read it without importing a client.
 """
 from __future__ import annotations
 
@@ -205,3 +207,31 @@ def call_within(fn, timeout_s: float, what: str):
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+# ------------------------------------------------ retries and deadlines of a call (also config)
+MAX_BACKOFF_S = 30.0
+
+
+def backoff_pause(attempt: int, backoff_s: float = 1.0) -> float:
+    """Seconds to wait before retry `attempt` (1, 2, ...): backoff_s doubling each time, at
+    most MAX_BACKOFF_S."""
+    return min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+
+
+def worst_request_s(timeout_s: float, retries: int, backoff_s: float = 1.0) -> float:
+    """How long a request that never answers takes to be given up without a deadline: every
+    attempt times out, with the back-off between them."""
+    return timeout_s * (retries + 1) + sum(backoff_pause(k, backoff_s)
+                                           for k in range(1, retries + 1))
+
+
+def call_deadline(dist_timeout_minutes: float, world_size: int) -> float | None:
+    """The deadline of one reward-service call on `world_size` ranks: none on one rank (no
+    collective waits for it); else the collective timeout less a margin for the rest of the
+    scoring (10%, at least 30 s and at most 5 min), so a failing rank reports the service's error
+    before the others time out."""
+    if world_size <= 1:
+        return None
+    timeout_s = 60.0 * dist_timeout_minutes
+    return max(timeout_s - min(max(0.1 * timeout_s, 30.0), 300.0), 0.5 * timeout_s)

@@ -14,7 +14,7 @@ from ds_ppo.config.model_checks import (model_problems, sequence_parallel_proble
                                         source_problems)
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
-from ds_ppo.rewards.service import call_deadline, worst_request_s
+from ds_ppo.http_deadline import call_deadline, worst_request_s
 from ds_ppo.role_names import ROLES
 
 

@@ -8,7 +8,7 @@ import os
 
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
-from ds_ppo.rewards.service import call_deadline
+from ds_ppo.http_deadline import call_deadline
 
 
 def world_size_from_env() -> int:

@@ -35,14 +35,14 @@ from typing import Any
 
 from ds_ppo import watchdog
 from ds_ppo.errors import RewardError
-from ds_ppo.http_deadline import AnswerTooLarge, Connection, HttpTimeout
+from ds_ppo.http_deadline import (MAX_BACKOFF_S, AnswerTooLarge, Connection, HttpTimeout,
+                                  backoff_pause, call_deadline, worst_request_s)
 from ds_ppo.redaction import redact_url
 
 log = logging.getLogger("ds_ppo")
 
 BODY_QUOTE = 300  # characters of an unexpected answer quoted in the error
 MAX_BODY_BYTES = 8 * 2**20  # an answer's body, decompressed: scores take ~20 bytes per response
-MAX_BACKOFF_S = 30.0
 
 
 class RewardServiceError(RewardError):
@@ -231,27 +231,3 @@ class RewardService:
 
     def _error(self, what: str, fix: str) -> RewardServiceError:
         return RewardServiceError(f"reward.url = {self.shown}: the reward service {what}; {fix}")
-
-
-def backoff_pause(attempt: int, backoff_s: float = 1.0) -> float:
-    """Seconds to wait before retry `attempt` (1, 2, ...): backoff_s doubling each time, at
-    most MAX_BACKOFF_S."""
-    return min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-
-
-def worst_request_s(timeout_s: float, retries: int, backoff_s: float = 1.0) -> float:
-    """How long a request that never answers takes to be given up without a deadline: every
-    attempt times out, with the back-off between them."""
-    return timeout_s * (retries + 1) + sum(backoff_pause(k, backoff_s)
-                                           for k in range(1, retries + 1))
-
-
-def call_deadline(dist_timeout_minutes: float, world_size: int) -> float | None:
-    """The deadline of one reward-service call on `world_size` ranks: none on one rank (no
-    collective waits for it); else the collective timeout less a margin for the rest of the
-    scoring (10%, at least 30 s and at most 5 min), so a failing rank reports the service's error
-    before the others time out."""
-    if world_size <= 1:
-        return None
-    timeout_s = 60.0 * dist_timeout_minutes
-    return max(timeout_s - min(max(0.1 * timeout_s, 30.0), 300.0), 0.5 * timeout_s)
