@@ -11,6 +11,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
 from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
+from ds_ppo.ppo.batching import is_split, model_micro_batches
 from ds_ppo.ppo.correction import sampler_logprobs
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
@@ -21,58 +22,6 @@ def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list
     first) and their rows one after another (for `in_row_order`)."""
     batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
     return batches, [i for rows in batches for i in rows]
-
-
-def split_rows(rollout: Rollout, cfg: Config, rows: list[int] | None = None
-               ) -> tuple[list[int], list[int]]:
-    """`rows` (default: all) as (rows every rank runs whole, rows split across the
-    sequence-parallel group: at least deepspeed.sequence_parallel_min_tokens real tokens;
-    none without sequence parallelism)."""
-    rows = list(range(len(rollout))) if rows is None else rows
-    if dist.sp_size() == 1:
-        return rows, []
-    least, lens = cfg.deepspeed.sequence_parallel_min_tokens, rollout.row_lens
-    return [i for i in rows if lens[i] < least], [i for i in rows if lens[i] >= least]
-
-
-def is_split(rollout: Rollout, cfg: Config, rows: list[int]) -> bool:
-    """Whether the micro-batch `rows` is one row split across the sequence-parallel group
-    (`plan_micro_batches` puts each such row alone; an idle repeat of one is split too)."""
-    return len(rows) == 1 and bool(split_rows(rollout, cfg, rows)[1])
-
-
-def plan_micro_batches(rollout: Rollout, cfg: Config, size: int,
-                       rows: list[int] | None = None) -> list[list[int]]:
-    """This rank's model forwards over `rows` (default: all): the micro-batches of the rows run
-    whole (packed by ppo.micro_batch_tokens, else `size` rows, longest first), then each split
-    row alone (`split_rows`)."""
-    whole, split = split_rows(rollout, cfg, rows)
-    budget = cfg.ppo.micro_batch_tokens
-    batches = [] if not whole else (rollout.token_micro_batches(budget, whole) if budget
-                                    else rollout.micro_batches(size, whole))
-    return batches + [[i] for i in split]
-
-
-def varying_counts(cfg: Config) -> bool:
-    """Whether ranks may run different numbers of forwards per batch (packed micro-batches, or
-    split rows whose number differs between sequence-parallel groups)."""
-    return cfg.ppo.micro_batch_tokens is not None or dist.sp_size() > 1
-
-
-def _model_micro_batches(rollout: Rollout, cfg: Config
-                         ) -> tuple[list[list[int]], list[int], int]:
-    """The micro-batches of the policy, reference and value forwards (`plan_micro_batches`),
-    their rows one after another (for `in_row_order`) and how many of them hold this rank's
-    rows. Packed or with split rows, their number differs between ranks; ZeRO-3 forwards are
-    collective, so every rank runs as many as the rank with the most (one all-reduce): the
-    extra, idle ones repeat this rank's shortest row, their outputs dropped."""
-    batches = plan_micro_batches(rollout, cfg,
-                                 cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
-    order = [i for rows in batches for i in rows]
-    if not varying_counts(cfg):
-        return batches, order, len(batches)
-    most = int(dist.all_reduce_max(torch.tensor([float(len(batches))], dtype=torch.float64)))
-    return rollout.with_idle(batches, most), order, len(batches)
 
 
 def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True) -> list[float]:
@@ -158,7 +107,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     engines.policy.eval()
     if critic is not None:
         critic.eval()
-    batches, order, mine = _model_micro_batches(rollout, cfg)
+    batches, order, mine = model_micro_batches(rollout, cfg)
     packed = cfg.ppo.micro_batch_tokens is not None
     tiling = {"tiled": cfg.ppo.tiled_logits, "tile_tokens": cfg.ppo.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []

@@ -42,7 +42,7 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.scoring import is_split, plan_micro_batches, varying_counts
+from ds_ppo.ppo.batching import is_split, plan_micro_batches, varying_counts
 from ds_ppo.role_names import TRAINED_ROLES
 
 

@@ -9,7 +9,7 @@ import torch
 from ds_ppo.config import load_config
 from ds_ppo.data.ptx import lm_rollout
 from ds_ppo.engine import dist
-from ds_ppo.ppo.scoring import is_split, plan_micro_batches, split_rows, varying_counts
+from ds_ppo.ppo.batching import is_split, plan_micro_batches, split_rows, varying_counts
 
 
 def test_layout_groups_consecutive_ranks_and_strides_the_data_parallel_groups():
