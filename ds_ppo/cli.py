@@ -116,7 +116,7 @@ def _job(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems[0] if len(problems) == 1 else
                               "\n  ".join([f"{len(problems)} problems:", *problems]))
-        from ds_ppo.data.supervised import check_rows
+        from ds_ppo.data.supervised_rows import check_rows
 
         check_rows(cfg, args.command)  # the rows, read and checked as the job reads them
         if cfg.data.eval_split is not None:

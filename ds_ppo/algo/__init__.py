@@ -19,7 +19,7 @@ Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) 
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
 Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
-Supervised jobs (supervised.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
+Supervised jobs (supervised_losses.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
 (reward model).
 """
 
@@ -32,7 +32,7 @@ _EXPORTS = {
     "advantages_for": "estimators",
     "block_causal_mask": "packing",
     "block_tokens": "distribution",
-    "bradley_terry": "supervised",
+    "bradley_terry": "supervised_losses",
     "broadcast_to_tokens": "group",
     "cumulative_lengths": "packing",
     "decode_attention_mask": "masks",
@@ -77,8 +77,8 @@ _EXPORTS = {
     "model_token_order": "turns",
     "next_tokens": "sampling",
     "next_tokens_with_logprobs": "sampling",
-    "nll_sum": "supervised",
-    "pair_stats": "supervised",
+    "nll_sum": "supervised_losses",
+    "pair_stats": "supervised_losses",
     "OLD_LOGPROBS": "choices",
     "OldLogprobs": "choices",
     "packed_layout": "packing",
@@ -87,7 +87,7 @@ _EXPORTS = {
     "response_mask": "masks",
     "response_predictors": "packing",
     "ROLLOUT_CORRECTIONS": "choices",
-    "reward_centering": "supervised",
+    "reward_centering": "supervised_losses",
     "rollout_is_weights": "correction",
     "rollout_mismatch": "correction",
     "RolloutCorrection": "choices",

@@ -1,5 +1,5 @@
-"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py): a `Task` (sft/job.py,
-rm/job.py) supplies its rows, micro-batches and loss; `SupervisedJob` makes an optimizer step of
+"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py): a `Task` (sft/task.py,
+rm/task.py) supplies its rows, micro-batches and loss; `SupervisedJob` makes an optimizer step of
 it the driver's unit, with its evaluation and progress line. The run around it (lock, MLflow,
 resume at any world size, watchdog, signals, checkpoints, export) is the driver's, as for PPO.
 
@@ -36,7 +36,7 @@ log = logging.getLogger("ds_ppo")
 
 
 class Task(Protocol):
-    """What a supervised job supplies (sft/job.py, rm/job.py)."""
+    """What a supervised job supplies (sft/task.py, rm/task.py)."""
 
     name: str  # the config section and the command: sft or rm
     model_class: str  # the transformers class its export loads with
@@ -98,7 +98,7 @@ class SupervisedJob:
         return self.section.steps
 
     def load_data(self, cfg: Config, out: Path):
-        from ds_ppo.data.supervised import format_stats
+        from ds_ppo.data.supervised_rows import format_stats
         from ds_ppo.data.tokenizer import load_policy_tokenizer
 
         name = self.name

@@ -1,4 +1,4 @@
-"""The supervised jobs' pure parts: their losses (hand-worked), their rows (data/supervised.py:
+"""The supervised jobs' pure parts: their losses (hand-worked), their rows (data/supervised_rows.py:
 prompt + completion, chat with assistant-only loss, preference pairs, bad rows, long rows), their
 config checks and the digit-sum task of the recipe (envs/addition.py)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from ds_ppo.algo import bradley_terry, nll_sum, pair_stats, reward_centering
 from ds_ppo.config import job_accum_steps, load_config, validate_job
-from ds_ppo.data.supervised import chat_ids, load_pairs, load_sft
+from ds_ppo.data.supervised_rows import chat_ids, load_pairs, load_sft
 from ds_ppo.data.tokenizer import load_tokenizer
 from ds_ppo.envs import addition
 from ds_ppo.errors import ConfigError, DataError
@@ -53,7 +53,7 @@ def test_reward_centering_by_hand_and_in_the_rm_loss(tok, tmp_path):
     Bradley-Terry loss of a micro-batch; the `center` statistic is logged either way."""
     from types import SimpleNamespace
 
-    from ds_ppo.data.supervised import load_pairs
+    from ds_ppo.data.supervised_rows import load_pairs
     from ds_ppo.rm import RMTask
 
     assert reward_centering(torch.tensor([2.0, -1.0]), torch.tensor([1.0, 0.5])).tolist() == \

@@ -1,5 +1,5 @@
 """What `ds-ppo rm` adds to the supervised job (run/supervised_job.py): its preference pairs
-(data/supervised.py), micro-batches of pairs (longest first), and the Bradley-Terry loss
+(data/supervised_rows.py), micro-batches of pairs (longest first), and the Bradley-Terry loss
 -log sigmoid(r_chosen - r_rejected - margin) summed per micro-batch; the loop divides it by the
 global step's pair count, so the gradient is that of the pair-mean loss over the whole global
 batch at any world size or micro-batch split. A micro-batch's chosen and rejected rows go through
@@ -13,7 +13,7 @@ import torch
 from ds_ppo.algo import bradley_terry, pair_stats, reward_centering
 from ds_ppo.containers import longest_first
 from ds_ppo.data.sampler import left_pad
-from ds_ppo.data.supervised import PairSet, load_pairs
+from ds_ppo.data.supervised_rows import PairSet, load_pairs
 
 
 class RMTask:

@@ -1,5 +1,5 @@
 """What `ds-ppo sft` adds to the supervised job (run/supervised_job.py): its rows
-(data/supervised.py), its micro-batches (padded, or packed by sft.micro_batch_tokens) and its
+(data/supervised_rows.py), its micro-batches (padded, or packed by sft.micro_batch_tokens) and its
 loss, the negative log-likelihood of the completion tokens summed per micro-batch. The loop
 divides it by the global step's count of completion tokens (`count`), so a step's gradient is
 that of the token-mean loss over the whole global batch at any world size or micro-batch split.
@@ -15,7 +15,7 @@ import torch
 
 from ds_ppo.algo import logprobs_from_logits, nll_sum, packed_layout, token_budget_batches
 from ds_ppo.containers import longest_first
-from ds_ppo.data.supervised import SFTSet, load_sft
+from ds_ppo.data.supervised_rows import SFTSet, load_sft
 from ds_ppo.engine.forward import packed_call, position_ids
 
 
