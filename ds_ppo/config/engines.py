@@ -14,18 +14,21 @@ class RoleDeepSpeed(Section):
         None, description="Path to the role's DeepSpeed JSON template (default: the one in "
         "ds_configs/ for its zero_stage/offload); batch-size keys are filled in by ds_ppo.")
     zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
-        3, description="ZeRO stage. auto: 3 on several ranks, with an offload, or when a universal "
-        "checkpoint (another world size) is loaded; else 0 (one rank: ZeRO-3's partitioning hooks "
-        "only cost time, docs/PERFORMANCE.md). The choice is logged. A stage-0 checkpoint resumes "
-        "on the same world size only.")
+        "auto", description="ZeRO stage. auto: chosen by fit, the same way in the engine and in "
+        "`ds-ppo plan`: each auto role starts at its least-sharded stage (a frozen role 0, a "
+        "trained role 2) and moves to 3 while the plan's peak exceeds 90% of the GPU's memory, "
+        "the role that saves most first; an offload or a universal checkpoint (another world "
+        "size) allows only the stages that support it. Offloads are never switched on by auto "
+        "(the plan names them). Without a GPU: 0 on one rank, 3 on several. The start-up line "
+        "and the plan say which stage each role got and why. A stage-0 checkpoint resumes on "
+        "the same world size only.")
     offload_optimizer: bool = Field(False, description="Optimizer states on CPU (trained roles).")
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
 
     def stage(self, world_size: int, load_universal: bool = False) -> int:
-        """The ZeRO stage; `auto`: 3 where it partitions something (several ranks), where an
-        offload needs it, or where a universal checkpoint is loaded (DeepSpeed converts ZeRO 1-3
-        checkpoints only); else 0: on one rank ZeRO-3's gather/release hooks and partitioned
-        optimizer only cost time (docs/PERFORMANCE.md)."""
+        """The ZeRO stage where no device memory is known (a CPU run, plan/stages.py); `auto`:
+        3 where it partitions something (several ranks), where an offload needs it, or where a
+        universal checkpoint is loaded (DeepSpeed converts ZeRO 1-3 checkpoints only); else 0."""
         if self.zero_stage != "auto":
             return self.zero_stage
         if world_size > 1 or self.offload_param or self.offload_optimizer or load_universal:

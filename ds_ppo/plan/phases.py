@@ -26,7 +26,7 @@ RUNTIME_OVERHEAD_BYTES = 2 * GiB
 class Cluster:
     nodes: int
     gpus_per_node: int
-    gpu_mem_bytes: int
+    gpu_mem_bytes: int | None  # None: no accelerator (a CPU run's engine, plan/stages.py)
     cpu_mem_bytes: int | None = None  # per node; None = unchecked
 
     @property
@@ -98,6 +98,7 @@ class Plan:
     biggest_lever: LeverEffect | None = None
     lever_path: list[LeverEffect] = field(default_factory=list)  # greedy, biggest first
     min_nodes: int | None = None  # smallest node count that fits as configured
+    stage_choice: object = None  # plan/stages.StageChoice: the ZeRO stages and why
 
     @property
     def fits(self) -> bool:
@@ -125,9 +126,10 @@ def _adapted_head(cfg: Config, role: str, shape: ModelShape) -> bool:
         return False
 
 
-def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
+def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster,
+               stage: int) -> RolePlan:
     d = getattr(cfg.deepspeed, role)
-    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})  # resolve auto
+    d = d.model_copy(update={"zero_stage": stage})  # auto resolved (plan/stages.py)
     trained = role in TRAINED_ROLES
     lora = getattr(cfg, role).lora if trained else None
     if shape is None:
@@ -169,10 +171,22 @@ def _forward_gather(rp: RolePlan) -> int:
     return 2 * rp.shape.largest_layer_params if rp.zero_stage == 3 else 0
 
 
-def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
-    """Model states per role and the peak per GPU over generation, scoring and training."""
+def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
+                 stages: dict[str, int] | None = None, notes: bool = True) -> Plan:
+    """Model states per role and the peak per GPU over generation, scoring and training.
+    `stages`: each role's ZeRO stage (None: as the engine chooses them, plan/stages.py);
+    `notes`: False leaves out the notes (and the validation they run), for the searches that
+    only read the peak."""
+    from ds_ppo.plan.stages import choose_zero_stages
+
+    stage_choice = None
+    if stages is None:
+        stage_choice = choose_zero_stages(cfg, cluster, shapes)
+        stages = stage_choice.stages
     # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
-    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
+    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster,
+                           stages.get(r, getattr(cfg.deepspeed, r).stage(cluster.world_size)))
+             for r in ROLES
              if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
     rows = _rows(cfg)
@@ -191,7 +205,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         peak_phase=peak.name, cpu_bytes_per_node=cpu,
         fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
         fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
-        notes=_notes(cfg, shapes, cluster, roles, rows))
+        notes=_notes(cfg, shapes, cluster, roles, rows) if notes else [],
+        stage_choice=stage_choice)
 
 
 @dataclass(frozen=True)
