@@ -85,12 +85,11 @@ def choose_zero_stages(cfg: Config, cluster, shapes=None,
 
     def by_world_size(why: str) -> StageChoice:
         stages = {r: d.stage(ws, load_universal) for r, d in sections.items()}
-        return StageChoice(stages, auto, f"{why}: auto is "
-                           + ("3 on several ranks" if ws > 1 else "0 on one rank")
-                           + " (3 with an offload or a universal checkpoint)")
+        return StageChoice(stages, auto, f"{why}: 0 on one rank, 3 on several, with an offload "
+                           "or with a universal checkpoint")
 
     if cluster.gpu_mem_bytes is None:
-        return by_world_size("no accelerator, no device memory to fit")
+        return by_world_size("no GPU, no memory to fit")
     if shapes is None:
         from ds_ppo.errors import ConfigError
         from ds_ppo.plan.shapes import resolve_shapes
