@@ -9,6 +9,33 @@ from pydantic import Field
 from ds_ppo.config.base import Section
 
 
+class ZeRO3Knobs(Section):
+    """ZeRO-3's speed knobs of one role, applied where it runs ZeRO-3 (None: the template's
+    value). Each trades GPU memory for fewer or larger gathers; `ds-ppo plan` lists them for
+    every ZeRO-3 role, and docs/PERFORMANCE.md has what they did on an H200."""
+
+    persistence_threshold: int | None = Field(
+        None, ge=0, description="stage3_param_persistence_threshold: parameters with fewer "
+        "elements than this stay whole on every GPU (never gathered or released); the "
+        "template's default is 10 x hidden (norms and biases). 1e9 on one GPU keeps every "
+        "parameter whole (no gathers at all, the memory of stage 0).")
+    prefetch_bucket_size: int | None = Field(
+        None, ge=0, description="stage3_prefetch_bucket_size: elements of the parameters "
+        "gathered ahead of the layer that needs them (template: 0.9 x hidden^2).")
+    max_live_parameters: int | None = Field(
+        None, ge=0, description="stage3_max_live_parameters: gathered elements kept on a GPU "
+        "before released ones are freed (template: 1e9).")
+    max_reuse_distance: int | None = Field(
+        None, ge=0, description="stage3_max_reuse_distance: a parameter used again within this "
+        "many elements of gathers is kept, not released (template: 1e9).")
+
+    def ds_keys(self) -> dict[str, int]:
+        """The zero_optimization keys of the knobs that are set."""
+        names = {"persistence_threshold": "stage3_param_persistence_threshold"}
+        return {names.get(name, f"stage3_{name}"): value
+                for name, value in self.model_dump().items() if value is not None}
+
+
 class RoleDeepSpeed(Section):
     config: str | None = Field(
         None, description="Path to the role's DeepSpeed JSON template (default: the one in "
@@ -24,6 +51,8 @@ class RoleDeepSpeed(Section):
         "the same world size only.")
     offload_optimizer: bool = Field(False, description="Optimizer states on CPU (trained roles).")
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
+    zero3: ZeRO3Knobs = Field(default_factory=ZeRO3Knobs,
+                              description="ZeRO-3's speed knobs, where the role runs ZeRO-3.")
 
     def stage(self, world_size: int, load_universal: bool = False) -> int:
         """The ZeRO stage where no device memory is known (a CPU run, plan/stages.py); `auto`:

@@ -88,6 +88,8 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     elif "offload_param" in zero and d.config is None:
         zero.pop("offload_param")
+    if zero["stage"] == 3:  # deepspeed.<role>.zero3: the config's knobs win over the file's
+        zero.update(d.zero3.ds_keys())
     _resolve_auto(zero, hidden_size)
     if load_universal and role in TRAINED_ROLES:
         ds.setdefault("checkpoint", {})["load_universal"] = True

@@ -392,6 +392,13 @@ def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, R
         if d.offload_param and not d.offload_optimizer:
             notes.append(f"deepspeed.{role}: offload_param without offload_optimizer keeps the "
                          "optimizer state on the GPU")
+    zero3 = [r for r, rp in roles.items() if rp.zero_stage == 3 and rp.shape is not None]
+    if zero3:
+        notes.append("ZeRO-3 speed knobs (" + ", ".join(zero3) + "): deepspeed.<role>.zero3."
+                     "persistence_threshold (parameters below it stay whole: no gathers; 1e9 on "
+                     "one GPU keeps all), prefetch_bucket_size, max_live_parameters, "
+                     "max_reuse_distance trade GPU memory for fewer gathers; measured in "
+                     "docs/PERFORMANCE.md")
     try:
         validate(cfg, cluster.world_size)
     except ConfigError as e:

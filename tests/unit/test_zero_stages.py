@@ -101,7 +101,7 @@ def test_without_an_accelerator_auto_keeps_the_world_size_rule():
         choice = choose_zero_stages(cfg, P.Cluster(1, ws, None))
         assert choice.stages == {"policy": stage, "value": stage, "reference": stage}
         assert choice.stages == {r: getattr(cfg.deepspeed, r).stage(ws) for r in choice.stages}
-        assert "no accelerator" in choice.reason
+        assert choice.reason.startswith("no GPU, no memory to fit")
 
 
 def test_the_engine_calls_the_plans_function_on_its_gpus_memory(monkeypatch):
@@ -137,3 +137,12 @@ def test_plan_says_which_stage_and_why(capsys):
     z = json.loads(capsys.readouterr().out)["zero_stages"]
     assert z["stages"] == {"policy": 3, "value": 3, "reference": 3, "reward": 0}
     assert z["auto"] == ["policy", "reference", "reward", "value"] and "over" in z["reason"]
+
+
+def test_plan_names_the_zero3_knobs_for_zero3_roles_only():
+    knobs = lambda p: [n for n in p.notes if n.startswith("ZeRO-3 speed knobs")]  # noqa: E731
+    on_80 = P.plan(load_config("8b"), P.Cluster(1, 8, 80 * GiB))  # policy, value, reference: 3
+    assert knobs(on_80) == [knobs(on_80)[0]]
+    assert knobs(on_80)[0].startswith("ZeRO-3 speed knobs (policy, value, reference): "
+                                      "deepspeed.<role>.zero3.persistence_threshold")
+    assert knobs(P.plan(load_config("1b"), P.Cluster(1, 1, 80 * GiB))) == []  # none at ZeRO-3
