@@ -113,7 +113,7 @@ else
 fi
 if [[ -f "$RESULTS/decode.log" ]]; then
   echo
-  grep -E '^\| |^greedy fp32' "$RESULTS/decode.log"
+  grep -E '^\||^greedy fp32' "$RESULTS/decode.log"
 fi
 if (( ${#steps[@]} )); then
   echo

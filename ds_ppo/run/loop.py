@@ -18,8 +18,10 @@ from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, ensure_universal,
-                                      find_resume, load_checkpoint, read_state, rng_state)
+                                      find_resume, load_checkpoint, read_state, rng_state,
+                                      stage_changed)
 from ds_ppo.engine.dist import init_distributed
+from ds_ppo.engine.ds_config import zero_stages
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.errors import Diverged, RegistrationError, RewardError
@@ -134,7 +136,7 @@ def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     that can fail without a model fails before any model loads."""
     tokenizer, prompts, eval_prompts, reward_encode, ptx_rows = _load_data(cfg, out)
     env = _environment(cfg)  # an env that does not import fails before models load
-    resume_from, universal = _find_resume(cfg)
+    resume_from, universal = _find_resume(cfg, device)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = init_engines(cfg, tokenizer, device, load_universal=universal,
                            reward_shares_tokenizer=reward_encode is None or reward_encode.same)
@@ -323,14 +325,22 @@ def _environment(cfg: Config):
                      call_deadline(cfg.dist_timeout_minutes, dist.world_size()))
 
 
-def _find_resume(cfg: Config) -> tuple[Path | None, bool]:
+def _find_resume(cfg: Config, device: torch.device) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
-    DeepSpeed's universal format because the data-parallel world size changed."""
+    DeepSpeed's universal format: the data-parallel world size changed, or a trained role's
+    ZeRO stage moved to or from 3 (zero_stage auto on another GPU or config, or an explicit
+    change)."""
     path = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
     if path is None:
         return None, False
     check_estimator_family(path, cfg.ppo.advantage_estimator)  # before any model loads
     universal = read_state(path).world_size != dist.world_size()
+    if not universal:
+        changed = stage_changed(path, zero_stages(cfg, device).stages)
+        if changed and dist.is_main():
+            log.info("the ZeRO stage of %s changed since %s was saved: loading it through a "
+                     "universal checkpoint", ", ".join(changed), path)
+        universal = bool(changed)
     if universal:
         ensure_universal(path)
     return path, universal

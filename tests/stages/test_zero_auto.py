@@ -89,3 +89,19 @@ def test_zero3_knobs_reach_the_deepspeed_config_of_zero3_roles_only():
     assert two["stage"] == 3 and two["stage3_prefetch_bucket_size"] == 1000
     with pytest.raises(ConfigError, match="persistence_threshold"):
         load_config(None, ["deepspeed.policy.zero3.persistence_threshold=-1"])
+
+
+def test_a_stage_moving_to_or_from_zero3_is_seen_in_the_checkpoint(tmp_path):
+    from ds_ppo.engine.checkpoint import saved_zero3, stage_changed
+
+    ckpt = tmp_path / "iter_000002"
+    (ckpt / "policy" / TAG).mkdir(parents=True)
+    (ckpt / "policy" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (ckpt / "value" / TAG).mkdir(parents=True)
+    (ckpt / "value" / TAG / "mp_rank_00_model_states.pt").write_bytes(b"")  # stage 0-2
+    (ckpt / "value" / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert saved_zero3(ckpt) == {"policy": True, "value": False}
+    assert stage_changed(ckpt, {"policy": 3, "value": 2}) == []
+    assert stage_changed(ckpt, {"policy": 2, "value": 3}) == ["policy", "value"]
+    assert stage_changed(ckpt, {"policy": 3, "value": 0}) == []  # 2 -> 0: both stage 0-2
+    assert stage_changed(ckpt, {"policy": 3}) == []  # a critic-free run: no value engine
