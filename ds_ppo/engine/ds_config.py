@@ -106,13 +106,15 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     return ds
 
 
-def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False):
+def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False,
+                job: str | None = None):
     """Each role's ZeRO stage for this run (plan/stages.py's `choose_zero_stages`, the function
-    `ds-ppo plan` calls): on a GPU against the smallest GPU memory of the world's ranks (every
-    rank then chooses the same), on CPU by the world size. Returns a StageChoice."""
+    `ds-ppo plan` calls; `job` sft or rm: `choose_job_stage`, as `ds-ppo plan --job`): on a GPU
+    against the smallest GPU memory of the world's ranks (every rank then chooses the same), on
+    CPU by the world size. Returns a StageChoice."""
     from ds_ppo.engine import dist
     from ds_ppo.plan.phases import Cluster
-    from ds_ppo.plan.stages import choose_zero_stages
+    from ds_ppo.plan.stages import choose_job_stage, choose_zero_stages
 
     world = dist.world_size()
     memory = None
@@ -122,8 +124,10 @@ def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False)
     per_node = dist.local_world_size()
     if per_node < 1 or world % per_node:
         per_node = world
-    return choose_zero_stages(cfg, Cluster(world // per_node, per_node, memory),
-                              load_universal=load_universal)
+    cluster = Cluster(world // per_node, per_node, memory)
+    if job is not None:
+        return choose_job_stage(cfg, job, cluster)
+    return choose_zero_stages(cfg, cluster, load_universal=load_universal)
 
 
 def describe_stages(ds_configs: dict[str, dict], world_size: int, choice,

@@ -149,3 +149,31 @@ def _by_fit(cfg, cluster, shapes, load_universal, sections, auto, fixed) -> Stag
             reason += " (still over: see the plan's levers)"
     return StageChoice(stages, auto, reason)
 
+
+
+def choose_job_stage(cfg: Config, job: str, cluster) -> StageChoice:
+    """The ZeRO stage of a supervised job's one trained model (`ds-ppo sft` / `ds-ppo rm`,
+    deepspeed.policy), by the same rule: without a GPU by the world size, else the first rung
+    whose job plan (plan/job.py) fits the budget, else ZeRO-3."""
+    d = cfg.deepspeed.policy
+    if d.zero_stage != "auto":
+        return StageChoice({"policy": d.zero_stage}, frozenset(), "the stage is set")
+    auto = frozenset({"policy"})
+    if cluster.gpu_mem_bytes is None:
+        return StageChoice({"policy": d.stage(cluster.world_size)}, auto,
+                           "no GPU, no memory to fit: 0 on one rank, 3 on several or with an "
+                           "offload")
+    from ds_ppo.plan.job import job_plan
+    from ds_ppo.plan.states import GiB
+
+    budget = int(cluster.gpu_mem_bytes * (1 - AUTO_HEADROOM))
+    ladder = rungs("policy", d)
+    for stage in ladder:
+        peak = job_plan(cfg, job, cluster, stage=stage)["peak_gpu_bytes"]
+        if peak <= budget or stage == ladder[-1]:
+            fits = "fits" if peak <= budget else "is over, the most sharded"
+            return StageChoice({"policy": stage}, auto,
+                               f"ZeRO-{stage} {fits}: peak {peak / GiB:.1f} GiB of "
+                               f"{budget / GiB:.1f} GiB ({100 - round(100 * AUTO_HEADROOM)}% of "
+                               f"{cluster.gpu_mem_bytes / GiB:.1f} GiB per GPU)")
+    raise AssertionError("unreachable: a ladder is never empty")

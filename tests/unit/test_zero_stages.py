@@ -146,3 +146,27 @@ def test_plan_names_the_zero3_knobs_for_zero3_roles_only():
     assert knobs(on_80)[0].startswith("ZeRO-3 speed knobs (policy, value, reference): "
                                       "deepspeed.<role>.zero3.persistence_threshold")
     assert knobs(P.plan(load_config("1b"), P.Cluster(1, 1, 80 * GiB))) == []  # none at ZeRO-3
+
+
+def test_supervised_jobs_choose_their_stage_by_the_job_plan(monkeypatch):
+    """`ds-ppo sft` / `ds-ppo rm`: ZeRO-2 where its job plan fits the budget, else ZeRO-3; the
+    engine (init_job_engines' zero_stages) and `ds-ppo plan --job` give the same."""
+    from ds_ppo.plan.job import job_plan
+    from ds_ppo.plan.stages import choose_job_stage
+
+    cfg = load_config("1b")
+    budget = lambda mem: mem * GiB * (1 - AUTO_HEADROOM)  # noqa: E731
+    for mem in (12, 24, 40, 80):
+        cluster = P.Cluster(1, 1, mem * GiB)
+        choice = choose_job_stage(cfg, "sft", cluster)
+        z2 = job_plan(cfg, "sft", cluster, stage=2)["peak_gpu_bytes"]
+        assert choice.stages == {"policy": 2 if z2 <= budget(mem) else 3}, mem
+        assert job_plan(cfg, "sft", cluster)["zero_stage"] == choice.stages["policy"]
+    assert choose_job_stage(cfg, "sft", P.Cluster(1, 1, 80 * GiB)).stages == {"policy": 2}
+    assert choose_job_stage(cfg, "sft", P.Cluster(1, 1, 12 * GiB)).stages == {"policy": 3}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=12 * GiB))
+    assert zero_stages(cfg, torch.device("cuda", 0), job="sft").stages == {"policy": 3}
+    assert zero_stages(load_config(None), torch.device("cpu"), job="rm").stages == {"policy": 0}
+    fixed = load_config("1b", ["deepspeed.policy.zero_stage=1"])
+    assert choose_job_stage(fixed, "rm", P.Cluster(1, 1, 12 * GiB)).stages == {"policy": 1}
