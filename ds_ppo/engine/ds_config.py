@@ -108,13 +108,13 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
 
 def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False,
                 job: str | None = None):
-    """Each role's ZeRO stage for this run (plan/stages.py's `choose_zero_stages`, the function
-    `ds-ppo plan` calls; `job` sft or rm: `choose_job_stage`, as `ds-ppo plan --job`): on a GPU
+    """Each role's ZeRO stage for this run (plan.phases.choose_zero_stages, the function
+    `ds-ppo plan` calls; `job` sft or rm: plan.job.choose_job_stage, as `ds-ppo plan --job`): on a GPU
     against the smallest GPU memory of the world's ranks (every rank then chooses the same), on
     CPU by the world size. Returns a StageChoice."""
     from ds_ppo.engine import dist
-    from ds_ppo.plan.phases import Cluster
-    from ds_ppo.plan.stages import choose_job_stage, choose_zero_stages
+    from ds_ppo.plan.job import choose_job_stage
+    from ds_ppo.plan.phases import Cluster, choose_zero_stages
 
     world = dist.world_size()
     memory = None

@@ -13,6 +13,7 @@ from ds_ppo.config import Config, lora_output_head
 from ds_ppo.plan.activations import logits_bytes, train_activation_bytes
 from ds_ppo.plan.phases import RUNTIME_OVERHEAD_BYTES, Cluster, _lora_states
 from ds_ppo.plan.shapes import _hf_config, lora_params, model_shape
+from ds_ppo.plan.stages import StageChoice, resolve_job_stage
 from ds_ppo.plan.states import GiB, train_states
 
 
@@ -31,8 +32,6 @@ def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
                         "arch" if cfg.policy.arch is not None else f"path {cfg.policy.path}")
     reason = None
     if stage is None:
-        from ds_ppo.plan.stages import choose_job_stage
-
         choice = choose_job_stage(cfg, job, cluster)
         stage, reason = choice.stages["policy"], choice.reason
     d = cfg.deepspeed.policy
@@ -67,6 +66,13 @@ def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
             "peak_gpu_bytes": peak, "cpu_bytes_per_node": cpu,
             "fits_gpu": peak <= cluster.gpu_mem_bytes,
             "fits_cpu": None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes}
+
+
+def choose_job_stage(cfg: Config, job: str, cluster: Cluster) -> StageChoice:
+    """The ZeRO stage of `ds-ppo <job>`'s trained model on `cluster`, `auto` chosen by fit on
+    this job plan's peaks (plan/stages.py); the engine calls it at start-up."""
+    return resolve_job_stage(cfg, cluster, lambda stage: job_plan(
+        cfg, job, cluster, stage=stage)["peak_gpu_bytes"])
 
 
 def format_job_plan(p: dict[str, Any], cluster: Cluster) -> str:

@@ -14,6 +14,7 @@ from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, log
                                      prefill_activation_bytes, tiled_logits_bytes,
                                      train_activation_bytes)
 from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params
+from ds_ppo.plan.stages import StageChoice, resolve_stages
 from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
@@ -98,7 +99,7 @@ class Plan:
     biggest_lever: LeverEffect | None = None
     lever_path: list[LeverEffect] = field(default_factory=list)  # greedy, biggest first
     min_nodes: int | None = None  # smallest node count that fits as configured
-    stage_choice: object = None  # plan/stages.StageChoice: the ZeRO stages and why
+    stage_choice: StageChoice | None = None  # the ZeRO stages and why
 
     @property
     def fits(self) -> bool:
@@ -171,14 +172,30 @@ def _forward_gather(rp: RolePlan) -> int:
     return 2 * rp.shape.largest_layer_params if rp.zero_stage == 3 else 0
 
 
+def choose_zero_stages(cfg: Config, cluster: Cluster, shapes: RoleShapes | None = None,
+                       load_universal: bool = False) -> StageChoice:
+    """Each role's ZeRO stage on `cluster`, `auto` chosen by fit on this plan's peaks
+    (plan/stages.py); the engine calls it at start-up (engine/ds_config.zero_stages) with its
+    GPU's memory (`gpu_mem_bytes` None on CPU). `shapes`: read from the config when None."""
+    if shapes is None and cluster.gpu_mem_bytes is not None:
+        from ds_ppo.plan.shapes import resolve_shapes
+
+        try:
+            shapes = resolve_shapes(cfg)
+        except ConfigError:  # e.g. a hub name not yet downloaded: the world-size rule
+            shapes = None
+    peak = None if shapes is None else (
+        lambda stages: compute_plan(cfg, shapes, cluster, stages=stages,
+                                    notes=False).peak_gpu_bytes)
+    return resolve_stages(cfg, cluster, peak, load_universal)
+
+
 def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
                  stages: dict[str, int] | None = None, notes: bool = True) -> Plan:
     """Model states per role and the peak per GPU over generation, scoring and training.
     `stages`: each role's ZeRO stage (None: as the engine chooses them, plan/stages.py);
     `notes`: False leaves out the notes (and the validation they run), for the searches that
     only read the peak."""
-    from ds_ppo.plan.stages import choose_zero_stages
-
     stage_choice = None
     if stages is None:
         stage_choice = choose_zero_stages(cfg, cluster, shapes)

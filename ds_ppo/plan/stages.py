@@ -1,6 +1,7 @@
 """`deepspeed.<role>.zero_stage: auto`: each role's ZeRO stage, chosen by fit. The engine (at
 start-up, on its own GPU's memory) and `ds-ppo plan` (on the cluster it is given) both call
-`choose_zero_stages`, so the stage a run gets is the stage its plan shows.
+`plan.phases.choose_zero_stages` (`plan.job.choose_job_stage` for `ds-ppo sft` / `rm`), which
+run the rule here on the plan's peaks, so the stage a run gets is the stage its plan shows.
 
 The rule: every `auto` role starts at its least-sharded stage and, while the plan's peak per GPU
 is over the budget, the role whose next stage lowers the peak most moves up one rung. The rungs:
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_ppo.config import Config
+from ds_ppo.plan.states import GiB
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
 AUTO_HEADROOM = 0.10  # share of each GPU's memory `auto` leaves free
@@ -71,11 +73,11 @@ def model_roles(cfg: Config) -> list[str]:
             and (r != "reward" or cfg.reward.model is not None)]
 
 
-def choose_zero_stages(cfg: Config, cluster, shapes=None,
-                       load_universal: bool = False) -> StageChoice:
-    """Each role's ZeRO stage on `cluster` (a plan.Cluster; `gpu_mem_bytes` None: no accelerator).
-    `shapes`: the roles' model shapes (read from the config when None); `load_universal`: the
-    trained roles load a universal checkpoint (another world size)."""
+def resolve_stages(cfg: Config, cluster, peak, load_universal: bool = False) -> StageChoice:
+    """Each role's ZeRO stage on `cluster` (a plan.Cluster; `gpu_mem_bytes` None: no GPU).
+    `peak(stages)`: the plan's peak bytes per GPU with those stages (role -> stage), or None
+    when the models' shapes cannot be read; `load_universal`: the trained roles load a universal
+    checkpoint. `plan.phases.choose_zero_stages` gives it the plan's peak."""
     ws = cluster.world_size
     sections = {role: getattr(cfg.deepspeed, role) for role in model_roles(cfg)}
     auto = frozenset(r for r, d in sections.items() if d.zero_stage == "auto")
@@ -90,28 +92,19 @@ def choose_zero_stages(cfg: Config, cluster, shapes=None,
 
     if cluster.gpu_mem_bytes is None:
         return by_world_size("no GPU, no memory to fit")
-    if shapes is None:
-        from ds_ppo.errors import ConfigError
-        from ds_ppo.plan.shapes import resolve_shapes
-
-        try:
-            shapes = resolve_shapes(cfg)
-        except ConfigError:
-            return by_world_size("the models' shapes cannot be read before loading")
-    return _by_fit(cfg, cluster, shapes, load_universal, sections, auto, fixed)
+    if peak is None:
+        return by_world_size("the models' shapes cannot be read before loading")
+    return _by_fit(cluster, peak, load_universal, sections, auto, fixed)
 
 
-def _by_fit(cfg, cluster, shapes, load_universal, sections, auto, fixed) -> StageChoice:
-    from ds_ppo.plan.phases import compute_plan
-    from ds_ppo.plan.states import GiB
-
+def _by_fit(cluster, plan_peak, load_universal, sections, auto, fixed) -> StageChoice:
+    """The greedy search of the module's docstring over the plan's peaks."""
     ladders = {r: rungs(r, sections[r], load_universal) for r in auto}
     at = {r: 0 for r in auto}  # index into each ladder
     budget = int(cluster.gpu_mem_bytes * (1 - AUTO_HEADROOM))
 
     def peak(index: dict[str, int]) -> int:
-        stages = {**fixed, **{r: ladders[r][i] for r, i in index.items()}}
-        return compute_plan(cfg, shapes, cluster, stages=stages, notes=False).peak_gpu_bytes
+        return plan_peak({**fixed, **{r: ladders[r][i] for r, i in index.items()}})
 
     current = first = peak(at)
     moved = []
@@ -151,10 +144,11 @@ def _by_fit(cfg, cluster, shapes, load_universal, sections, auto, fixed) -> Stag
 
 
 
-def choose_job_stage(cfg: Config, job: str, cluster) -> StageChoice:
+def resolve_job_stage(cfg: Config, cluster, peak) -> StageChoice:
     """The ZeRO stage of a supervised job's one trained model (`ds-ppo sft` / `ds-ppo rm`,
     deepspeed.policy), by the same rule: without a GPU by the world size, else the first rung
-    whose job plan (plan/job.py) fits the budget, else ZeRO-3."""
+    whose peak (`peak(stage)`: the job plan's bytes per GPU) fits the budget, else ZeRO-3.
+    `plan.job.choose_job_stage` gives it the job plan's peak."""
     d = cfg.deepspeed.policy
     if d.zero_stage != "auto":
         return StageChoice({"policy": d.zero_stage}, frozenset(), "the stage is set")
@@ -163,17 +157,14 @@ def choose_job_stage(cfg: Config, job: str, cluster) -> StageChoice:
         return StageChoice({"policy": d.stage(cluster.world_size)}, auto,
                            "no GPU, no memory to fit: 0 on one rank, 3 on several or with an "
                            "offload")
-    from ds_ppo.plan.job import job_plan
-    from ds_ppo.plan.states import GiB
-
     budget = int(cluster.gpu_mem_bytes * (1 - AUTO_HEADROOM))
     ladder = rungs("policy", d)
     for stage in ladder:
-        peak = job_plan(cfg, job, cluster, stage=stage)["peak_gpu_bytes"]
-        if peak <= budget or stage == ladder[-1]:
-            fits = "fits" if peak <= budget else "is over, the most sharded"
+        bytes_ = peak(stage)
+        if bytes_ <= budget or stage == ladder[-1]:
+            fits = "fits" if bytes_ <= budget else "is over, the most sharded"
             return StageChoice({"policy": stage}, auto,
-                               f"ZeRO-{stage} {fits}: peak {peak / GiB:.1f} GiB of "
+                               f"ZeRO-{stage} {fits}: peak {bytes_ / GiB:.1f} GiB of "
                                f"{budget / GiB:.1f} GiB ({100 - round(100 * AUTO_HEADROOM)}% of "
                                f"{cluster.gpu_mem_bytes / GiB:.1f} GiB per GPU)")
     raise AssertionError("unreachable: a ladder is never empty")

@@ -11,7 +11,8 @@ import torch
 from ds_ppo import plan as P
 from ds_ppo.config import load_config
 from ds_ppo.engine.ds_config import build_ds_config, describe_stages, zero_stages
-from ds_ppo.plan.stages import AUTO_HEADROOM, choose_zero_stages, rungs
+from ds_ppo.plan.phases import choose_zero_stages
+from ds_ppo.plan.stages import AUTO_HEADROOM, rungs
 
 GiB = 2**30
 ROLES = ("policy", "value", "reference", "reward")
@@ -151,8 +152,7 @@ def test_plan_names_the_zero3_knobs_for_zero3_roles_only():
 def test_supervised_jobs_choose_their_stage_by_the_job_plan(monkeypatch):
     """`ds-ppo sft` / `ds-ppo rm`: ZeRO-2 where its job plan fits the budget, else ZeRO-3; the
     engine (init_job_engines' zero_stages) and `ds-ppo plan --job` give the same."""
-    from ds_ppo.plan.job import job_plan
-    from ds_ppo.plan.stages import choose_job_stage
+    from ds_ppo.plan.job import choose_job_stage, job_plan
 
     cfg = load_config("1b")
     budget = lambda mem: mem * GiB * (1 - AUTO_HEADROOM)  # noqa: E731
