@@ -44,13 +44,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="attention kernel of every role")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="policy and value recompute activations in backward")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
-                   help="ZeRO stage of every role (the hooks baseline needs 3)")
+    p.add_argument("--zero-stage", type=lambda v: v if v == "auto" else int(v),
+                   choices=[0, 1, 2, 3, "auto"], default=3,
+                   help="ZeRO stage of every role; auto: chosen by fit as `ds-ppo train` does "
+                   "(the hooks baseline needs 3)")
     p.add_argument("--persistence-threshold", type=float, default=None,
-                   help="stage3_param_persistence_threshold of every role (default: the "
-                   "template's; 1e9 keeps every parameter whole on one GPU)")
+                   help="deepspeed.<role>.zero3.persistence_threshold of every role (default: "
+                   "the template's; 1e9 keeps every parameter whole on one GPU)")
     p.add_argument("--prefetch-bucket-size", type=float, default=None,
-                   help="stage3_prefetch_bucket_size of every role (default: the template's)")
+                   help="deepspeed.<role>.zero3.prefetch_bucket_size of every role (default: "
+                   "the template's)")
+    p.add_argument("--max-live-parameters", type=float, default=None,
+                   help="deepspeed.<role>.zero3.max_live_parameters of every role (default: "
+                   "the template's)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="generation.compile_step (with keep_replica): our loop's decoding step "
+                   "compiled by inductor")
     p.add_argument("--reward", choices=["model", "function"], default="model",
                    help="model: a 4th model of the same shape; function: a free Python reward")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

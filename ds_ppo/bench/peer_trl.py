@@ -36,11 +36,15 @@ class _PhaseClock:
     def wrap(self, obj, method: str, name: str) -> None:
         inner = getattr(obj, method)
 
+        sync = _synchronize()
+
         def timed(*args, **kwargs):
+            sync()
             t = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                sync()  # on CUDA: the phase's kernels, not only their launches
                 self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t
 
         setattr(obj, method, timed)
@@ -131,10 +135,24 @@ def _config(args: argparse.Namespace, meta: dict, steps: int, seqs: int):
         learning_rate=meta["lr"], max_grad_norm=meta["grad_clip"], beta=meta["kl_coef"],
         # TRL's default is on (a recomputed forward per backward); ds_ppo's policy.* setting
         gradient_checkpointing=meta.get("gradient_checkpointing", False),
-        shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        # the device ds_ppo's run takes (a GPU when there is one); fp32 as the tiny default
+        shuffle_dataset=False, use_vllm=False, use_cpu=not _cuda(), bf16=False, fp16=False,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=meta["seed"], dataloader_num_workers=0)
     return config, opt_per_step
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _synchronize():
+    """A function that waits for the GPU's queued work (nothing on CPU)."""
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 
 def _step_timer(clock: _PhaseClock, opt_per_step: int, seqs: int, reward_log: list[float],

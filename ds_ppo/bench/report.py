@@ -80,6 +80,16 @@ def _loop_label(s: dict, info: dict) -> str:
     return "HF generate, " + s["gen_cache"] + (" cache + compile" if s["compile"] else " cache")
 
 
+def _zero_label(s: dict, short: bool = False) -> str:
+    """`ZeRO-3`, or for --zero-stage auto the stages it chose (`ZeRO auto: 2/2/0/0`)."""
+    if s["zero_stage"] != "auto":
+        return f"ZeRO-{s['zero_stage']}"
+    stages = s.get("zero_stages") or {}
+    if short:
+        return "ZeRO auto " + "/".join(str(v) for v in stages.values())
+    return "ZeRO auto (" + ", ".join(f"{r} {v}" for r, v in stages.items()) + ")"
+
+
 def _fmt(x, kind: str) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -112,7 +122,7 @@ def format_table(result: dict) -> str:
         f"({_params(result['model']['params_total'])} params x 4 roles, {result['dtype']}), "
         f"{s['prompts']} prompts x {s['prompt_len']} prompt + {s['new_tokens']} new tokens, "
         f"micro-batch {s['micro_batch']} (scoring {s['score_micro_batch']}), "
-        f"ZeRO-{s['zero_stage']}, "
+        f"{_zero_label(s)}, "
         f"mean of {s['iterations']} iteration(s) after {s['warmup']} warm-up",
         f"peak {result['peak_tflops']:.4g} TFLOP/s ({result['peak_source']})",
         "",
@@ -172,10 +182,14 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
     for name, r in results:
         s, ph, c = r["settings"], r["phases"], r.get("generation_compare")
         gen = r["iterations"][-1]["generation"]
-        settings = (f"ZeRO-{s['zero_stage']}, micro {s['micro_batch']}, "
-                    f"{_loop_label(s, gen)}"
-                    + (f", persistence {s['persistence_threshold']:.0e}"
-                       if s.get("persistence_threshold") is not None else ""))
+        knobs = "".join(f", {label} {s[key]:.0e}" for key, label in (
+            ("persistence_threshold", "persistence"), ("prefetch_bucket_size", "prefetch"),
+            ("max_live_parameters", "live")) if s.get(key) is not None)
+        settings = (f"{_zero_label(s, short=True)}, micro {s['micro_batch']}, "
+                    f"{_loop_label(s, gen)}" + (", compiled step" if s.get("compile_step")
+                                                else "") + knobs
+                    + (", checkpointing" if s.get("gradient_checkpointing") else "")
+                    + (f", {s['prompts']} prompts" if s.get("prompts") else ""))
         match = "-"
         if c is not None:
             yes = {True: "yes", False: "no"}

@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> dict:
         tok = BenchTokenizer(s["arch"]["vocab_size"])
         log.info("building 4 roles of shape %s in %s ...", s["shape"], run_dir)
         engines = init_engines(cfg, tok, device)
+        s["zero_stages"] = {role: ds.get("zero_optimization", {}).get("stage", 0)
+                            for role, ds in engines.ds_configs.items()}
         fm = flop_model(engines.policy.module)
         dtype_name = str(engines.dtype).replace("torch.", "")
         if args.device_peak_tflops:

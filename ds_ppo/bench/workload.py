@@ -83,31 +83,17 @@ def resolve(args: argparse.Namespace, on_gpu: bool) -> dict[str, Any]:
         s["gen_cache"], s["compile"] = args.gen_cache or "dynamic", bool(args.compile)
     s["baseline_new_tokens"] = args.baseline_new_tokens or min(s["new_tokens"], 32)
     for key in ("warmup", "ppo_epochs", "attn", "gradient_checkpointing", "zero_stage",
-                "persistence_threshold", "prefetch_bucket_size", "reward", "seed", "overrides"):
+                "persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
+                "compile_step", "reward", "seed", "overrides"):
         s[key] = getattr(args, key)
     return s
 
 
-def _ds_templates(s: dict, run_dir: Path) -> dict[str, str]:
-    """Copies of the default DeepSpeed templates with --persistence-threshold /
-    --prefetch-bucket-size set (ZeRO-3 only); role -> path. Empty when neither is given."""
-    if s["zero_stage"] != 3 or (s["persistence_threshold"] is None
-                                and s["prefetch_bucket_size"] is None):
-        return {}
-    from ds_ppo.engine.ds_templates import default_template, load_template
-
-    paths = {}
-    for role in ROLES:
-        ds = load_template(default_template(role, 3))
-        zero = ds.setdefault("zero_optimization", {})
-        if s["persistence_threshold"] is not None:
-            zero["stage3_param_persistence_threshold"] = int(s["persistence_threshold"])
-        if s["prefetch_bucket_size"] is not None:
-            zero["stage3_prefetch_bucket_size"] = int(s["prefetch_bucket_size"])
-        path = run_dir / f"ds_{role}.json"
-        path.write_text(json.dumps(ds, indent=2))
-        paths[role] = str(path)
-    return paths
+def _zero3_knobs(s: dict) -> dict[str, int]:
+    """deepspeed.<role>.zero3 of every role, from --persistence-threshold,
+    --prefetch-bucket-size and --max-live-parameters (applied where a role runs ZeRO-3)."""
+    return {key: int(s[key]) for key in ("persistence_threshold", "prefetch_bucket_size",
+                                         "max_live_parameters") if s.get(key) is not None}
 
 
 def build_config(s: dict, run_dir: Path):
@@ -119,8 +105,8 @@ def build_config(s: dict, run_dir: Path):
     from ds_ppo.engine import dist
 
     P, T = s["prompt_len"], s["new_tokens"]
-    role_ds = {"zero_stage": s["zero_stage"], "offload_param": False, "offload_optimizer": False}
-    templates = _ds_templates(s, run_dir)
+    role_ds = {"zero_stage": s["zero_stage"], "offload_param": False, "offload_optimizer": False,
+               "zero3": _zero3_knobs(s)}
     model = {"attn_implementation": s["attn"], "dtype": "auto",
              "gradient_checkpointing": s["gradient_checkpointing"]}
     if s["reward"] == "model":  # a 4th model: the policy's random-init directory as a classifier
@@ -137,16 +123,17 @@ def build_config(s: dict, run_dir: Path):
                        "temperature": 1.0, "loop": s["gen_loop"], "cuda_graph": s["cuda_graph"],
                        "cache_implementation": s["gen_cache"], "compile": s["compile"],
                        # a kept replica keeps HF's compiled decoding step between rollouts
-                       "keep_replica": s["gen_loop"] == "hf" and (
-                           s["gen_cache"] == "static" or s["compile"])},
+                       "keep_replica": s.get("compile_step", False) or (
+                           s["gen_loop"] == "hf" and (s["gen_cache"] == "static"
+                                                      or s["compile"])),
+                       "compile_step": s.get("compile_step", False)},
         "ppo": {"rollout_batch_size": s["prompts"], "mini_batch_size": s["mini_batch"],
                 "micro_batch_size": s["micro_batch"],
                 "score_micro_batch_size": s["score_micro_batch"], "ppo_epochs": s["ppo_epochs"]},
         "data": {"max_prompt_len": P},
         "tracking": {"enabled": False},
         "checkpoint": {"every": 0, "save_at_end": False, "export_at_end": False},
-        "deepspeed": {role: dict(role_ds, **({"config": templates[role]} if role in templates
-                                             else {})) for role in ROLES},
+        "deepspeed": {role: dict(role_ds) for role in ROLES},
     }
     path = run_dir / "bench_config.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -82,6 +82,15 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
                         "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
                         "set generation.loop=hf")
+    if g.compile_step and (g.loop == "hf" or g.mode == "zero3"):
+        problems.append("generation.compile_step compiles our decoding loop's step, but "
+                        f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
+                        "generate: drop it, or set generation.loop=own (mode gathered or "
+                        "tensor_parallel)")
+    elif g.compile_step and not g.keep_replica:
+        problems.append("generation.compile_step needs generation.keep_replica=true (a new "
+                        "replica per rollout would compile its step again every time): set "
+                        "generation.keep_replica=true, or drop generation.compile_step")
     hf_only = g.loop == "hf" or g.mode == "zero3"
     if hf_only and g.continuous is True:
         problems.append("generation.continuous = true needs our decoding loop, but "

@@ -9,23 +9,55 @@ from pydantic import Field
 from ds_ppo.config.base import Section
 
 
+class ZeRO3Knobs(Section):
+    """ZeRO-3's speed knobs of one role, applied where it runs ZeRO-3 (None: the template's
+    value). Each trades GPU memory for fewer or larger gathers; `ds-ppo plan` lists them for
+    every ZeRO-3 role, and docs/PERFORMANCE.md has what they did on an H200."""
+
+    persistence_threshold: int | None = Field(
+        None, ge=0, description="stage3_param_persistence_threshold: parameters with fewer "
+        "elements than this stay whole on every GPU (never gathered or released); the "
+        "template's default is 10 x hidden (norms and biases). 1e9 on one GPU keeps every "
+        "parameter whole (no gathers at all, the memory of stage 0).")
+    prefetch_bucket_size: int | None = Field(
+        None, ge=0, description="stage3_prefetch_bucket_size: elements of the parameters "
+        "gathered ahead of the layer that needs them (template: 0.9 x hidden^2).")
+    max_live_parameters: int | None = Field(
+        None, ge=0, description="stage3_max_live_parameters: gathered elements kept on a GPU "
+        "before released ones are freed (template: 1e9).")
+    max_reuse_distance: int | None = Field(
+        None, ge=0, description="stage3_max_reuse_distance: a parameter used again within this "
+        "many elements of gathers is kept, not released (template: 1e9).")
+
+    def ds_keys(self) -> dict[str, int]:
+        """The zero_optimization keys of the knobs that are set."""
+        names = {"persistence_threshold": "stage3_param_persistence_threshold"}
+        return {names.get(name, f"stage3_{name}"): value
+                for name, value in self.model_dump().items() if value is not None}
+
+
 class RoleDeepSpeed(Section):
     config: str | None = Field(
         None, description="Path to the role's DeepSpeed JSON template (default: the one in "
         "ds_configs/ for its zero_stage/offload); batch-size keys are filled in by ds_ppo.")
     zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
-        3, description="ZeRO stage. auto: 3 on several ranks, with an offload, or when a universal "
-        "checkpoint (another world size) is loaded; else 0 (one rank: ZeRO-3's partitioning hooks "
-        "only cost time, docs/PERFORMANCE.md). The choice is logged. A stage-0 checkpoint resumes "
-        "on the same world size only.")
+        "auto", description="ZeRO stage. auto: chosen by fit, the same way in the engine and in "
+        "`ds-ppo plan`: each auto role starts at its least-sharded stage (a frozen role 0, a "
+        "trained role 2) and moves to 3 while the plan's peak exceeds 90% of the GPU's memory, "
+        "the role that saves most first; an offload or a universal checkpoint (another world "
+        "size) allows only the stages that support it. Offloads are never switched on by auto "
+        "(the plan names them). Without a GPU: 0 on one rank, 3 on several. The start-up line "
+        "and the plan say which stage each role got and why. A stage-0 checkpoint resumes on "
+        "the same world size only.")
     offload_optimizer: bool = Field(False, description="Optimizer states on CPU (trained roles).")
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
+    zero3: ZeRO3Knobs = Field(default_factory=ZeRO3Knobs,
+                              description="ZeRO-3's speed knobs, where the role runs ZeRO-3.")
 
     def stage(self, world_size: int, load_universal: bool = False) -> int:
-        """The ZeRO stage; `auto`: 3 where it partitions something (several ranks), where an
-        offload needs it, or where a universal checkpoint is loaded (DeepSpeed converts ZeRO 1-3
-        checkpoints only); else 0: on one rank ZeRO-3's gather/release hooks and partitioned
-        optimizer only cost time (docs/PERFORMANCE.md)."""
+        """The ZeRO stage where no device memory is known (a CPU run, plan/stages.py); `auto`:
+        3 where it partitions something (several ranks), where an offload needs it, or where a
+        universal checkpoint is loaded (DeepSpeed converts ZeRO 1-3 checkpoints only); else 0."""
         if self.zero_stage != "auto":
             return self.zero_stage
         if world_size > 1 or self.offload_param or self.offload_optimizer or load_universal:

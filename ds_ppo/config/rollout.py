@@ -95,6 +95,13 @@ class GenerationConfig(Section):
         False, description="Keep the gathered replica between rollouts and refresh its weights "
         "in place: no re-allocation and no recompilation, at the cost of its 16-bit weights "
         "staying in device memory during training.")
+    compile_step: bool = Field(
+        False, description="loop=own: run the decoding step's forward compiled by torch.compile "
+        "(inductor, static shapes), inside the CUDA graph on CUDA: fused elementwise kernels "
+        "instead of eager's many small ones (docs/PERFORMANCE.md, the decode step). The first "
+        "generate call compiles it (tens of seconds for a 1B model); needs keep_replica=true, "
+        "so the compiled step lives as long as the replica. Greedy outputs equal the eager "
+        "step's in fp32.")
 
 
 # ------------------------------------------------------------------------ environment

@@ -195,6 +195,21 @@ def _prune(root: Path, keep_last: int, just_written: Path) -> None:
             log.info("removed checkpoint %s (checkpoint.keep_last = %d)", old, keep_last)
 
 
+def saved_zero3(path: Path) -> dict[str, bool]:
+    """For each trained role a checkpoint holds: whether it was saved by ZeRO-3 (one model-state
+    shard per rank, `zero_pp_rank_*_model_states.pt`) rather than by stage 0-2 (the whole
+    16-bit module in `mp_rank_00_model_states.pt`)."""
+    return {role: any((path / role / TAG).glob("zero_pp_rank_*_model_states.pt"))
+            for role in TRAINED_ROLES if (path / role / TAG).is_dir()}
+
+
+def stage_changed(path: Path, stages: dict[str, int]) -> list[str]:
+    """The trained roles whose ZeRO-3-or-not layout in the checkpoint differs from `stages`
+    (this run's): DeepSpeed loads those only through the universal format."""
+    return [role for role, zero3 in saved_zero3(path).items()
+            if role in stages and zero3 != (stages[role] == 3)]
+
+
 def ensure_universal(path: Path) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
@@ -205,9 +220,10 @@ def ensure_universal(path: Path) -> None:
         if not any((path / role / TAG).glob("zero_pp_rank_*")):
             raise ConfigError(
                 f"{path / role} was saved without ZeRO (stage 0: zero_stage auto or 0 on one "
-                f"rank), which DeepSpeed cannot convert for another world size: resume it on "
-                f"world size {read_state(path).world_size}, or train with "
-                f"deepspeed.policy.zero_stage=3 deepspeed.value.zero_stage=3 from the start")
+                f"rank), which DeepSpeed cannot convert for another world size or ZeRO stage: "
+                f"resume it on world size {read_state(path).world_size} with the stages it was "
+                f"saved with, or train with deepspeed.policy.zero_stage=3 "
+                f"deepspeed.value.zero_stage=3 from the start")
 
     def convert():
         for role in roles:

@@ -132,7 +132,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
            stop_check_every: int = 8, trim: bool = True, group=None,
-           slots: int | None = None) -> Decoded:
+           slots: int | None = None, compile_step: bool = False) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
     `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
@@ -146,6 +146,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     final host sync that finds W. `group`: the tensor-parallel process group whose ranks
     decode these prompts together (the step holds its all-reduces): they capture the step
     together, fall back together, and refill alike (they sample the same tokens).
+    `compile_step`: the decoding step's forward runs compiled by torch.compile (inductor, static
+    shapes: the steps attend to every cache column, as the CUDA graph's do), inside the CUDA
+    graph where there is one: fused elementwise kernels (RMSNorm, rotary embeddings, residual
+    adds) instead of eager's many small ones. The warm-up steps compile it.
     """
     N, P = prompt_ids.shape
     S = N if slots is None else max(1, min(slots, N))
@@ -164,9 +168,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):
         # eager steps (no CUDA graph to replay) attend only to the cache columns written so far
-        eager = not (cuda_graph and _graphs_available(device))
+        eager = not (cuda_graph and _graphs_available(device)) and not compile_step
         run = Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id,
-                    trim=eager)
+                    trim=eager, step_forward=compiled_step(model) if compile_step else None)
         stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
                            narrow=slots is not None)
     width = min(stats.steps, T)
@@ -175,6 +179,17 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         # stop_check_every - 1 steps past the last EOS)
         width = int(response_mask(run.result, eos_ids).sum(dim=-1).max())
     return Decoded(run.result[:, :width], run.result_lp[:, :width], stats)
+
+
+def compiled_step(model: torch.nn.Module):
+    """The model's forward compiled for the decoding step (one per model object, kept on it,
+    so later generate calls on the same replica reuse the compiled code). Static shapes: a
+    step's shapes change only with the slot count (continuous batching's narrower batches)."""
+    fn = model.__dict__.get("_ds_ppo_compiled_step")
+    if fn is None:  # a plain attribute (not a submodule): the state dict stays the model's
+        fn = torch.compile(model.forward, dynamic=False)
+        model.__dict__["_ds_ppo_compiled_step"] = fn
+    return fn
 
 
 def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_every: int,

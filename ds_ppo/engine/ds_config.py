@@ -88,6 +88,8 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     elif "offload_param" in zero and d.config is None:
         zero.pop("offload_param")
+    if zero["stage"] == 3:  # deepspeed.<role>.zero3: the config's knobs win over the file's
+        zero.update(d.zero3.ds_keys())
     _resolve_auto(zero, hidden_size)
     if load_universal and role in TRAINED_ROLES:
         ds.setdefault("checkpoint", {})["load_universal"] = True
@@ -104,12 +106,38 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     return ds
 
 
-def describe_stages(cfg: Config, ds_configs: dict[str, dict], world_size: int,
+def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False,
+                job: str | None = None):
+    """Each role's ZeRO stage for this run (plan.phases.choose_zero_stages, the function
+    `ds-ppo plan` calls; `job` sft or rm: plan.job.choose_job_stage, as `ds-ppo plan --job`): on a GPU
+    against the smallest GPU memory of the world's ranks (every rank then chooses the same), on
+    CPU by the world size. Returns a StageChoice."""
+    from ds_ppo.engine import dist
+    from ds_ppo.plan.job import choose_job_stage
+    from ds_ppo.plan.phases import Cluster, choose_zero_stages
+
+    world = dist.world_size()
+    memory = None
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        memory = -int(dist.all_reduce_max(torch.tensor([-total], dtype=torch.int64)).item())
+    per_node = dist.local_world_size()
+    if per_node < 1 or world % per_node:
+        per_node = world
+    cluster = Cluster(world // per_node, per_node, memory)
+    if job is not None:
+        return choose_job_stage(cfg, job, cluster, load_universal)
+    return choose_zero_stages(cfg, cluster, load_universal=load_universal)
+
+
+def describe_stages(ds_configs: dict[str, dict], world_size: int, choice,
                     load_universal: bool = False) -> str:
-    """One line: the ZeRO stage each role's engine runs, `(auto)` where zero_stage auto chose
-    it (e.g. `ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), ...`)."""
+    """One line: the ZeRO stage each role's engine runs, `(auto)` where zero_stage auto chose it,
+    and why (`ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), ...; auto:
+    <reason>`). `choice`: the run's StageChoice (zero_stages)."""
     parts = [f"{role} {ds.get('zero_optimization', {}).get('stage', 0)}"
-             + (" (auto)" if getattr(cfg.deepspeed, role).zero_stage == "auto" else "")
+             + (" (auto)" if role in choice.auto else "")
              for role, ds in ds_configs.items()]
     return (f"ZeRO stage per role (world size {world_size}"
-            + (", universal checkpoint" if load_universal else "") + "): " + ", ".join(parts))
+            + (", universal checkpoint" if load_universal else "") + "): " + ", ".join(parts)
+            + (f"; auto: {choice.reason}" if choice.auto else ""))

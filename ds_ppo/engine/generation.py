@@ -229,7 +229,8 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
                      pad_id=pad_id, min_new_tokens=shape.min_new_tokens,
                      temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
                      suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
-                     stop_check_every=cfg.stop_check_every, group=group, slots=slots)
+                     stop_check_every=cfg.stop_check_every, group=group, slots=slots,
+                     compile_step=cfg.compile_step)
         return out.response_ids, out.logprobs, out.stats
     return run
 

@@ -32,7 +32,8 @@ from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
 from ds_ppo.engine import dist, lora, sequence_parallel
 from ds_ppo.engine.forward import causal_lm
-from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
+from ds_ppo.engine.ds_config import (build_ds_config, describe_stages, resolve_dtype,
+                                     zero_stages)
 from ds_ppo.engine.tiled_mlp import tile_mlps
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
 
@@ -362,6 +363,10 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1,
                                       key="value.arch")
 
+    # each role's ZeRO stage, `auto` chosen by fit (the plan's function); the engines are built
+    # from a copy of the config with those stages filled in
+    stages = zero_stages(cfg, device, load_universal)
+    cfg = stages.apply(cfg)
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
                                                 load_universal)
@@ -409,7 +414,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
                      dist.sp_size(), dist.dp_world_size(),
                      cfg.deepspeed.sequence_parallel_min_tokens)
     if dist.is_main():
-        log.info("%s", describe_stages(cfg, ds_configs, world, load_universal))
+        log.info("%s", describe_stages(ds_configs, world, stages, load_universal))
     return Engines(policy=PolicyRole(policy, ema),
                    value=ValueRole(value) if value is not None else None,
                    reference=ReferenceRole(reference),

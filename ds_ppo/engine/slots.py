@@ -90,10 +90,14 @@ class Slots:
     then grows with the tokens decoded, as HF generate's dynamic cache does."""
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, S: int,
-                 T: int, choose, eos_ids: list[int], pad_id: int, trim: bool = False):
+                 T: int, choose, eos_ids: list[int], pad_id: int, trim: bool = False,
+                 step_forward=None):
         N, P = prompt_ids.shape
         device = prompt_ids.device
         self.model, self.P, self.T, self.W, self.pad_id = model, P, T, P + T, pad_id
+        # the decoding step's forward: the model, or a compiled copy of its forward
+        # (generation.compile_step; the prefill always runs the model itself)
+        self.step_forward = step_forward or model
         self.ids, self.mask, self.choose = prompt_ids, prompt_mask, choose
         self.kernel = getattr(model.config, "_attn_implementation", None) or "eager"
         self.dtype = next(model.parameters()).dtype
@@ -133,7 +137,7 @@ class Slots:
             self.span[0] = min(self.W, self.P + self.steps_run + 1)
         self.steps_run += 1
         self.keys.index_fill_(-1, self.col, True)  # the input token's cache column
-        logits = self.model(input_ids=self.token, attention_mask=attention_input(
+        logits = self.step_forward(input_ids=self.token, attention_mask=attention_input(
             self.keys[..., :self.span[0]], self.dtype, self.kernel), position_ids=self.pos,
             use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
         self.col.add_(1).remainder_(self.W)

@@ -22,7 +22,7 @@ import torch
 
 from ds_ppo.config import Config, job_accum_steps
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
+from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype, zero_stages
 from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
 from ds_ppo.engine.roles import (_hidden_size, _init_policy, _load_kwargs, _model_config,
                                  _ready_to_train, _trained_engine, _zero_init_for,
@@ -50,6 +50,11 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
     `load_universal`: it will load a checkpoint saved at another world size."""
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
+    stage = zero_stages(cfg, device, load_universal, job)  # auto by fit, as `ds-ppo plan --job`
+    cfg = stage.apply(cfg)
+    if dist.is_main():
+        log.info("ZeRO stage (world size %d): %s%s", world, stage.describe(),
+                 f"; auto: {stage.reason}" if stage.auto else "")
     if cfg.policy.arch is not None:
         path = materialize_arch(cfg.policy.arch, tokenizer,
                                 Path(cfg.output_dir) / "init_models" / "policy", cfg.seed)

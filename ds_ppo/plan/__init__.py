@@ -25,6 +25,8 @@ Sources of the formulas:
 The parts, in the order a plan is made:
 - shapes.py: each role's model shape (meta-device build) and the parameter counts derived from it
 - states.py: model states of trained and frozen roles (DeepSpeed's estimators)
+- stages.py: `zero_stage: auto`, each role's ZeRO stage chosen by fit on the plan's peaks (the
+  engine's choice too)
 - activations.py: activations, logits and KV cache
 - phases.py: the plan itself: states per role, the peak per GPU over generation, scoring and
   training (the generation mode from ds_ppo.engine.generation_choice, the engine's own decision)
@@ -41,7 +43,7 @@ from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, log
 from ds_ppo.plan.levers import (_with_overrides, candidate_levers, find_levers,
                                 min_nodes_that_fit, plan)
 from ds_ppo.plan.phases import (RUNTIME_OVERHEAD_BYTES, Cluster, Lever, LeverEffect, Phase, Plan,
-                                RolePlan, compute_plan)
+                                RolePlan, choose_zero_stages, compute_plan)
 from ds_ppo.plan.report import format_plan, main, to_json
 from ds_ppo.plan.shapes import (ModelShape, RoleShapes, _hf_config, lora_params, model_shape,
                                 resolve_shapes, tp_shard_params)

@@ -13,12 +13,15 @@ from ds_ppo.config import Config, lora_output_head
 from ds_ppo.plan.activations import logits_bytes, train_activation_bytes
 from ds_ppo.plan.phases import RUNTIME_OVERHEAD_BYTES, Cluster, _lora_states
 from ds_ppo.plan.shapes import _hf_config, lora_params, model_shape
+from ds_ppo.plan.stages import StageChoice, resolve_job_stage
 from ds_ppo.plan.states import GiB, train_states
 
 
-def job_plan(cfg: Config, job: str, cluster: Cluster) -> dict[str, Any]:
+def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
+             ) -> dict[str, Any]:
     """The plan of `ds-ppo <job>` (sft or rm) on `cluster`: bytes per GPU by term, the peak, the
-    CPU bytes per node and whether it fits."""
+    CPU bytes per node and whether it fits. `stage`: the ZeRO stage to plan (None: as the
+    engine chooses it, plan/stages.choose_job_stage)."""
     from ds_ppo.errors import ConfigError
 
     hf = _hf_config(cfg.policy.path, cfg.policy.arch)
@@ -27,8 +30,12 @@ def job_plan(cfg: Config, job: str, cluster: Cluster) -> dict[str, Any]:
                           f"{cfg.policy.path!r}; set policy.arch or a local policy.path")
     shape = model_shape(hf, "causal" if job == "sft" else "sequence",
                         "arch" if cfg.policy.arch is not None else f"path {cfg.policy.path}")
+    reason = None
+    if stage is None:
+        choice = choose_job_stage(cfg, job, cluster)
+        stage, reason = choice.stages["policy"], choice.reason
     d = cfg.deepspeed.policy
-    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})
+    d = d.model_copy(update={"zero_stage": stage})
     section, lora = getattr(cfg, job), cfg.policy.lora
     if lora is not None:
         head = job == "sft" and lora_output_head(lora, cfg.policy.arch is not None,
@@ -53,11 +60,20 @@ def job_plan(cfg: Config, job: str, cluster: Cluster) -> dict[str, Any]:
     peak = sum(terms.values())
     cpu = states.cpu_bytes_per_node
     return {"job": job, "model": shape.source, "params": shape.params,
-            "zero_stage": d.zero_stage, "world_size": cluster.world_size,
+            "zero_stage": d.zero_stage, "zero_stage_reason": reason,
+            "world_size": cluster.world_size,
             "micro_batch": {"rows": rows, "tokens": tokens}, "terms_bytes": terms,
             "peak_gpu_bytes": peak, "cpu_bytes_per_node": cpu,
             "fits_gpu": peak <= cluster.gpu_mem_bytes,
             "fits_cpu": None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes}
+
+
+def choose_job_stage(cfg: Config, job: str, cluster: Cluster,
+                     load_universal: bool = False) -> StageChoice:
+    """The ZeRO stage of `ds-ppo <job>`'s trained model on `cluster`, `auto` chosen by fit on
+    this job plan's peaks (plan/stages.py); the engine calls it at start-up."""
+    return resolve_job_stage(cfg, cluster, lambda stage: job_plan(
+        cfg, job, cluster, stage=stage)["peak_gpu_bytes"], load_universal)
 
 
 def format_job_plan(p: dict[str, Any], cluster: Cluster) -> str:
@@ -65,7 +81,10 @@ def format_job_plan(p: dict[str, Any], cluster: Cluster) -> str:
     mb = p["micro_batch"]
     out = [f"ds-ppo {p['job']} plan: {p['params'] / 1e6:.2f}M-parameter model ({p['model']}), "
            f"ZeRO-{p['zero_stage']}, world size {p['world_size']}, micro-batch {mb['rows']} "
-           f"row(s) x {mb['tokens']} tokens", "", "per GPU:"]
+           f"row(s) x {mb['tokens']} tokens"]
+    if p.get("zero_stage_reason"):
+        out.append(f"ZeRO stage: {p['zero_stage']} ({p['zero_stage_reason']})")
+    out += ["", "per GPU:"]
     out += [f"  {gib(v)}  {k}" for k, v in p["terms_bytes"].items()]
     verdict = "fits" if p["fits_gpu"] else "does NOT fit"
     out += [f"  {gib(p['peak_gpu_bytes'])}  peak: {verdict} in {cluster.gpu_mem_bytes / GiB:.0f} "

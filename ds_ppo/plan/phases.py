@@ -14,6 +14,7 @@ from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, log
                                      prefill_activation_bytes, tiled_logits_bytes,
                                      train_activation_bytes)
 from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params
+from ds_ppo.plan.stages import StageChoice, resolve_stages
 from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
 
@@ -26,7 +27,7 @@ RUNTIME_OVERHEAD_BYTES = 2 * GiB
 class Cluster:
     nodes: int
     gpus_per_node: int
-    gpu_mem_bytes: int
+    gpu_mem_bytes: int | None  # None: no accelerator (a CPU run's engine, plan/stages.py)
     cpu_mem_bytes: int | None = None  # per node; None = unchecked
 
     @property
@@ -98,6 +99,7 @@ class Plan:
     biggest_lever: LeverEffect | None = None
     lever_path: list[LeverEffect] = field(default_factory=list)  # greedy, biggest first
     min_nodes: int | None = None  # smallest node count that fits as configured
+    stage_choice: StageChoice | None = None  # the ZeRO stages and why
 
     @property
     def fits(self) -> bool:
@@ -125,9 +127,10 @@ def _adapted_head(cfg: Config, role: str, shape: ModelShape) -> bool:
         return False
 
 
-def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster) -> RolePlan:
+def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluster,
+               stage: int) -> RolePlan:
     d = getattr(cfg.deepspeed, role)
-    d = d.model_copy(update={"zero_stage": d.stage(cluster.world_size)})  # resolve auto
+    d = d.model_copy(update={"zero_stage": stage})  # auto resolved (plan/stages.py)
     trained = role in TRAINED_ROLES
     lora = getattr(cfg, role).lora if trained else None
     if shape is None:
@@ -169,10 +172,38 @@ def _forward_gather(rp: RolePlan) -> int:
     return 2 * rp.shape.largest_layer_params if rp.zero_stage == 3 else 0
 
 
-def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
-    """Model states per role and the peak per GPU over generation, scoring and training."""
+def choose_zero_stages(cfg: Config, cluster: Cluster, shapes: RoleShapes | None = None,
+                       load_universal: bool = False) -> StageChoice:
+    """Each role's ZeRO stage on `cluster`, `auto` chosen by fit on this plan's peaks
+    (plan/stages.py); the engine calls it at start-up (engine/ds_config.zero_stages) with its
+    GPU's memory (`gpu_mem_bytes` None on CPU). `shapes`: read from the config when None."""
+    if shapes is None and cluster.gpu_mem_bytes is not None:
+        from ds_ppo.plan.shapes import resolve_shapes
+
+        try:
+            shapes = resolve_shapes(cfg)
+        except ConfigError:  # e.g. a hub name not yet downloaded: the world-size rule
+            shapes = None
+    peak = None if shapes is None else (
+        lambda stages: compute_plan(cfg, shapes, cluster, stages=stages,
+                                    notes=False).peak_gpu_bytes)
+    return resolve_stages(cfg, cluster, peak, load_universal)
+
+
+def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
+                 stages: dict[str, int] | None = None, notes: bool = True) -> Plan:
+    """Model states per role and the peak per GPU over generation, scoring and training.
+    `stages`: each role's ZeRO stage (None: as the engine chooses them, plan/stages.py);
+    `notes`: False leaves out the notes (and the validation they run), for the searches that
+    only read the peak."""
+    stage_choice = None
+    if stages is None:
+        stage_choice = choose_zero_stages(cfg, cluster, shapes)
+        stages = stage_choice.stages
     # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
-    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster) for r in ROLES
+    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster,
+                           stages.get(r, getattr(cfg.deepspeed, r).stage(cluster.world_size)))
+             for r in ROLES
              if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
     rows = _rows(cfg)
@@ -191,7 +222,8 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster) -> Plan:
         peak_phase=peak.name, cpu_bytes_per_node=cpu,
         fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
         fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
-        notes=_notes(cfg, shapes, cluster, roles, rows))
+        notes=_notes(cfg, shapes, cluster, roles, rows) if notes else [],
+        stage_choice=stage_choice)
 
 
 @dataclass(frozen=True)
@@ -377,6 +409,13 @@ def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, R
         if d.offload_param and not d.offload_optimizer:
             notes.append(f"deepspeed.{role}: offload_param without offload_optimizer keeps the "
                          "optimizer state on the GPU")
+    zero3 = [r for r, rp in roles.items() if rp.zero_stage == 3 and rp.shape is not None]
+    if zero3:
+        notes.append("ZeRO-3 speed knobs (" + ", ".join(zero3) + "): deepspeed.<role>.zero3."
+                     "persistence_threshold (parameters below it stay whole: no gathers; 1e9 on "
+                     "one GPU keeps all), prefetch_bucket_size, max_live_parameters, "
+                     "max_reuse_distance trade GPU memory for fewer gathers; measured in "
+                     "docs/PERFORMANCE.md")
     try:
         validate(cfg, cluster.world_size)
     except ConfigError as e:

@@ -43,6 +43,9 @@ def to_json(p: Plan) -> dict[str, Any]:
                            "micro_batch_tokens": p.micro_batch_tokens,
                            "generation": p.gen_batch},
         "generation_mode": p.generation_mode,
+        "zero_stages": None if p.stage_choice is None else {
+            "stages": p.stage_choice.stages, "auto": sorted(p.stage_choice.auto),
+            "reason": p.stage_choice.reason},
         "roles": roles,
         "resident_bytes_per_rank": p.resident_bytes,
         "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES,
@@ -74,6 +77,10 @@ def format_plan(p: Plan, title: str) -> str:
             if p.micro_batch_tokens is None else
             f"packed micro-batches of {p.micro_batch_tokens} tokens (reward model: "
             f"{p.score_micro_batch})") + f", generation batch {p.gen_batch} (sequences)",
+    ]
+    if p.stage_choice is not None:
+        out.append(f"ZeRO stages: {p.stage_choice.describe()} ({p.stage_choice.reason})")
+    out += [
         "",
         "Model states (GiB; every rank holds the same: ZeRO data parallelism)",
         f"{'role':<10} {'model':<31} {'params':>9} {'ZeRO':>4}  {'offload':<10} "

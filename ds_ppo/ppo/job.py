@@ -93,6 +93,11 @@ class PPOJob:
     def trained_roles(self) -> tuple[str, ...]:
         return TRAINED_ROLES if self.cfg.ppo.uses_critic else ("policy",)
 
+    def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
+        from ds_ppo.engine.ds_config import zero_stages
+
+        return zero_stages(cfg, device).stages
+
     def fresh_state(self, engines: Engines) -> TrainerState:
         _seed_sampling(self.cfg.seed)
         return TrainerState(world_size=dist.world_size(), seed=self.cfg.seed,

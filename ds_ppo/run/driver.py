@@ -27,7 +27,7 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
-                                      load_checkpoint, read_state, rng_state)
+                                      load_checkpoint, read_state, rng_state, stage_changed)
 from ds_ppo.engine.checkpoint_files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import Diverged, RegistrationError, RewardError
@@ -93,6 +93,9 @@ class Job(Protocol):
     def trained_roles(self) -> tuple[str, ...]:
         """The roles whose optimizer settings a resume takes from the config."""
 
+    def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
+        """Each trained role's ZeRO stage in this run (`zero_stage: auto` resolved)."""
+
     def fresh_state(self, run_engines) -> TrainerState:
         """The state of a run that starts from scratch (seeds its sampling streams)."""
 
@@ -122,7 +125,7 @@ def run(cfg: Config, job: Job) -> TrainResult:
     tokenizer, total = job.load_data(cfg, out)
     if job.known_total(cfg) is None and (done := _already_finished(cfg, job, total)) is not None:
         return done
-    resume_from, universal = _find_resume(cfg, job)
+    resume_from, universal = _find_resume(cfg, job, device)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
     engines = job.build(cfg, device, tracker, universal)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
@@ -214,14 +217,22 @@ def _already_finished(cfg: Config, job: Job, total: int | None) -> TrainResult |
                        mlflow_run_id=state.mlflow_run_id)
 
 
-def _find_resume(cfg: Config, job: Job) -> tuple[Path | None, bool]:
+def _find_resume(cfg: Config, job: Job, device: torch.device) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
-    DeepSpeed's universal format because the data-parallel world size changed."""
+    DeepSpeed's universal format: the data-parallel world size changed, or a trained role's
+    ZeRO stage moved to or from 3 (zero_stage auto on another GPU or config, or an explicit
+    change)."""
     path = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
     if path is None:
         return None, False
     job.check_checkpoint(path)  # before any model loads
     universal = read_state(path).world_size != dist.world_size()
+    if not universal:
+        changed = stage_changed(path, job.zero_stages(cfg, device))
+        if changed and dist.is_main():
+            log.info("the ZeRO stage of %s changed since %s was saved: loading it through a "
+                     "universal checkpoint", ", ".join(changed), path)
+        universal = bool(changed)
     if universal:
         ensure_universal(path)
     return path, universal

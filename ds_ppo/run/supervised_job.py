@@ -132,6 +132,11 @@ class SupervisedJob:
     def trained_roles(self) -> tuple[str, ...]:
         return ("policy",)
 
+    def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
+        from ds_ppo.engine.ds_config import zero_stages
+
+        return zero_stages(cfg, device, job=self.name).stages
+
     def fresh_state(self, engines) -> TrainerState:
         return TrainerState(world_size=dist.world_size(), seed=self.cfg.seed, job=self.name,
                             sequence_parallel_size=dist.sp_size(),

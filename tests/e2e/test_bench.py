@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -194,21 +195,39 @@ def test_flop_model_counts_body_parameters_of_a_llama():
 
 
 def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_path):
-    """launch/bench_gpu.sh (the one script the GPU session runs), on CPU with the tiny shape."""
+    """launch/bench_gpu.sh (the one script the GPU session runs), on CPU with the tiny shape: the
+    preset's row (zero_stage auto), ZeRO-3 with its knobs, the decode run (eager and compiled
+    step, fp32 greedy check), the peer step; one tarball of every result; the summaries last."""
+    import tarfile
+
     from conftest import REPO
 
-    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="main zero2",
+    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="preset z3_knobs decode peer",
                     BENCH_MODELS=str(tmp_path / "models"),
-                    BENCH_FLAGS="--prompts 4 --prompt-len 8 --new-tokens 8 --iterations 1")
-    proc = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(tmp_path / "res"),
-                           "600"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+                    BENCH_FLAGS="--prompts 4 --prompt-len 8 --new-tokens 8 --iterations 1",
+                    DECODE_FLAGS="--rows 2 --new-tokens 6", PEER_FLAGS="--iterations 1")
+    res = tmp_path / "res"
+    proc = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(res), "900"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert lines[-4].startswith("| run |") and lines[-3].startswith("|---")
-    assert lines[-2].startswith("| main | ZeRO-3") and lines[-1].startswith("| zero2 | ZeRO-2")
-    assert "| greedy gen: ours (gathered, own loop" in proc.stdout  # the main table, too
-    assert json.loads((tmp_path / "res" / "zero2.json").read_text())["settings"]["zero_stage"] == 2
+    out = proc.stdout
+    lines = out.strip().splitlines()
+    table = lines.index(next(line for line in lines if line.startswith("| run |")))
+    assert lines[table + 2].startswith("| preset | ZeRO auto 0/0/0/0, micro 2")  # CPU: stage 0
+    assert lines[table + 3].startswith("| z3_knobs | ZeRO-3, ") and "persistence 1e+06" in \
+        lines[table + 3] and "live 3e+09" in lines[table + 3]
+    decode = [line for line in lines if line.startswith("| tiny | 2 |")]
+    assert [line.split("|")[3].strip() for line in decode] == ["eager", "compiled"], decode
+    assert "greedy fp32 (8 rows x 32 tokens): compiled == eager: yes; eager == HF generate: yes" \
+        in out
+    assert lines[-2].startswith("decode: exit 0 |") and lines[-1].startswith("peer: ")
+    preset = json.loads((res / "preset.json").read_text())["settings"]
+    assert preset["zero_stage"] == "auto" and preset["zero_stages"] == {
+        "policy": 0, "value": 0, "reference": 0, "reward": 0}
+    with tarfile.open(res / "bench_gpu_results.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"preset.json", "z3_knobs.json", "decode.json", "decode.log",
+            "decode_profile_2.txt", "decode_profile_2_compiled.txt"} <= names
     bad = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(tmp_path / "r2")],
                          env=dict(env, BENCH_RUNS="nonsense"), capture_output=True, text=True,
                          timeout=60)

@@ -322,3 +322,19 @@ def test_a_full_disk_during_the_export_at_the_end_is_one_line_and_resumable(rest
     from ds_ppo.engine.checkpoint_files import verify_export
 
     verify_export(copy / "final", "final")
+
+
+def test_resume_after_a_zero_stage_change_goes_through_the_universal_checkpoint(tmp_path):
+    """Saved with ZeRO-3 on one rank, resumed with zero_stage auto (stage 0 there on CPU): the
+    stage changed, so the trained roles load DeepSpeed's universal conversion (auto's ladder then
+    holds them at 3) and the run continues where it stopped."""
+    out = tmp_path / "run"
+    zero3 = ["deepspeed.policy.zero_stage=3", "deepspeed.value.zero_stage=3"]
+    run_cli(["train", *SMALL, "iterations=2", "checkpoint.every=2", f"output_dir={out}",
+             *zero3], cwd=tmp_path)
+    resumed = run_cli(["train", *SMALL, "iterations=3", "checkpoint.every=2",
+                       f"output_dir={out}"], cwd=tmp_path)
+    assert "the ZeRO stage of policy, value changed since" in resumed.stdout
+    assert "ZeRO stage per role (world size 1, universal checkpoint): policy 3 (auto), value 3 " \
+           "(auto), reference 3 (auto)" in resumed.stdout
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3]

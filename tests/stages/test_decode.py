@@ -419,3 +419,60 @@ def test_replica_equals_the_model_with_tied_or_untied_embeddings(tied):
     ids, mask = left_padded()
     with torch.no_grad():
         torch.testing.assert_close(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_compiled_step_gives_the_eager_steps_tokens_in_fp32():
+    """generation.compile_step: the decoding step's forward compiled by inductor (CPU here,
+    static shapes) gives the eager loop's greedy tokens, with continuous batching's refills and
+    narrower batches too, and the same sampled tokens from the same seed."""
+    import ds_ppo.engine.decode as dec
+
+    model = tiny_llama("sdpa")
+    ids, mask = left_padded()
+    eager, _ = ours_greedy(model, ids, mask, 12, [EOS], check_every=4)
+    calls, steps = [], []
+    original = dec.compiled_step
+
+    def counting(m):
+        fn = original(m)
+        calls.append(fn)
+
+        def step(**kwargs):
+            steps.append(kwargs["input_ids"].shape[0])
+            return fn(**kwargs)
+        return step
+
+    dec.compiled_step, saved = counting, dec.compiled_step
+    try:
+        compiled = decode(model, ids, mask, max_new_tokens=12, eos_ids=[EOS], pad_id=PAD,
+                          temperature=0.0, suppress_ids=[PAD], stop_check_every=4,
+                          compile_step=True)
+        refilled = decode(model, ids, mask, max_new_tokens=12, eos_ids=[EOS], pad_id=PAD,
+                          temperature=0.0, suppress_ids=[PAD], stop_check_every=4,
+                          compile_step=True, slots=2)
+        sampled = []
+        for on in (False, True):
+            torch.manual_seed(5)
+            sampled.append(decode(model, ids, mask, max_new_tokens=12, eos_ids=[EOS],
+                                  pad_id=PAD, temperature=1.0, suppress_ids=[PAD],
+                                  compile_step=on).response_ids)
+    finally:
+        dec.compiled_step = saved
+    assert calls and calls[0] is calls[-1]  # one compiled forward per model, reused
+    assert steps.count(5) >= 2 * 11 and 2 in steps  # every decoding step ran it (5 or 2 slots)
+    assert "_ds_ppo_compiled_step" not in dict(model.named_modules())  # not a submodule
+    assert torch.equal(compiled.response_ids, eager), (compiled.response_ids, eager)
+    assert torch.equal(refilled.response_ids, eager) and refilled.stats.refills > 0
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_compile_step_is_checked_at_validation():
+    from ds_ppo.config import load_config, validate
+    from ds_ppo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="compile_step needs generation.keep_replica=true"):
+        validate(load_config(None, ["generation.compile_step=true"]), 1)
+    with pytest.raises(ConfigError, match="generation.compile_step compiles our decoding loop"):
+        validate(load_config(None, ["generation.compile_step=true", "generation.loop=hf",
+                                    "generation.keep_replica=true"]), 1)
+    validate(load_config(None, ["generation.compile_step=true", "generation.keep_replica=true"]), 1)

@@ -70,3 +70,38 @@ def test_stage0_checkpoint_on_another_world_size_is_a_config_error(tmp_path):
     (ckpt / "trainer_state.json").write_text(json.dumps({"iteration": 2, "world_size": 1}))
     with pytest.raises(ConfigError, match="resume it on world size 1"):
         ensure_universal(ckpt)
+
+
+def test_zero3_knobs_reach_the_deepspeed_config_of_zero3_roles_only():
+    """deepspeed.<role>.zero3: DeepSpeed's stage3_* keys, over the template's values, where the
+    role runs ZeRO-3; unset ones keep the template's (auto: from the hidden size)."""
+    cfg = load_config(None, ["deepspeed.policy.zero_stage=3",
+                             "deepspeed.policy.zero3.persistence_threshold=1e9",
+                             "deepspeed.policy.zero3.max_live_parameters=300000000",
+                             "deepspeed.value.zero3.prefetch_bucket_size=1000"])
+    zero = build_ds_config(cfg, "policy", 1, torch.float32, 64)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 10**9
+    assert zero["stage3_max_live_parameters"] == 3 * 10**8
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)  # the template's auto
+    value = build_ds_config(cfg, "value", 1, torch.float32, 64)["zero_optimization"]
+    assert value == {"stage": 0}  # auto on one CPU rank: stage 0, no ZeRO-3 keys
+    two = build_ds_config(cfg, "value", 2, torch.float32, 64)["zero_optimization"]
+    assert two["stage"] == 3 and two["stage3_prefetch_bucket_size"] == 1000
+    with pytest.raises(ConfigError, match="persistence_threshold"):
+        load_config(None, ["deepspeed.policy.zero3.persistence_threshold=-1"])
+
+
+def test_a_stage_moving_to_or_from_zero3_is_seen_in_the_checkpoint(tmp_path):
+    from ds_ppo.engine.checkpoint import saved_zero3, stage_changed
+
+    ckpt = tmp_path / "iter_000002"
+    (ckpt / "policy" / TAG).mkdir(parents=True)
+    (ckpt / "policy" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (ckpt / "value" / TAG).mkdir(parents=True)
+    (ckpt / "value" / TAG / "mp_rank_00_model_states.pt").write_bytes(b"")  # stage 0-2
+    (ckpt / "value" / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert saved_zero3(ckpt) == {"policy": True, "value": False}
+    assert stage_changed(ckpt, {"policy": 3, "value": 2}) == []
+    assert stage_changed(ckpt, {"policy": 2, "value": 3}) == ["policy", "value"]
+    assert stage_changed(ckpt, {"policy": 3, "value": 0}) == []  # 2 -> 0: both stage 0-2
+    assert stage_changed(ckpt, {"policy": 3}) == []  # a critic-free run: no value engine

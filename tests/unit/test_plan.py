@@ -32,7 +32,10 @@ SMALL_ARCH = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
 def small_config(tmp_path: Path, **sections) -> Path:
     data = {"policy": {"arch": SMALL_ARCH}, "reward": {"function": "ds_ppo.rewards:positive_words"},
             "ppo": {"rollout_batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 2},
-            "data": {"max_prompt_len": 32}, "generation": {"max_new_tokens": 16}}
+            "data": {"max_prompt_len": 32}, "generation": {"max_new_tokens": 16},
+            # fixed stages: these tests read the other terms on clusters of any memory
+            "deepspeed": {role: {"zero_stage": 3} for role in ("policy", "value", "reference",
+                                                               "reward")}}
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     path = tmp_path / "small.yaml"
