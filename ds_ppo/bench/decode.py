@@ -1,4 +1,4 @@
-"""`python -m ds_ppo.bench.decode`: our decoding loop alone (`ds_ppo.engine.decode.decode`, the
+"""`python -m ds_ppo.bench.decode`: our decoding loop alone (`ds_ppo.engine.generation.loop.decode`, the
 function `generation.loop=own` calls) on a random-init model of a bench shape, against the
 memory bound of its step; optionally the kernel table of its steps and the fp32 greedy check.
 
@@ -56,7 +56,7 @@ def step_bytes(model, rows: int, context: float) -> float:
 
 def _decode(model, ids, mask, new_tokens: int, temperature: float, compile_step: bool,
             cuda_graph: bool = True):
-    from ds_ppo.engine.decode import decode
+    from ds_ppo.engine.generation.loop import decode
 
     return decode(model, ids, mask, max_new_tokens=new_tokens, eos_ids=[2], pad_id=0,
                   min_new_tokens=new_tokens if temperature > 0 else 0,

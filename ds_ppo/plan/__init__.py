@@ -29,11 +29,11 @@ The parts, in the order a plan is made:
   engine's choice too)
 - activations.py: activations, logits and KV cache
 - phases.py: the plan itself: states per role, the peak per GPU over generation, scoring and
-  training (the generation mode from ds_ppo.engine.generation_choice, the engine's own decision)
+  training (the generation mode from ds_ppo.engine.generation.choice, the engine's own decision)
 - levers.py: the greedy lever search and the node count that fits; `plan` puts it together
 - report.py: the table, the JSON and the `ds-ppo plan` command (`main`)
 
-Besides ds_ppo.config, ds_ppo.engine.generation_choice and ds_ppo.role_names it imports only torch and
+Besides ds_ppo.config, ds_ppo.engine.generation.choice and ds_ppo.role_names it imports only torch and
 transformers (lazily), never deepspeed.
 """
 from __future__ import annotations

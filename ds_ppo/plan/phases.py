@@ -9,7 +9,7 @@ from ds_ppo.config import (Config, lora_output_head, max_response_tokens,
                            reference_from_policy_base, validate)
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.forward import tile_logits
-from ds_ppo.engine.generation_choice import choose_generation
+from ds_ppo.engine.generation.choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
                                      prefill_activation_bytes, tiled_logits_bytes,
                                      train_activation_bytes)
@@ -296,7 +296,7 @@ def _generation_phase(cfg: Config, shapes: RoleShapes, cluster: Cluster, pol: Ro
     prompts with a KV cache."""
     ps = pol.shape
     replica = 2 * ps.params
-    # the engine's decision (generation_choice), on the free memory of this plan
+    # the engine's decision (engine/generation/choice.py), on the free memory of this plan
     choice = choose_generation(
         cfg.generation, shapes.policy_config, cfg.generation.tp_size or cluster.gpus_per_node,
         replica_bytes=lambda n: 2 * tp_shard_params(ps, n),

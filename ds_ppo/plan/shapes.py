@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from ds_ppo.config import Config, reference_from_policy_base, value_init_source
 from ds_ppo.errors import ConfigError
-from ds_ppo.engine.generation_choice import decoder_linears
+from ds_ppo.engine.generation.choice import decoder_linears
 
 Head = Literal["causal", "token", "sequence"]
 
@@ -29,7 +29,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     source: str  # where the shape came from, for the table
-    decoder_linears: frozenset[str] = frozenset()  # generation_choice.decoder_linears
+    decoder_linears: frozenset[str] = frozenset()  # engine.generation.choice.decoder_linears
     tied: bool = False  # output head tied to the input embeddings
 
 

@@ -132,7 +132,7 @@ def test_value_head_is_trained_fully_and_never_adapted():
 
 
 def test_tensor_parallel_splits_a_lora_policy_like_its_base():
-    from ds_ppo.engine.generation_choice import decoder_linears, unshardable
+    from ds_ppo.engine.generation.choice import decoder_linears, unshardable
 
     model = _adapted()
     assert unshardable(model.config, 2, decoder_linears(model)) is None

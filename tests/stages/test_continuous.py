@@ -1,4 +1,4 @@
-"""Continuous batching in our decoding loop (engine/decode.py, generation.continuous) and the
+"""Continuous batching in our decoding loop (engine/generation/loop.py, generation.continuous) and the
 rollout log-probs it returns: row order and greedy equality with HF generate, slot
 utilisation on forced lengths, the same samples from the same random stream, and log-probs
 equal to the training forward's in float32."""
@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ds_ppo.algo import response_mask
 from ds_ppo.config.sections import GenerationConfig
 from ds_ppo.containers import Rollout
-from ds_ppo.engine.decode import decode
+from ds_ppo.engine.generation.loop import decode
 from ds_ppo.engine.forward import response_logprobs
 
 

@@ -14,7 +14,7 @@ from test_decode import EOS, PAD, tiny_llama
 
 from ds_ppo.config import load_config
 from ds_ppo.containers import Experience
-from ds_ppo.engine.decode import decode
+from ds_ppo.engine.generation.loop import decode
 from ds_ppo.engine.forward import response_logprobs
 from ds_ppo.errors import ConfigError
 from ds_ppo.metrics import Accumulator

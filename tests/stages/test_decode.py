@@ -1,4 +1,4 @@
-"""Our decoding loop (ds_ppo.engine.decode, generation.loop=own) against HF generate on tiny
+"""Our decoding loop (ds_ppo.engine.generation.loop, generation.loop=own) against HF generate on tiny
 random Llama models, and its capture-safety (no host sync inside a decoding step)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
 
 from ds_ppo.algo import response_mask
-from ds_ppo.engine.decode import decode
-from ds_ppo.engine.generation_choice import own_loop_unsupported as unsupported
+from ds_ppo.engine.generation.loop import decode
+from ds_ppo.engine.generation.choice import own_loop_unsupported as unsupported
 
 V, PAD, EOS = 300, 0, 1
 
@@ -217,7 +217,7 @@ class _ReplayedStep:
 
 
 def test_graph_schedule_warmup_capture_replay(monkeypatch):
-    import ds_ppo.engine.decode as dec
+    import ds_ppo.engine.generation.loop as dec
 
     model = tiny_llama()
     ids, mask = left_padded()
@@ -248,7 +248,7 @@ def test_graph_schedule_warmup_capture_replay(monkeypatch):
 
 
 def test_failed_capture_decodes_eagerly_and_is_not_retried(monkeypatch, caplog):
-    import ds_ppo.engine.decode as dec
+    import ds_ppo.engine.generation.loop as dec
 
     attempts = []
 
@@ -279,7 +279,7 @@ def test_grouped_decode_attention_equals_hf_sdpa():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ds_ppo.engine.decode import grouped_sdpa_attention
+    from ds_ppo.engine.generation.loop import grouped_sdpa_attention
 
     torch.manual_seed(0)
     B, H, KVH, L, D = 3, 8, 2, 10, 16
@@ -302,7 +302,7 @@ def test_grouped_decode_attention_equals_hf_sdpa():
 
 
 def test_sdpa_models_decode_through_the_grouped_function_and_get_their_config_back():
-    import ds_ppo.engine.decode as dec
+    import ds_ppo.engine.generation.loop as dec
 
     model = tiny_llama("sdpa")
     seen = []
@@ -425,7 +425,7 @@ def test_compiled_step_gives_the_eager_steps_tokens_in_fp32():
     """generation.compile_step: the decoding step's forward compiled by inductor (CPU here,
     static shapes) gives the eager loop's greedy tokens, with continuous batching's refills and
     narrower batches too, and the same sampled tokens from the same seed."""
-    import ds_ppo.engine.decode as dec
+    import ds_ppo.engine.generation.loop as dec
 
     model = tiny_llama("sdpa")
     ids, mask = left_padded()

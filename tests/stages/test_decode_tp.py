@@ -31,7 +31,7 @@ class _ReplayedStep:
 
 def _sharded(full: torch.nn.Module, tp, device: str) -> torch.nn.Module:
     """This rank's shard of `full`, built as generation's build_replica builds one."""
-    from ds_ppo.engine.tensor_parallel import shard_modules, shard_of
+    from ds_ppo.engine.generation.tensor_parallel import shard_modules, shard_of
 
     with torch.device("meta"):
         replica = type(full)(full.config)
@@ -47,7 +47,7 @@ def _sharded(full: torch.nn.Module, tp, device: str) -> torch.nn.Module:
 
 
 def _greedy(model, ids, mask, group, cuda_graph=True):
-    from ds_ppo.engine.decode import decode
+    from ds_ppo.engine.generation.loop import decode
 
     out = decode(model, ids, mask, max_new_tokens=T, eos_ids=[EOS], pad_id=PAD,
                  temperature=0.0, suppress_ids=[PAD], cuda_graph=cuda_graph,
@@ -84,8 +84,8 @@ def _stand_in_case(dec, case: str, rank: int, model, ids, mask, ref, tp) -> None
 
 
 def _worker(rank: int, init_file: str, mode: str) -> None:
-    import ds_ppo.engine.decode as dec
-    from ds_ppo.engine.tensor_parallel import tp_group
+    import ds_ppo.engine.generation.loop as dec
+    from ds_ppo.engine.generation.tensor_parallel import tp_group
 
     torch.set_num_threads(1)  # two ranks on a shared CPU
     backend = "nccl" if mode == "gpu" else "gloo"

@@ -89,7 +89,7 @@ def group_update(work: Path, name: str, extra: list[str]) -> dict:
     size; so the decoding loop picks argmax(logits + noise[k]) for the k-th response of each
     group: different responses in a group, the same ones at any world size or micro-batch
     split (generation keeps a rank's rows in group order: all prompts of a group are equal)."""
-    from ds_ppo.engine import decode
+    from ds_ppo.engine.generation import loop as decode
 
     noise: dict[int, torch.Tensor] = {}
 

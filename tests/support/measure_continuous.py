@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths  # noqa: E402
 
 from ds_ppo.algo import response_mask  # noqa: E402
-from ds_ppo.engine.decode import decode  # noqa: E402
+from ds_ppo.engine.generation.loop import decode  # noqa: E402
 
 PAD, EOS = 0, 2
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support.measure_continuous import policy  # noqa: E402
 
-import ds_ppo.engine.decode as decode_module  # noqa: E402
-from ds_ppo.engine.decode import decode  # noqa: E402
-from ds_ppo.engine.slots import Slots  # noqa: E402
+import ds_ppo.engine.generation.loop as decode_module  # noqa: E402
+from ds_ppo.engine.generation.loop import decode  # noqa: E402
+from ds_ppo.engine.generation.slots import Slots  # noqa: E402
 
 
 class EveryColumn(Slots):

@@ -550,7 +550,7 @@ def test_reward_service_retries_longer_than_the_call_deadline_are_warned_about()
 def test_continuous_batching_is_decided_in_one_place():
     """generation.continuous: our loop with more rows than generation.batch_size slots (auto
     or true); never with HF generate, where true is an error naming the key."""
-    from ds_ppo.engine.generation_choice import choose_loop, use_continuous
+    from ds_ppo.engine.generation.choice import choose_loop, use_continuous
 
     def gen(*overrides):
         return load_config(None, list(overrides)).generation

@@ -21,7 +21,7 @@ _ISSUE = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.I)
 
 
 def named_paths(text: str) -> set[str]:
-    """Repository paths a page names in backticks: `ds_ppo/engine/decode.py`, `launch/`."""
+    """Repository paths a page names in backticks: `ds_ppo/engine/generation/loop.py`, `launch/`."""
     return set(_PATH.findall(text))
 
 
@@ -43,7 +43,7 @@ def module_names(source: str) -> set[str]:
 
 
 def module_problem(name: str, root: Path = REPO) -> str | None:
-    """Why a dotted name (`ds_ppo.engine.decode`, `ds_ppo.rewards:positive_words`,
+    """Why a dotted name (`ds_ppo.engine.generation.loop`, `ds_ppo.rewards:positive_words`,
     `ds_ppo.trainer.train`) names nothing, or None: its longest prefix that is a module or
     package, then at most one name that module offers."""
     parts = name.replace(":", ".").split(".")
@@ -107,8 +107,8 @@ def test_the_docs_links_resolve():
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
-    assert named_paths("in `ds_ppo/engine/decode.py` and `tests/e2e/test_resume.py::test_x`") \
-        == {"ds_ppo/engine/decode.py", "tests/e2e/test_resume.py"}
+    assert named_paths("in `ds_ppo/engine/generation/loop.py` and `tests/e2e/test_resume.py::test_x`") \
+        == {"ds_ppo/engine/generation/loop.py", "tests/e2e/test_resume.py"}
     assert module_problem("ds_ppo.engine.ds_templates.default_template") is None
     assert module_problem("ds_ppo.rewards:positive_words") is None
     assert module_problem("ds_ppo.trainer.train") is None

@@ -20,7 +20,7 @@ from ds_ppo import plan as P
 from ds_ppo.config import load_config, validate
 from ds_ppo.engine.ds_templates import auto_keys, default_template, load_template, templates_dir
 from ds_ppo.errors import ConfigError
-from ds_ppo.engine.generation_choice import unshardable
+from ds_ppo.engine.generation.choice import unshardable
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30

@@ -12,7 +12,7 @@ memory bound. This loop instead:
   (continuous batching, `generation.continuous`), every `stop_check_every` steps the slots whose
   responses have ended take the next prompts: their prompts are prefilled (one forward) and
   copied into the slots' cache rows, their state (position, key mask, token index) reset. The
-  cache columns form a ring shared by all slots (`engine/slots.py`): each step writes one column, a
+  cache columns form a ring shared by all slots (`engine/generation/slots.py`): each step writes one column, a
   refilled slot's prompt goes into the columns just before it;
 - runs each decoding step as a fixed sequence of device ops over persistent buffers (input token,
   per-slot positions and token indices, a key mask that grows by one column, the ring column,
@@ -29,10 +29,10 @@ memory bound. This loop instead:
   `ds_ppo.ppo.correction`);
 - asks whether responses have ended only every `stop_check_every` steps.
 
-The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`, in `engine/slots.py`), so HF's mask
+The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`, in `engine/generation/slots.py`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
 every layer attends to the full causal context, with the sdpa or eager attention kernel;
-`ds_ppo.engine.generation_choice.own_loop_unsupported()` says why a model is not served and
+`ds_ppo.engine.generation.choice.own_loop_unsupported()` says why a model is not served and
 `generation.loop=auto` then uses HF generate.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ds_ppo.algo.masks import response_mask
 from ds_ppo.algo.distribution import LogitShape, shape_logits
 from ds_ppo.algo.sampling import next_tokens_with_logprobs
 from ds_ppo.engine import batch_invariant
-from ds_ppo.engine.slots import Slots
+from ds_ppo.engine.generation.slots import Slots
 
 log = logging.getLogger("ds_ppo")
 

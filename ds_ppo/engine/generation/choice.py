@@ -1,6 +1,6 @@
 """How rollouts are generated, decided once: the generation mode, the decoding loop, and whether
 tensor parallelism can split the policy (and why not), from the config and the policy's HF
-config. The engine (`engine/generation.py`) calls `choose_generation` with the device memory it
+config. The engine (`engine/generation/__init__.py`) calls `choose_generation` with the device memory it
 measures, `ds-ppo plan` (`ds_ppo/plan/`) with the memory of its plan, so the plan promises what
 the engine does.
 
@@ -20,7 +20,7 @@ Mode = Literal["gathered", "tensor_parallel", "zero3"]
 Loop = Literal["own", "hf"]
 REPLICA_MODES = ("gathered", "tensor_parallel")  # the modes that decode on a hook-free replica
 
-# tensor_parallel (engine/tensor_parallel.py) splits these linear layers of every decoder layer:
+# tensor_parallel (engine/generation/tensor_parallel.py) splits these linear layers of every decoder layer:
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
 ROW = ("o_proj", "down_proj")  # input features split, partial outputs summed
 # Families whose sharded replica was checked to decode exactly as the whole one (two gloo ranks,
@@ -32,7 +32,7 @@ ATTENTION_KERNELS = ("sdpa", "eager")  # the kernels that take the own loop's 4D
 
 
 def own_loop_unsupported(config) -> str | None:
-    """Why our decoding loop (engine/decode.py) cannot serve a model with this HF config, or
+    """Why our decoding loop (engine/generation/loop.py) cannot serve a model with this HF config, or
     None when it can: its masks are 4D and built for full causal attention."""
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in ATTENTION_KERNELS:
@@ -87,7 +87,7 @@ def unshardable(config, size: int, linears: Collection[str] | None = None) -> st
 
 
 def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> Loop:
-    """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.decode) or
+    """Resolve generation.loop for a policy with this HF config: `own` (ds_ppo.engine.generation.loop) or
     `hf` (HF generate). zero3 mode always uses HF generate (it needs synced_gpus).
     generation.continuous=true needs `own`: ConfigError otherwise."""
     loop = _loop(cfg, mode, model_config)
@@ -101,7 +101,7 @@ def choose_loop(cfg: GenerationConfig, mode: str, model_config) -> Loop:
 
 def use_continuous(cfg: GenerationConfig, loop: str, rows: int) -> bool:
     """Whether generating `rows` rows on a rank (or tensor-parallel group) uses continuous
-    batching (engine/decode.py: generation.batch_size slots, refilled as responses end): with
+    batching (engine/generation/loop.py: generation.batch_size slots, refilled as responses end): with
     our loop, when the rows outnumber the slots, unless generation.continuous=false."""
     return (loop == "own" and cfg.continuous is not False and cfg.batch_size is not None
             and cfg.batch_size < rows)

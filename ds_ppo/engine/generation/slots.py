@@ -1,4 +1,4 @@
-"""The slots of our decoding loop (engine/decode.py): the persistent state a decoding step reads
+"""The slots of our decoding loop (engine/generation/loop.py): the persistent state a decoding step reads
 and writes, the prefill that puts prompts into slots, and the KV cache whose columns form a ring
 shared by all slots (so a slot refilled mid-run keeps the step's shapes fixed)."""
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Our hybrid engine: switching the ZeRO-3 policy into a fast inference form to generate rollouts.
+"""Generation, the package's front door (`generate`, `choose_mode`, `choose_loop`, `build_replica`):
+our hybrid engine, switching the ZeRO-3 policy into a fast inference form to generate rollouts.
+Its parts: `loop.py` (our decoding loop), `slots.py` (continuous batching's slots),
+`tensor_parallel.py` (a replica shared by a node's ranks), `choice.py` (which mode and loop a
+model and config get, decided once for the engine and for `ds-ppo plan`).
 
 DeepSpeed's built-in hybrid engine fails on transformers-5 Llama models and has no CPU kernels, and
 HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new token (206 tok/s vs
@@ -7,12 +11,12 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
 - mode `gathered`: once per rollout, gather the policy's weights module by module (so at most one
   module's full weights are in flight besides the replica) into a hook-free replica in the compute
   dtype, generate there, then drop the replica before training resumes. Decoding on the replica
-  is our own loop (`generation.loop`, `engine/decode.py`: static cache, CUDA graphs) or HF
+  is our own loop (`generation.loop`, `engine/generation/loop.py`: static cache, CUDA graphs) or HF
   generate.
   No collective runs during decoding, so ranks whose responses end at different lengths never wait
   on each other.
 - mode `tensor_parallel`: `generation.tp_size` ranks (a node's GPUs by default) hold one replica
-  between them (`engine/tensor_parallel.py`) and decode their prompts together. For models whose
+  between them (`engine/generation/tensor_parallel.py`) and decode their prompts together. For models whose
   16-bit copy does not fit one device but whose 1/tp_size shard does.
 - mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
   stepping until all are done, so the per-layer all-gathers stay matched). Every token gathers
@@ -35,11 +39,11 @@ from ds_ppo.algo.distribution import LogitShape
 from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
-from ds_ppo.engine.decode import DecodeStats, decode
+from ds_ppo.engine.generation.loop import DecodeStats, decode
 from ds_ppo.engine.lora import plain_model, replica_weights
-from ds_ppo.engine.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
+from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group)
-from ds_ppo.engine.generation_choice import (REPLICA_MODES, choose_generation, choose_loop,
+from ds_ppo.engine.generation.choice import (REPLICA_MODES, choose_generation, choose_loop,
                                              decoder_linears, use_continuous)
 
 log = logging.getLogger("ds_ppo")
@@ -86,7 +90,7 @@ def _least_free_bytes(device: torch.device) -> float:
 
 def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dtype,
                 device: torch.device) -> str:
-    """Resolve generation.mode for this policy module by `generation_choice.choose_generation`
+    """Resolve generation.mode for this policy module by `choice.choose_generation`
     (the rule `ds-ppo plan` applies too): `auto` weighs the module's replica bytes against the
     least free memory over all ranks."""
     choice = choose_generation(
@@ -133,7 +137,7 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     collective: every rank must call this; with `materialize=False` a rank only takes part in
     them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
     call, refreshed in place (no new allocation, compiled graphs stay valid). `tp`: build this
-    rank's shard of a tensor-parallel replica (`engine/tensor_parallel.py`). A LoRA policy's
+    rank's shard of a tensor-parallel replica (`engine/generation/tensor_parallel.py`). A LoRA policy's
     replica is its plain HF model with the adapters merged into the weights (`engine/lora.py`).
     """
     import deepspeed

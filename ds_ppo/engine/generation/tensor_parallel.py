@@ -11,7 +11,7 @@ Megatron-style sharding of each decoder layer's linear layers, everything else r
 - replicated: embeddings, norms, the output head.
 
 HF's attention and MLP modules run unchanged on the shards (they infer the head count from the
-projected tensor), so the decoding loop (`engine/decode.py`) and HF generate both work on a
+projected tensor), so the decoding loop (`engine/generation/loop.py`) and HF generate both work on a
 sharded replica. Two all-reduces per layer per step instead of ZeRO-3's gathering of every layer
 for every token. Every rank of a group decodes the group's prompts together, with the same
 random stream, and keeps its own rows.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ds_ppo.engine.generation_choice import COLUMN, ROW  # the layers split, and which way
+from ds_ppo.engine.generation.choice import COLUMN, ROW  # the layers split, and which way
 
 
 @dataclass(frozen=True)
