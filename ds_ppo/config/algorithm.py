@@ -83,6 +83,13 @@ class PPOConfig(Section):
     kl_loss_coef: float = Field(
         0.0, description="Weight of a KL(policy || reference) loss term (estimator kl_estimator; "
         "k3 is GRPO's), aggregated like the policy loss; 0 = off. Must be >= 0.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Weight of an entropy bonus in the policy loss (PPO's c2, "
+        "Schulman et al. 2017, Eq. 9; verl's entropy_coeff): the loss minus entropy_coef x the "
+        "policy's entropy over the response tokens, aggregated like the policy loss "
+        "(loss_aggregation; tiled like the log-probs), for every advantage_estimator. Keeps a "
+        "policy that has found a reward from collapsing onto one answer (metric "
+        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise.")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")

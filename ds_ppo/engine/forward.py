@@ -196,7 +196,7 @@ def final_hidden(runner, lm, **inputs) -> torch.Tensor:
 
 
 def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool,
-                             packed: bool, tile_tokens: int):
+                             packed: bool, tile_tokens: int, entropy_grad: bool = False):
     """`response_logprobs`, the output head applied tile by tile to the final hidden states
     (module docstring). A LoRA reference (lora.AdaptersOff) keeps its adapters off for the
     head's calls too."""
@@ -218,12 +218,17 @@ def _tiled_response_logprobs(model, rollout: Rollout, temperature: float, with_e
             labels = ids[:, L - keep:]
         head, grad_ready = output_head(lm, temperature)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
-                                           grad_ready)
+                                           grad_ready, entropy_grad)
     if packed:
         return unpack(logprobs[0], rollout.mask), (
             unpack(entropy[0], rollout.mask) if with_entropy else None)
     T = rollout.response_ids.shape[1]
     return _full_width(logprobs, T), (_full_width(entropy, T) if with_entropy else None)
+
+
+def _for_entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
+    """The logits the entropy is computed from: detached unless it carries a gradient."""
+    return logits if grad else logits.detach()
 
 
 def _vocab(model) -> int:
@@ -232,32 +237,34 @@ def _vocab(model) -> int:
 
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,
                       packed: bool = False, tiled: Literal["auto"] | bool = False,
-                      tile_tokens: int = 1024):
+                      tile_tokens: int = 1024, entropy_grad: bool = False):
     """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked). The
     forward runs on `rollout.model_inputs()` (unused padding dropped); the columns after the
     longest counted response are 0, and like every masked position they mean nothing.
     packed: the rows packed into one sequence (module docstring); only the counted response
     tokens' logits are computed, and every position outside rollout.mask is 0.
     tiled (ppo.tiled_logits; `tile_logits` decides auto): the output head runs `tile_tokens`
-    positions at a time on the final hidden states; the same numbers, no (B, T, V) logits."""
+    positions at a time on the final hidden states; the same numbers, no (B, T, V) logits.
+    entropy_grad: the entropy is differentiable (ppo.entropy_coef's bonus), else a metric."""
     positions = sum(rollout.response_lens) if packed else \
         len(rollout) * max(rollout.response_lens, default=0)
     if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
         return _tiled_response_logprobs(model, rollout, temperature, with_entropy, packed,
-                                        tile_tokens)
+                                        tile_tokens, entropy_grad)
     if packed:
         out, _ = _packed_forward(model, rollout, keep="predictors")
         logits = _tempered(out.logits, temperature)  # (1, n, V)
         labels = rollout.response_ids[rollout.mask][None]  # (1, n)
         logprobs = unpack(logprobs_from_logits(logits, labels)[0], rollout.mask)
-        entropy = unpack(entropy_from_logits(logits.detach())[0],
+        entropy = unpack(entropy_from_logits(_for_entropy(logits, entropy_grad))[0],
                          rollout.mask) if with_entropy else None
         return logprobs, entropy
     ids, am, keep = rollout.model_inputs()
     T = rollout.response_ids.shape[1]
     logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep, temperature)
     logprobs = logprobs_from_logits(logits, ids[:, ids.shape[1] - keep:])
-    entropy = _full_width(entropy_from_logits(logits.detach()), T) if with_entropy else None
+    entropy = _full_width(entropy_from_logits(_for_entropy(logits, entropy_grad)), T) \
+        if with_entropy else None
     return _full_width(logprobs, T), entropy
 
 

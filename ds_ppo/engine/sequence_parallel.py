@@ -154,12 +154,13 @@ def _positions(mine: slice, device) -> torch.Tensor:
 
 
 def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens: int,
-                 with_entropy: bool = False):
+                 with_entropy: bool = False, entropy_grad: bool = False):
     """(1, T) float32 log-probs (and entropy) of one row's response tokens, the row split
     across the SP group (module docstring); every rank of the group passes the same row and
     gets the same result. Positions after the counted response are 0, as in
     forward.response_logprobs. A LoRA reference (lora.AdaptersOff) keeps its adapters off for
-    the head's calls too. Collective in forward and backward."""
+    the head's calls too. `entropy_grad`: the entropy is differentiable (tiled_logprobs).
+    Collective in forward and backward."""
     ids, mine, (P, R, L) = _shard(rollout, group)
     off = getattr(model, "adapters_off", None)
     runner = model.engine if off is not None else model
@@ -172,7 +173,8 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
         # every local position predicts the next token (labels shifted by one; the pads' are
         # junk)
         labels = ids[:, mine.start + 1:mine.stop + 1]
-        lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready)
+        lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready,
+                                 entropy_grad)
     T = rollout.response_ids.shape[1]
     return _response(lp, group, P, R, L, T), (_response(ent, group, P, R, L, T)
                                               if with_entropy else None)
