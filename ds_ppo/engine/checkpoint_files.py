@@ -58,6 +58,9 @@ class TrainerState:
     job: str = "ppo"  # the command that wrote it: ppo (ds-ppo train), sft or rm (one model)
     # deepspeed.sequence_parallel_size of the run that wrote it (written before the key: 1)
     sequence_parallel_size: int = 1
+    alarms: dict = field(default_factory=dict)  # run/alarms.AlarmState (tracking.alarms)
+    # checkpoint.keep_best: {"metric", "value", "iteration"} of the best save so far
+    best: dict = field(default_factory=dict)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -72,6 +75,15 @@ def named_by_latest(root: Path) -> Path | None:
     """The directory `latest` names, or None when `latest` is missing, unreadable or garbled."""
     try:
         name = (root / "latest").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _NAME.fullmatch(name) else None
+
+
+def named_by_best(root: Path) -> Path | None:
+    """The directory `best` names (checkpoint.keep_best), or None."""
+    try:
+        name = (root / "best").read_bytes().decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return root / name if _NAME.fullmatch(name) else None

@@ -8,7 +8,7 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,16 +18,18 @@ from ds_ppo.algo import AdaptiveKLController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, check_estimator_family, ensure_universal,
-                                      find_resume, load_checkpoint, read_state, rng_state)
+                                      find_resume, load_checkpoint, mark_best, read_state,
+                                      rng_state)
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
-from ds_ppo.errors import Diverged, RegistrationError, RewardError
+from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
 from ds_ppo.rewards.encode import reward_encoder
+from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
 from ds_ppo.role_names import TRAINED_ROLES
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
 from ds_ppo.run.preemption import Preempted, StopRequests
@@ -69,12 +71,14 @@ def train(cfg: Config) -> TrainResult:
                 # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
                 exp, _ = run_iteration(run.inputs, iteration, run.sampler.indices(iteration - 1),
                                        run.kl_ctl.value, acc, metric_timer(acc))
-                # step 5. metrics, reduced across ranks; KL controller; logging
-                _report(run, iteration, acc, exp, t_iter)
-                # step 6. checkpoint
+                # step 5. metrics, reduced across ranks; KL controller; alarms; logging
+                alarms = _report(run, iteration, acc, exp, t_iter)
+                # step 6. checkpoint (and which one is the best)
                 saved = _checkpoint_if_due(run, iteration)
-                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                # step 7. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank), or an alarm
+                # fired with tracking.alarms.stop: checkpoint, leave
                 _stop_if_asked(run, stop, iteration, saved)
+                _stop_on_alarm(run, alarms, iteration, saved)
             # step 8. final save and export; the export into the MLflow model registry
             unregistered = _end(run)
             status = "FINISHED"
@@ -116,6 +120,8 @@ class _Run:
     inputs: IterationInputs
     result: TrainResult
     reporter: Reporter
+    alarms: AlarmState  # tracking.alarms' memory (saved in the trainer state)
+    saved_at: int  # the iteration of the last checkpoint (checkpoint.keep_best's window)
 
 
 def _start_process(cfg: Config) -> tuple[torch.device, Path]:
@@ -153,12 +159,14 @@ def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     result = TrainResult(output_dir=str(out), mlflow_run_id=tracker.run_id,
                          last_checkpoint=str(resume_from) if resume_from is not None else None)
     return _Run(cfg, out, device, tokenizer, eval_prompts, reward_encode, engines, tracker, state,
-                kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out))
+                kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out),
+                AlarmState(**state.alarms), state.iteration)
 
 
-def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> None:
+def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> list[Alarm]:
     """Step 5: the iteration's metrics (reduced across ranks) and evaluation, the KL
-    controller's update, the progress line, metrics.jsonl and MLflow; stops a diverged run."""
+    controller's update, the alarms (tracking.alarms), the progress line, metrics.jsonl and
+    MLflow; stops a diverged run. Returns the alarms that fired (alike on every rank)."""
     cfg, engines, kl_ctl = run.cfg, run.engines, run.kl_ctl
     watchdog.at("metrics", iteration)
     metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
@@ -170,11 +178,18 @@ def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> 
                                                run.gen_mode, run.eos_ids, run.reward_encode)
         metrics.update(eval_metrics)
     kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
+    alarms = check_alarms(cfg.tracking.alarms, run.alarms, metrics, iteration)
+    metrics.update({f"alarm/{alarm.name}": 1.0 for alarm in alarms})
     run.reporter.report(metrics, iteration, exp, eval_samples)
+    for alarm in alarms if dist.is_main() else ():  # below the iteration's progress line
+        log.warning("%s", alarm.message)
+        run.tracker.set_tag(f"alarm/{alarm.name}", alarm.message)
     run.result.history.append(metrics)
     _stop_if_diverged(metrics, iteration, run.result.last_checkpoint,  # before any save
                       grad_norms=engines.dtype != torch.float16)
     run.state.iteration, run.state.kl_controller = iteration, kl_ctl.state_dict()
+    run.state.alarms = asdict(run.alarms)
+    return alarms
 
 
 def _checkpoint_if_due(run: _Run, iteration: int) -> bool:
@@ -183,11 +198,51 @@ def _checkpoint_if_due(run: _Run, iteration: int) -> bool:
     cfg = run.cfg
     saved = bool(cfg.checkpoint.every) and iteration % cfg.checkpoint.every == 0
     if saved:
+        best = _best_so_far(run, iteration)  # into the trainer state the save writes
         run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
                                                  run.tokenizer)
+        run.saved_at = iteration
+        if best:
+            mark_best(Path(run.result.last_checkpoint))
+            if dist.is_main():
+                log.info("best checkpoint by %s so far: %s (%s = %.4g)", cfg.checkpoint.keep_best,
+                         run.result.last_checkpoint, cfg.checkpoint.keep_best,
+                         run.state.best["value"])
         register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, iteration,
                                run.result.history)
     return saved
+
+
+def _best_so_far(run: _Run, iteration: int) -> bool:
+    """checkpoint.keep_best: whether the save of `iteration` is the best so far, by the mean of
+    the metric over the iterations since the previous save (recorded in run.state.best)."""
+    c = run.cfg.checkpoint
+    if c.keep_best is None:
+        return False
+    since = run.result.history[len(run.result.history) - (iteration - run.saved_at):]
+    score = save_score([m[c.keep_best] for m in since if c.keep_best in m])
+    if score is None:
+        _warn(f"checkpoint.keep_best = {c.keep_best!r}: no iteration since the previous save "
+              f"logged it, so the save of iteration {iteration} is not ranked (a metric of "
+              "metrics.jsonl, e.g. score/mean, env/accuracy, eval/score_mean)")
+        return False
+    if not is_better(score, run.state.best.get("value"), c.keep_best_mode):
+        return False
+    run.state.best = {"metric": c.keep_best, "value": score, "iteration": iteration}
+    return True
+
+
+def _stop_on_alarm(run: _Run, alarms: list[Alarm], iteration: int, saved: bool) -> None:
+    """Step 7 (tracking.alarms.stop): when an alarm fired, checkpoint (unless step 6 just did)
+    and raise AlarmStop on every rank (the alarms are decided from reduced metrics)."""
+    if not alarms or not run.cfg.tracking.alarms.stop:
+        return
+    if not saved:
+        run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
+                                                 run.tokenizer)
+    raise AlarmStop(f"{alarms[0].message}. Stopped (tracking.alarms.stop=true) after saving "
+                    f"{run.result.last_checkpoint}; change the settings and run the same "
+                    "command to resume, or set tracking.alarms.stop=false to train on.")
 
 
 def _stop_if_asked(run: _Run, stop: StopRequests, iteration: int, saved: bool) -> None:

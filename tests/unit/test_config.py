@@ -593,3 +593,12 @@ def test_value_starts_from_its_path_under_auto_and_the_policy_schedule_skips_the
     assert source("value.path=/v", "value.init_from=policy") == "policy"
     cfg = load_config(None, ["ppo.critic_warmup_iterations=10"])  # tiny: 40 x 2 epochs x 2
     assert optimizer_steps(cfg) == 160 and optimizer_steps(cfg, "policy") == 120
+
+
+def test_keep_best_needs_periodic_saves(capsys):
+    assert main(["train", "--dry-run", "checkpoint.keep_best=score/mean",
+                 "checkpoint.every=0"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.keep_best = 'score/mean'" in err and "set checkpoint.every" in err
+    assert "Traceback" not in err
+    assert main(["train", "--dry-run", "checkpoint.keep_best=score/mean"]) == 0
