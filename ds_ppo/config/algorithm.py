@@ -142,6 +142,19 @@ class PPOConfig(Section):
         False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
         "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
 
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling with refill (Yu et al. 2025): generate "
+        "rounds of rollout_batch_size prompts (samples_per_prompt responses each, scored by the "
+        "reward) until the iteration holds rollout_batch_size prompts whose responses do not all "
+        "score alike, and train on the first of those in draw order (the same batch at any world "
+        "size; prompts drawn but not taken are skipped). A group whose scores are equal teaches "
+        "a group estimator nothing. Costs extra generation rounds (metrics sampling/*); the "
+        "stream position is saved in checkpoints.")
+    dynamic_sampling_max_rounds: int = Field(
+        4, gt=0, description="dynamic_sampling: the most generation rounds per iteration; when "
+        "they run out, the batch is completed with the earliest groups without signal (metric "
+        "sampling/filled_frac).")
+
     @model_validator(mode="before")
     @classmethod
     def _estimator_defaults(cls, data: Any) -> Any:

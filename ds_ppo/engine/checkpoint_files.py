@@ -59,6 +59,9 @@ class TrainerState:
     # deepspeed.sequence_parallel_size of the run that wrote it (written before the key: 1)
     sequence_parallel_size: int = 1
     alarms: dict = field(default_factory=dict)  # run/alarms.AlarmState (tracking.alarms)
+    # ppo.dynamic_sampling: the prompt stream's position after the last iteration (None: the
+    # sampler's own, iteration x rollout_batch_size)
+    prompts_drawn: int | None = None
     # checkpoint.keep_best: {"metric", "value", "iteration"} of the best save so far
     best: dict = field(default_factory=dict)
 

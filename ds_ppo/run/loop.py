@@ -25,6 +25,7 @@ from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.dynamic import PromptDraw
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import sampling_mismatch, stop_token_ids
@@ -69,8 +70,11 @@ def train(cfg: Config) -> TrainResult:
                 acc, t_iter = Accumulator(), time.perf_counter()
                 rng_at_start = rng_state()  # what a save of the previous iteration would hold
                 # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
-                exp, _ = run_iteration(run.inputs, iteration, run.sampler.indices(iteration - 1),
-                                       run.kl_ctl.value, acc, metric_timer(acc))
+                prompts = _prompts(run, iteration)
+                exp, _ = run_iteration(run.inputs, iteration, prompts, run.kl_ctl.value, acc,
+                                       metric_timer(acc))
+                if isinstance(prompts, PromptDraw):  # where the next iteration draws from
+                    run.state.prompts_drawn = prompts.end
                 # step 5. metrics, reduced across ranks; KL controller; alarms; logging
                 alarms = _report(run, iteration, acc, exp, t_iter)
                 # step 6. checkpoint (and which one is the best)
@@ -161,6 +165,17 @@ def _set_up(cfg: Config, out: Path, device: torch.device) -> _Run:
     return _Run(cfg, out, device, tokenizer, eval_prompts, reward_encode, engines, tracker, state,
                 kl_ctl, eos_ids, gen_mode, sampler, inputs, result, Reporter(cfg, tracker, out),
                 AlarmState(**state.alarms), state.iteration)
+
+
+def _prompts(run: _Run, iteration: int) -> list[int] | PromptDraw:
+    """This rank's prompts of `iteration`; with ppo.dynamic_sampling, the draw its rounds take
+    them from (the stream position saved in the trainer state)."""
+    if not run.cfg.ppo.dynamic_sampling:
+        return run.sampler.indices(iteration - 1)
+    start = run.state.prompts_drawn
+    if start is None:  # a fresh run, or one that ran without dynamic sampling so far
+        start = (iteration - 1) * run.cfg.ppo.rollout_batch_size
+    return PromptDraw(run.sampler, start)
 
 
 def _report(run: _Run, iteration: int, acc: Accumulator, exp, t_iter: float) -> list[Alarm]:

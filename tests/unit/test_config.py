@@ -602,3 +602,11 @@ def test_keep_best_needs_periodic_saves(capsys):
     assert "checkpoint.keep_best = 'score/mean'" in err and "set checkpoint.every" in err
     assert "Traceback" not in err
     assert main(["train", "--dry-run", "checkpoint.keep_best=score/mean"]) == 0
+
+
+def test_dynamic_sampling_needs_groups(capsys):
+    assert main(["train", "--dry-run", "ppo.dynamic_sampling=true"]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.dynamic_sampling = true keeps groups" in err and "ppo.samples_per_prompt >= 2" in err
+    assert "Traceback" not in err
+    assert main(["train", "--dry-run", "ppo.dynamic_sampling=true", "ppo.samples_per_prompt=2"]) == 0
