@@ -66,9 +66,9 @@ def _results_script():
 
 def test_results_table_blocks_and_verdicts(tmp_path):
     m = _results_script()
-    rows = [{"iteration": i, "env/correct": 0.25 if i <= 100 else 0.95 if i <= 250 else 0.5}
+    rows = [{"iteration": i, "env/correct": 0.25 if i <= 100 else 0.95 if i <= 200 else 0.5}
             for i in range(1, 301)]
-    assert m.accuracy_blocks(rows) == pytest.approx([0.25, 0.95, 0.75])
+    assert m.accuracy_blocks(rows) == pytest.approx([0.25, 0.95, 0.5])
     assert m.kept([0.25, 0.95, 0.97]) == "from 101, held"
     assert m.kept([0.25, 0.95, 0.5]) == "from 101, lost"
     assert m.kept([0.25, 0.3]) == "not reached"
@@ -76,7 +76,7 @@ def test_results_table_blocks_and_verdicts(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     text = m.table(tmp_path, [1, 2])
-    assert "| recommended | 2 | 0.25 | 0.95 | 0.75 | from 101, lost |" in text
+    assert "| recommended | 2 | 0.25 | 0.95 | 0.50 | from 101, lost |" in text
     assert "calculator" not in text  # runs not made are left out
     cmd = m.command("calculator", 3, 500, tmp_path)
     assert "seed=3" in cmd and "env.function=ds_ppo.envs.lookup:Lookup" in cmd
