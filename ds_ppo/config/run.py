@@ -16,8 +16,8 @@ class AlarmsConfig(Section):
     enabled: bool = Field(
         True, description="Check each iteration's metrics; an alarm prints one warning line and "
         "logs the MLflow tag and metric alarm/<name> (1 in the iteration it fired). It fires "
-        "when its condition starts to hold, and again only after it has cleared. false: no "
-        "checks.")
+        "when its condition starts to hold, and again only after the condition has been clear "
+        "for as many iterations as it takes to fire. false: no checks.")
     entropy_floor: float = Field(
         0.02, ge=0, description="Alarm alarm/entropy: policy/entropy (nats per token) below this "
         "for entropy_iterations iterations in a row: the policy samples (nearly) one response, "

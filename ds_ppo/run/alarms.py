@@ -13,8 +13,10 @@ every rank decides alike):
   the best such mean: the policy lost something it had learned.
 
 An alarm fires when its condition starts to hold (one line, one MLflow tag and metric
-alarm/<name>) and again only after it has cleared. The state (counters, windows, bests) is
-part of the trainer state, so a resumed run fires exactly as the uninterrupted one would.
+alarm/<name>) and again only after it has been clear for as many iterations as it takes to fire
+(entropy_iterations, zero_std_iterations, window): a metric that flickers around its threshold
+fires once. The state (counters, windows, bests) is part of the trainer state, so a resumed run
+fires exactly as the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class AlarmState:
     above_zero_std: int = 0  # iterations in a row with group/zero_std_frac over the ceiling
     recent: dict[str, list[float]] = field(default_factory=dict)  # watched metric -> last values
     best: dict[str, list[float]] = field(default_factory=dict)  # metric -> [best mean, iteration]
-    active: list[str] = field(default_factory=list)  # alarms whose condition holds now
+    active: list[str] = field(default_factory=list)  # alarms fired and not yet re-armed
+    clear: dict[str, int] = field(default_factory=dict)  # active alarm -> iterations clear in a row
 
 
 def _mean(values: list[float]) -> float:
@@ -57,10 +60,12 @@ def check_alarms(settings, state: AlarmState, metrics: dict[str, float],
     """
     if not settings.enabled:
         return []
-    holding: dict[str, str] = {}
+    holding: dict[str, str] = {}  # alarm -> message, where its condition holds long enough
+    seen: dict[str, bool] = {}  # alarm -> whether this iteration is on the wrong side
     entropy = metrics.get("policy/entropy")
     if settings.entropy_floor > 0 and entropy is not None:
-        state.below_entropy = state.below_entropy + 1 if entropy < settings.entropy_floor else 0
+        seen["entropy"] = entropy < settings.entropy_floor
+        state.below_entropy = state.below_entropy + 1 if seen["entropy"] else 0
         if state.below_entropy >= settings.entropy_iterations:
             holding["entropy"] = (
                 f"policy/entropy = {entropy:.3g} nats per token, below "
@@ -70,8 +75,8 @@ def check_alarms(settings, state: AlarmState, metrics: dict[str, float],
                 "ppo.dynamic_sampling")
     zero_std = metrics.get("group/zero_std_frac")
     if settings.zero_std_ceiling < 1 and zero_std is not None:
-        state.above_zero_std = (state.above_zero_std + 1
-                                if zero_std > settings.zero_std_ceiling else 0)
+        seen["zero_std"] = zero_std > settings.zero_std_ceiling
+        state.above_zero_std = state.above_zero_std + 1 if seen["zero_std"] else 0
         if state.above_zero_std >= settings.zero_std_iterations:
             holding["zero_std"] = (
                 f"group/zero_std_frac = {zero_std:.3g}, above tracking.alarms.zero_std_ceiling "
@@ -92,15 +97,29 @@ def check_alarms(settings, state: AlarmState, metrics: dict[str, float],
         best = state.best.get(name)
         if best is None or now > best[0]:
             state.best[name] = best = [now, float(iteration)]
-        if best[0] - now > settings.max_drop and "drop" not in holding:
+        dropped = best[0] - now > settings.max_drop
+        seen["drop"] = seen.get("drop", False) or dropped
+        if dropped and "drop" not in holding:
             holding["drop"] = (
                 f"{name} fell to {now:.3g} (mean of its last {settings.window} values) from its "
                 f"best {best[0]:.3g} (at iteration {int(best[1])}), more than "
                 f"tracking.alarms.max_drop = {settings.max_drop:g}: the run lost what it had "
                 "learned. checkpoint.keep_best keeps the best checkpoint")
+    # a fired alarm re-arms once its condition has been clear for as long as it takes to fire
+    rearm = {"entropy": settings.entropy_iterations, "zero_std": settings.zero_std_iterations,
+             "drop": settings.window}
+    for k in list(state.active):
+        if k not in seen:  # its metric is absent this iteration: nothing changes
+            continue
+        state.clear[k] = 0 if seen[k] else state.clear.get(k, 0) + 1
+        if state.clear[k] >= rearm[k]:
+            state.active.remove(k)
+            del state.clear[k]
     fired = [Alarm(k, f"alarm alarm/{k} at iteration {iteration}: {m}")
              for k, m in holding.items() if k not in state.active]
-    state.active = sorted(holding)
+    for alarm in fired:
+        state.active.append(alarm.name)
+        state.clear[alarm.name] = 0
     return fired
 
 

@@ -25,10 +25,14 @@ def _run(settings, rows, state=None, start=1):
 
 def test_entropy_alarm_after_n_iterations_below_the_floor_once_per_episode():
     s = _alarms("entropy_floor=0.05", "entropy_iterations=3")
-    ent = [0.9, 0.04, 0.03, 0.01, 0.02, 0.5, 0.01, 0.01, 0.01, 0.01]
+    ent = [0.9, 0.04, 0.03, 0.01, 0.02, 0.5, 0.5, 0.5, 0.01, 0.01, 0.01]
     fired, _ = _run(s, [{"policy/entropy": e} for e in ent])
-    # below from iteration 2: the third in a row is 4; it clears at 6, holds again at 9
-    assert fired == [(4, "entropy"), (9, "entropy")]
+    # below from iteration 2: the third in a row is 4; clear for 3 iterations (6-8) re-arms
+    # it; below again from 9: fires at 11
+    assert fired == [(4, "entropy"), (11, "entropy")]
+    # a metric flickering across the floor (one iteration above) fires once
+    flicker = [0.01, 0.01, 0.01, 0.5, 0.01, 0.01, 0.01, 0.5, 0.01, 0.01, 0.01]
+    assert _run(s, [{"policy/entropy": e} for e in flicker])[0] == [(3, "entropy")]
 
 
 def test_zero_std_alarm_and_metrics_that_are_absent():
