@@ -83,8 +83,6 @@ class _TiledLogprobs(torch.autograd.Function):
         entropy = ctx.saved_tensors[2] if ctx.entropy_grad else None
         if entropy is None or grad_entropy is None:
             grad_entropy = None
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros(hidden.shape[0], device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         tiles = _tiles(hidden.shape[0], ctx.tile_tokens)
         for i, s in enumerate(tiles):
