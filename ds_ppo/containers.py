@@ -175,6 +175,36 @@ class Rollout:
         return _slice_fields(self, idx)
 
 
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """The rows of `parts` one after another, as one Rollout: prompts left-padded and responses
+    right-padded to the widest part (pad_id in id columns, 0 / False elsewhere). The parts share
+    a device and come from one run (the same optional fields set)."""
+    if not parts:
+        raise ValueError("concat_rollouts needs at least one part")
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    T = max(r.response_ids.shape[1] for r in parts)
+    out = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in parts]
+        if all(v is None for v in values):
+            out[f.name] = None
+        elif isinstance(values[0], torch.Tensor):
+            if values[0].dim() == 1:
+                out[f.name] = torch.cat(values)
+                continue
+            left = f.name.startswith("prompt_")
+            fill = pad_id if f.name.endswith("_ids") else 0
+            width = P if left else T
+            out[f.name] = torch.cat([torch.nn.functional.pad(
+                v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=fill)
+                for v in values])
+        else:
+            out[f.name] = [x for v in values for x in v]
+    return Rollout(**out)
+
+
 @dataclass
 class Experience:
     """What leaves scoring and advantage estimation: everything a PPO update needs."""

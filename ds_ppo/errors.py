@@ -62,6 +62,14 @@ class RegistrationError(UserError):
     exit_code = 4
 
 
+class AlarmStop(UserError):
+    """tracking.alarms.stop: an alarm fired (the run lost its learning signal or a skill), so an
+    unattended run saved a checkpoint and stopped; the message names the alarm and the
+    checkpoint. Exit code 5."""
+
+    exit_code = 5
+
+
 class OutputDirBusy(UserError):
     """Another run holds the lock on this output_dir; the message names its host and pid."""
 

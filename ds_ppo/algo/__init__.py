@@ -16,7 +16,8 @@ Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden 
 (B, T, V) logits for long responses) -> shape_rewards -> gae ->
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
-discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss).
+discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss,
+- entropy_bonus).
 Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 Supervised jobs (supervised_losses.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
@@ -37,6 +38,7 @@ _EXPORTS = {
     "cumulative_lengths": "packing",
     "decode_attention_mask": "masks",
     "discounted_returns": "group",
+    "entropy_bonus": "aggregation",
     "entropy_from_logits": "logits",
     "estimator": "choices",
     "ESTIMATORS": "choices",

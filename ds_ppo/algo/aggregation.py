@@ -11,6 +11,9 @@ mini-batch at once, whatever the split:
 - ``seq_mean_token_sum_norm``: loss = sum_b (sum_t l_bt / L_max) / N_seqs (weights 1 / L_max,
   L_max = generation.max_new_tokens). Dr. GRPO's (Liu et al. 2025, Sec. 3.2): no length bias.
 
+The KL loss term and the entropy bonus are aggregated the same way, with the policy loss's weights
+and divisor.
+
 Shapes: (B, T) response tokens, ``mask`` True on tokens that count. Imports only torch.
 """
 
@@ -81,3 +84,28 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     if token_weights is not None:
         kl = kl * token_weights
     return masked_sum(kl, mask) / divisor
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, divisor: float,
+                  token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The policy's entropy aggregated like the policy loss, sum(w * H) / divisor: the term that
+    ppo.entropy_coef subtracts from the loss (the entropy bonus of PPO's Eq. 9, Schulman et al.
+    2017; verl's ``entropy_coeff``), so that minimising the loss keeps the policy stochastic.
+
+    Args:
+        entropy: (B, T) entropy of the policy at each response position (nats), with grad.
+        mask: (B, T) bool/0-1; entries outside it never reach the result or the gradient.
+        divisor: > 0, the global mini-batch's count (``loss_divisor`` summed over ranks).
+        token_weights: (B, T) from ``loss_token_weights``; None = 1 on every valid token.
+
+    Returns:
+        0-dim tensor (nats; larger = more random), differentiable w.r.t. entropy.
+    """
+    if divisor <= 0:
+        raise ValueError(f"divisor must be > 0, got {divisor}")
+    mask = mask.bool()
+    entropy = torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype,
+                                                     device=entropy.device))
+    if token_weights is not None:
+        entropy = entropy * token_weights
+    return masked_sum(entropy, mask) / divisor

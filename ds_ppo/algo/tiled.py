@@ -67,13 +67,13 @@ def _tiles(n: int, tile_tokens: int) -> list[slice]:
 
 
 class _TiledLogprobs(torch.autograd.Function):
-    """(N, H) hidden -> (N,) log-probs [, (N,) entropy, not differentiable]; see the module
-    docstring. `before_backward_tile(last)` runs before each tile's backward (ZeRO uses it to
-    reduce the head's gradient once, after the last tile)."""
+    """(N, H) hidden -> (N,) log-probs [, (N,) entropy, differentiable only with `entropy_grad`];
+    see the module docstring. `before_backward_tile(last)` runs before each tile's backward
+    (ZeRO uses it to reduce the head's gradient once, after the last tile)."""
 
     @staticmethod
     def forward(ctx, hidden, labels, head, tile_tokens, with_entropy, before_backward_tile,
-                shape, index):
+                shape, index, entropy_grad):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -85,18 +85,26 @@ class _TiledLogprobs(torch.autograd.Function):
                 logprobs[s] = lp
                 if with_entropy:
                     entropy[s] = ent
-        ctx.save_for_backward(hidden, labels)
         ctx.head, ctx.tile_tokens, ctx.hook = head, tile_tokens, before_backward_tile
         ctx.shape, ctx.index = shape, index
+        ctx.entropy_grad = entropy is not None and entropy_grad
+        if ctx.entropy_grad:  # dH/dz needs H: one float per position
+            ctx.save_for_backward(hidden, labels, entropy)
+        else:
+            ctx.save_for_backward(hidden, labels)
         if entropy is None:
             return logprobs, None
-        ctx.mark_non_differentiable(entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, labels = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, labels = ctx.saved_tensors[:2]
+        entropy = ctx.saved_tensors[2] if ctx.entropy_grad else None
+        if entropy is None or grad_entropy is None:
+            grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         tiles = _tiles(hidden.shape[0], ctx.tile_tokens)
         for i, s in enumerate(tiles):
@@ -109,9 +117,19 @@ class _TiledLogprobs(torch.autograd.Function):
             z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32), copy=True)
             if ctx.shape is not None and not ctx.shape.is_plain:
                 z = _shaped(z, ctx.shape, None if ctx.index is None else ctx.index[s], labels[s])
-            z -= torch.logsumexp(z, dim=-1, keepdim=True)
+            z -= torch.logsumexp(z, dim=-1, keepdim=True)  # log p (-inf where blocked)
             g = grad_logprobs[s].unsqueeze(-1).to(z.dtype)
-            grad_logits = _chain(z.exp_().mul_(-g).scatter_add_(-1, labels[s].unsqueeze(-1), g),
+            if grad_entropy is None:
+                grad_logits = z.exp_().mul_(-g)
+            else:
+                # dH/dz_k = -p_k (log p_k + H), added to the log-prob term's -g p_k; a blocked
+                # token (p_k = 0, log p_k = -inf) gets none
+                gh = grad_entropy[s].unsqueeze(-1).to(z.dtype)
+                p = z.exp()
+                scale = (z + entropy[s].unsqueeze(-1).to(z.dtype)).mul_(gh).add_(g)
+                grad_logits = p.mul_(scale).neg_().masked_fill_(z == float("-inf"), 0.0)
+                del scale
+            grad_logits = _chain(grad_logits.scatter_add_(-1, labels[s].unsqueeze(-1), g),
                                  ctx.shape)
             # accumulates the head's parameter gradients (.grad) tile by tile, as reentrant
             # activation checkpointing does
@@ -119,14 +137,14 @@ class _TiledLogprobs(torch.autograd.Function):
             del logits, z, grad_logits  # else two tiles' (n, V) tensors meet at the next head call
             if grad_hidden is not None:
                 grad_hidden[s] = h.grad
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_tokens: int,
                    with_entropy: bool = False,
                    before_backward_tile: Callable[[bool], None] | None = None,
-                   shape: "LogitShape | None" = None, new_index: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   shape: "LogitShape | None" = None, new_index: torch.Tensor | None = None,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden))[label] per position (and the entropy of that softmax), the head
     applied `tile_tokens` positions at a time; with `shape`, of the logits as the sampler
     shaped them (as `logprobs_from_logits`).
@@ -139,13 +157,15 @@ def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_
             parameters get their gradients during backward, tile by tile.
         tile_tokens: positions per tile; peak extra memory about tile_tokens x V x (logits'
             bytes + 4 for the float32 copy), x2 in backward.
-        with_entropy: also return the entropy (a metric: not differentiable).
+        with_entropy: also return the entropy.
         before_backward_tile: called with `last` (bool) before each tile's backward.
         shape, new_index ((B, T) long or None): as in `logprobs_from_logits`.
+        entropy_grad: the entropy is differentiable too (an entropy bonus in the loss; backward
+            needs one more (n, V) buffer per tile); else it is a metric without gradient.
 
     Returns:
         (B, T) float32 log-probs (nats), differentiable w.r.t. hidden and the head's
-        parameters; (B, T) float32 entropy (nats) or None.
+        parameters; (B, T) float32 entropy (nats; differentiable with `entropy_grad`) or None.
     """
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
         raise ValueError(f"expected hidden (B, T, H) and labels (B, T); got "
@@ -154,5 +174,6 @@ def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_
     flat = hidden.reshape(B * T, H)
     index = None if new_index is None else new_index.reshape(B * T)
     lp, ent = _TiledLogprobs.apply(flat, labels.reshape(B * T).long(), head, tile_tokens,
-                                   with_entropy, before_backward_tile, shape, index)
+                                   with_entropy, before_backward_tile, shape, index,
+                                   entropy_grad)
     return lp.view(B, T), (ent.view(B, T) if ent is not None else None)

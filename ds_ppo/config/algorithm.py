@@ -83,6 +83,13 @@ class PPOConfig(Section):
     kl_loss_coef: float = Field(
         0.0, description="Weight of a KL(policy || reference) loss term (estimator kl_estimator; "
         "k3 is GRPO's), aggregated like the policy loss; 0 = off. Must be >= 0.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Weight of an entropy bonus in the policy loss (PPO's c2, "
+        "Schulman et al. 2017, Eq. 9; verl's entropy_coeff): the loss minus entropy_coef x the "
+        "policy's entropy over the response tokens, aggregated like the policy loss "
+        "(loss_aggregation; tiled like the log-probs), for every advantage_estimator. Keeps a "
+        "policy that has found a reward from collapsing onto one answer (metric "
+        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise.")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")
@@ -133,6 +140,19 @@ class PPOConfig(Section):
     filter_zero_std_groups: bool = Field(
         False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
         "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
+
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling with refill (Yu et al. 2025): generate "
+        "rounds of rollout_batch_size prompts (samples_per_prompt responses each, scored by the "
+        "reward) until the iteration holds rollout_batch_size prompts whose responses do not all "
+        "score alike, and train on the first of those in draw order (the same batch at any world "
+        "size; prompts drawn but not taken are skipped). A group whose scores are equal teaches "
+        "a group estimator nothing. Costs extra generation rounds (metrics sampling/*); the "
+        "stream position is saved in checkpoints.")
+    dynamic_sampling_max_rounds: int = Field(
+        4, gt=0, description="dynamic_sampling: the most generation rounds per iteration; when "
+        "they run out, the batch is completed with the earliest groups without signal (metric "
+        "sampling/filled_frac).")
 
     @model_validator(mode="before")
     @classmethod

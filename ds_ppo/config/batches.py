@@ -98,6 +98,9 @@ def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     if p.dual_clip is not None and p.dual_clip <= 1:
         problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
                         "the dual clip off")
+    if p.dynamic_sampling and n < 2:
+        problems.append("ppo.dynamic_sampling = true keeps groups whose responses score "
+                        "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")
     if p.filter_zero_std_groups and n < 2:
         problems.append("ppo.filter_zero_std_groups = true needs groups: set "
                         "ppo.samples_per_prompt >= 2")

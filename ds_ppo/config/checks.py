@@ -153,6 +153,10 @@ def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
                         "reference, which checkpoint.keep_last pruning deletes later: set "
                         "tracking.register_copy=true, or tracking.register_every=0 (the final "
                         "export, never pruned, is registered either way)")
+    if c.keep_best is not None and not c.every:
+        problems.append(f"checkpoint.keep_best = {c.keep_best!r} keeps the best of the periodic "
+                        "checkpoints, but checkpoint.every = 0 saves none: set "
+                        "checkpoint.every (e.g. 25)")
     limit = watchdog_limit_s(cfg)
     if limit is not None and limit >= 60 * cfg.dist_timeout_minutes:
         problems.append(f"watchdog_minutes = {cfg.watchdog_minutes:g} must be below "

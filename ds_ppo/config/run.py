@@ -9,6 +9,42 @@ from ds_ppo.config.base import Section
 
 
 # --------------------------------------------------------------------------- tracking
+class AlarmsConfig(Section):
+    """When a run stops learning: its policy turned deterministic, its groups carry no signal,
+    or a watched metric fell from its best (ds_ppo/run/alarms.py)."""
+
+    enabled: bool = Field(
+        True, description="Check each iteration's metrics; an alarm prints one warning line and "
+        "logs the MLflow tag and metric alarm/<name> (1 in the iteration it fired). It fires "
+        "when its condition starts to hold, and again only after the condition has been clear "
+        "for as many iterations as it takes to fire. false: no checks.")
+    entropy_floor: float = Field(
+        0.02, ge=0, description="Alarm alarm/entropy: policy/entropy (nats per token) below this "
+        "for entropy_iterations iterations in a row: the policy samples (nearly) one response, "
+        "so group estimators see equal scores and learning stops. 0: off.")
+    entropy_iterations: int = Field(
+        10, gt=0, description="Iterations in a row below entropy_floor before alarm/entropy.")
+    zero_std_ceiling: float = Field(
+        0.95, gt=0, le=1, description="Alarm alarm/zero_std: group/zero_std_frac (the share of "
+        "prompts whose samples_per_prompt responses all score alike: no advantage, no gradient) "
+        "above this for zero_std_iterations iterations in a row. 1: off.")
+    zero_std_iterations: int = Field(
+        10, gt=0, description="Iterations in a row above zero_std_ceiling before alarm/zero_std.")
+    watch: list[str] = Field(
+        default_factory=list, description="Metrics whose fall is an alarm alarm/drop (e.g. "
+        "[env/accuracy], [score/mean], [eval/score_mean]): when the mean over the last window "
+        "iterations that logged it is more than max_drop below its best such mean. Empty: off.")
+    max_drop: float = Field(
+        0.2, gt=0, description="Alarm alarm/drop: how far (in the metric's units) a watched "
+        "metric's moving mean may fall below its best.")
+    window: int = Field(
+        10, gt=0, description="Iterations in a watched metric's moving mean (those that logged "
+        "it).")
+    stop: bool = Field(
+        False, description="For unattended runs: on the first alarm, save a checkpoint and stop "
+        "with exit code 5 (resume with the same command once the settings are changed).")
+
+
 class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log to MLflow (false: mlflow is never imported).")
     uri: str | None = Field(
@@ -40,6 +76,9 @@ class TrackingConfig(Section):
         True, description="Copy the model into the run's artifacts as an MLflow transformers "
         "model; false: register a reference to the directory (for very large models; the "
         "version's export_dir tag names it, and it must stay where it is).")
+    alarms: AlarmsConfig = Field(
+        default_factory=AlarmsConfig, description="Warnings when the run loses its learning "
+        "signal or a skill (on the console and in MLflow), and an optional stop.")
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -66,3 +105,9 @@ class CheckpointConfig(Section):
         "missing file is named, with the newest checkpoint that verifies. Costs one read of the "
         "checkpoint's files at each save and resume, spread over the ranks "
         "(docs/CHECKPOINTS.md); false skips both, for very large checkpoints on slow storage.")
+    keep_best: str | None = Field(
+        None, description="A metric (e.g. env/accuracy, eval/score_mean): each save compares its "
+        "mean over the iterations since the previous save with the best so far; the better "
+        "checkpoint is named by checkpoints/best and never pruned by keep_last. null: off.")
+    keep_best_mode: Literal["max", "min"] = Field(
+        "max", description="Whether keep_best's metric is better higher (max) or lower (min).")

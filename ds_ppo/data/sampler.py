@@ -64,11 +64,15 @@ class PromptSampler:
 
     def indices(self, iteration: int) -> list[int]:
         """This rank's B/W prompt indices of iteration ``iteration`` (0-based)."""
+        return self.indices_at(iteration * self.global_batch_size)
+
+    def indices_at(self, position: int) -> list[int]:
+        """This rank's B/W prompt indices of the B prompts at ``position`` of the stream, laid
+        out as an iteration's (ppo.dynamic_sampling draws rounds of B from a saved position)."""
         g, w = self.group_size, self.world_size
         share = g // w
         out: list[int] = []
-        for start in range(iteration * self.global_batch_size,
-                           (iteration + 1) * self.global_batch_size, g):
+        for start in range(position, position + self.global_batch_size, g):
             first = start + self.rank * share
             out.extend(self._at(range(first, first + share)))
         return out

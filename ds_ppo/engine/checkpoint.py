@@ -32,7 +32,8 @@ from ds_ppo.engine import dist, manifest
 from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             check_estimator_family, checkpoint_name,
                                             checkpoints_dir, complete_checkpoints, find_resume,
-                                            latest_checkpoint, named_by_latest, read_state,
+                                            latest_checkpoint, named_by_best, named_by_latest,
+                                            read_state,
                                             resolve_checkpoint, unusable, verify_checkpoint)
 from ds_ppo.engine.export import disk_full_reason, export_engine
 from ds_ppo.engine.hf_writer import saved_config
@@ -44,7 +45,8 @@ log = logging.getLogger("ds_ppo")
 __all__ = [  # with what callers find here from engine/checkpoint_files.py
     "TAG", "UNIVERSAL_TAG", "TrainerState", "check_estimator_family", "checkpoint_name",
     "checkpoints_dir", "complete_checkpoints", "ensure_universal", "find_resume",
-    "latest_checkpoint", "load_checkpoint", "read_state", "resolve_checkpoint", "rng_state",
+    "latest_checkpoint", "load_checkpoint", "mark_best", "read_state", "resolve_checkpoint",
+    "rng_state",
     "save_checkpoint", "set_rng_state", "universal_workers", "verify_checkpoint"]
 
 
@@ -186,9 +188,11 @@ def _fault_point(where: str, iteration: int, path: Path) -> None:
 
 def _prune(root: Path, keep_last: int, just_written: Path) -> None:
     """Delete complete checkpoints beyond the newest `keep_last` (by recorded iteration); never
-    the one `latest` names nor the one just written."""
+    the one `latest` names, the one `best` names (checkpoint.keep_best) nor the one just
+    written."""
     done = complete_checkpoints(root)
-    keep = {p for _, p in done[-keep_last:]} | {just_written, named_by_latest(root)}
+    keep = {p for _, p in done[-keep_last:]} | {just_written, named_by_latest(root),
+                                                 named_by_best(root)}
     for _, old in done:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
@@ -208,6 +212,15 @@ def stage_changed(path: Path, stages: dict[str, int]) -> list[str]:
     (this run's): DeepSpeed loads those only through the universal format."""
     return [role for role, zero3 in saved_zero3(path).items()
             if role in stages and zero3 != (stages[role] == 3)]
+
+
+def mark_best(path: Path) -> None:
+    """Rank 0: `best` (beside `latest`) names the checkpoint `path` (checkpoint.keep_best),
+    replaced through a temporary file and an atomic rename; keep_last pruning never deletes it."""
+    if dist.is_main():
+        pointer_tmp = path.parent / "best.tmp"
+        pointer_tmp.write_text(path.name)
+        os.replace(pointer_tmp, path.parent / "best")
 
 
 def ensure_universal(path: Path) -> None:

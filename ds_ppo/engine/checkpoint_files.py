@@ -60,6 +60,12 @@ class TrainerState:
     sequence_parallel_size: int = 1
     # saved with a manifest.json (checkpoint.verify): every load then requires one
     manifest: bool = False
+    alarms: dict = field(default_factory=dict)  # run/alarms.AlarmState (tracking.alarms)
+    # ppo.dynamic_sampling: the prompt stream's position after the last iteration (None: the
+    # sampler's own, iteration x rollout_batch_size)
+    prompts_drawn: int | None = None
+    # checkpoint.keep_best: {"metric", "value", "iteration"} of the best save so far
+    best: dict = field(default_factory=dict)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -74,6 +80,15 @@ def named_by_latest(root: Path) -> Path | None:
     """The directory `latest` names, or None when `latest` is missing, unreadable or garbled."""
     try:
         name = (root / "latest").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _NAME.fullmatch(name) else None
+
+
+def named_by_best(root: Path) -> Path | None:
+    """The directory `best` names (checkpoint.keep_best), or None."""
+    try:
+        name = (root / "best").read_bytes().decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return root / name if _NAME.fullmatch(name) else None

@@ -244,6 +244,13 @@ def broadcast_in_sp_group(obj, device: torch.device):
     return _moved(box[0], device)
 
 
+def exchange_objects(obj, device: torch.device) -> list:
+    """Every data-parallel rank's `obj` (tensors, dataclasses of them, lists, dicts), in
+    data-parallel rank order, its tensors on `device`; they travel as CPU copies."""
+    gathered = gather_objects(_moved(obj, torch.device("cpu")), data_parallel=True)
+    return [_moved(o, device) for o in gathered]
+
+
 def _moved(obj, device: torch.device):
     """`obj` with every tensor inside it on `device` (dataclass fields, lists, tuples, dicts)."""
     import dataclasses

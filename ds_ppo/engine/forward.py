@@ -208,7 +208,7 @@ def final_hidden(runner, lm, **inputs) -> torch.Tensor:
 
 
 def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_entropy: bool,
-                             packed: bool, tile_tokens: int):
+                             packed: bool, tile_tokens: int, entropy_grad: bool = False):
     """`response_logprobs`, the output head applied tile by tile to the final hidden states
     (module docstring). A LoRA reference (lora.AdaptersOff) keeps its adapters off for the
     head's calls too."""
@@ -232,7 +232,8 @@ def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_en
             index = _new_index(rollout, shape, keep=keep)
         head, grad_ready = output_head(lm)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
-                                           grad_ready, shape=shape, new_index=index)
+                                           grad_ready, shape=shape, new_index=index,
+                                           entropy_grad=entropy_grad)
     if packed:
         return unpack(logprobs[0], rollout.mask), (
             unpack(entropy[0], rollout.mask) if with_entropy else None)
@@ -254,9 +255,15 @@ def _new_index(rollout: Rollout, shape: LogitShape, packed: bool = False,
     return index[rollout.mask][None] if packed else index[:, :keep]
 
 
+def _for_entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
+    """The logits the entropy is computed from: detached unless it carries a gradient."""
+    return logits if grad else logits.detach()
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,
                       packed: bool = False, tiled: Literal["auto"] | bool = False,
-                      tile_tokens: int = 1024, truncate: bool = True):
+                      tile_tokens: int = 1024, truncate: bool = True,
+                      entropy_grad: bool = False):
     """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked) under the
     distribution they were sampled from (`logit_shape`; truncate=False: without top-k / top-p,
     the reference's). The forward runs on `rollout.model_inputs()` (unused padding dropped);
@@ -265,13 +272,14 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
     packed: the rows packed into one sequence (module docstring); only the counted response
     tokens' logits are computed, and every position outside rollout.mask is 0.
     tiled (ppo.tiled_logits; `tile_logits` decides auto): the output head runs `tile_tokens`
-    positions at a time on the final hidden states; the same numbers, no (B, T, V) logits."""
+    positions at a time on the final hidden states; the same numbers, no (B, T, V) logits.
+    entropy_grad: the entropy is differentiable (ppo.entropy_coef's bonus), else a metric."""
     shape = logit_shape(rollout, temperature, truncate)
     positions = sum(rollout.response_lens) if packed else \
         len(rollout) * max(rollout.response_lens, default=0)
     if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
         return _tiled_response_logprobs(model, rollout, shape, with_entropy, packed,
-                                        tile_tokens)
+                                        tile_tokens, entropy_grad)
     if packed:
         out, _ = _packed_forward(model, rollout, keep="predictors")
         logits = out.logits  # (1, n, V)
@@ -279,8 +287,8 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
         index = _new_index(rollout, shape, packed=True)
         logprobs = unpack(logprobs_from_logits(logits, labels, shape=shape,
                                                new_index=index)[0], rollout.mask)
-        entropy = unpack(entropy_from_logits(logits.detach(), shape=shape, new_index=index,
-                                             labels=labels)[0],
+        entropy = unpack(entropy_from_logits(_for_entropy(logits, entropy_grad), shape=shape,
+                                             new_index=index, labels=labels)[0],
                          rollout.mask) if with_entropy else None
         return logprobs, entropy
     ids, am, keep = rollout.model_inputs()
@@ -289,8 +297,9 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
     labels = ids[:, ids.shape[1] - keep:]
     index = _new_index(rollout, shape, keep=keep)
     logprobs = logprobs_from_logits(logits, labels, shape=shape, new_index=index)
-    entropy = _full_width(entropy_from_logits(logits.detach(), shape=shape, new_index=index,
-                                              labels=labels), T) if with_entropy else None
+    entropy = _full_width(entropy_from_logits(_for_entropy(logits, entropy_grad), shape=shape,
+                                              new_index=index, labels=labels), T) \
+        if with_entropy else None
     return _full_width(logprobs, T), entropy
 
 

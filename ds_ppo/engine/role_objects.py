@@ -117,14 +117,14 @@ class _LogProbs:
     def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False,
                  split: bool = False, **kwargs):
         """`forward.response_logprobs` through this role's engine: (B, T) float32 log-probs and
-        (B, T) entropy (None unless `with_entropy`), under the distribution the rollout was
-        sampled from (`truncate=False`: without top-k / top-p). `split`: one row split across
-        this rank's sequence-parallel group (`sequence_parallel.row_logprobs`, always tiled;
-        collective in the group)."""
+        (B, T) entropy (None unless `with_entropy`; differentiable with `entropy_grad`), under
+        the distribution the rollout was sampled from (`truncate=False`: without top-k / top-p).
+        `split`: one row split across this rank's sequence-parallel group
+        (`sequence_parallel.row_logprobs`, always tiled; collective in the group)."""
         if split:
             return row_logprobs(self.engine, rollout, temperature, dist.sp_group(),
                                 kwargs.get("tile_tokens", 1024), with_entropy,
-                                kwargs.get("truncate", True))
+                                kwargs.get("truncate", True), kwargs.get("entropy_grad", False))
         return response_logprobs(self.engine, rollout, temperature, with_entropy, **kwargs)
 
 

@@ -154,12 +154,14 @@ def _positions(mine: slice, device) -> torch.Tensor:
 
 
 def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens: int,
-                 with_entropy: bool = False, truncate: bool = True):
+                 with_entropy: bool = False, truncate: bool = True,
+                 entropy_grad: bool = False):
     """(1, T) float32 log-probs (and entropy) of one row's response tokens, the row split
     across the SP group (module docstring); every rank of the group passes the same row and
     gets the same result. Positions after the counted response are 0, as in
     forward.response_logprobs. A LoRA reference (lora.AdaptersOff) keeps its adapters off for
-    the head's calls too. Collective in forward and backward."""
+    the head's calls too. `entropy_grad`: the entropy is differentiable (tiled_logprobs).
+    Collective in forward and backward."""
     ids, mine, (P, R, L) = _shard(rollout, group)
     off = getattr(model, "adapters_off", None)
     runner = model.engine if off is not None else model
@@ -179,7 +181,8 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
             index[P - 1:L - 1] = rollout.new_token_index()[0, :R]
             index = index[mine][None]
         lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready,
-                                 shape=shape, new_index=index)
+                                 shape=shape, new_index=index,
+                                 entropy_grad=entropy_grad)
     T = rollout.response_ids.shape[1]
     return _response(lp, group, P, R, L, T), (_response(ent, group, P, R, L, T)
                                               if with_entropy else None)

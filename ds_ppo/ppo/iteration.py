@@ -13,7 +13,7 @@ import torch
 
 from ds_ppo import watchdog
 from ds_ppo.config import Config
-from ds_ppo.containers import Experience
+from ds_ppo.containers import Experience, Rollout
 from ds_ppo.data.prompts import PromptSet
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
@@ -24,6 +24,7 @@ from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
 from ds_ppo.ppo.rollout import generation_metrics, make_rollout
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import rollout_correction
+from ds_ppo.ppo.dynamic import PromptDraw, refill
 from ds_ppo.ppo.scoring import score
 from ds_ppo.ppo.update import ppo_update
 
@@ -52,38 +53,37 @@ class IterationInputs:
     env: Any = None  # an envs.runner.EnvRunner: multi-turn episodes (None: one response each)
 
 
-def run_iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
-                  acc: Accumulator, timed: PhaseTimer = lambda phase: nullcontext()
+def run_iteration(run: IterationInputs, iteration: int, indices: list[int] | PromptDraw,
+                  kl_coef: float, acc: Accumulator,
+                  timed: PhaseTimer = lambda phase: nullcontext()
                   ) -> tuple[Experience, Generated]:
-    """Steps 1-4 of iteration `iteration` (1-based) on this rank's prompts `indices`: the scored
-    `Experience` (B = this rank's sequences) with its advantages, after the PPO update of the
-    engines; and what generation ran (decoding loop and its statistics). The update's
-    statistics go into `acc`; `timed(phase)` wraps each stage."""
+    """Steps 1-4 of iteration `iteration` (1-based) on this rank's prompts `indices` (or, with
+    ppo.dynamic_sampling, the rounds `indices` draws): the scored `Experience` (B = this rank's
+    sequences) with its advantages, after the PPO update of the engines; and what generation
+    ran (decoding loop and its statistics). The update's statistics go into `acc`;
+    `timed(phase)` wraps each stage."""
     # generation.batch_invariant: the sampler's and the trainer's forwards give equal logits
     with batch_invariant(run.cfg.generation.batch_invariant):
         return _iteration(run, iteration, indices, kl_coef, acc, timed)
 
 
-def _iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef: float,
+def _iteration(run: IterationInputs, iteration: int, indices: list[int] | PromptDraw,
+               kl_coef: float,
                acc: Accumulator, timed: PhaseTimer) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
+    rewards = None  # known before scoring only with dynamic sampling
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
-        if run.env is None:
-            rollout, generated = make_rollout(run.prompts, indices, engines, cfg, run.tokenizer,
-                                              run.gen_mode, run.eos_ids)
-        else:  # episodes of model turns and environment observations
-            rollout, generated, stats = make_episodes(run.prompts, indices, engines, cfg,
-                                                      run.tokenizer, run.gen_mode, run.eos_ids,
-                                                      run.env)
-            add_episode_metrics(acc, stats)
-            # the ranks of a sequence-parallel group played the same episodes from the same
-            # stream: its first rank's on all of them (as make_rollout does)
-            rollout = dist.broadcast_in_sp_group(rollout, engines.device)
-    generation_metrics(rollout, generated, acc)
+        if isinstance(indices, PromptDraw):  # rounds until enough groups carry signal
+            rollout, generated, rewards = refill(
+                cfg, indices, lambda idx: _generate(run, idx, acc), engines, run.reward_encode,
+                run.tokenizer.pad_token_id, acc)
+        else:
+            rollout, generated = _generate(run, indices, acc)
+            generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):
-        exp = score(rollout, engines, cfg, run.reward_encode)
+        exp = score(rollout, engines, cfg, run.reward_encode, rewards)
     # step 2b. the sampler's log-probs against the trainer's: metrics, importance weights
     exp = rollout_correction(exp, cfg, acc)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
@@ -93,6 +93,21 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int], kl_coef
     with _stage(timed, "update", iteration):
         ppo_update(exp, engines, cfg, iteration, acc, run.ptx)
     return exp, generated
+
+
+def _generate(run: IterationInputs, indices: list[int], acc: Accumulator
+              ) -> tuple[Rollout, Generated]:
+    """This rank's rollout of the prompts `indices`: one response per sample, or multi-turn
+    episodes with the environment (their metrics into `acc`)."""
+    if run.env is None:
+        return make_rollout(run.prompts, indices, run.engines, run.cfg, run.tokenizer,
+                            run.gen_mode, run.eos_ids)
+    rollout, generated, stats = make_episodes(run.prompts, indices, run.engines, run.cfg,
+                                              run.tokenizer, run.gen_mode, run.eos_ids, run.env)
+    add_episode_metrics(acc, stats)
+    # the ranks of a sequence-parallel group played the same episodes from the same stream: its
+    # first rank's on all of them (as make_rollout does)
+    return dist.broadcast_in_sp_group(rollout, run.engines.device), generated
 
 
 @contextmanager

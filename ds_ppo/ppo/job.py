@@ -20,6 +20,7 @@ from ds_ppo.engine.checkpoint import TrainerState, check_estimator_family
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.dynamic import PromptDraw
 from ds_ppo.ppo.evaluate import evaluate
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import stop_token_ids
@@ -133,9 +134,12 @@ class PPOJob:
         cfg, engines, kl_ctl = run.cfg, run.engines, self.kl_ctl
         acc, t_iter = Accumulator(), time.perf_counter()
         # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
-        exp, _ = run_iteration(self.inputs, iteration, self.sampler.indices(iteration - 1),
-                               kl_ctl.value, acc, metric_timer(acc))
-        # step 5. metrics, reduced across ranks; evaluation; KL controller; report
+        prompts = self._prompts(run, iteration)
+        exp, _ = run_iteration(self.inputs, iteration, prompts, kl_ctl.value, acc,
+                               metric_timer(acc))
+        if isinstance(prompts, PromptDraw):  # where the next iteration draws from
+            run.state.prompts_drawn = prompts.end
+        # step 5. metrics, reduced across ranks; evaluation; KL controller
         watchdog.at("metrics", iteration)
         metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                     cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
@@ -145,9 +149,23 @@ class PPOJob:
             eval_metrics, eval_samples = self._evaluate(cfg, engines, run.tokenizer)
             metrics.update(eval_metrics)
         kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
-        self.reporter.report(metrics, iteration, exp, eval_samples)
         run.state.kl_controller = kl_ctl.state_dict()
+        self._exp, self._eval_samples = exp, eval_samples  # for the report
         return metrics
+
+    def report(self, run, iteration: int, metrics: dict[str, float]) -> None:
+        self.reporter.report(metrics, iteration, self._exp, self._eval_samples)
+        self._exp = self._eval_samples = None
+
+    def _prompts(self, run, iteration: int) -> list[int] | PromptDraw:
+        """This rank's prompts of `iteration`; with ppo.dynamic_sampling, the draw its rounds
+        take them from (the stream position saved in the trainer state)."""
+        if not run.cfg.ppo.dynamic_sampling:
+            return self.sampler.indices(iteration - 1)
+        start = run.state.prompts_drawn
+        if start is None:  # a fresh run, or one that ran without dynamic sampling so far
+            start = (iteration - 1) * run.cfg.ppo.rollout_batch_size
+        return PromptDraw(self.sampler, start)
 
     def _evaluate(self, cfg: Config, engines: Engines, tokenizer) -> tuple[dict, list]:
         """The eval/* metrics and samples of the policy; with policy.ema_decay also eval_ema/*

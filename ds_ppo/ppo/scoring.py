@@ -3,6 +3,7 @@ in micro-batches). The advantages that follow are `ppo/advantages.py`."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -92,12 +93,37 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
     return scores, cut
 
 
+@dataclass
+class RewardScores:
+    """A rollout's reward scores (`reward_scores`) with what they cost (metrics only)."""
+
+    scores: torch.Tensor  # (B,) float32, after the missing-EOS penalty
+    cut: torch.Tensor | None  # (B,) bool, reward-model input cut to reward.max_len (None: a function)
+    seconds: float  # this rank's wall-clock time for them
+    retries: int | None  # reward.url: requests retried for them
+
+
+def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> RewardScores:
+    """`reward_scores`, timed, with the reward service's retries counted."""
+    retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
+    t0 = time.perf_counter()
+    scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
+    if scores.is_cuda:
+        torch.cuda.synchronize()  # the reward model's forwards run asynchronously
+    seconds = time.perf_counter() - t0
+    if retries is not None:
+        retries = engines.reward_fn.retries - retries
+    return RewardScores(scores, cut, seconds, retries)
+
+
 @torch.no_grad()
-def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
+def score(rollout: Rollout, engines, cfg: Config, reward_encode,
+          rewards: RewardScores | None = None) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
     ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
-    micro-batches make up the difference)."""
+    micro-batches make up the difference). `rewards`: the rollout's reward scores when they
+    are known already (ppo.dynamic_sampling chose its groups by them)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
     # ppo.old_logprobs=rollout: the sampler's log-probs (the config checks make them the
@@ -134,17 +160,12 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode) -> Experience:
     def zero(parts):  # row order, 0 at masked positions
         return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
 
-    retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
-    t0 = time.perf_counter()
-    scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
-    if scores.is_cuda:
-        torch.cuda.synchronize()  # the reward model's forwards run asynchronously
-    reward_s = time.perf_counter() - t0
-    if retries is not None:
-        retries = engines.reward_fn.retries - retries
+    if rewards is None:
+        rewards = timed_reward_scores(rollout, engines, cfg, reward_encode)
     old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
     return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None,
                       entropy=zero(entropy) if sampled is None else None,
-                      scores=scores, reward_cut=cut, reward_s=reward_s, reward_retries=retries,
+                      scores=rewards.scores, reward_cut=rewards.cut, reward_s=rewards.seconds,
+                      reward_retries=rewards.retries,
                       scoring_positions=rollout.positions(batches, packed, mine))

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ds_ppo import watchdog
-from ds_ppo.algo import (kl_loss, lm_loss, loss_divisor, loss_token_weights, masked_mean,
-                         policy_loss, value_loss)
+from ds_ppo.algo import (entropy_bonus, kl_loss, lm_loss, loss_divisor, loss_token_weights,
+                         masked_mean, policy_loss, value_loss)
 from ds_ppo.config import Config, critic_warmup, grad_accum_steps, max_model_tokens
 from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
@@ -221,18 +221,20 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
 def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool,
                  split: bool = False):
     """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
-    loss), its statistics, and the detached terms as metrics. `split`: one row split across
-    the sequence-parallel group."""
+    loss, minus ppo.entropy_coef x the entropy bonus), its statistics, and the detached terms as
+    metrics. `split`: one row split across the sequence-parallel group."""
     p = cfg.ppo
+    bonus = p.entropy_coef > 0
     logprobs, entropy = engines.policy.logprobs(
-        mb.rollout, cfg.generation.temperature, with_entropy=step.entropy, packed=packed,
-        tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens, split=split)
+        mb.rollout, cfg.generation.temperature, with_entropy=step.entropy or bonus,
+        packed=packed, tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens, split=split,
+        entropy_grad=bonus)
     pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
                                     clip_eps=p.clip_eps, num_tokens=step.pg_div,
                                     clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
                                     token_weights=pg_weights)
-    if entropy is not None:  # a token mean over the micro-batch, as the other statistics
+    if step.entropy:  # a token mean over the micro-batch, as the other statistics
         pg_stats["entropy"] = masked_mean(entropy.detach(), mb.mask)
     terms = {"loss/policy": pg_loss.detach()}
     if p.kl_loss_coef > 0:
@@ -240,6 +242,10 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
                           weights, clip=p.kl_clip)
         terms["loss/kl"] = kl_term.detach()
         pg_loss = pg_loss + p.kl_loss_coef * kl_term
+    if bonus:  # the tokens and weights of the KL term (the policy's, without rollout correction)
+        ent_term = entropy_bonus(entropy, pg_mask, step.pg_div, weights)
+        terms["loss/entropy"] = ent_term.detach()
+        pg_loss = pg_loss - p.entropy_coef * ent_term
     return pg_loss, pg_stats, terms
 
 

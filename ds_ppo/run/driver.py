@@ -17,7 +17,7 @@ import math
 import os
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,10 +27,12 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
-                                      load_checkpoint, read_state, rng_state, stage_changed)
+                                      load_checkpoint, mark_best, read_state, rng_state,
+                                      stage_changed)
 from ds_ppo.engine.checkpoint_files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
-from ds_ppo.errors import Diverged, RegistrationError, RewardError
+from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
+from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
 from ds_ppo.run.preemption import Preempted, StopRequests
 from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
@@ -63,6 +65,8 @@ class Run:
     tokenizer: Any
     state: TrainerState
     result: TrainResult
+    alarms: AlarmState  # tracking.alarms' memory (saved in the trainer state)
+    saved_at: int  # the unit of the last checkpoint (checkpoint.keep_best's window)
 
 
 class Job(Protocol):
@@ -106,9 +110,12 @@ class Job(Protocol):
         """Everything the steps share, once the engines and the state exist."""
 
     def step(self, run: Run, unit: int) -> dict[str, float]:
-        """Unit `unit` (1-based): train, evaluate when due, report (progress line,
-        metrics.jsonl, MLflow); its metrics, reduced across ranks. Leaves `run.state` ready to be
-        saved as of this unit but for `state.iteration`, which the driver sets."""
+        """Unit `unit` (1-based): train and evaluate when due; its metrics, reduced across
+        ranks. Leaves `run.state` ready to be saved as of this unit but for what the driver
+        sets (`iteration`, `alarms`)."""
+
+    def report(self, run: Run, unit: int, metrics: dict[str, float]) -> None:
+        """The unit's progress line, metrics.jsonl and MLflow (rank 0)."""
 
 
 
@@ -134,26 +141,30 @@ def run(cfg: Config, job: Job) -> TrainResult:
     state.mlflow_run_id = tracker.run_id
     run = Run(cfg, out, device, tracker, engines, tokenizer, state, TrainResult(
         output_dir=str(out), mlflow_run_id=tracker.run_id,
-        last_checkpoint=str(resume_from) if resume_from is not None else None))
+        last_checkpoint=str(resume_from) if resume_from is not None else None),
+        AlarmState(**state.alarms), state.iteration)
     job.start(run)
     dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
     status, unregistered, rng_at_start = "FAILED", None, None
-    # a SIGTERM/SIGUSR1 from here on ends the run at the next unit's boundary (step 4)
+    # a SIGTERM/SIGUSR1 from here on ends the run at the next unit's boundary (step 5)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
         try:
             for unit in range(state.iteration + 1, total + 1):
                 rng_at_start = rng_state()  # what a save of the previous unit would hold
-                # step 1. the job's unit: train, evaluate when due, report
+                # step 1. the job's unit: train, evaluate when due
                 metrics = job.step(run, unit)
-                run.result.history.append(metrics)
-                # step 2. a diverged run stops before any save
+                # step 2. alarms (tracking.alarms), then the report
+                alarms = _report(run, job, unit, metrics)
+                # step 3. a diverged run stops before any save
                 _stop_if_diverged(job, metrics, unit, run.result.last_checkpoint)
-                state.iteration = unit
-                # step 3. checkpoint when due
+                state.iteration, state.alarms = unit, asdict(run.alarms)
+                # step 4. checkpoint when due (and which one is the best)
                 saved = _checkpoint_if_due(run, job, unit)
-                # step 4. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank): checkpoint, leave
+                # step 5. a scheduler asked to stop (SIGTERM/SIGUSR1, any rank), or an alarm
+                # fired with tracking.alarms.stop: checkpoint, leave
                 _stop_if_asked(run, stop, unit, saved)
-            # step 5. final save and export; the export into the MLflow model registry
+                _stop_on_alarm(run, alarms, saved)
+            # step 6. final save and export; the export into the MLflow model registry
             unregistered = _end(run, job)
             status = "FINISHED"
         except RewardError as e:  # reward function or service failed: keep the last unit
@@ -313,6 +324,19 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
 
 
 # ------------------------------------------------------------------------- per unit
+def _report(run: Run, job: Job, unit: int, metrics: dict[str, float]) -> list[Alarm]:
+    """The alarms of this unit (alike on every rank: the metrics are reduced), as metrics
+    `alarm/<name>`, then the job's report, each alarm's line below it and its MLflow tag."""
+    alarms = check_alarms(run.cfg.tracking.alarms, run.alarms, metrics, unit)
+    metrics.update({f"alarm/{alarm.name}": 1.0 for alarm in alarms})
+    job.report(run, unit, metrics)
+    for alarm in alarms if dist.is_main() else ():
+        log.warning("%s", alarm.message)
+        run.tracker.set_tag(f"alarm/{alarm.name}", alarm.message)
+    run.result.history.append(metrics)
+    return alarms
+
+
 def _stop_if_diverged(job: Job, metrics: dict[str, float], unit: int,
                       last_checkpoint: str | None) -> None:
     """Raise `Diverged` (on every rank alike: the metrics are reduced) when a watched metric
@@ -338,12 +362,53 @@ def _checkpoint_if_due(run: Run, job: Job, unit: int) -> bool:
     cfg = run.cfg
     saved = bool(cfg.checkpoint.every) and unit % cfg.checkpoint.every == 0
     if saved:
+        best = _best_so_far(run, unit)  # into the trainer state the save writes
         run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
                                                     run.tokenizer)
+        run.saved_at = unit
+        if best:
+            mark_best(Path(run.result.last_checkpoint))
+            if dist.is_main():
+                log.info("best checkpoint by %s so far: %s (%s = %.4g)", cfg.checkpoint.keep_best,
+                         run.result.last_checkpoint, cfg.checkpoint.keep_best,
+                         run.state.best["value"])
         if job.registers:
             register_at_checkpoint(cfg, run.tracker, run.result.last_checkpoint, unit,
                                    run.result.history)
     return saved
+
+
+def _best_so_far(run: Run, unit: int) -> bool:
+    """checkpoint.keep_best: whether the save of `unit` is the best so far, by the mean of the
+    metric over the units since the previous save (recorded in run.state.best)."""
+    c = run.cfg.checkpoint
+    if c.keep_best is None:
+        return False
+    since = run.result.history[len(run.result.history) - (unit - run.saved_at):]
+    score = save_score([m[c.keep_best] for m in since if c.keep_best in m])
+    if score is None:
+        if dist.is_main():
+            log.warning("checkpoint.keep_best = %r: no unit since the previous save logged it, so "
+                        "the save of %d is not ranked (a metric of metrics.jsonl, e.g. score/mean, "
+                        "env/accuracy, eval/score_mean)", c.keep_best, unit)
+        return False
+    if not is_better(score, run.state.best.get("value"), c.keep_best_mode):
+        return False
+    run.state.best = {"metric": c.keep_best, "value": score, "iteration": unit}
+    return True
+
+
+def _stop_on_alarm(run: Run, alarms: list[Alarm], saved: bool) -> None:
+    """tracking.alarms.stop: when an alarm fired, checkpoint (unless one was just saved) and
+    raise AlarmStop on every rank (the alarms are decided from reduced metrics)."""
+    if not alarms or not run.cfg.tracking.alarms.stop:
+        return
+    if not saved:
+        run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
+                                                    run.tokenizer)
+    raise AlarmStop(f"{alarms[0].message}. Stopped (tracking.alarms.stop=true) after saving "
+                    f"{run.result.last_checkpoint}; change the settings and run the same "
+                    "command to resume, or set tracking.alarms.stop=false to train on.")
 
 
 def _stop_if_asked(run: Run, stop: StopRequests, unit: int, saved: bool) -> None:

@@ -166,9 +166,10 @@ class SupervisedJob:
                 section.eval_every and step % section.eval_every == 0)):
             watchdog.at("evaluation", step)
             metrics.update(evaluate(task, cfg, engines, self.eval_data, self.pad_id))
-        # report: progress line, metrics.jsonl, MLflow
-        _report(cfg, task, run.tracker, metrics, step, self.total, self.eta, run.out)
         return metrics
+
+    def report(self, run, step: int, metrics: dict[str, float]) -> None:
+        _report(run.cfg, self.task, run.tracker, metrics, step, self.total, self.eta, run.out)
 
 # ---------------------------------------------------------------------------- one step
 def train_step(job: Task, cfg: Config, engines, data, rows: list[int], acc: Accumulator,

@@ -110,6 +110,7 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dict(self, obj: dict, artifact_file: str) -> None: ...
     def log_params(self, params: dict[str, str]) -> None: ...
+    def set_tag(self, key: str, value: str) -> None: ...
     def close(self, status: str = "FINISHED") -> None: ...
     def where(self) -> str: ...
 
@@ -133,6 +134,9 @@ class NullTracker:
         pass
 
     def log_params(self, params: dict[str, str]) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
         pass
 
     def close(self, status: str = "FINISHED") -> None:
@@ -491,6 +495,10 @@ class MlflowTracker:
                if clean_key(k) not in self._old_params]
         if new:
             self._guard(self.client.log_batch, self.run_id, params=new)
+
+    def set_tag(self, key: str, value: str) -> None:
+        """A run tag set (or replaced) during training, e.g. an alarm's message."""
+        self._guard(self.client.set_tag, self.run_id, clean_key(key), value[:5000])
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run with FINISHED, FAILED or KILLED; report lost calls. Idempotent."""

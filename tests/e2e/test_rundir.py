@@ -138,6 +138,20 @@ def test_pruning_never_removes_latest_or_the_checkpoint_just_written(tmp_path):
     assert _names(tmp_path) == ["iter_000003", "iter_000005", "iter_000006"]
 
 
+def test_pruning_never_removes_the_best(tmp_path):
+    """checkpoint.keep_best: the checkpoint `best` names outlives keep_last; once `best` names
+    another, the old one is pruned like any other."""
+    from ds_ppo.engine.checkpoint import mark_best
+
+    mark_best(_save(tmp_path, 1))
+    for it in (2, 3, 4):
+        _save(tmp_path, it)
+    assert _names(tmp_path) == ["iter_000001", "iter_000003", "iter_000004"]
+    mark_best(tmp_path / "checkpoints" / "iter_000004")
+    _save(tmp_path, 5)
+    assert _names(tmp_path) == ["iter_000004", "iter_000005"]
+
+
 def test_pruning_orders_by_recorded_iteration_not_by_name(tmp_path, caplog):
     _save(tmp_path, 999_998)
     _save(tmp_path, 999_999)

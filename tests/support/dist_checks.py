@@ -83,7 +83,7 @@ def group_reward(prompts: list[str], responses: list[str]) -> list[float]:
             for i, (p, s) in enumerate(zip(prompts, positive_words(prompts, responses)))]
 
 
-def group_update(work: Path, name: str, extra: list[str]) -> dict:
+def group_update(work: Path, name: str, extra: list[str], keys=GROUP_KEYS) -> dict:
     """`first_update` for a critic-free estimator. Identical greedy responses in a group would
     cancel every group-centred advantage in the gradient, and sampling depends on the world
     size; so the decoding loop picks argmax(logits + noise[k]) for the k-th response of each
@@ -106,7 +106,7 @@ def group_update(work: Path, name: str, extra: list[str]) -> dict:
     original = decode.next_tokens_with_logprobs
     decode.next_tokens_with_logprobs = next_tokens_with_logprobs
     try:
-        return first_update(work, name, extra, GROUP_KEYS)
+        return first_update(work, name, extra, keys)
     finally:
         decode.next_tokens_with_logprobs = original
 
@@ -577,11 +577,12 @@ def main() -> None:
     rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",
                          "ppo.loss_aggregation=seq_mean_token_sum_norm",
                          "ppo.filter_zero_std_groups=true", "ppo.clip_eps_high=0.28",
-                         "ppo.dual_clip=3"]
+                         "ppo.dual_clip=3", "ppo.entropy_coef=0.01"]
     scenarios = {
         "grpo_micro4": lambda: group_update(work, "grpo4", grpo + ["ppo.micro_batch_size=4"]),
         "grpo_micro2": lambda: group_update(work, "grpo2", grpo + ["ppo.micro_batch_size=2"]),
-        "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"]),
+        "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"],
+                                            GROUP_KEYS + ("loss/entropy",)),
         "critic_free_engines": lambda: critic_free_engines(work),
         "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
         "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ds_ppo.algo import (discounted_returns, group_advantages, group_score_stats, kl_estimate,
+from ds_ppo.algo import (discounted_returns, entropy_bonus, group_advantages, group_score_stats, kl_estimate,
                          kl_loss, loss_divisor, loss_token_weights, policy_loss)
 from conftest import mask_from_lengths
 
@@ -213,3 +213,34 @@ def test_kl_loss_is_the_aggregated_estimator_with_its_gradient():
     torch.testing.assert_close(loss.detach(), want)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and torch.equal(logp.grad[~mask], torch.zeros(2))
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_entropy_bonus_is_aggregated_like_the_policy_loss(mode):
+    """ppo.entropy_coef's term: the loop's aggregate of the entropy over the whole batch; any
+    split into micro-batches (each divided by the global divisor) sums to it, gradient too; the
+    entries outside the mask change nothing (NaN there)."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 1, 0, 3]
+    T = 5
+    mask = mask_from_lengths(torch.tensor(lengths), T)
+    ent0 = torch.rand(4, T, generator=g) * 3
+    divisor = loss_divisor(lengths, mode)
+    garbage = torch.where(mask, ent0, torch.full_like(ent0, float("nan")))
+
+    def term(rows, ent):
+        return entropy_bonus(ent[rows], mask[rows], divisor,
+                             loss_token_weights(mask[rows], mode, T))
+
+    whole_ent = garbage.clone().requires_grad_(True)
+    whole = term([0, 1, 2, 3], whole_ent)
+    assert abs(float(whole.detach()) - _loop_aggregate(ent0, lengths, mode, T)) < 1e-6
+    whole.backward()
+    assert torch.equal(whole_ent.grad[~mask], torch.zeros(int((~mask).sum())))
+    split_ent = garbage.clone().requires_grad_(True)
+    split = term([0, 3], split_ent) + term([1, 2], split_ent)
+    split.backward()
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(split_ent.grad, whole_ent.grad)
+    with pytest.raises(ValueError, match="divisor"):
+        entropy_bonus(ent0, mask, 0.0)

@@ -340,7 +340,7 @@ def test_world_size_from_env(monkeypatch):
 # (preset, world size, accumulation, prompts per rank) as each preset's comments state them
 PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16),
            ("grpo", 8, 4, 8), ("70b-lora", 8, 4, 16), ("recipe", 1, 1, 32),
-           ("calculator", 1, 2, 16), ("8b-long", 8, 8, 2),
+           ("calculator", 1, 2, 16), ("lookup", 1, 2, 16), ("8b-long", 8, 8, 2),
            ("70b-long", 64, 16, 1)]  # 70b-long: 8 data-parallel ranks (sequence parallel 8)
 
 
@@ -617,3 +617,20 @@ def test_old_logprobs_from_the_rollout_with_any_sampling_setting(overrides):
     """The trainer shapes its logits as the sampler did, so the sampler's log-probs stand for
     the policy's with every sampling setting and with episodes: no refusal."""
     validate(load_config(None, [*overrides, "ppo.old_logprobs=rollout"]), 1)
+
+
+def test_keep_best_needs_periodic_saves(capsys):
+    assert main(["train", "--dry-run", "checkpoint.keep_best=score/mean",
+                 "checkpoint.every=0"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.keep_best = 'score/mean'" in err and "set checkpoint.every" in err
+    assert "Traceback" not in err
+    assert main(["train", "--dry-run", "checkpoint.keep_best=score/mean"]) == 0
+
+
+def test_dynamic_sampling_needs_groups(capsys):
+    assert main(["train", "--dry-run", "ppo.dynamic_sampling=true"]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.dynamic_sampling = true keeps groups" in err and "ppo.samples_per_prompt >= 2" in err
+    assert "Traceback" not in err
+    assert main(["train", "--dry-run", "ppo.dynamic_sampling=true", "ppo.samples_per_prompt=2"]) == 0

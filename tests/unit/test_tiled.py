@@ -55,6 +55,34 @@ def test_tiled_equals_untiled_values_entropy_and_gradients(tile):
     assert flags == [False] * (tiles - 1) + [True]  # ZeRO reduces the head's grad once, last
 
 
+@pytest.mark.parametrize("tile", [1, 5, 1000])
+def test_tiled_entropy_gradient_equals_untiled(tile):
+    """entropy_grad (ppo.entropy_coef): a loss of both outputs, log-probs and entropy, has the
+    gradient of the untiled computation, whose entropy autograd differentiates; without it the
+    entropy carries no gradient."""
+    head, hidden, labels, upstream = _setup()
+    up_ent = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
+    logits = head(hidden) / 0.7
+    z = logits.float()
+    want_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)  # plain autograd, no custom kernel
+    ((logprobs_from_logits(logits, labels) * upstream).sum()
+     + (want_ent * up_ent).sum()).backward()
+    ref_grads = _grads(head, hidden)
+    lp, ent = tiled_logprobs(hidden, labels, lambda h: head(h) / 0.7, tile, with_entropy=True,
+                             entropy_grad=True)
+    torch.testing.assert_close(ent, want_ent.detach(), atol=1e-5, rtol=0)
+    assert ent.requires_grad
+    ((lp * upstream).sum() + (ent * up_ent).sum()).backward()
+    for got, want in zip(_grads(head, hidden), ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the entropy alone: its gradient differs from zero (the check above could not pass by
+    # ignoring it: the log-prob part alone is a different gradient)
+    _, ent = tiled_logprobs(hidden, labels, lambda h: head(h) / 0.7, tile, with_entropy=True,
+                            entropy_grad=True)
+    (ent * up_ent).sum().backward()
+    assert _grads(head, hidden)[0].abs().max() > 1e-3
+
+
 def test_tiled_16bit_logits_are_reduced_in_fp32():
     head, hidden, labels, _ = _setup(torch.bfloat16)
     want = logprobs_from_logits(head(hidden), labels)

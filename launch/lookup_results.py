@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""docs/RESULTS.md's lookup table: the lookup task (preset `lookup`) trained with the calculator
+preset's settings and with the recommended ones, for each seed, then env/correct (the share of
+right answers) averaged per block of 100 iterations, and whether a run kept what it learned.
+
+    python launch/lookup_results.py                          # seeds 1 2 3, 1000 iterations
+    python launch/lookup_results.py --seeds 1 --iterations 300 --out /tmp/lookup
+    python launch/lookup_results.py --table-only --out outputs/lookup_results
+
+Runs one after another on CPU (about 10-20 minutes each); a finished run is not run again (the
+trainer sees its output_dir complete), so the command can be repeated after an interruption.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# the calculator preset's settings, on the lookup task
+BASELINE = ["--config", "calculator", "env.function=ds_ppo.envs.lookup:Lookup",
+            "data.path=builtin:lookup", "data.reward_keys=[code]"]
+# the lookup preset: the same, plus ppo.entropy_coef, ppo.dynamic_sampling, the alarm on
+# env/correct and checkpoint.keep_best
+RECOMMENDED = ["--config", "lookup"]
+SETTINGS = {"calculator": BASELINE, "recommended": RECOMMENDED}
+BLOCK = 100
+
+
+def command(settings: str, seed: int, iterations: int, out: Path) -> list[str]:
+    return [sys.executable, "-m", "ds_ppo", "train", *SETTINGS[settings], f"seed={seed}",
+            f"iterations={iterations}", f"output_dir={out / f'{settings}_seed{seed}'}",
+            "tracking.enabled=false", "log_every=50"]
+
+
+def accuracy_blocks(rows: list[dict], key: str = "env/correct") -> list[float]:
+    """The mean of `key` over each block of BLOCK iterations (a last, partial block too)."""
+    blocks: dict[int, list[float]] = {}
+    for r in rows:
+        if key in r:
+            blocks.setdefault((r["iteration"] - 1) // BLOCK, []).append(r[key])
+    return [sum(v) / len(v) for _, v in sorted(blocks.items())]
+
+
+def kept(blocks: list[float], ceiling: float = 1.0, share: float = 0.9) -> str:
+    """When a run first reached `share` of the ceiling (a block's mean), and whether every later
+    block stayed there."""
+    first = next((i for i, b in enumerate(blocks) if b >= share * ceiling), None)
+    if first is None:
+        return "not reached"
+    held = all(b >= share * ceiling for b in blocks[first:])
+    return f"from {first * BLOCK + 1}, {'held' if held else 'lost'}"
+
+
+def table(out: Path, seeds: list[int]) -> str:
+    lines, width = [], 0
+    rows = []
+    for settings in SETTINGS:
+        for seed in seeds:
+            log = out / f"{settings}_seed{seed}" / "metrics.jsonl"
+            if not log.exists():
+                continue
+            blocks = accuracy_blocks([json.loads(x) for x in log.read_text().splitlines()
+                                      if x.strip()])
+            width = max(width, len(blocks))
+            rows.append((settings, seed, blocks))
+    head = [f"{i * BLOCK + 1}-{(i + 1) * BLOCK}" for i in range(width)]
+    lines.append("| settings | seed | " + " | ".join(head) + " | >= 0.9 |")
+    lines.append("|---|---|" + "---|" * len(head) + "---|")
+    for settings, seed, blocks in rows:
+        cells = [f"{b:.2f}" for b in blocks] + [""] * (width - len(blocks))
+        lines.append(f"| {settings} | {seed} | " + " | ".join(cells) + f" | {kept(blocks)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--iterations", type=int, default=1000)
+    parser.add_argument("--out", type=Path, default=Path("outputs/lookup_results"))
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    if not args.table_only:
+        for settings in SETTINGS:
+            for seed in args.seeds:
+                cmd = command(settings, seed, args.iterations, args.out)
+                print("+", " ".join(cmd[1:]), flush=True)
+                subprocess.run(cmd, check=True)
+    print(table(args.out, args.seeds))
+
+
+if __name__ == "__main__":
+    main()

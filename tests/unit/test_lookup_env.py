@@ -1,0 +1,82 @@
+"""The built-in lookup environment (ds_ppo/envs/lookup.py, preset `lookup`): its steps and
+rewards, and its data: every prompt once per code, so never copying is right 1/4 of the time at
+best and copying always."""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+
+import pytest
+
+from conftest import REPO
+from ds_ppo.config import load_config
+from ds_ppo.envs.base import load_python_env
+from ds_ppo.envs.lookup import CALL_REWARD, CODES, Lookup, tasks
+
+
+def test_lookup_then_a_copied_answer():
+    env = Lookup()
+    env.reset("look up the code of the red box .", code="7")
+    call = env.step(" code =")
+    assert (call.observation, call.reward, call.done) == (" 7", CALL_REWARD, False)
+    answer = env.step(" 7 .")
+    assert answer.done and answer.reward == 1.0
+    assert answer.info == {"lookup": 1.0, "correct": 1.0}
+
+
+def test_a_guess_without_lookup_and_a_second_lookup_is_an_answer():
+    env = Lookup()
+    env.reset("p", code="3")
+    step = env.step(" 5")
+    assert step.done and step.reward == 0.0 and step.info == {"lookup": 0.0, "correct": 0.0}
+    env.reset("p", code="3")
+    env.step("=")
+    step = env.step(" = 3")  # after the one lookup, any turn is the answer: 3 is its number
+    assert step.done and step.reward == 1.0 and step.info["lookup"] == 1.0
+
+
+def test_no_prompt_tells_its_code():
+    rows = [json.loads(line) for line in
+            (REPO / "ds_ppo" / "data" / "lookup.jsonl").read_text().splitlines()]
+    assert rows == tasks()  # the packaged data is tasks()'s
+    codes = defaultdict(list)
+    for r in rows:
+        codes[r["prompt"]].append(r["code"])
+    assert len(codes) == 64 and all(sorted(c) == sorted(CODES) for c in codes.values())
+    # the best answer that ignores the observation: one code, right 1/4 of the time
+    assert max(Counter(r["code"] for r in rows).values()) / len(rows) == 0.25
+
+
+def test_the_preset_runs_the_environment_with_its_column():
+    cfg = load_config("lookup")
+    assert cfg.env.function == "ds_ppo.envs.lookup:Lookup" and cfg.data.reward_keys == ["code"]
+    assert cfg.data.path == "builtin:lookup" and cfg.env.stop == ["="]
+    load_python_env(cfg.env.function, cfg.data.reward_keys)  # its signature fits the column
+
+
+def _results_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lookup_results",
+                                                  REPO / "launch" / "lookup_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_table_blocks_and_verdicts(tmp_path):
+    m = _results_script()
+    rows = [{"iteration": i, "env/correct": 0.25 if i <= 100 else 0.95 if i <= 200 else 0.5}
+            for i in range(1, 301)]
+    assert m.accuracy_blocks(rows) == pytest.approx([0.25, 0.95, 0.5])
+    assert m.kept([0.25, 0.95, 0.97]) == "from 101, held"
+    assert m.kept([0.25, 0.95, 0.5]) == "from 101, lost"
+    assert m.kept([0.25, 0.3]) == "not reached"
+    run = tmp_path / "recommended_seed2"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    text = m.table(tmp_path, [1, 2])
+    assert "| recommended | 2 | 0.25 | 0.95 | 0.50 | from 101, lost |" in text
+    assert "calculator" not in text  # runs not made are left out
+    cmd = m.command("calculator", 3, 500, tmp_path)
+    assert "seed=3" in cmd and "env.function=ds_ppo.envs.lookup:Lookup" in cmd
