@@ -200,8 +200,12 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
             out[f.name] = torch.cat([torch.nn.functional.pad(
                 v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=fill)
                 for v in values])
-        else:
+        elif isinstance(values[0], list):
             out[f.name] = [x for v in values for x in v]
+        else:  # one value for the whole rollout (`sampling`): the parts' must agree
+            if any(v != values[0] for v in values[1:]):
+                raise ValueError(f"concat_rollouts: the parts' {f.name} differ")
+            out[f.name] = values[0]
     return Rollout(**out)
 
 

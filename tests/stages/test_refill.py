@@ -118,6 +118,20 @@ def test_concat_rollouts_pads_each_part_to_the_widest():
     assert both.mask.sum(1).tolist() == both.response_lens
 
 
+def test_concat_rollouts_keeps_the_sampled_distribution():
+    """The rounds of one iteration were sampled alike: their `sampling` (the distribution the
+    trainer's log-probs use) passes through; parts sampled otherwise are refused."""
+    from dataclasses import replace
+
+    from ds_ppo.algo.distribution import LogitShape
+
+    shape = LogitShape(temperature=0.7, top_k=5)
+    a, b = replace(_rollout([1]), sampling=shape), replace(_rollout([2, 5]), sampling=shape)
+    assert concat_rollouts([a, b], PAD).sampling == shape
+    with pytest.raises(ValueError, match="sampling differ"):
+        concat_rollouts([a, replace(b, sampling=LogitShape(temperature=1.0))], PAD)
+
+
 def test_one_rank_takes_the_first_prompts_with_signal():
     res = _refill(0, 1)
     stream = [i for batch in res["stream"] for i in batch]
