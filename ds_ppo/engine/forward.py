@@ -33,7 +33,7 @@ from ds_ppo.containers import Rollout
 # ppo.tiled_logits = auto tiles a forward whose response logits would hold more elements than
 # this (positions x vocabulary; 256 MiB in fp32: 2k positions of a 32k vocabulary, 512 of a
 # 128k one). Scoring costs nothing more tiled; the update recomputes each tile's head matmul
-# in backward (docs/PERFORMANCE.md, "Long context", measures both).
+# in backward (docs/RESULTS.md, "One long row", measures both on CPU).
 AUTO_TILE_ELEMENTS = 2**26
 
 

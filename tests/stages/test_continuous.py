@@ -85,7 +85,7 @@ def test_default_check_interval_keeps_continuous_slots_busy():
     """generation.stop_check_every's default (decode's too): a row that ends waits for the next
     check, so the interval sets how busy continuous batching keeps its slots. 32 log-normal
     lengths (median 12, max 64) in 8 slots: >= 75% of the slot-steps count a token at the
-    default 8 (79.7%; the interval 16 gave 57.3%; docs/PERFORMANCE.md has the 64-prompt table)."""
+    default 8 (79.7%; the interval 16 gave 57.3%; docs/RESULTS.md has the 64-prompt table)."""
     check = GenerationConfig().stop_check_every
     assert inspect.signature(decode).parameters["stop_check_every"].default == check
     lengths = lognormal_lengths(32, 12, 64)

@@ -3,7 +3,7 @@ generation.batch_size rows: slot utilisation (counted tokens / slot-steps) and t
 second of our decoding loop, both modes alternating, on a ~4.5M-parameter Llama policy (hidden
 256) at temperature 1. Response lengths are forced (tests/support/forced_lengths.py: the model
 runs as usual, then a countdown picks the tokens) to a log-normal draw, so both modes decode
-exactly the same tokens. Used for docs/PERFORMANCE.md:
+exactly the same tokens. Used for docs/RESULTS.md:
 
     PYTHONPATH=. python tests/support/measure_continuous.py
     PYTHONPATH=. python tests/support/measure_continuous.py --check-every 4 --slots 8 16 32

@@ -2,7 +2,7 @@
 measure_continuous.py (hidden 256): 32 prompts of 32 random tokens, 64 new tokens (or
 --new-tokens), 1 thread, best of 3 with the three alternating: ours (eager steps attend to the
 cache columns written so far), ours attending to every column (as before 2026-12-02, and as the
-CUDA-graph step does) and HF generate; the outputs must agree. Used for docs/PERFORMANCE.md:
+CUDA-graph step does) and HF generate; the outputs must agree. Used for docs/RESULTS.md:
 
     PYTHONPATH=. python tests/support/measure_greedy_vs_hf.py --new-tokens 64
 """

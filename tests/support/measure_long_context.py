@@ -1,6 +1,6 @@
 """Peak memory and time of one scoring + update pass over one long row, through the real stage
-code (ds_ppo.ppo.scoring.score, add_advantages, ppo_update) on CPU: docs/PERFORMANCE.md, "Long
-context".
+code (ds_ppo.ppo.scoring.score, add_advantages, ppo_update) on CPU: docs/RESULTS.md, "One long
+row".
 
     python tests/support/measure_long_context.py --grid 4096,8192,16384,32768
     python tests/support/measure_long_context.py --tokens 8192 --mode tiled   # one process

@@ -2,7 +2,7 @@
 the real `score` and `ppo_update` on one rollout of variable-length rows, with plain torch
 modules standing in for the DeepSpeed engines (forwards and backwards; no optimizer step, the
 same in both). Prints the positions computed and the seconds of each mode (best of --repeats,
-the modes alternating). Used for docs/PERFORMANCE.md:
+the modes alternating). Used for docs/RESULTS.md:
 
     PYTHONPATH=. python tests/support/measure_packing.py
     PYTHONPATH=. python tests/support/measure_packing.py --device cuda --attn flash_attention_2 --threads 4
