@@ -76,22 +76,24 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:06d}"
 
 
-def named_by_latest(root: Path) -> Path | None:
-    """The directory `latest` names, or None when `latest` is missing, unreadable or garbled."""
+def _named_by(root: Path, pointer: str) -> Path | None:
+    """The checkpoint directory the file `pointer` names, or None when it is missing, unreadable
+    or garbled."""
     try:
-        name = (root / "latest").read_bytes().decode("ascii").strip()
+        name = (root / pointer).read_bytes().decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return root / name if _NAME.fullmatch(name) else None
+
+
+def named_by_latest(root: Path) -> Path | None:
+    """The directory `latest` names, or None when `latest` is missing, unreadable or garbled."""
+    return _named_by(root, "latest")
 
 
 def named_by_best(root: Path) -> Path | None:
     """The directory `best` names (checkpoint.keep_best), or None."""
-    try:
-        name = (root / "best").read_bytes().decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return root / name if _NAME.fullmatch(name) else None
+    return _named_by(root, "best")
 
 
 def _iteration(path: Path) -> int | None:
