@@ -185,3 +185,13 @@ def test_the_layering_scan_finds_violations(tmp_path):
     assert layering_violations(pkg) == ["ds_ppo/algo/kl.py:2 numpy",
                                         "ds_ppo/engine/roles.py:1 ds_ppo.ppo.scoring",
                                         "ds_ppo/ppo/update.py:2 ds_ppo.run.loop.train"]
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test modules by their file name (no packages under tests/): two files of
+    one name in different folders stop the run ("import file mismatch", under xdist a crashed
+    worker)."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1]
