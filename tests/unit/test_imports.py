@@ -193,5 +193,5 @@ def test_test_files_have_unique_names():
     worker)."""
     from collections import Counter
 
-    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    names = Counter(p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py"))
     assert not [n for n, c in names.items() if c > 1]
