@@ -48,11 +48,11 @@ def _train(args: argparse.Namespace) -> int:
     from ds_ppo.config import config_warnings, validate
 
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
-    cfg = _load(args)
+    cfg, world = _load(args), _world_size(args)
     _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
-    validate(cfg, _world_size(args))
+    validate(cfg, world)
     if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for warning in config_warnings(cfg, _world_size(args)):
+        for warning in config_warnings(cfg, world):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
     from ds_ppo.config.preflight import preflight
@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
 
         load_python_env(cfg.env.function, cfg.data.reward_keys)
     if args.dry_run:
-        print(f"config OK for world size {_world_size(args)}")
+        print(f"config OK for world size {world}")
         return 0
     from ds_ppo.engine.checkpoint_files import finished_message, finished_run
 
@@ -103,25 +103,13 @@ def _job(args: argparse.Namespace) -> int:
     directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/supervised_job.py)."""
     from ds_ppo.config import job_config, validate_job
 
-    cfg = job_config(_load(args), args.command)
-    validate_job(cfg, args.command, _world_size(args))
+    cfg, world = job_config(_load(args), args.command), _world_size(args)
+    validate_job(cfg, args.command, world)
     if args.dry_run:
-        from ds_ppo.config.paths import missing_paths, placeholders
-        from ds_ppo.config.preflight import placeholder_problem
-        from ds_ppo.errors import ConfigError
+        from ds_ppo.config.preflight import job_preflight
 
-        problems = missing_paths(cfg, job=args.command)
-        if placeholders(cfg, ("data", "policy")):
-            problems.append(placeholder_problem(cfg, ("data", "policy")))
-        if problems:
-            raise ConfigError(problems[0] if len(problems) == 1 else
-                              "\n  ".join([f"{len(problems)} problems:", *problems]))
-        from ds_ppo.data.supervised_rows import check_rows
-
-        check_rows(cfg, args.command)  # the rows, read and checked as the job reads them
-        if cfg.data.eval_split is not None:
-            check_rows(cfg, args.command, cfg.data.eval_split)
-        print(f"config OK for world size {_world_size(args)}")
+        job_preflight(cfg, args.command)
+        print(f"config OK for world size {world}")
         return 0
     from ds_ppo.run.preemption import Preempted
     from ds_ppo.trainer import run_supervised

@@ -80,6 +80,30 @@ def preflight(cfg: Config, paths: bool = False) -> None:
             load_reward_function(cfg.reward.function, cfg.data.reward_keys)
         except ConfigError as e:
             problems.append(str(e))
+    raise_problems(problems)
+
+
+# what `ds-ppo sft` / `ds-ppo rm` read of the config's paths: their data and the policy section
+JOB_SECTIONS = ("data", "policy")
+
+
+def job_preflight(cfg: Config, job: str) -> None:
+    """`ds-ppo sft|rm --dry-run`: local paths that do not exist and placeholders still to fill
+    in (one ConfigError listing them), then the rows of the training and evaluation files, read
+    and checked as the job reads them."""
+    problems = missing_paths(cfg, job=job)
+    if placeholders(cfg, JOB_SECTIONS):
+        problems.append(placeholder_problem(cfg, JOB_SECTIONS))
+    raise_problems(problems)
+    from ds_ppo.data.supervised_rows import check_rows
+
+    check_rows(cfg, job)
+    if cfg.data.eval_split is not None:
+        check_rows(cfg, job, cfg.data.eval_split)
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One ConfigError: the problem, or `N problems:` and each on a line of its own."""
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
