@@ -393,7 +393,8 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
     elif cfg.reward.url is not None:
-        from ds_ppo.rewards.service import RewardService, call_deadline
+        from ds_ppo.http_deadline import call_deadline
+        from ds_ppo.rewards.service import RewardService
 
         reward_fn = RewardService.from_config(
             cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))

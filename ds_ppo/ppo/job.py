@@ -185,7 +185,7 @@ def _environment(cfg: Config):
     if not cfg.env.enabled:
         return None
     from ds_ppo.envs.runner import EnvRunner
-    from ds_ppo.rewards.service import call_deadline
+    from ds_ppo.http_deadline import call_deadline
 
     return EnvRunner(cfg.env, cfg.data.reward_keys,
                      call_deadline(cfg.dist_timeout_minutes, dist.world_size()))

@@ -35,8 +35,7 @@ from typing import Any
 
 from ds_ppo import watchdog
 from ds_ppo.errors import RewardError
-from ds_ppo.http_deadline import (MAX_BACKOFF_S, AnswerTooLarge, Connection, HttpTimeout,
-                                  backoff_pause, call_deadline, worst_request_s)
+from ds_ppo.http_deadline import AnswerTooLarge, Connection, HttpTimeout, backoff_pause
 from ds_ppo.redaction import redact_url
 
 log = logging.getLogger("ds_ppo")

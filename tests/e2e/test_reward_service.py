@@ -13,7 +13,8 @@ import pytest
 from conftest import SMALL, free_port, read_metrics, run_cli
 from ds_ppo.config import load_config, validate
 from ds_ppo.errors import ConfigError
-from ds_ppo.rewards.service import RewardService, RewardServiceError, call_deadline, redact_url
+from ds_ppo.http_deadline import call_deadline
+from ds_ppo.rewards.service import RewardService, RewardServiceError, redact_url
 from ds_ppo.rewards.functions import positive_words
 
 

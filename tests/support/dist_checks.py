@@ -485,9 +485,7 @@ def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
     """Each step's loss statistics of two optimizer steps of `ds-ppo sft` / `ds-ppo rm` (the
     second step's depend on the first update) and the evaluation after them."""
     from ds_ppo.config import validate_job
-    from ds_ppo.rm import RMTask
     from ds_ppo.trainer import run_supervised
-    from ds_ppo.sft import SFTTask
 
     data = supervised_data(work)
     rows = "sft.jsonl" if job == "sft" else "pairs.jsonl"
