@@ -208,6 +208,22 @@ def newest_verified(path: Path) -> Path | None:
     return None
 
 
+def _first_problem(path: Path, prefixes: tuple[str, ...] | None,
+                   expected: str | None) -> tuple[str, str] | None:
+    """Collective: each rank checks its share of `path`'s files against the manifest
+    (engine/manifest.py; `expected`: why a missing manifest is an error); the first problem of
+    any rank as (its file relative to `path`, what is wrong, with how many more files differ),
+    alike on every rank, or None."""
+    from ds_ppo.engine import dist, manifest  # here: this module needs no torch (--dry-run)
+
+    mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes, expected)
+    found = [p for part in dist.gather_objects(mine) for p in part]
+    if not found:
+        return None
+    rel, what = found[0]
+    return rel, what + (f" ({len(found) - 1} more files differ)" if len(found) > 1 else "")
+
+
 def verify_files(path: Path, command: str = "resume",
                  prefixes: tuple[str, ...] | None = None) -> float:
     """Collective: check `path`'s files against its manifest, each rank its share (see
@@ -219,18 +235,16 @@ def verify_files(path: Path, command: str = "resume",
     """
     import time
 
-    from ds_ppo.engine import dist, manifest  # here: this module needs no torch (--dry-run)
+    from ds_ppo.engine import dist
 
     start = time.perf_counter()
     expected = ("its trainer_state.json records that it was saved with one"
                 if read_state(path).manifest else None)
-    mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes, expected)
-    found = [p for part in dist.gather_objects(mine) for p in part]
-    if found:
+    problem = _first_problem(path, prefixes, expected)
+    if problem is not None:
         def fail():
-            rel, what = found[0]
-            more = f" ({len(found) - 1} more files differ)" if len(found) > 1 else ""
-            raise unusable(path, path / rel, what + more, newest_verified(path), command)
+            rel, what = problem
+            raise unusable(path, path / rel, what, newest_verified(path), command)
         dist.on_rank0(fail)
     return time.perf_counter() - start
 
@@ -269,25 +283,23 @@ def verify_export(path: Path, what: str) -> float:
     """
     import time
 
-    from ds_ppo.engine import dist, manifest
+    from ds_ppo.engine import dist
 
     start = time.perf_counter()
     marker = _export_marker(path)
     expected = (f"its {EXPORT_MARKER} records that it was written with one"
                 if marker.get("manifest") else None)
-    mine = manifest.problems(path, dist.rank(), dist.world_size(), None, expected)
-    found = [p for part in dist.gather_objects(mine) for p in part]
-    if found:
+    problem = _first_problem(path, None, expected)
+    if problem is not None:
         def fail():
-            rel, why = found[0]
-            more = f" ({len(found) - 1} more files differ)" if len(found) > 1 else ""
+            rel, why = problem
             source = str(marker.get("checkpoint", ""))
             if source.startswith("the run in ") and not source.endswith("(EMA)"):
                 source = source.removeprefix("the run in ")
             fix = (f"export it again: ds-ppo export --checkpoint {source} --out {path}"
                    if source and not source.startswith("the run in ") else
                    "export it again from the checkpoint it came from (ds-ppo export)")
-            raise CheckpointError(f"{what} {path} is unusable: {path / rel} {why}{more}. "
+            raise CheckpointError(f"{what} {path} is unusable: {path / rel} {why}. "
                                   f"To use it, {fix}")
         dist.on_rank0(fail)
     return time.perf_counter() - start
