@@ -86,7 +86,7 @@ class PPOJob:
     def check_checkpoint(self, path: Path) -> None:
         check_estimator_family(path, self.cfg.ppo.advantage_estimator)
 
-    def build(self, cfg: Config, device: torch.device, tracker, universal: bool) -> Engines:
+    def build(self, cfg: Config, device: torch.device, universal: bool) -> Engines:
         return init_engines(cfg, self.tokenizer, device, load_universal=universal,
                             reward_shares_tokenizer=self.reward_encode is None
                             or self.reward_encode.same)

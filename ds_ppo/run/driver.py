@@ -91,7 +91,7 @@ class Job(Protocol):
     def check_checkpoint(self, path: Path) -> None:
         """Refuse a checkpoint this job cannot continue (another job's, another estimator's)."""
 
-    def build(self, cfg: Config, device: torch.device, tracker, universal: bool):
+    def build(self, cfg: Config, device: torch.device, universal: bool):
         """The engines (`universal`: they will load a checkpoint of another world size)."""
 
     def trained_roles(self) -> tuple[str, ...]:
@@ -118,7 +118,6 @@ class Job(Protocol):
         """The unit's progress line, metrics.jsonl and MLflow (rank 0)."""
 
 
-
 def run(cfg: Config, job: Job) -> TrainResult:
     """Run `job` as configured; resumes from output_dir's latest checkpoint when resume=auto."""
     finished = _already_finished(cfg, job, job.known_total(cfg))
@@ -134,7 +133,7 @@ def run(cfg: Config, job: Job) -> TrainResult:
         return done
     resume_from, universal = _find_resume(cfg, job, device)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
-    engines = job.build(cfg, device, tracker, universal)
+    engines = job.build(cfg, device, universal)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
     tracker.log_params(lora.trainable_counts(engines))
     state = _start_or_resume(cfg, job, engines, resume_from, universal, total)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo import dynamic
 from ds_ppo.ppo.dynamic import PromptDraw, choose_groups, position, refill, slot
 from ds_ppo.ppo.scoring import RewardScores
+from support.rollouts import padded_rollout
 
 N_PROMPTS, BATCH, N, MINI = 64, 8, 2, 8  # a mini-batch holds MINI / N = 4 prompts
 PAD = 0
@@ -37,20 +39,10 @@ def _rollout(indices: list[int]) -> Rollout:
         for k in range(N):
             prompts.append([3 + i] * (1 + i % 3))
             responses.append([4 + i, 5 + k][: 1 + (i + k) % 2])
-    B, P, T = len(prompts), max(map(len, prompts)), max(map(len, responses))
-    prompt_ids = torch.full((B, P), PAD)
-    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
-    response_ids = torch.full((B, T), PAD)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (pr, rs) in enumerate(zip(prompts, responses)):
-        prompt_ids[b, P - len(pr):], prompt_mask[b, P - len(pr):] = torch.tensor(pr), True
-        response_ids[b, :len(rs)], mask[b, :len(rs)] = torch.tensor(rs), True
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                   mask=mask, ended=torch.ones(B, dtype=torch.bool),
-                   prompts=[f"p{i}" for i in indices for _ in range(N)],
-                   responses=[f"r{i}.{k}" for i in indices for k in range(N)],
-                   prompt_lens=[len(x) for x in prompts],
-                   response_lens=[len(x) for x in responses], extras=[{}] * B)
+    rollout = padded_rollout(prompts, responses, max(map(len, prompts)),
+                             max(map(len, responses)), PAD)
+    return replace(rollout, prompts=[f"p{i}" for i in indices for _ in range(N)],
+                   responses=[f"r{i}.{k}" for i in indices for k in range(N)])
 
 
 def _scores(rollout, engines, cfg, reward_encode) -> RewardScores:
@@ -121,8 +113,6 @@ def test_concat_rollouts_pads_each_part_to_the_widest():
 def test_concat_rollouts_keeps_the_sampled_distribution():
     """The rounds of one iteration were sampled alike: their `sampling` (the distribution the
     trainer's log-probs use) passes through; parts sampled otherwise are refused."""
-    from dataclasses import replace
-
     from ds_ppo.algo.distribution import LogitShape
 
     shape = LogitShape(temperature=0.7, top_k=5)

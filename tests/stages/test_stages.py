@@ -18,6 +18,7 @@ from ds_ppo.data.prompts import truncate_left
 from ds_ppo.rewards.encode import rollout_for_reward
 from ds_ppo.engine.forward import last_token_index, position_ids, response_logprobs, response_values
 from ds_ppo.metrics import Accumulator, std_from_moments
+from support.rollouts import padded_rollout
 from ds_ppo.rewards.call import load_reward_function
 from ds_ppo.rewards.functions import positive_words
 from ds_ppo.ppo.scoring import reward_scores
@@ -308,23 +309,6 @@ def test_accumulator_reduces_mean_max_sum_replicated():
     assert math.isnan(acc.reduce()["empty"])
 
 
-def _padded_rollout(prompts, responses, P, T, pad=0):
-    """A Rollout of unpadded prompt/response id lists: prompts left-padded to P, responses
-    right-padded to T (wider than any row: extra columns nothing needs)."""
-    B = len(prompts)
-    prompt_ids = torch.full((B, P), pad)
-    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
-    response_ids = torch.full((B, T), pad)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (pr, rs) in enumerate(zip(prompts, responses)):
-        prompt_ids[b, P - len(pr):], prompt_mask[b, P - len(pr):] = torch.tensor(pr), True
-        response_ids[b, :len(rs)], mask[b, :len(rs)] = torch.tensor(rs), True
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                   mask=mask, ended=torch.ones(B, dtype=torch.bool), prompts=[""] * B,
-                   responses=[""] * B, prompt_lens=[len(x) for x in prompts],
-                   response_lens=[len(x) for x in responses], extras=[{}] * B)
-
-
 PROMPTS = [[5, 6, 7], [9, 3], [4, 4, 8, 2]]
 RESPONSES = [[8, 9, 10, 11], [12], [13, 14]]
 
@@ -333,7 +317,7 @@ def test_response_logprobs_equal_unpadded_and_skip_unused_columns():
     """Each row's response log-probs equal those of its unpadded sequence, whatever the other
     rows' lengths; the forward only sees the columns some row needs; logits only for responses."""
     model = small_llama()
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=6, T=7)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=6, T=7)
     widths = []
     hook = model.model.embed_tokens.register_forward_hook(
         lambda m, args, out: widths.append(args[0].shape[1]))
@@ -357,7 +341,7 @@ def test_response_values_equal_unpadded():
     torch.manual_seed(0)
     model = small_llama()
     model.lm_head = torch.nn.Linear(16, 1)  # a per-token value head
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=5, T=6)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=5, T=6)
     with torch.no_grad():
         values = response_values(model, rollout)
         assert values.shape == (3, 6)
@@ -368,7 +352,7 @@ def test_response_values_equal_unpadded():
 
 
 def test_micro_batches_group_similar_lengths():
-    rollout = _padded_rollout([[1]] * 5, [[1] * n for n in (1, 6, 2, 5, 6)], P=1, T=6)
+    rollout = padded_rollout([[1]] * 5, [[1] * n for n in (1, 6, 2, 5, 6)], P=1, T=6)
     assert rollout.micro_batches(2) == [[1, 4], [3, 2], [0]]  # ties keep their order
     assert rollout.micro_batches(2, rows=[0, 2, 3]) == [[3, 2], [0]]
     sub = rollout.slice([3, 0])
@@ -382,7 +366,7 @@ def test_positions_count_what_the_micro_batch_forwards_compute():
     model_inputs and their real tokens, from host lengths."""
     prompts = [[2] * n for n in (3, 1, 5, 2, 4)]
     responses = [[1] * n for n in (1, 6, 2, 5, 6)]
-    rollout = _padded_rollout(prompts, responses, P=7, T=9)
+    rollout = padded_rollout(prompts, responses, P=7, T=9)
     batches = rollout.micro_batches(2)
     inputs = [rollout.slice(rows).model_inputs() for rows in batches]
     assert rollout.positions(batches) == (sum(ids.numel() for ids, _, _ in inputs),
@@ -399,7 +383,7 @@ def test_reward_inputs_cut_each_row_like_encode_for_reward():
     bos = 1
     prompts = [[bos, 5, 6, 7, 8], [bos, 9, 3], [4, 4, 8, 2, 6]]
     responses = [[10, 11], [12, 13, 14, 15, 16, 17], [13, 14]]
-    rollout = _padded_rollout(prompts, responses, P=6, T=8)
+    rollout = padded_rollout(prompts, responses, P=6, T=8)
     ids, am, cut = rollout_for_reward(rollout, max_len=6, bos_id=bos)
     assert cut.tolist() == [True, True, True]
     rows = [[t for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), am.tolist())]
@@ -430,7 +414,7 @@ def test_scoring_returns_rows_in_rollout_order():
     from ds_ppo.engine.forward import LastTokenScorer
 
     rm = _tiny_reward_model()
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     engines = types.SimpleNamespace(reward_fn=None, reward=RewardRole(LastTokenScorer(rm)))
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
@@ -490,7 +474,7 @@ def test_every_role_forward_goes_through_its_engine():
     engines = types.SimpleNamespace(
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
         value=ValueRole(fakes["value"]), reward=RewardRole(fakes["reward"]), reward_fn=None)
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
     exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
@@ -539,7 +523,7 @@ def test_scoring_and_the_update_use_only_the_role_methods():
         value=_RoleInterface(ValueRole(fakes["value"])),
         reward=_RoleInterface(RewardRole(_CountingEngine(LastTokenScorer(_tiny_reward_model())))),
         reward_fn=None)
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=1", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
     exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
@@ -582,7 +566,7 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     from ds_ppo.ppo.scoring import score
     from ds_ppo.ppo.report import iteration_metrics
 
-    rollout = _padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
+    rollout = padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
     with torch.no_grad():
         sampled, _ = response_logprobs(small_llama(), rollout, 0.7)
     rollout.rollout_logprobs = sampled.masked_fill(~rollout.mask, 0.0)
@@ -792,7 +776,7 @@ def test_temperature_and_filters_in_sampling_and_scoring():
     from ds_ppo.engine.generation import _generate_kwargs
 
     model = small_llama()
-    rollout = _padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
+    rollout = padded_rollout(PROMPTS[:1], RESPONSES[:1], P=3, T=4)
     ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
     labels = torch.tensor(RESPONSES[0])[:, None]
     with torch.no_grad():
