@@ -12,7 +12,7 @@ from conftest import FakeEngine
 from support.big_tensors import LargestTensor
 from support.tiny_models import small_llama
 from test_packing import ATOL, PROMPTS, RESPONSES, _llama, _scored_and_updated
-from test_stages import _padded_rollout
+from support.rollouts import padded_rollout
 
 
 # tiny models: one torch thread (tests/conftest.py, one_thread)
@@ -28,7 +28,7 @@ def test_auto_tiles_above_the_measured_size():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_tiled_forward_equals_untiled_with_gradients(packed):
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
     policy = _llama()
     outs = {}
     for tiled in (False, True):
@@ -50,7 +50,7 @@ def test_tiled_update_creates_no_logits_sized_tensor():
     of T*V elements (the check can fail), the tiled ones nothing larger than the head's weight
     gradient (V x H; one tile's logits, 8 x V, and the activations are smaller)."""
     T, V, H = 80, 500, 32
-    rollout = _padded_rollout([[5, 6, 7]], [list(range(3, 3 + T))], P=3, T=T)
+    rollout = padded_rollout([[5, 6, 7]], [list(range(3, 3 + T))], P=3, T=T)
     torch.manual_seed(0)
     policy = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=4,
@@ -101,7 +101,7 @@ def test_lora_reference_keeps_adapters_off_for_the_tiled_head():
             if "lora_B" in n:
                 p.normal_()  # adapters that change the output
     reference = AdaptersOff(FakeEngine(model))
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
     with torch.no_grad():
         want, _ = response_logprobs(reference, rollout, 1.0)
         got, _ = response_logprobs(reference, rollout, 1.0, tiled=True, tile_tokens=4)
@@ -115,7 +115,7 @@ def test_tiled_mlp_equals_plain_mlp_in_the_update_only():
     gradients through DeepSpeed's TiledMLP; scoring (no grad) keeps the plain MLP."""
     from ds_ppo.engine.tiled_mlp import tile_mlps
 
-    rollout = _padded_rollout([[5, 6, 7]], [[3 + i % 40 for i in range(80)]], P=3, T=80)
+    rollout = padded_rollout([[5, 6, 7]], [[3 + i % 40 for i in range(80)]], P=3, T=80)
     outs = []
     for tiled in (False, True):
         policy = _llama().train()

@@ -15,7 +15,8 @@ from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths, p
                          response_predictors, token_budget_batches, unpack)
 from ds_ppo.engine.forward import response_logprobs, response_values
 from conftest import FakeEngine
-from test_stages import _cfg, _padded_rollout
+from support.rollouts import padded_rollout
+from test_stages import _cfg
 
 # float32 on CPU: a packed forward sums the same terms as the padded one, in another order and
 # with other matmul shapes (~1e-7 relative); a wrong mask or position moves them by ~1e-1
@@ -53,7 +54,7 @@ def test_token_budget_batches_first_fit_longest_first():
 
 
 def test_token_micro_batches_idle_ones_and_their_positions():
-    rollout = _padded_rollout([[1] * n for n in (3, 1, 5, 2)], [[1] * n for n in (1, 6, 2, 5)],
+    rollout = padded_rollout([[1] * n for n in (3, 1, 5, 2)], [[1] * n for n in (1, 6, 2, 5)],
                               P=5, T=6)  # rows of 4, 7, 7, 7 tokens
     batches = rollout.token_micro_batches(11)
     assert batches == [[1, 0], [2], [3]]  # 7 + 4; the other 7s do not fit with a 7
@@ -121,7 +122,7 @@ def test_packed_logprobs_entropy_values_equal_padded(attn):
     torch.backends.cuda.matmul.allow_tf32 = False
     # flash-attention runs in 16 bits only: compare bf16 against bf16 there, at a 16-bit tolerance
     dtype, atol = (torch.bfloat16, 3e-2) if attn == "flash_attention_2" else (torch.float32, ATOL)
-    rollout = _on(DEVICE, _padded_rollout(PROMPTS, RESPONSES, P=8, T=10))
+    rollout = _on(DEVICE, padded_rollout(PROMPTS, RESPONSES, P=8, T=10))
     policy = _llama(attn=attn).to(DEVICE, dtype)
     widths = []
     hook = policy.model.embed_tokens.register_forward_hook(
@@ -150,7 +151,7 @@ def test_packing_without_the_block_mask_would_leak_between_rows(monkeypatch):
     the rows before them) the later rows' log-probs move far beyond ATOL."""
     import ds_ppo.engine.forward as forward
 
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
     policy = _llama()
     with torch.no_grad():
         lp, _ = response_logprobs(policy, rollout, 1.0)
@@ -181,7 +182,7 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
                for n in torch.randint(1, 8, (ROWS,), generator=g)]
     responses = [torch.randint(3, 50, (int(n),), generator=g).tolist()
                  for n in torch.randint(1, 10, (ROWS,), generator=g)]
-    rollout = _padded_rollout(prompts, responses, P=8, T=10)
+    rollout = padded_rollout(prompts, responses, P=8, T=10)
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 
     fakes = dict(policy=FakeEngine(_llama()), reference=FakeEngine(_llama()),
@@ -264,7 +265,7 @@ def test_flash_path_passes_the_rows_bounds_and_no_mask():
         return torch.cat(outs, dim=1), None
 
     AttentionInterface.register("flash_varlen_cpu_test", varlen)
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
     policy = _llama()
     with torch.no_grad():
         lp, _ = response_logprobs(policy, rollout, 1.0)
@@ -289,7 +290,7 @@ class _Wrapper:
 def test_unknown_attention_implementation_leaves_the_rows_to_transformers():
     """A model whose attention implementation cannot be read gets no mask, only the restarting
     position ids, from which transformers builds the block-diagonal mask itself."""
-    rollout = _padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
     policy = _llama()
     masks = []
     hook = policy.model.register_forward_pre_hook(

@@ -21,7 +21,8 @@ from ds_ppo.engine.roles import load_value_model
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo import advantages, scoring, update
 from support.tiny_models import small_llama
-from test_stages import _cfg, _padded_rollout
+from support.rollouts import padded_rollout
+from test_stages import _cfg
 
 
 # tiny models: one torch thread (tests/conftest.py, one_thread)
@@ -51,7 +52,7 @@ def test_value_model_from_a_reward_model_export_starts_with_its_scores(arch, tmp
     config = AutoConfig.from_pretrained(tmp_path / "rm", num_labels=1)
     config.classifier_dropout, config.token_classification_bias = 0.0, False  # as _init_value
     value = load_value_model(str(tmp_path / "rm"), config, dtype=torch.float32).eval()
-    rollout = _padded_rollout([[5, 6, 7], [9, 3]], [[8, 9, 10, 11], [12, 13]], P=4, T=5)
+    rollout = padded_rollout([[5, 6, 7], [9, 3]], [[8, 9, 10, 11], [12, 13]], P=4, T=5)
     with torch.no_grad():
         values = response_values(value, rollout)  # value before each response token
         for b, n in enumerate(rollout.response_lens):
@@ -177,7 +178,7 @@ def _experience(cfg, engines):
     prompts = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (2, 5, 3, 1)]
     responses = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (4, 1, 6, 3)]
     with torch.no_grad():
-        exp = scoring.score(_padded_rollout(prompts, responses, P=6, T=7), engines, cfg, None)
+        exp = scoring.score(padded_rollout(prompts, responses, P=6, T=7), engines, cfg, None)
         return advantages.add_advantages(exp, advantages.advantage_settings(cfg, 0.1))
 
 
