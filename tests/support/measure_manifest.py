@@ -1,5 +1,5 @@
 """What a checkpoint manifest costs (docs/CHECKPOINTS.md): the write at save (every file's size
-and CRC-32, engine/manifest.py) and the check on resume, beside the save itself.
+and CRC-32, engine/checkpoint/manifest.py) and the check on resume, beside the save itself.
 
     python tests/support/measure_manifest.py --checkpoint outputs/tiny/checkpoints/iter_000040
     python tests/support/measure_manifest.py --hidden 768 --layers 12 --out /tmp/m100
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ds_ppo.engine import manifest  # noqa: E402
+from ds_ppo.engine.checkpoint import manifest  # noqa: E402
 
 
 def _build(out: Path, hidden: int, layers: int, vocab: int) -> tuple[int, float]:
