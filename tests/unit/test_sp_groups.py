@@ -44,7 +44,7 @@ def _rollout(row_lens: list[int]):
 def _cfg(*extra: str):
     return batching(load_config(None, ["deepspeed.sequence_parallel_size=2",
                                        "ppo.micro_batch_size=2",
-                              "deepspeed.sequence_parallel_min_tokens=10", *extra]))
+                                       "deepspeed.sequence_parallel_min_tokens=10", *extra]))
 
 
 def test_rows_of_at_least_min_tokens_are_split_and_run_alone_after_the_whole_ones(sp2):
