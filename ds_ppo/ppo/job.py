@@ -133,8 +133,10 @@ class PPOJob:
                                       self.eos_ids, self.reward_encode,
                                       _ptx_stream(cfg, self.ptx_rows, tokenizer), self.env)
         if cfg.ppo.schedule != "sync":  # generation beside training (ppo/schedule.py)
+            sampler = self.sampler
             self.inputs = replace(self.inputs, schedule=rollout_schedule(
-                self.inputs, self.sampler, self._saved_flight))
+                self.inputs, lambda iteration: sampler.indices(iteration - 1),
+                self._saved_flight))
         from ds_ppo.ppo.report import Reporter
 
         self.reporter = Reporter(cfg, run.tracker, run.out, tokenizer)
@@ -192,8 +194,9 @@ class PPOJob:
         return metrics, samples
 
 
-def rollout_schedule(inputs: IterationInputs, sampler, saved=None):
-    """ppo.schedule's RolloutSchedule over the iterations' prompts (`sampler`), continuing a
+def rollout_schedule(inputs: IterationInputs, prompts_of, saved=None):
+    """ppo.schedule's RolloutSchedule over the iterations' prompts (`prompts_of(iteration)`:
+    this rank's prompt indices of that 1-based iteration), continuing a
     checkpoint's in-flight work `saved`. It generates on a whole replica with our loop: a
     generation.mode / loop that resolved otherwise is refused here (--dry-run refuses the
     explicit settings)."""
@@ -207,7 +210,7 @@ def rollout_schedule(inputs: IterationInputs, sampler, saved=None):
                           f"with our decoding loop, but generation resolved to mode "
                           f"{inputs.gen_mode!r}, loop {loop!r}: set generation.mode=gathered "
                           "and generation.loop=own, or ppo.schedule=sync")
-    schedule = RolloutSchedule(inputs, lambda iteration: sampler.indices(iteration - 1))
+    schedule = RolloutSchedule(inputs, prompts_of)
     schedule.load_state_dict(saved)
     return schedule
 
