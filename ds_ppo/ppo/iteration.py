@@ -63,7 +63,8 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int] | Pro
     ppo.dynamic_sampling, the rounds `indices` draws): the scored `Experience` (B = this rank's
     sequences) with its advantages, after the PPO update of the engines; and what generation
     ran (decoding loop and its statistics). The update's statistics go into `acc`;
-    `timed(phase)` wraps each stage."""
+    `timed(phase)` wraps each stage. With `run.schedule` (ppo.schedule one_step_off, async) the
+    rollout is the schedule's for this iteration and `indices` is not read."""
     # generation.batch_invariant: the sampler's and the trainer's forwards give equal logits
     with batch_invariant(run.cfg.generation.batch_invariant):
         return _iteration(run, iteration, indices, kl_coef, acc, timed)
@@ -73,7 +74,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                kl_coef: float,
                acc: Accumulator, timed: PhaseTimer) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
-    rewards = None  # known before scoring only with dynamic sampling
+    rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
         if run.schedule is not None:  # ppo.schedule: generated beside the last update

@@ -53,7 +53,9 @@ class Buffered:
     version: int  # policy version (optimizer updates applied) of the weights that generated it
     rollout: Rollout
     generated: Generated  # the decoding loop's output (no replica)
-    called: RewardCall | None  # the reward function's call on it (None: a reward model)
+    # the reward function's call on it (None: a reward model, or a failed call saved in a
+    # checkpoint: scoring calls the reward)
+    called: RewardCall | None
     seconds: float  # worker time to generate and score it
 
 
@@ -95,10 +97,13 @@ class RolloutSchedule:
         got, self.buffer = self.buffer, None
         acc.add_mean("async/queue_depth", float(got is not None), 1)
         usable = got is not None and got.iteration == iteration and current - got.version <= self.lag
-        regenerate = dist.all_reduce_max(torch.tensor([0.0 if usable or got is None else 1.0],
-                                                      dtype=torch.float64))
-        acc.add_sum("async/regenerated", float(regenerate))
-        if not usable or float(regenerate):  # every rank alike (the sync below is collective)
+        # regenerated: a buffered rollout too old for max_staleness, or none after a resume
+        # (a checkpoint of a sync run, or of another world size, holds none); every rank alike
+        # (the weight sync below is collective)
+        missing = 0.0 if usable or (got is None and iteration == 1) else 1.0
+        regenerate = float(dist.all_reduce_max(torch.tensor([missing], dtype=torch.float64)))
+        acc.add_sum("async/regenerated", regenerate)
+        if not usable or regenerate:
             self._sync(current)
             got = self._produce(iteration, current)
             self.busy_s += got.seconds
@@ -147,9 +152,6 @@ class RolloutSchedule:
         acc.add_max("async/weight_sync_s", self.sync_s)
         acc.add_max("async/weight_sync_bytes", float(self.sync_bytes))
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
     # ------------------------------------------------------------------ the parts
     def _produce(self, iteration: int, version: int) -> Buffered:
         """The rollout of `iteration` on the replica (weights of `version`), its reward function
@@ -194,11 +196,15 @@ class RolloutSchedule:
         """What a checkpoint after the last finished iteration holds for this rank: the buffered rollout, the
         worker's random stream, and the replica's weights when they are older than the
         engines' (async with max_staleness >= 2 generates from them again)."""
+        buffer = self.buffer
+        if buffer is not None and buffer.called is not None and buffer.called.error is not None:
+            # a failed reward call is not kept: the resumed run calls the (fixed) reward again
+            buffer = replace(buffer, called=None)
         keep_replica = (self.replica is not None and self.replica_version is not None
                         and self.replica_version < self.completed)
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "completed": self.completed,
-                "buffer": self.buffer, "generator": self.generator.get_state(),
+                "buffer": buffer, "generator": self.generator.get_state(),
                 "replica_version": self.replica_version if keep_replica else None,
                 "replica": ({k: v.detach().cpu().clone()
                              for k, v in self.replica.state_dict().items()}
@@ -210,7 +216,7 @@ class RolloutSchedule:
         if saved is None:
             return
         self.generator.set_state(saved["generator"])
-        self.buffer = saved["buffer"]
+        self.buffer = dist.moved(saved["buffer"], self.run.engines.device)
         self.completed = saved["completed"]
         if saved["replica"] is not None:
             self._sync(-1)  # allocate the replica (the checksum check runs as ever)
