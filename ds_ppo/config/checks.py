@@ -312,9 +312,10 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
                         f"yet: set deepspeed.sequence_parallel_size=1, {fix}")
     lag = 1 if p.schedule == "one_step_off" else p.max_staleness
     if lag > 0 and p.rollout_correction == "none" and p.old_logprobs == "training":
-        problems.append(f"{where} from weights up to {lag} update(s) old, but ppo.rollout_correction = 'none' with ppo.old_logprobs"
-                        " = 'training' would train on them as if they were on-policy (the PPO "
-                        "ratio starts at 1, the sampler's weights are ignored): set "
+        problems.append(f"{where} from weights up to {lag} update(s) old, but "
+                        "ppo.rollout_correction = 'none' with ppo.old_logprobs = 'training' "
+                        "would train on them as if they were on-policy (the PPO ratio starts "
+                        "at 1, the sampler's weights are ignored): set "
                         "ppo.rollout_correction=tis (or mis), or ppo.old_logprobs=rollout, "
                         "or ppo.schedule=async with ppo.max_staleness=0")
     return problems

@@ -96,7 +96,8 @@ class RolloutSchedule:
         current = iteration - 1
         got, self.buffer = self.buffer, None
         acc.add_mean("async/queue_depth", float(got is not None), 1)
-        usable = got is not None and got.iteration == iteration and current - got.version <= self.lag
+        usable = (got is not None and got.iteration == iteration
+                  and current - got.version <= self.lag)
         # regenerated: a buffered rollout too old for max_staleness, or none after a resume
         # (a checkpoint of a sync run, or of another world size, holds none); every rank alike
         # (the weight sync below is collective)
@@ -130,7 +131,10 @@ class RolloutSchedule:
             self.deferred = version
             return
         if version != self.replica_version:
-            self._sync(version)  # == iteration - 1: the weights this iteration started from
+            # the weights this iteration started from: `version` itself, except after a resume
+            # with other settings whose replica does not hold that older version
+            version = iteration - 1
+            self._sync(version)
         self.pending = self.pool.submit(self._produce, nxt, version)
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
@@ -193,9 +197,9 @@ class RolloutSchedule:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """What a checkpoint after the last finished iteration holds for this rank: the buffered rollout, the
-        worker's random stream, and the replica's weights when they are older than the
-        engines' (async with max_staleness >= 2 generates from them again)."""
+        """What a checkpoint after the last finished iteration holds for this rank: the
+        buffered rollout, the worker's random stream, and the replica's weights when they are
+        older than the engines' (async with max_staleness >= 2 generates from them again)."""
         buffer = self.buffer
         if buffer is not None and buffer.called is not None and buffer.called.error is not None:
             # a failed reward call is not kept: the resumed run calls the (fixed) reward again

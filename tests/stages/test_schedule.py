@@ -130,3 +130,21 @@ def test_corrupted_weight_sync_stops(tmp_path, monkeypatch):
         _train(tmp_path, *OFF, "iterations=3")
     message = str(e.value)
     assert "\n" not in message and "policy version 1" in message and "checksum" in message
+
+
+def test_resume_with_other_settings_regenerates(tmp_path):
+    def last(out: Path) -> dict:
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+
+    # one_step_off's buffered rollout of iteration 3 is 1 update old: too old for max_staleness 0
+    _train(tmp_path / "a", *OFF, "iterations=2")
+    _train(tmp_path / "a", "ppo.rollout_correction=tis", "ppo.schedule=async",
+           "ppo.max_staleness=0", "iterations=3")
+    row = last(tmp_path / "a")
+    assert (row["iteration"], row["async/regenerated"], row["async/staleness_max"]) == (3, 1, 0)
+    # a sync run's checkpoint holds no rollout: one_step_off generates iteration 3's now
+    _train(tmp_path / "b", "iterations=2")
+    _train(tmp_path / "b", *OFF, "iterations=4")
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
+                                                                                     (0, 1)]
