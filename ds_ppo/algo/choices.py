@@ -74,3 +74,43 @@ def describe_estimators() -> str:
                      f"{', value model' if s.critic else ''}"
                      f"{', samples_per_prompt >= 2' if s.groups else ''} ({s.paper})"
                      for s in ESTIMATORS.values())
+
+
+# ppo.schedule: when a rollout is generated relative to the update it feeds (ppo/schedule.py)
+Schedule = Literal["sync", "one_step_off", "async"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One rollout schedule (`ppo.schedule`)."""
+
+    name: str
+    what: str  # which weights generate iteration j's rollout, and when (docs/ASYNC.md's table)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec("sync", "generated at the start of iteration j with the current weights "
+                 "(version j-1), then scored and trained on: on-policy"),
+    ScheduleSpec("one_step_off", "generated during iteration j-1's scoring and update with the "
+                 "weights iteration j-1 started from (version j-2): every sample one update old"),
+    ScheduleSpec("async", "generated during iteration j-1's scoring and update with the "
+                 "generation replica's weights, refreshed every ppo.max_staleness updates: "
+                 "samples 1 to max_staleness updates old (0: generated after the update, as "
+                 "sync)"),
+)}
+SCHEDULE_NAMES: tuple[str, ...] = get_args(Schedule)
+
+
+def rollout_version(schedule: str, max_staleness: int, iteration: int) -> int:
+    """The policy version (optimizer updates applied, 0 = the initial weights) whose weights
+    generate the rollout of `iteration` (1-based). Fixed by the schedule, never by timing, so an
+    interrupted and resumed run generates every rollout from the same weights.
+
+    sync (or async with max_staleness 0): iteration - 1, the current weights. one_step_off
+    (async with max_staleness 1): iteration - 2, the weights the previous iteration started
+    from (the first two rollouts both come from the initial weights). async with N >= 1: the
+    replica is refreshed at versions 0, N, 2N, ...: the newest of those <= iteration - 2."""
+    if schedule == "sync" or (schedule == "async" and max_staleness == 0):
+        return iteration - 1
+    every = 1 if schedule == "one_step_off" else max_staleness
+    return max(0, (iteration - 2) // every * every)

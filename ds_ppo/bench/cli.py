@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "compiled by inductor")
     p.add_argument("--reward", choices=["model", "function"], default="model",
                    help="model: a 4th model of the same shape; function: a free Python reward")
+    p.add_argument("--reward-latency", type=float, default=0.0, metavar="S",
+                   help="with --reward function: each reward call answers after S seconds")
+    p.add_argument("--schedule", default=None, metavar="NAMES",
+                   help="compare ppo.schedule settings in one run, comma-separated (sync, "
+                   "one_step_off, async or async:N for max_staleness N): the timed iterations "
+                   "of each on fresh engines, their iterations per hour against the first's; "
+                   "every schedule runs with ppo.rollout_correction=tis")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any ds_ppo config override, e.g. --set ppo.ppo_epochs=2 (repeatable)")
     p.add_argument("--device-peak-tflops", type=float, default=None,

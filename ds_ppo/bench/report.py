@@ -114,7 +114,9 @@ def _params(n: int) -> str:
 
 def format_table(result: dict) -> str:
     """The one markdown table (phases, end-to-end, generation baselines and ratios) and the
-    lines that say what it was run on."""
+    lines that say what it was run on; with --schedule, the schedules' table."""
+    if "schedules" in result:
+        return _schedule_table(result)
     s, ph, cmp_ = result["settings"], result["phases"], result.get("generation_compare")
     gen_kind = _loop_label(s, result["iterations"][-1]["generation"])
     lines = [
@@ -201,4 +203,20 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
             f"{_fmt(c['ratio_vs_plain'] if c else None, 'x')} | {match} | "
             f"{_fmt(ph['training']['mfu'], 'pct')} | {_fmt(ph['end_to_end']['mfu'], 'pct')} | "
             f"{_fmt(ph['end_to_end'].get('peak_mem_gib'), 'gib')} |")
+    return "\n".join(lines)
+
+
+def _schedule_table(result: dict) -> str:
+    """`--schedule`: iterations per hour of each ppo.schedule, against the first."""
+    s = result["settings"]
+    lines = [f"ds-ppo bench --schedule, {result['date']}, {result['device']['name']}: shape "
+             f"{s['shape']}, {s['prompts']} prompts x {s['prompt_len']} prompt + "
+             f"{s['new_tokens']} new tokens, reward {s['reward']}"
+             + (f" answering after {s['reward_latency']:g} s" if s.get("reward_latency") else "")
+             + f", {s['iterations']} timed iteration(s) after {s['warmup']} warm-up", "",
+             "| schedule | iterations/hour | vs first | step 1 wait s | update s |",
+             "|---|---:|---:|---:|---:|"]
+    for r in result["schedules"]:
+        lines.append(f"| {r['schedule']} | {r['iterations_per_hour']:.0f} | "
+                     f"{r['vs_first']:.2f}x | {r['generation_s']:.2f} | {r['training_s']:.2f} |")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -17,8 +18,8 @@ from ds_ppo.bench.flops import flop_model
 from ds_ppo.bench.measure import (compiled_graphs, device_info, measure_peak_tflops, measured,
                                   versions)
 from ds_ppo.bench.report import summarize
-from ds_ppo.bench.workload import (BenchTokenizer, build_config, random_prompts, resolve,
-                                   run_dir_for, settings_from)
+from ds_ppo.bench.workload import (LATENCY_ENV, BenchTokenizer, build_config, random_prompts,
+                                   resolve, run_dir_for, settings_from)
 
 log = logging.getLogger("ds_ppo.bench")
 
@@ -33,9 +34,13 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     device = init_distributed()
     s = resolve(args, device.type == "cuda")
+    if args.reward_latency:
+        os.environ[LATENCY_ENV] = str(args.reward_latency)
     root = Path(args.output_dir) if args.output_dir else Path(
         tempfile.mkdtemp(prefix="ds_ppo_bench_"))
     try:
+        if args.schedule:
+            return _schedule_compare(args, device, s, root, t_start)
         run_dir = run_dir_for(root, s)
         cfg = build_config(s, run_dir)
         s.update(settings_from(cfg))  # --set overrides count too
@@ -99,6 +104,12 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     reward_encode = None if cfg.reward.model is None else reward_encoder(cfg, tok, tok)
     inputs = IterationInputs(cfg, engines, tok, prompts, "gathered", stop_token_ids(tok, cfg),
                              reward_encode)
+    if cfg.ppo.schedule != "sync":  # the trainer's own schedule, over the same prompts each time
+        from dataclasses import replace
+
+        from ds_ppo.ppo.job import rollout_schedule
+
+        inputs = replace(inputs, schedule=rollout_schedule(inputs, lambda iteration: indices))
     records = []
     for it in range(s["warmup"] + s["iterations"]):
         rec = {"warmup": it < s["warmup"], "graphs_before": compiled_graphs()}
@@ -106,7 +117,9 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
         def timed(phase, rec=rec):
             return measured(engines.device, rec.setdefault(_RECORD[phase], {}))
 
+        t0 = time.perf_counter()
         exp, gen = run_iteration(inputs, it + 1, indices, cfg.ppo.kl_coef, Accumulator(), timed)
+        rec["seconds"] = time.perf_counter() - t0
         rec["generation"].update(_loop_info(gen))
         rec["generation"]["new_tokens"] = int(exp.rollout.mask.sum())
         rec["generation"]["width"] = int(exp.rollout.response_ids.shape[1])
@@ -117,6 +130,45 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
                  rec["scoring"]["seconds"], rec["training"]["seconds"],
                  f", {rec['graphs_built']} graphs compiled" if rec["graphs_built"] else "")
     return records
+
+
+def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict:
+    """`--schedule a,b,...`: the timed iterations of each ppo.schedule on fresh engines (the
+    same initial weights, prompts and settings; ppo.rollout_correction=tis for all), in one
+    process; iterations per hour of each and against the first."""
+    import torch
+
+    from ds_ppo.engine.roles import init_engines
+
+    rows = []
+    for name in args.schedule.split(","):
+        schedule, _, staleness = name.partition(":")
+        extra = [f"ppo.schedule={schedule}", "ppo.rollout_correction=tis"]
+        if staleness:
+            extra.append(f"ppo.max_staleness={staleness}")
+        run_s = {**s, "overrides": [*s["overrides"], *extra]}
+        run_dir = run_dir_for(root, run_s)
+        cfg = build_config(run_s, run_dir)
+        torch.manual_seed(s["seed"])
+        tok = BenchTokenizer(s["arch"]["vocab_size"])
+        log.info("schedule %s: building 4 roles of shape %s ...", name, s["shape"])
+        engines = init_engines(cfg, tok, device)
+        records = _ppo_iterations(cfg, engines, tok, run_s)
+        timed = [r["seconds"] for r in records if not r["warmup"]]
+        rows.append({"schedule": name, "iterations": len(timed), "seconds": sum(timed),
+                     "iterations_per_hour": 3600 * len(timed) / sum(timed),
+                     "generation_s": sum(r["generation"]["seconds"] for r in records
+                                         if not r["warmup"]) / len(timed),
+                     "training_s": sum(r["training"]["seconds"] for r in records
+                                       if not r["warmup"]) / len(timed)})
+        del engines
+    for r in rows:
+        r["vs_first"] = r["iterations_per_hour"] / rows[0]["iterations_per_hour"]
+    return {"date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "command": "ds-ppo bench " + " ".join(args._argv),
+            "device": device_info(device), "versions": versions(),
+            "settings": {k: v for k, v in s.items() if k != "arch"}, "schedules": rows,
+            "total_s": time.perf_counter() - t_start}
 
 
 def _loop_info(gen) -> dict:

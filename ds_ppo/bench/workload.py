@@ -64,6 +64,20 @@ def length_reward(prompts: list[str], responses: list[str]) -> list[float]:
     return [len(r.split()) / 100.0 for r in responses]
 
 
+# `--reward-latency S`: the reward function's added latency per call, for every rank
+LATENCY_ENV = "DS_PPO_BENCH_REWARD_LATENCY"
+
+
+def slow_length_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """`--reward-latency S`: `length_reward` answering after S seconds (a remote judge, a
+    sandbox): what ppo.schedule's background worker overlaps with training."""
+    import os
+    import time
+
+    time.sleep(float(os.environ.get(LATENCY_ENV, "0")))
+    return length_reward(prompts, responses)
+
+
 def resolve(args: argparse.Namespace, on_gpu: bool) -> dict[str, Any]:
     """Every setting of this run, the shape's defaults filled in."""
     name = args.shape or ("1b" if on_gpu else "tiny")
@@ -84,7 +98,7 @@ def resolve(args: argparse.Namespace, on_gpu: bool) -> dict[str, Any]:
     s["baseline_new_tokens"] = args.baseline_new_tokens or min(s["new_tokens"], 32)
     for key in ("warmup", "ppo_epochs", "attn", "gradient_checkpointing", "zero_stage",
                 "persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
-                "compile_step", "reward", "seed", "overrides"):
+                "compile_step", "reward", "seed", "overrides", "reward_latency"):
         s[key] = getattr(args, key)
     return s
 
@@ -111,6 +125,8 @@ def build_config(s: dict, run_dir: Path):
              "gradient_checkpointing": s["gradient_checkpointing"]}
     if s["reward"] == "model":  # a 4th model: the policy's random-init directory as a classifier
         reward = {"model": str(run_dir / "init_models" / "policy"), "max_len": P + T}
+    elif s.get("reward_latency"):
+        reward = {"function": "ds_ppo.bench.workload:slow_length_reward"}
     else:
         reward = {"function": "ds_ppo.bench.workload:length_reward"}
     data = {

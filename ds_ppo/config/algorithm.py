@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
-                                 OldLogprobs, RolloutCorrection, describe_estimators)
+                                 OldLogprobs, RolloutCorrection, Schedule, describe_estimators)
 from ds_ppo.config.base import Section
 
 
@@ -120,6 +120,19 @@ class PPOConfig(Section):
     rollout_is_cap: float = Field(
         2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
         "(tis: min(r, C); mis: the band [1/C, C]).")
+    schedule: Schedule = Field(
+        "sync", description="When rollouts are generated (docs/ASYNC.md): sync = generate, "
+        "score and train in turn, on-policy; one_step_off = the next iteration's rollout is "
+        "generated (and its reward function called) in a background worker on the generation "
+        "replica while this iteration scores and trains, with the weights this iteration "
+        "started from (every sample one update old); async = the same, the replica refreshed "
+        "every max_staleness updates (samples up to max_staleness updates old). Off-policy "
+        "schedules need ppo.rollout_correction (tis or mis) or ppo.old_logprobs=rollout.")
+    max_staleness: int = Field(
+        1, ge=0, le=64, description="schedule=async: the most updates a sample's weights may "
+        "lag the weights it trains (0: generated after the previous update, the same updates as "
+        "sync); a buffered sample older than this after a resume is regenerated "
+        "(metric async/regenerated).")
     loss_aggregation: LossAggregation = \
         Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
               "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "

@@ -26,7 +26,8 @@ def validate(cfg: Config, world_size: int) -> None:
     problems = [p for section in cfg.sections() for p in section.problems()]
     problems += batch_problems(cfg, data_parallel_size(cfg, world_size))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
-                  _tracking_problems, _recipe_problems, sequence_parallel_problems):
+                  _schedule_problems, _tracking_problems, _recipe_problems,
+                  sequence_parallel_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -209,6 +210,39 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
     return out
+
+
+def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
+    """ppo.schedule other than sync: generation runs in a background worker on a whole replica
+    with no collective (only our decoding loop, whole replicas, one response per prompt draw),
+    and off-policy samples need a correction to stay sound (docs/ASYNC.md, Soundness)."""
+    p, g = cfg.ppo, cfg.generation
+    if p.schedule == "sync":
+        return []
+    problems, fix = [], "or ppo.schedule=sync"
+    where = f"ppo.schedule = {p.schedule!r} generates in a background worker"
+    if g.loop == "hf" or g.mode in ("tensor_parallel", "zero3"):
+        problems.append(f"{where} on a whole replica with our decoding loop, but generation.loop"
+                        f" = {g.loop!r} / generation.mode = {g.mode!r}: set generation.loop=own "
+                        f"and generation.mode=gathered (or auto), {fix}")
+    for key, on in (("ppo.dynamic_sampling", p.dynamic_sampling), ("env.enabled", cfg.env.enabled),
+                    ("generation.batch_invariant", g.batch_invariant),
+                    ("generation.require_exact", g.require_exact)):
+        if on:
+            problems.append(f"{where}, which {key} = true does not support yet: set "
+                            f"{key}=false, {fix}")
+    if cfg.deepspeed.sequence_parallel_size > 1:
+        problems.append(f"{where}, which deepspeed.sequence_parallel_size > 1 does not support "
+                        f"yet: set deepspeed.sequence_parallel_size=1, {fix}")
+    lag = 1 if p.schedule == "one_step_off" else p.max_staleness
+    if lag > 0 and p.rollout_correction == "none" and p.old_logprobs == "training":
+        problems.append(f"{where} from weights up to {lag} update(s) old, but "
+                        "ppo.rollout_correction = 'none' with ppo.old_logprobs = 'training' "
+                        "would train on them as if they were on-policy (the PPO ratio starts "
+                        "at 1, the sampler's weights are ignored): set "
+                        "ppo.rollout_correction=tis (or mis), or ppo.old_logprobs=rollout, "
+                        "or ppo.schedule=async with ppo.max_staleness=0")
+    return problems
 
 
 def _old_logprob_problems(cfg: Config) -> list[str]:

@@ -267,6 +267,9 @@ def _moved(obj, device: torch.device):
     return obj
 
 
+moved = _moved  # for callers outside: e.g. a checkpoint's objects onto this rank's device
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

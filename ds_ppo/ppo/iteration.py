@@ -51,6 +51,8 @@ class IterationInputs:
     reward_encode: Callable | None  # rollout -> reward-model input (reward_encoder); None: no model
     ptx: PtxStream | None = None  # PPO-ptx rows per mini-batch (ppo.ptx_coef); None: off
     env: Any = None  # an envs.runner.EnvRunner: multi-turn episodes (None: one response each)
+    # ppo.schedule other than sync: a ppo.schedule.RolloutSchedule (None: generate in step 1)
+    schedule: Any = None
 
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int] | PromptDraw,
@@ -61,7 +63,8 @@ def run_iteration(run: IterationInputs, iteration: int, indices: list[int] | Pro
     ppo.dynamic_sampling, the rounds `indices` draws): the scored `Experience` (B = this rank's
     sequences) with its advantages, after the PPO update of the engines; and what generation
     ran (decoding loop and its statistics). The update's statistics go into `acc`;
-    `timed(phase)` wraps each stage."""
+    `timed(phase)` wraps each stage. With `run.schedule` (ppo.schedule one_step_off, async) the
+    rollout is the schedule's for this iteration and `indices` is not read."""
     # generation.batch_invariant: the sampler's and the trainer's forwards give equal logits
     with batch_invariant(run.cfg.generation.batch_invariant):
         return _iteration(run, iteration, indices, kl_coef, acc, timed)
@@ -71,10 +74,14 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                kl_coef: float,
                acc: Accumulator, timed: PhaseTimer) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
-    rewards = None  # known before scoring only with dynamic sampling
+    rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
-        if isinstance(indices, PromptDraw):  # rounds until enough groups carry signal
+        if run.schedule is not None:  # ppo.schedule: generated beside the last update
+            rollout, generated, rewards = run.schedule.take(iteration, acc)
+            # step 1b. the next iteration's rollout, in the background during this one's
+            run.schedule.start_next(iteration)
+        elif isinstance(indices, PromptDraw):  # rounds until enough groups carry signal
             rollout, generated, rewards = refill(
                 cfg, indices, lambda idx: _generate(run, idx, acc), engines, run.reward_encode,
                 run.tokenizer.pad_token_id, acc)
@@ -92,6 +99,8 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with _stage(timed, "update", iteration):
         ppo_update(exp, engines, cfg, iteration, acc, run.ptx)
+    if run.schedule is not None:  # step 4b. the next rollout buffered: nothing left running
+        run.schedule.finish(iteration, acc)
     return exp, generated
 
 

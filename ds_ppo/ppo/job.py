@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ class PPOJob:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self._saved_flight = None  # a checkpoint's in-flight work (ppo.schedule)
         p = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
                        if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
@@ -110,6 +112,13 @@ class PPOJob:
         state.advantage_estimator = self.cfg.ppo.advantage_estimator
         self.kl_ctl.load_state_dict(state.kl_controller)
 
+    def in_flight(self) -> dict | None:
+        schedule = self.inputs.schedule
+        return None if schedule is None else schedule.state_dict()
+
+    def restore_in_flight(self, saved) -> None:
+        self._saved_flight = saved
+
     def start(self, run) -> None:
         cfg, engines, tokenizer = run.cfg, run.engines, run.tokenizer
         if engines.dtype == torch.float16:  # the loss scaler skips non-finite steps itself
@@ -123,6 +132,11 @@ class PPOJob:
         self.inputs = IterationInputs(cfg, engines, tokenizer, self.prompts, self.gen_mode,
                                       self.eos_ids, self.reward_encode,
                                       _ptx_stream(cfg, self.ptx_rows, tokenizer), self.env)
+        if cfg.ppo.schedule != "sync":  # generation beside training (ppo/schedule.py)
+            sampler = self.sampler
+            self.inputs = replace(self.inputs, schedule=rollout_schedule(
+                self.inputs, lambda iteration: sampler.indices(iteration - 1),
+                self._saved_flight))
         from ds_ppo.ppo.report import Reporter
 
         self.reporter = Reporter(cfg, run.tracker, run.out, tokenizer)
@@ -178,6 +192,27 @@ class PPOJob:
                 ema, _ = evaluate(*args)
             metrics.update({k.replace("eval/", "eval_ema/", 1): v for k, v in ema.items()})
         return metrics, samples
+
+
+def rollout_schedule(inputs: IterationInputs, prompts_of, saved=None):
+    """ppo.schedule's RolloutSchedule over the iterations' prompts (`prompts_of(iteration)`:
+    this rank's prompt indices of that 1-based iteration), continuing a
+    checkpoint's in-flight work `saved`. It generates on a whole replica with our loop: a
+    generation.mode / loop that resolved otherwise is refused here (--dry-run refuses the
+    explicit settings)."""
+    from ds_ppo.errors import ConfigError
+    from ds_ppo.ppo.schedule import RolloutSchedule
+
+    cfg = inputs.cfg
+    loop = choose_loop(cfg.generation, inputs.gen_mode, inputs.engines.policy.module.config)
+    if inputs.gen_mode != "gathered" or loop != "own":
+        raise ConfigError(f"ppo.schedule = {cfg.ppo.schedule!r} generates on a whole replica "
+                          f"with our decoding loop, but generation resolved to mode "
+                          f"{inputs.gen_mode!r}, loop {loop!r}: set generation.mode=gathered "
+                          "and generation.loop=own, or ppo.schedule=sync")
+    schedule = RolloutSchedule(inputs, prompts_of)
+    schedule.load_state_dict(saved)
+    return schedule
 
 
 def _environment(cfg: Config):

@@ -6,7 +6,7 @@ from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.rewards.encode import decode_responses
 from ds_ppo.engine import dist
-from ds_ppo.engine.generation import Generated, generate
+from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 
 
 def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
@@ -67,6 +67,20 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     engines.replica = gen.replica
     rollout = _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer) if rows else None
     return dist.broadcast_in_sp_group(rollout, engines.device), gen
+
+
+def replica_rollout(prompts: PromptSet, indices: list[int], replica, cfg: Config, tokenizer,
+                    eos_ids: list[int], device, generator) -> tuple[Rollout, Generated]:
+    """`make_rollout` on a replica built already (`decode_on_replica`), sampling from the random
+    stream `generator`: no collective, for the background worker of ppo.schedule."""
+    n = cfg.ppo.samples_per_prompt
+    indices = [i for i in indices for _ in range(n)]
+    prompt_ids = [prompts.input_ids[i] for i in indices]
+    ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
+    ids, am = ids.to(device), am.to(device).bool()
+    gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, tokenizer.pad_token_id,
+                            generator)
+    return _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen
 
 
 def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],

@@ -3,6 +3,7 @@ in micro-batches). The advantages that follow are `ppo/advantages.py`."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,26 +26,48 @@ def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list
     return batches, [i for rows in batches for i in rows]
 
 
-def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True) -> list[float]:
-    """reward.function on this rank's rows (`call_reward_function`: checked, with a timeout);
-    [] without `call` (a sequence-parallel group's other ranks: its first rank's scores reach
-    them). Collective: the ranks agree on the outcome, so a function that fails or hangs on one
-    rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+@dataclass
+class RewardCall:
+    """What one call of the reward function or service on this rank's rows gave (no collective
+    yet: `_function_scores` agrees on it across ranks)."""
+
+    scores: list[float]  # one per row ([] after an error)
+    error: UserError | None  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
+    seconds: float  # this rank's wall-clock time for the call
+
+
+def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> RewardCall:
+    """reward.function (or reward.url) on this rank's rows (`call_reward_function`: checked,
+    with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
+    worker, which must not touch the watchdog (the training thread reports its phases)."""
     columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
-    error, scores = None, []
     # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
     # thread around it; its answers are checked like a function's
     spec = cfg.reward.function or redact_url(cfg.reward.url)
     timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
     # reward.timeout_s = null: a call that is never stopped, by the watchdog neither
     exempt = {"limit_s": None} if cfg.reward.timeout_s is None else {}
+    t0 = time.perf_counter()
     try:
-        if call:
-            with watchdog.phase("reward call", **exempt):
-                scores = call_reward_function(fn, spec, list(rollout.prompts),
-                                              list(rollout.responses), columns, timeout_s)
-    except UserError as e:  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
-        error = e
+        with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
+            scores = call_reward_function(fn, spec, list(rollout.prompts),
+                                          list(rollout.responses), columns, timeout_s)
+        return RewardCall(scores, None, time.perf_counter() - t0)
+    except UserError as e:
+        return RewardCall([], e, time.perf_counter() - t0)
+
+
+def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True,
+                     called: RewardCall | None = None) -> list[float]:
+    """reward.function on this rank's rows (`call_reward`, or what it gave already: `called`);
+    [] without `call` (a sequence-parallel group's other ranks: its first rank's scores reach
+    them). Collective: the ranks agree on the outcome, so a function that fails or hangs on one
+    rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+    error, scores = None, []
+    if called is None and call:
+        called = call_reward(rollout, fn, cfg)
+    if called is not None:
+        error, scores = called.error, called.scores
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
     worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
     if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
@@ -63,18 +86,19 @@ def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True) -> li
     return scores
 
 
-def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
+                  called: RewardCall | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
     penalty applied (clipping happens in shape_rewards); and, for a reward model, (B,) bool: the
-    rows whose input lost the start of its prompt to reward.max_len (None for a function)."""
+    rows whose input lost the start of its prompt to reward.max_len (None for a function).
+    `called`: the reward function's call on these rows, made already (`call_reward`)."""
     device = rollout.prompt_ids.device
     cut = None
     if engines.reward_fn is None and engines.reward is None:  # an env's turn rewards are all
         scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
     elif engines.reward_fn is not None:  # called once per sequence-parallel group
         scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg,
-                                               call=dist.is_sp_leader()),
+                                               call=dist.is_sp_leader(), called=called),
                               dtype=torch.float32, device=device)
     else:
         batches, order = _micro_batches(rollout, cfg)
@@ -103,11 +127,13 @@ class RewardScores:
     retries: int | None  # reward.url: requests retried for them
 
 
-def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode) -> RewardScores:
-    """`reward_scores`, timed, with the reward service's retries counted."""
+def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
+                        called: RewardCall | None = None) -> RewardScores:
+    """`reward_scores`, timed, with the reward service's retries counted. `called`: the reward
+    function's call made already (its time counts, the agreement's adds to it)."""
     retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
-    t0 = time.perf_counter()
-    scores, cut = reward_scores(rollout, engines, cfg, reward_encode)
+    t0 = time.perf_counter() - (called.seconds if called is not None else 0.0)
+    scores, cut = reward_scores(rollout, engines, cfg, reward_encode, called)
     if scores.is_cuda:
         torch.cuda.synchronize()  # the reward model's forwards run asynchronously
     seconds = time.perf_counter() - t0

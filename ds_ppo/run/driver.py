@@ -27,8 +27,8 @@ from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
-                                      load_checkpoint, mark_best, read_state, rng_state,
-                                      stage_changed)
+                                      load_checkpoint, mark_best, read_in_flight, read_state,
+                                      rng_state, stage_changed)
 from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
@@ -67,6 +67,7 @@ class Run:
     result: TrainResult
     alarms: AlarmState  # tracking.alarms' memory (saved in the trainer state)
     saved_at: int  # the unit of the last checkpoint (checkpoint.keep_best's window)
+    in_flight: Any = None  # the job's `in_flight`: this rank's unfinished work a save holds
 
 
 class Job(Protocol):
@@ -106,6 +107,14 @@ class Job(Protocol):
     def resumed(self, state: TrainerState) -> None:
         """Take the job's own parts of a loaded checkpoint's state (a KL controller, ...)."""
 
+    def in_flight(self) -> Any:
+        """This rank's work in flight at a unit boundary, for a checkpoint to hold beside the
+        engines and the state (buffered rollouts, their random stream); None: nothing."""
+
+    def restore_in_flight(self, saved: Any) -> None:
+        """Before `start`: the `in_flight` a resumed checkpoint holds for this rank (None: it
+        holds none, or was saved at another world size)."""
+
     def start(self, run: Run) -> None:
         """Everything the steps share, once the engines and the state exist."""
 
@@ -141,15 +150,16 @@ def run(cfg: Config, job: Job) -> TrainResult:
     run = Run(cfg, out, device, tracker, engines, tokenizer, state, TrainResult(
         output_dir=str(out), mlflow_run_id=tracker.run_id,
         last_checkpoint=str(resume_from) if resume_from is not None else None),
-        AlarmState(**state.alarms), state.iteration)
+        AlarmState(**state.alarms), state.iteration, job.in_flight)
     job.start(run)
     dog = _start_watchdog(cfg, out)  # from here a hang names its phase and the missing ranks
-    status, unregistered, rng_at_start = "FAILED", None, None
+    status, unregistered, rng_at_start, flight_at_start = "FAILED", None, None, None
     # a SIGTERM/SIGUSR1 from here on ends the run at the next unit's boundary (step 5)
     with StopRequests(cfg.checkpoint.save_on_signal) as stop:
         try:
             for unit in range(state.iteration + 1, total + 1):
-                rng_at_start = rng_state()  # what a save of the previous unit would hold
+                # what a save of the previous unit would hold
+                rng_at_start, flight_at_start = rng_state(), job.in_flight()
                 # step 1. the job's unit: train, evaluate when due
                 metrics = job.step(run, unit)
                 # step 2. alarms (tracking.alarms), then the report
@@ -168,7 +178,8 @@ def run(cfg: Config, job: Job) -> TrainResult:
             status = "FINISHED"
         except RewardError as e:  # reward function or service failed: keep the last unit
             raise stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
-                                       run.result.last_checkpoint, rng_at_start) from None
+                                       run.result.last_checkpoint, rng_at_start,
+                                       flight_at_start) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
@@ -255,6 +266,7 @@ def _start_or_resume(cfg: Config, job: Job, engines, path: Path | None, universa
         return job.fresh_state(engines)
     lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
+    job.restore_in_flight(read_in_flight(path))
     for role in job.trained_roles():
         changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
         if changed:
@@ -363,7 +375,7 @@ def _checkpoint_if_due(run: Run, job: Job, unit: int) -> bool:
     if saved:
         best = _best_so_far(run, unit)  # into the trainer state the save writes
         run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
-                                                    run.tokenizer)
+                                                    run.tokenizer, run.in_flight())
         run.saved_at = unit
         if best:
             mark_best(Path(run.result.last_checkpoint))
@@ -404,7 +416,7 @@ def _stop_on_alarm(run: Run, alarms: list[Alarm], saved: bool) -> None:
         return
     if not saved:
         run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
-                                                    run.tokenizer)
+                                                    run.tokenizer, run.in_flight())
     raise AlarmStop(f"{alarms[0].message}. Stopped (tracking.alarms.stop=true) after saving "
                     f"{run.result.last_checkpoint}; change the settings and run the same "
                     "command to resume, or set tracking.alarms.stop=false to train on.")
@@ -417,7 +429,7 @@ def _stop_if_asked(run: Run, stop: StopRequests, unit: int, saved: bool) -> None
     if signum:
         if not saved:
             run.result.last_checkpoint = checkpoint_now(run.cfg, run.out, run.engines, run.state,
-                                                        run.tokenizer)
+                                                        run.tokenizer, run.in_flight())
         raise Preempted(signum, unit, run.result.last_checkpoint)
 
 
@@ -427,7 +439,8 @@ def _end(run: Run, job: Job) -> RegistrationError | None:
     closed: the training is done and saved (exit code 4)."""
     result = run.result
     result.last_checkpoint, result.export_dir = finish(
-        run.cfg, run.engines, run.state, run.tokenizer, result.last_checkpoint, job.model_class)
+        run.cfg, run.engines, run.state, run.tokenizer, result.last_checkpoint, job.model_class,
+        job.in_flight())
     if not job.registers:
         return None
     with watchdog.phase("registering the policy", limit_s=None):  # rank 0, no peers

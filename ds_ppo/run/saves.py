@@ -16,26 +16,30 @@ from ds_ppo.errors import RewardError
 log = logging.getLogger("ds_ppo")
 
 
-def checkpoint_now(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer) -> str:
+def checkpoint_now(cfg: Config, out: Path, engines: Engines, state: TrainerState, tokenizer,
+                   in_flight=None) -> str:
+    """`in_flight`: this rank's work in flight (the job's `in_flight`), saved beside the rest."""
     with watchdog.phase("save", state.iteration):  # logs "saved checkpoint ..." (rank 0)
         return str(save_checkpoint(out, engines, state, tokenizer, cfg.checkpoint.keep_last,
-                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify))
+                                   cfg.checkpoint.save_hf_weights, cfg.checkpoint.verify,
+                                   in_flight))
 
 
 def stop_on_reward_error(err: RewardError, cfg: Config, out: Path, engines: Engines,
                           state: TrainerState, tokenizer, last: str | None,
-                          rng_at_start: dict | None = None) -> RewardError:
+                          rng_at_start: dict | None = None, in_flight=None) -> RewardError:
     """Checkpoint the last completed iteration (the weights still are its weights unless the
     failure came after this iteration's update, in evaluation), and the error to stop with.
     `rng_at_start`: the random state when the unfinished iteration began; the checkpoint holds it,
-    so a resume samples that iteration again exactly as the uninterrupted run would have.
+    so a resume samples that iteration again exactly as the uninterrupted run would have (and
+    `in_flight`, the job's work in flight then).
     Collective: every rank raises a RewardError here (scoring agrees on the outcome)."""
     latest = latest_checkpoint(out)
     if (not err.after_update and state.iteration > 0 and
             (latest is None or latest.name != checkpoint_name(state.iteration))):
         if rng_at_start is not None:
             set_rng_state(rng_at_start)
-        last = checkpoint_now(cfg, out, engines, state, tokenizer)
+        last = checkpoint_now(cfg, out, engines, state, tokenizer, in_flight)
     elif latest is not None:
         last = str(latest)
     stop = type(err)(stop_message(err, last))
@@ -54,7 +58,8 @@ def stop_message(err: RewardError, last: str | None) -> str:
 
 
 def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
-            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
+            last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM",
+            in_flight=None):
     """Save the final state (unless the last iteration was just saved) and export the policy
     (a supervised job's model: `model_class` names what it loads with)."""
     from ds_ppo.engine.checkpoint.export import export_final
@@ -64,7 +69,7 @@ def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     latest = latest_checkpoint(out)
     if cfg.checkpoint.save_at_end and (latest is None or
                                        latest.name != checkpoint_name(state.iteration)):
-        last_checkpoint = checkpoint_now(cfg, out, engines, state, tokenizer)
+        last_checkpoint = checkpoint_now(cfg, out, engines, state, tokenizer, in_flight)
     export_dir = None
     if cfg.checkpoint.export_at_end:
         export_dir = str(out / "final")

@@ -145,6 +145,12 @@ class SupervisedJob:
     def resumed(self, state: TrainerState) -> None:
         pass
 
+    def in_flight(self) -> None:
+        return None  # nothing runs between steps
+
+    def restore_in_flight(self, saved) -> None:
+        pass
+
     def start(self, run) -> None:
         self.sampler = PromptSampler(len(self.data), self.section.batch_size, dist.rank(),
                                      dist.world_size(), run.cfg.seed, shuffle=run.cfg.data.shuffle)

@@ -65,9 +65,12 @@ rng_state, set_rng_state = _rng_state, _set_rng_state  # this rank's streams, as
 
 
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
-                    keep_last: int, save_hf_weights: bool = True, verify: bool = True) -> Path:
+                    keep_last: int, save_hf_weights: bool = True, verify: bool = True,
+                    in_flight=None) -> Path:
     """Collective: every rank calls it. Returns the final directory. `verify`: write the
     manifest (every file's size and CRC-32, engine/checkpoint/manifest.py) that resume and export check.
+    `in_flight`: this rank's work in flight (a job's, e.g. ppo.schedule's buffered rollout),
+    saved as in_flight/rank_N.pt when not None (`read_in_flight`).
     Rank 0 logs the save, then each checkpoint that keep_last prunes.
 
     Raises:
@@ -91,6 +94,9 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
         if engines.value is not None:  # critic-free estimators have no value model to save
             engines.value.save_checkpoint(tmp / "value", TAG)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{dist.rank():05d}.pt")
+        if in_flight is not None:
+            (tmp / "in_flight").mkdir(exist_ok=True)
+            torch.save(in_flight, tmp / "in_flight" / f"rank_{dist.rank():05d}.pt")
         if getattr(engines.policy, "ema", None) is not None:  # each rank its own partitions
             engines.policy.ema.save(tmp / "ema")
         _fault_point("save", state.iteration, tmp)
@@ -299,6 +305,22 @@ def _load_ema(path: Path, engines, same_world: bool) -> None:
     except (OSError, RuntimeError, EOFError, ValueError, KeyError,
             pickle.UnpicklingError) as e:
         raise unusable(path, path / "ema", f"cannot be read ({type(e).__name__}: {e})") from None
+
+
+def read_in_flight(path: Path):
+    """This rank's work in flight that checkpoint `path` holds (`save_checkpoint`'s
+    `in_flight`), or None: it holds none, or was saved at another world size or
+    sequence-parallel size (the work is then redone)."""
+    state = read_state(path)
+    file = path / "in_flight" / f"rank_{dist.rank():05d}.pt"
+    if ((state.world_size, state.sequence_parallel_size) != (dist.world_size(), dist.sp_size())
+            or not file.is_file()):
+        return None
+    try:  # our own file, checked by the manifest: objects, not only tensors
+        return torch.load(file, weights_only=False, map_location="cpu")
+    except Exception as e:  # noqa: BLE001  (a damaged file: any error of the unpickler)
+        raise unusable(path, file, f"cannot be read ({type(e).__name__}: {_first_line(e)})"
+                       ) from None
 
 
 def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerState:

@@ -126,7 +126,8 @@ def _param_chunks(module: torch.nn.Module, limit: int):
 
 def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                   materialize: bool = True, into: torch.nn.Module | None = None,
-                  tp: TPGroup | None = None) -> torch.nn.Module | None:
+                  tp: TPGroup | None = None, own_config: bool = False,
+                  sums: dict[str, int] | None = None) -> torch.nn.Module | None:
     """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
 
     Parameters are gathered in chunks of up to GATHER_CHUNK_NUMEL elements (one coalesced
@@ -139,14 +140,20 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     call, refreshed in place (no new allocation, compiled graphs stay valid). `tp`: build this
     rank's shard of a tensor-parallel replica (`engine/generation/tensor_parallel.py`). A LoRA policy's
     replica is its plain HF model with the adapters merged into the weights (`engine/lora.py`).
+    `own_config`: a new replica gets a copy of the model's config, not the same object (a
+    replica decoding in a background worker switches its attention setting, which must not
+    reach the trained model's forwards). `sums`: filled with each copied weight's checksum
+    (`weight_checksum` of the gathered weight in the replica's dtype), to verify the copy.
     """
+    import copy
+
     import deepspeed
 
     replica = into
     module = plain_model(module)  # a LoRA policy: the HF model inside, adapter layers and all
     if materialize and replica is None:
         with torch.device("meta"):
-            replica = type(module)(module.config)
+            replica = type(module)(copy.deepcopy(module.config) if own_config else module.config)
         if tp is not None:
             shard_modules(replica, tp)
         replica.to_empty(device=device)
@@ -165,6 +172,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
                 if name in target:
                     w = full()
                     target[name].data.copy_(w if tp is None else shard_of(name, w, tp))
+                    if sums is not None:
+                        sums[name] = weight_checksum(w.to(target[name].dtype))
     if replica is None:
         return None
     target_buffers = dict(replica.named_buffers())
@@ -174,6 +183,16 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     replica.config.use_cache = True
     replica.eval()
     return replica
+
+
+def weight_checksum(w: torch.Tensor) -> int:
+    """An exact checksum of a tensor's bits: its elements read as integers of their width,
+    weighted by position (mod 1021, so a swap of two elements changes it), summed in int64."""
+    flat = w.detach().contiguous().flatten()
+    ints = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        flat.element_size()]).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 1021 + 1
+    return int((ints * weights).sum())
 
 
 def sampling_shape(cfg: GenerationConfig, eos_ids: list[int], pad_id: int) -> LogitShape:
@@ -222,10 +241,11 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
 
 
 def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None,
-                slots: int | None = None):
+                slots: int | None = None, generator: torch.Generator | None = None):
     """A `(ids, mask) -> (response ids, log-probs, DecodeStats)` function running our loop
     (loop=own); `group`: the tensor-parallel group decoding together (None: a whole replica);
-    `slots`: rows decoding at once (None: all; fewer: continuous batching)."""
+    `slots`: rows decoding at once (None: all; fewer: continuous batching); `generator`: the
+    random stream to sample from (None: torch's default)."""
     shape = sampling_shape(cfg, eos_ids, pad_id)
 
     def run(ids: torch.Tensor, am: torch.Tensor):
@@ -234,7 +254,7 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
                      temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
                      suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
                      stop_check_every=cfg.stop_check_every, group=group, slots=slots,
-                     compile_step=cfg.compile_step)
+                     compile_step=cfg.compile_step, generator=generator)
         return out.response_ids, out.logprobs, out.stats
     return run
 
@@ -339,17 +359,48 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         policy_engine.empty_partition_cache()
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
-    # tensor_parallel: this rank's rows of the group's responses
+    return _generated(outs, logprobs, stats, chunks, offset, prompt_ids.shape[0], cfg, eos_ids,
+                      pad_id, device, kept, loop)
+
+
+def _generated(outs: list, logprobs: list, stats: list, chunks: list, offset: int, n: int,
+               cfg: GenerationConfig, eos_ids: list[int], pad_id: int, device: torch.device,
+               kept: torch.nn.Module | None, loop: str) -> Generated:
+    """The chunks' outputs as this rank's `Generated` (rows `offset` .. offset + n of them: a
+    tensor-parallel rank's share of its group's responses), in prompt order."""
     order = [i for idx, _ in chunks for i in idx]
     response = in_row_order(_stack_chunks(outs, pad_id), order)
-    response = response[offset:offset + prompt_ids.shape[0]]
+    response = response[offset:offset + n]
     mask = response_mask(response, eos_ids)
     response = response.masked_fill(~mask, pad_id)
     ended = (mask & torch.isin(response, torch.tensor(eos_ids, device=device))).any(dim=1)
     rollout_lp = None
     if all(lp is not None for lp in logprobs):  # loop=own
         rollout_lp = in_row_order(_stack_chunks(logprobs, 0.0), order)
-        rollout_lp = rollout_lp[offset:offset + prompt_ids.shape[0]].masked_fill(~mask, 0.0)
+        rollout_lp = rollout_lp[offset:offset + n].masked_fill(~mask, 0.0)
     return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
                      decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp,
                      sampling=sampling_shape(cfg, eos_ids, pad_id))
+
+
+@torch.no_grad()
+def decode_on_replica(replica: torch.nn.Module, prompt_ids: torch.Tensor,
+                      prompt_mask: torch.Tensor, cfg: GenerationConfig, eos_ids: list[int],
+                      pad_id: int, generator: torch.Generator) -> Generated:
+    """Sample responses for this rank's prompts (B, P) (left-padded) on a whole replica that is
+    already built (`build_replica`), with our decoding loop, from the random stream
+    `generator`: `generate`'s gathered mode without the gather. No collective and no watchdog
+    call: safe in a background worker while the training thread runs collectives."""
+    slots = cfg.batch_size if use_continuous(cfg, "own", prompt_ids.shape[0]) else None
+    run = _own_decode(replica, cfg, eos_ids, pad_id, None, slots, generator)
+    chunks = _prompt_chunks(prompt_mask, prompt_ids.shape[0] if slots else
+                            cfg.batch_size or prompt_ids.shape[0])
+    outs, logprobs, stats = [], [], []
+    for idx, lead in chunks:
+        for out, lp, st in _run_or_split(run, prompt_ids[idx, lead:], prompt_mask[idx, lead:],
+                                         splittable=True):
+            outs.append(out)
+            logprobs.append(lp)
+            stats.append(st)
+    return _generated(outs, logprobs, stats, chunks, 0, prompt_ids.shape[0], cfg, eos_ids, pad_id,
+                      prompt_ids.device, None, "own")

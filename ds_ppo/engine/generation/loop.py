@@ -132,7 +132,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
            stop_check_every: int = 8, trim: bool = True, group=None,
-           slots: int | None = None, compile_step: bool = False) -> Decoded:
+           slots: int | None = None, compile_step: bool = False,
+           generator: torch.Generator | None = None) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
     `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
@@ -149,7 +150,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     `compile_step`: the decoding step's forward runs compiled by torch.compile (inductor, static
     shapes: the steps attend to every cache column, as the CUDA graph's do), inside the CUDA
     graph where there is one: fused elementwise kernels (RMSNorm, rotary embeddings, residual
-    adds) instead of eager's many small ones. The warm-up steps compile it.
+    adds) instead of eager's many small ones. The warm-up steps compile it. `generator`: the
+    random stream tokens are sampled from (None: torch's default one).
     """
     N, P = prompt_ids.shape
     S = N if slots is None else max(1, min(slots, N))
@@ -163,7 +165,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     shape.ids(device)  # its id tensors made here, not inside a captured step
 
     def choose(logits: torch.Tensor, idx: torch.Tensor):
-        return next_tokens_with_logprobs(shape_logits(logits.float(), shape, idx), temperature)
+        return next_tokens_with_logprobs(shape_logits(logits.float(), shape, idx), temperature,
+                                         generator)
 
     kernel = getattr(model.config, "_attn_implementation", None) or "eager"
     with _attention_function(model, kernel):

@@ -1,0 +1,150 @@
+"""ppo.schedule (ppo/schedule.py): which weights generate each rollout, the config's refusals, and
+whole in-process runs of the tiny default: async with max_staleness 0 trains exactly as sync;
+one_step_off and async runs resumed from a checkpoint equal uninterrupted ones (metrics and
+final weights, bit for bit on CPU); a corrupted weight sync stops the run with one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_ppo.algo.choices import SCHEDULE_NAMES, SCHEDULES, rollout_version
+from ds_ppo.config import load_config
+from ds_ppo.config.checks import validate
+from ds_ppo.errors import ConfigError
+
+SMALL = ["tracking.enabled=false", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
+         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "checkpoint.keep_last=3",
+         "checkpoint.export_at_end=false"]
+OFF = ["ppo.schedule=one_step_off", "ppo.rollout_correction=tis"]
+# wall-clock figures differ between runs; everything else must match
+VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/")
+
+
+def test_registry_names_every_schedule():
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES
+
+
+def test_rollout_version_by_hand():
+    # sync, and async with max_staleness 0: the current weights (iteration j after j-1 updates)
+    for sched, n in (("sync", 1), ("async", 0)):
+        assert [rollout_version(sched, n, j) for j in range(1, 6)] == [0, 1, 2, 3, 4]
+    # one_step_off: the weights the previous iteration started from; the first two from version 0
+    assert [rollout_version("one_step_off", 1, j) for j in range(1, 7)] == [0, 0, 1, 2, 3, 4]
+    assert [rollout_version("async", 1, j) for j in range(1, 7)] == [0, 0, 1, 2, 3, 4]
+    # async 3: the replica refreshed at versions 0, 3, 6: a sample is 1 to 3 updates old
+    versions = [rollout_version("async", 3, j) for j in range(1, 11)]
+    assert versions == [0, 0, 0, 0, 3, 3, 3, 6, 6, 6]
+    assert [j - 1 - v for j, v in enumerate(versions, 1)][1:] == [1, 2, 3, 1, 2, 3, 1, 2, 3]
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["ppo.schedule=one_step_off"], ["ppo.rollout_correction=tis", "ppo.old_logprobs=rollout"]),
+    (["ppo.schedule=async", "ppo.max_staleness=2"], ["ppo.rollout_correction=tis"]),
+    ([*OFF, "ppo.dynamic_sampling=true", "ppo.samples_per_prompt=2",
+      "ppo.advantage_estimator=grpo"], ["ppo.dynamic_sampling=false"]),
+    ([*OFF, "generation.mode=zero3"], ["generation.mode=gathered"]),
+    ([*OFF, "generation.batch_invariant=true"], ["generation.batch_invariant=false"]),
+])
+def test_refusals_name_the_keys(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, overrides), 1)
+    line = next(x for x in str(e.value).splitlines() if "ppo.schedule" in x)
+    assert all(n in line for n in names), line
+
+
+@pytest.mark.parametrize("overrides", [
+    OFF, ["ppo.schedule=one_step_off", "ppo.old_logprobs=rollout"],
+    ["ppo.schedule=async", "ppo.max_staleness=0"],
+    ["ppo.schedule=async", "ppo.max_staleness=3", "ppo.rollout_correction=mis"]])
+def test_sound_settings_pass(overrides):
+    validate(load_config(None, overrides), 1)
+
+
+def _train(out: Path, *overrides: str):
+    from ds_ppo.trainer import train
+
+    return train(load_config(None, [*SMALL, f"output_dir={out}", *overrides]))
+
+
+def _rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def _weights(out: Path, iteration: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoints" / f"iter_{iteration:06d}" / "hf" / "model.safetensors")
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_staleness_zero_trains_as_sync(tmp_path):
+    _train(tmp_path / "sync", "iterations=3", "ppo.rollout_correction=tis")
+    _train(tmp_path / "async0", "iterations=3", "ppo.rollout_correction=tis",
+           "ppo.schedule=async", "ppo.max_staleness=0")
+    assert _rows(tmp_path / "sync") == _rows(tmp_path / "async0")
+    assert _same_weights(_weights(tmp_path / "sync", 3), _weights(tmp_path / "async0", 3))
+    staleness = [json.loads(line)["async/staleness_max"]
+                 for line in (tmp_path / "async0" / "metrics.jsonl").read_text().splitlines()]
+    assert staleness == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("schedule", [OFF, ["ppo.schedule=async", "ppo.max_staleness=2",
+                                           "ppo.rollout_correction=tis"]],
+                         ids=["one_step_off", "async2"])
+def test_resume_continues_exactly(tmp_path, schedule):
+    full, split = tmp_path / "full", tmp_path / "split"
+    _train(full, *schedule, "iterations=5", "checkpoint.every=3")
+    _train(split, *schedule, "iterations=3", "checkpoint.every=3")
+    saved = split / "checkpoints" / "iter_000003" / "in_flight" / "rank_00000.pt"
+    assert saved.is_file()  # the buffered rollout of iteration 4 and the worker's stream
+    _train(split, *schedule, "iterations=5", "checkpoint.every=3")
+    a, b = _rows(full), _rows(split)
+    assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5]
+    assert a == b
+    assert _same_weights(_weights(full, 5), _weights(split, 5))
+    stale = [json.loads(line)["async/staleness_mean"]
+             for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert stale == ([0.0, 1.0, 1.0, 1.0, 1.0] if schedule is OFF else [0.0, 1.0, 2.0, 1.0, 2.0])
+    regenerated = [json.loads(line)["async/regenerated"]
+                   for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert regenerated == [0.0] * 5
+
+
+def test_sync_saves_nothing_in_flight(tmp_path):
+    _train(tmp_path, "iterations=1")
+    assert not (tmp_path / "checkpoints" / "iter_000001" / "in_flight").exists()
+
+
+def test_corrupted_weight_sync_stops(tmp_path, monkeypatch):
+    from ds_ppo.ppo.schedule import WeightSyncError
+
+    monkeypatch.setenv("DS_PPO_FAULT", "corrupt_sync:1")  # the sync at iteration 2's start
+    with pytest.raises(WeightSyncError) as e:
+        _train(tmp_path, *OFF, "iterations=3")
+    message = str(e.value)
+    assert "\n" not in message and "policy version 1" in message and "checksum" in message
+
+
+def test_resume_with_other_settings_regenerates(tmp_path):
+    def last(out: Path) -> dict:
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+
+    # one_step_off's buffered rollout of iteration 3 is 1 update old: too old for max_staleness 0
+    _train(tmp_path / "a", *OFF, "iterations=2")
+    _train(tmp_path / "a", "ppo.rollout_correction=tis", "ppo.schedule=async",
+           "ppo.max_staleness=0", "iterations=3")
+    row = last(tmp_path / "a")
+    assert (row["iteration"], row["async/regenerated"], row["async/staleness_max"]) == (3, 1, 0)
+    # a sync run's checkpoint holds no rollout: one_step_off generates iteration 3's now
+    _train(tmp_path / "b", "iterations=2")
+    _train(tmp_path / "b", *OFF, "iterations=4")
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
+                                                                                     (0, 1)]
