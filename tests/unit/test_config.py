@@ -635,3 +635,17 @@ def test_dynamic_sampling_needs_groups(capsys):
     assert "ppo.dynamic_sampling = true keeps groups" in err and "ppo.samples_per_prompt >= 2" in err
     assert "Traceback" not in err
     assert main(["train", "--dry-run", "ppo.dynamic_sampling=true", "ppo.samples_per_prompt=2"]) == 0
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["generation.loop=hf"], "generation.loop = 'hf'"),
+    (["generation.mode=zero3"], "generation.mode = 'zero3'"),
+    (["env.function=ds_ppo.envs.calculator:Calculator"], "env.enabled = true"),
+])
+def test_router_replay_needs_our_loop_on_a_gathered_replica(overrides, named, capsys):
+    """ppo.router_replay replays what our decoding loop records on a gathered replica: the
+    other generation paths (and episodes) are refused at --dry-run, naming the key."""
+    assert main(["train", "--dry-run", "ppo.router_replay=true"]) == 0
+    assert main(["train", "--dry-run", "ppo.router_replay=true", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.router_replay = true" in err and named in err and "Traceback" not in err
