@@ -197,7 +197,10 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     get = getattr(model, "get_decoder", None)
     if callable(get):
         return get()
-    return getattr(model, model.base_model_prefix)
+    prefix = getattr(model, "base_model_prefix", None)
+    if prefix:
+        return getattr(model, prefix)
+    return _decoder(model.model)  # a wrapper around the HF model (forward.LastTokenScorer)
 
 
 def forward_routes(prompt_routes: torch.Tensor, response_routes: torch.Tensor,

@@ -129,3 +129,13 @@ def test_moe_two_rank_checkpoint_resumes_on_one_rank(one_rank, two_ranks, tmp_pa
     second = [r for r in read_metrics(run) if r["iteration"] == 2][-1]
     whole = res["resume_export"]["whole"]
     assert not _close(whole, {k: second[k] for k in whole}, rel=5e-3)
+
+
+def test_a_rank_whose_tokens_skip_experts_does_not_hang(one_rank, two_ranks):
+    """Rank 1 routes every token to experts 0 and 1, rank 0 as its routers choose: under
+    ZeRO-3 the iteration completes (each MoE block is one ZeRO-3 leaf module: its experts are
+    gathered together whichever a rank's tokens use). One rank runs ZeRO-0: no leaves."""
+    r = two_ranks[0]["skipped_experts"]
+    assert r["leaf_classes"] == ["Qwen3MoeSparseMoeBlock"]
+    assert all(v == v for v in r.values() if isinstance(v, float))  # finite, not NaN
+    assert one_rank["skipped_experts"]["leaf_classes"] == []

@@ -194,3 +194,36 @@ def test_streamed_export_writes_the_hf_moe_layout(kind, tmp_path, caplog):
     ids = torch.randint(2, 50, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_replay_and_aux_loss_under_gradient_checkpointing():
+    """The replayed routes stay set after the forward, so a checkpointed layer recomputed in
+    backward routes as its forward did: the gradients of log-probs plus the load-balancing
+    loss equal those without checkpointing (a sampler that routes most tokens elsewhere)."""
+    r = _sampled(small_moe("qwen3_moe", seed=5))
+    grads = {}
+    for checkpointing in (False, True):
+        model = small_moe("qwen3_moe").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        tap = moe.tap(model)
+        lp, _ = response_logprobs(model, r, 1.0, routers=tap, replay=True)
+        flipped, _ = tap.take_flips()
+        assert flipped > 0
+        (lp[r.mask].sum() + tap.take_aux()).backward()
+        grads[checkpointing] = {n: p.grad for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        assert torch.allclose(g, grads[True][name], atol=1e-6), name
+
+
+def test_a_moe_reward_model_behind_the_last_token_scorer_gets_a_tap():
+    from transformers import AutoModelForSequenceClassification
+
+    from ds_ppo.engine.forward import LastTokenScorer
+
+    scorer = LastTokenScorer(small_moe("qwen3_moe", cls=AutoModelForSequenceClassification,
+                                       num_labels=1, pad_token_id=PAD))
+    assert moe.tap(scorer).layers == 2
+    ids, mask = _prompts()
+    assert scorer(ids, mask.long()).shape == (ids.shape[0],)

@@ -47,6 +47,37 @@ SUPERVISED = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss", "sft/moe_aux_los
 RESUME_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
 
 
+def skipped_experts(work: Path) -> dict:
+    """Rank 1's routers send every token to experts 0 and 1 (their top-2 forced), rank 0's
+    route as they do, so under ZeRO-3 rank 1 never runs experts 2 and 3 while rank 0 does: the
+    iteration completes (each MoE block is one ZeRO-3 leaf, its experts gathered together).
+    Returns the leaf classes the engine set and the first update's losses."""
+    import torch
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    leaves: list[str] = []
+    set_leaves, forward = dist.set_zero3_leaf_modules, q.Qwen3MoeTopKRouter.forward
+
+    def record(model, classes):
+        leaves.extend(c.__name__ for c in classes)
+        set_leaves(model, classes)
+
+    def forced(self, hidden_states):
+        logits, _, _ = forward(self, hidden_states)
+        chosen = torch.tensor([0, 1], device=logits.device).expand(logits.shape[0], 2)
+        weights = torch.softmax(logits.float(), -1).gather(1, chosen).to(logits.dtype)
+        return logits, weights, chosen
+
+    dist.set_zero3_leaf_modules = record
+    if dist.rank() == 1:
+        q.Qwen3MoeTopKRouter.forward = forced
+    try:
+        out = first_update(work, "skip", QWEN + NO_AUX + ["ppo.micro_batch_size=4"])
+    finally:
+        dist.set_zero3_leaf_modules, q.Qwen3MoeTopKRouter.forward = set_leaves, forward
+    return {"leaf_classes": sorted(set(leaves)), **out}
+
+
 def supervised(work: Path, job: str, name: str, extra: list[str]) -> dict:
     from dist_checks import SUPERVISED_KEYS
 
@@ -139,6 +170,7 @@ def main() -> None:
         "qwen_sft": lambda: supervised(work, "sft", "qsft", QWEN + ["policy.moe_aux_loss_coef=0"]),
         "qwen_rm": lambda: supervised(work, "rm", "qrm", QWEN + ["policy.moe_aux_loss_coef=0"]),
         "resume_export": lambda: resume_and_export(work),
+        "skipped_experts": lambda: skipped_experts(work),
     }
     for name, fn in scenarios.items():
         if args.only and name not in args.only.split(","):
