@@ -628,6 +628,8 @@ def test_moe_presets_fit_and_count_total_and_active_params(name, nodes, total, a
     assert shape.largest_layer_params == shape.layer_expert_params  # the fused experts
     text = P.format_plan(p, name)
     assert "mixture of experts, 128 experts" in text and "gathers each MoE block whole" in text
+    js = P.to_json(p)["roles"]["policy"]
+    assert (js["experts"], js["top_k"], js["active_params"]) == (128, 8, shape.active_params)
     unoffloaded = load_config(name, ["deepspeed.policy.offload_optimizer=false"])
     q = P.plan(unoffloaded, P.Cluster(nodes, 8, 80 * GiB))
     if not q.fits:
