@@ -65,7 +65,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"config OK for world size {world}")
         return 0
-    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+    from ds_ppo.engine.checkpoint.files import finished_message, finished_run
 
     c = cfg.checkpoint
     done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
@@ -128,13 +128,13 @@ def _job(args: argparse.Namespace) -> int:
 def _check_resume_estimator(cfg) -> None:
     """The checkpoint a run would resume from must match its estimator family (with or without
     a value model): found here, before any model code loads (train() checks it again)."""
-    from ds_ppo.engine.checkpoint_files import check_estimator_family, latest_checkpoint
+    from ds_ppo.engine.checkpoint.files import check_estimator_family, latest_checkpoint
 
     if cfg.resume == "never":
         return
     path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
     if cfg.resume != "auto":
-        from ds_ppo.engine.checkpoint_files import resolve_checkpoint
+        from ds_ppo.engine.checkpoint.files import resolve_checkpoint
 
         path = resolve_checkpoint(cfg.resume)
     if path is not None:

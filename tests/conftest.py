@@ -1,12 +1,16 @@
 """Shared helpers: run ds_ppo as users do (a subprocess, or the real `deepspeed` launcher)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,11 +103,58 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class _ForkServer:
+    """This test process's tests/support/forkserver.py: `ds-ppo` commands as forked children
+    of a process that imported the libraries once (started on first use, ended at exit)."""
+
+    def __init__(self) -> None:
+        self.env = clean_env()
+        self.dir = Path(tempfile.mkdtemp(prefix="ds_ppo_forkserver_"))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "support" / "forkserver.py")], cwd=self.dir,
+            env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(self.dir / "server.err", "w"), text=True)
+        if self._line(600) != "ready":
+            raise RuntimeError("the fork server did not start:\n"
+                               + (self.dir / "server.err").read_text()[-4000:])
+        atexit.register(self.proc.kill)
+
+    def _line(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline().strip() if ready else None
+
+    def run(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        out, err = self.dir / "out.txt", self.dir / "err.txt"
+        self.proc.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "env": self.env,
+                                          "out": str(out), "err": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self._line(60))
+        code = self._line(timeout)
+        if code is None:
+            os.killpg(pid, signal.SIGKILL)
+            self._line(60)
+            raise subprocess.TimeoutExpired(["ds-ppo", *args], timeout, out.read_text(),
+                                            err.read_text())
+        return subprocess.CompletedProcess([sys.executable, "-m", "ds_ppo", *args], int(code),
+                                           out.read_text(), err.read_text())
+
+
+_FORK_SERVER: list[_ForkServer] = []
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m ds_ppo ARGS` in a fresh process."""
-    proc = subprocess.run([sys.executable, "-m", "ds_ppo", *args], cwd=cwd, env=env or clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+            check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ds_ppo ARGS` in a process of its own: forked from a process that has imported
+    the libraries already (tests/support/forkserver.py), or with `fresh` (or an environment
+    other than `clean_env()`) a new interpreter, for tests of what happens while importing."""
+    env = env or clean_env()
+    if fresh or env != clean_env():
+        proc = subprocess.run([sys.executable, "-m", "ds_ppo", *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    else:
+        if not _FORK_SERVER or _FORK_SERVER[0].proc.poll() is not None:
+            _FORK_SERVER[:] = [_ForkServer()]
+        proc = _FORK_SERVER[0].run(args, cwd, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"ds-ppo {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

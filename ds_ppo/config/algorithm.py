@@ -176,3 +176,37 @@ class PPOConfig(Section):
     def uses_critic(self) -> bool:
         """True when the estimator needs a value model (gae; algo/choices.ESTIMATORS)."""
         return ESTIMATORS[self.advantage_estimator].critic
+
+    def problems(self) -> list[str]:
+        p, n, out = self, self.samples_per_prompt, []
+        if ESTIMATORS[p.advantage_estimator].groups and n < 2:
+            out.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
+                       f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
+                       "ppo.samples_per_prompt=4 (any n >= 2)")
+        if p.kl_loss_coef < 0:
+            out.append(f"ppo.kl_loss_coef = {p.kl_loss_coef} must be >= 0 (0 = no KL loss term)")
+        if p.clip_eps_high is not None and p.clip_eps_high <= 0:
+            out.append(f"ppo.clip_eps_high = {p.clip_eps_high} must be > 0, or null for the "
+                       "same as ppo.clip_eps")
+        if p.dual_clip is not None and p.dual_clip <= 1:
+            out.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
+                       "the dual clip off")
+        if p.value_clip_eps is not None and p.value_clip_eps <= 0:
+            out.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+        if p.dynamic_sampling and n < 2:
+            out.append("ppo.dynamic_sampling = true keeps groups whose responses score "
+                       "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")
+        if p.filter_zero_std_groups and n < 2:
+            out.append("ppo.filter_zero_std_groups = true needs groups: set "
+                       "ppo.samples_per_prompt >= 2")
+        if p.critic_warmup_iterations and not p.uses_critic:
+            out.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} warms up "
+                       f"a value model, but ppo.advantage_estimator = "
+                       f"{p.advantage_estimator!r} has none: set it to 0, or use "
+                       "ppo.advantage_estimator=gae")
+        if p.old_logprobs == "rollout" and p.rollout_correction != "none":
+            out.append(f"ppo.rollout_correction = {p.rollout_correction!r} weighs the "
+                       "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
+                       "'rollout' makes them the same (every weight 1): set "
+                       "ppo.rollout_correction=none, or ppo.old_logprobs=training")
+        return out

@@ -39,3 +39,9 @@ class Section(BaseModel):
                              "longer limits overflow the clocks of threads, sockets and "
                              "collectives)")
         return value
+
+    def problems(self) -> list[str]:
+        """The rules among this section's own fields that one field's range cannot say: each
+        broken rule as a line naming the keys and a value that works. Rules that join sections
+        or need the world size are in config/checks.py."""
+        return []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-from ds_ppo.algo.choices import ESTIMATORS
 from ds_ppo.config.sections import Config, PPOConfig
 
 
@@ -65,8 +64,6 @@ def batch_problems(cfg: Config, world_size: int) -> list[str]:
             f"ppo.mini_batch_size = {p.mini_batch_size} must be a multiple of "
             f"ppo.micro_batch_size * world size = {p.micro_batch_size} * {world_size} = "
             f"{p.micro_batch_size * world_size}")
-    if p.value_clip_eps is not None and p.value_clip_eps <= 0:
-        problems.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
     fix = working_batch_sizes(p, world_size)
     if fix:  # the README promises a value that works
         problems.append(f"batch sizes that work at world size {world_size}: "
@@ -75,12 +72,8 @@ def batch_problems(cfg: Config, world_size: int) -> list[str]:
 
 
 def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
-    """Checks of the advantage estimator, samples per prompt and the extra loss terms."""
+    """Whole groups of responses per mini-batch and per rank."""
     problems, n = [], p.samples_per_prompt
-    if ESTIMATORS[p.advantage_estimator].groups and n < 2:
-        problems.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
-                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "
-                        "ppo.samples_per_prompt=4 (any n >= 2)")
     if n > 1 and p.mini_batch_size % n:
         problems.append(f"ppo.mini_batch_size = {p.mini_batch_size} counts responses and must "
                         f"be a multiple of ppo.samples_per_prompt = {n} (e.g. {n * max(1, p.mini_batch_size // n)})")
@@ -90,20 +83,6 @@ def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
                         f"{world_size} ranks needs whole prompts: make mini_batch_size / "
                         f"samples_per_prompt divisible by the world size (e.g. "
                         f"ppo.mini_batch_size={n * world_size * max(1, p.mini_batch_size // (n * world_size))})")
-    if p.kl_loss_coef < 0:
-        problems.append(f"ppo.kl_loss_coef = {p.kl_loss_coef} must be >= 0 (0 = no KL loss term)")
-    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
-        problems.append(f"ppo.clip_eps_high = {p.clip_eps_high} must be > 0, or null for the "
-                        "same as ppo.clip_eps")
-    if p.dual_clip is not None and p.dual_clip <= 1:
-        problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
-                        "the dual clip off")
-    if p.dynamic_sampling and n < 2:
-        problems.append("ppo.dynamic_sampling = true keeps groups whose responses score "
-                        "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")
-    if p.filter_zero_std_groups and n < 2:
-        problems.append("ppo.filter_zero_std_groups = true needs groups: set "
-                        "ppo.samples_per_prompt >= 2")
     return problems
 
 

@@ -1,7 +1,8 @@
 """Cross-field rules of a parsed config that need the world size (``validate`` and
 ``validate_job``, fatal, every problem listed with the key and the fix) and warnings for
-settings that do nothing (``config_warnings``). The batch-size rules live in ``batches``, the
-models' in ``model_checks``; the numbers derived from several keys in ``batches`` and
+settings that do nothing (``config_warnings``). The rules among one section's own fields are
+that section's ``problems()`` (next to its fields); the batch-size rules live in ``batches``,
+the models' in ``model_checks``; the numbers derived from several keys in ``batches`` and
 ``derived``.
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ from ds_ppo.config.model_checks import (model_problems, sequence_parallel_proble
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
-from ds_ppo.role_names import ROLES
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -23,10 +23,10 @@ def validate(cfg: Config, world_size: int) -> None:
     (one checker per part of the config, each returning its problems). The batch rules hold per
     data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
     sequence-parallel group share their rows (world / N data-parallel ranks)."""
-    problems = batch_problems(cfg, data_parallel_size(cfg, world_size))
+    problems = [p for section in cfg.sections() for p in section.problems()]
+    problems += batch_problems(cfg, data_parallel_size(cfg, world_size))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
-                  _deepspeed_problems, _tracking_problems, _recipe_problems,
-                  sequence_parallel_problems):
+                  _tracking_problems, _recipe_problems, sequence_parallel_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -44,10 +44,6 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
                         "reward.model and reward.url (got function="
                         f"{r.function!r}, model={r.model!r}, url={redact_url(r.url)!r}); with "
                         "an env, at most one (the environment's turn rewards may be all)")
-    if r.url is not None and not r.url.startswith(("http://", "https://")):
-        problems.append(f"reward.url = {redact_url(r.url)!r} must start with http:// or https://")
-    if r.function is not None and ":" not in r.function:
-        problems.append(f"reward.function = {r.function!r} must look like module:function")
     keys = cfg.data.reward_keys
     if keys and r.function is None and r.url is None and not cfg.env.enabled:
         problems.append(f"data.reward_keys = {keys}: only a reward.function or reward.url "
@@ -58,8 +54,6 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
     if len(set(keys)) != len(keys) or {"prompts", "responses"} & set(keys):
         problems.append(f"data.reward_keys = {keys}: names must be distinct and not prompts "
                         "or responses (the function's first two arguments)")
-    if r.score_clip is not None and r.score_clip <= 0:
-        problems.append(f"reward.score_clip = {r.score_clip} must be > 0 or null")
     return problems
 
 
@@ -67,40 +61,14 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
     """Generation lengths, tensor parallelism and the decoding loop's options."""
     problems = []
     g = cfg.generation
-    if g.min_new_tokens > g.max_new_tokens:
-        problems.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
-                        f"generation.max_new_tokens = {g.max_new_tokens}")
     if g.tp_size is not None and world_size % g.tp_size:
         problems.append(f"generation.tp_size = {g.tp_size} must divide the world size "
                         f"{world_size}: set generation.tp_size to the GPUs per node")
-    if g.loop == "own" and g.mode == "zero3":
-        problems.append("generation.loop = 'own' runs on the gathered replica, but "
-                        "generation.mode = 'zero3' generates through the ZeRO-3 hooks: set "
-                        "generation.loop=auto (or hf), or generation.mode=gathered")
-    if g.loop == "own" and (g.cache_implementation != "dynamic" or g.compile):
-        problems.append("generation.cache_implementation / generation.compile are options of "
-                        "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
-                        "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
-                        "set generation.loop=hf")
-    if g.compile_step and (g.loop == "hf" or g.mode == "zero3"):
-        problems.append("generation.compile_step compiles our decoding loop's step, but "
-                        f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
-                        "generate: drop it, or set generation.loop=own (mode gathered or "
-                        "tensor_parallel)")
-    elif g.compile_step and not g.keep_replica:
-        problems.append("generation.compile_step needs generation.keep_replica=true (a new "
-                        "replica per rollout would compile its step again every time): set "
-                        "generation.keep_replica=true, or drop generation.compile_step")
-    hf_only = g.loop == "hf" or g.mode == "zero3"
-    if hf_only and g.continuous is True:
-        problems.append("generation.continuous = true needs our decoding loop, but "
-                        f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
-                        "generate: set generation.continuous=auto, or generation.loop=own")
     # the settings that read the sampler's log-probs, which only our decoding loop keeps
     for key, value, off in (("ppo.rollout_correction", cfg.ppo.rollout_correction, "none"),
                             ("ppo.old_logprobs", cfg.ppo.old_logprobs, "training"),
                             ("generation.require_exact", g.require_exact, False)):
-        if hf_only and value != off:
+        if g.hf_generate and value != off:
             problems.append(f"{key} = {value!r} needs the rollout log-probs of our decoding "
                             f"loop, but generation.loop = {g.loop!r} / generation.mode = "
                             f"{g.mode!r} use HF generate: set generation.loop=own (mode "
@@ -133,20 +101,6 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
-def _deepspeed_problems(cfg: Config, world_size: int) -> list[str]:
-    """Offload needs ZeRO-3; a DeepSpeed config file must exist."""
-    problems = []
-    for role in ROLES:
-        d = getattr(cfg.deepspeed, role)
-        if d.offload_param and d.zero_stage not in (3, "auto"):
-            problems.append(f"deepspeed.{role}.offload_param = True needs "
-                            f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
-                            f"deepspeed.{role}.offload_param=false")
-        if d.config is not None and not Path(d.config).exists():
-            problems.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
-    return problems
-
-
 def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
     """Model registry needs, the watchdog's limit and the resume target."""
     problems = []
@@ -160,36 +114,25 @@ def _tracking_problems(cfg: Config, world_size: int) -> list[str]:
         problems.append(f"tracking.register_every = {t.register_every} registers checkpoints: "
                         "it needs tracking.register_model, checkpoint.save_hf_weights=true and a "
                         f"multiple of checkpoint.every = {c.every}")
-    if t.register_every and not t.register_copy:
-        problems.append(f"tracking.register_every = {t.register_every} with "
-                        "tracking.register_copy=false would register checkpoint directories by "
-                        "reference, which checkpoint.keep_last pruning deletes later: set "
-                        "tracking.register_copy=true, or tracking.register_every=0 (the final "
-                        "export, never pruned, is registered either way)")
-    if c.keep_best is not None and not c.every:
-        problems.append(f"checkpoint.keep_best = {c.keep_best!r} keeps the best of the periodic "
-                        "checkpoints, but checkpoint.every = 0 saves none: set "
-                        "checkpoint.every (e.g. 25)")
     limit = watchdog_limit_s(cfg)
     if limit is not None and limit >= 60 * cfg.dist_timeout_minutes:
         problems.append(f"watchdog_minutes = {cfg.watchdog_minutes:g} must be below "
                         f"dist_timeout_minutes = {cfg.dist_timeout_minutes:g} (else a stuck "
                         "collective times out before the watchdog names the missing ranks): "
                         "lower it, or leave it null")
+    return problems + _resume_problems(cfg)
+
+
+def _resume_problems(cfg: Config) -> list[str]:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
-                        "directory")
-    return problems
+        return [f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
+                "directory"]
+    return []
 
 
 def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
     """The RLHF recipe's extras: the critic warm-up, the policy's EMA and PPO-ptx."""
     p, problems = cfg.ppo, []
-    if p.critic_warmup_iterations and not p.uses_critic:
-        problems.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} warms up "
-                        f"a value model, but ppo.advantage_estimator = "
-                        f"{p.advantage_estimator!r} has none: set it to 0, or use "
-                        "ppo.advantage_estimator=gae")
     if p.critic_warmup_iterations >= cfg.iterations:
         problems.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} must be "
                         f"less than iterations = {cfg.iterations}, or the policy never trains")
@@ -221,32 +164,14 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
     if job == "rm" and j.chosen_key == j.rejected_key:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
     problems += source_problems(cfg, ("policy",))
-    d = cfg.deepspeed.policy
-    if d.offload_param and d.zero_stage not in (3, "auto"):
-        problems.append(f"deepspeed.policy.offload_param = True needs deepspeed.policy."
-                        f"zero_stage = 3 (got {d.zero_stage}); or set "
-                        "deepspeed.policy.offload_param=false")
-    if d.config is not None and not Path(d.config).exists():
-        problems.append(f"deepspeed.policy.config = {d.config!r}: file does not exist")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-        problems.append(f"resume = {cfg.resume!r}: must be auto, never or an existing checkpoint "
-                        "directory")
+    problems += cfg.deepspeed.problems(roles=("policy",)) + _resume_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 def _env_problems(cfg: Config, world_size: int) -> list[str]:
     """The env section against the rest (multi-turn rollouts)."""
-    from ds_ppo.redaction import redact_url
-
     e, out = cfg.env, []
-    if e.function is not None and e.url is not None:
-        out.append(f"env: set one of env.function ({e.function!r}) and env.url "
-                   f"({redact_url(e.url)!r}), not both")
-    if e.url is not None and not e.url.startswith(("http://", "https://")):
-        out.append(f"env.url = {redact_url(e.url)!r} must start with http:// or https://")
-    if e.function is not None and ":" not in e.function:
-        out.append(f"env.function = {e.function!r} must look like module:Name")
     if not e.enabled:
         return out
     if e.max_total_tokens < cfg.generation.max_new_tokens:
@@ -255,8 +180,6 @@ def _env_problems(cfg: Config, world_size: int) -> list[str]:
     if cfg.data.eval_split is not None:
         out.append(f"data.eval_split = {cfg.data.eval_split!r}: evaluation runs single-turn "
                    "and is not available with an env yet; set data.eval_split=null")
-    if any(not s for s in e.stop):
-        out.append(f"env.stop = {e.stop}: an empty string would end every turn at once")
     return out
 
 
@@ -307,11 +230,6 @@ def _old_logprob_problems(cfg: Config) -> list[str]:
     logits as the sampler did, `ds_ppo.algo.distribution.shape_logits`); that our decoding loop
     keeps them: the caller. generation.require_exact compares the two, so needs both."""
     p, problems = cfg.ppo, []
-    if p.old_logprobs == "rollout" and p.rollout_correction != "none":
-        problems.append(f"ppo.rollout_correction = {p.rollout_correction!r} weighs the "
-                        "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
-                        "'rollout' makes them the same (every weight 1): set "
-                        "ppo.rollout_correction=none, or ppo.old_logprobs=training")
     if cfg.generation.require_exact and p.old_logprobs == "rollout":
         problems.append("generation.require_exact = true compares the sampler's log-probs with "
                         "the trainer's scoring forward, which ppo.old_logprobs = 'rollout' "

@@ -91,3 +91,19 @@ class DeepSpeedConfig(Section):
         8192, gt=0, description="With sequence_parallel_size > 1: rows of at least this many "
         "tokens (prompt + response) are split across the sequence-parallel group; shorter ones "
         "run whole on each rank.")
+
+    def problems(self, roles: tuple[str, ...] = ("policy", "value", "reference", "reward")
+                 ) -> list[str]:
+        """Offload needs ZeRO-3; a role's DeepSpeed template file must exist."""
+        from pathlib import Path
+
+        out = []
+        for role in roles:
+            d = getattr(self, role)
+            if d.offload_param and d.zero_stage not in (3, "auto"):
+                out.append(f"deepspeed.{role}.offload_param = True needs "
+                           f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
+                           f"deepspeed.{role}.offload_param=false")
+            if d.config is not None and not Path(d.config).exists():
+                out.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
+        return out

@@ -168,3 +168,16 @@ class RewardConfig(Section):
     retries: int = Field(3, ge=0, le=1000, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")
+
+    def problems(self) -> list[str]:
+        from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
+
+        out = []
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            out.append(f"reward.url = {redact_url(self.url)!r} must start with http:// or "
+                       "https://")
+        if self.function is not None and ":" not in self.function:
+            out.append(f"reward.function = {self.function!r} must look like module:function")
+        if self.score_clip is not None and self.score_clip <= 0:
+            out.append(f"reward.score_clip = {self.score_clip} must be > 0 or null")
+        return out

@@ -105,6 +105,43 @@ class GenerationConfig(Section):
 
 
 # ------------------------------------------------------------------------ environment
+
+    @property
+    def hf_generate(self) -> bool:
+        """True when responses come from HF generate (loop hf, or mode zero3 through the hooks),
+        which keeps no sampler log-probs; else from our decoding loop."""
+        return self.loop == "hf" or self.mode == "zero3"
+
+    def problems(self) -> list[str]:
+        g, out = self, []
+        if g.min_new_tokens > g.max_new_tokens:
+            out.append(f"generation.min_new_tokens = {g.min_new_tokens} must be <= "
+                       f"generation.max_new_tokens = {g.max_new_tokens}")
+        if g.loop == "own" and g.mode == "zero3":
+            out.append("generation.loop = 'own' runs on the gathered replica, but "
+                       "generation.mode = 'zero3' generates through the ZeRO-3 hooks: set "
+                       "generation.loop=auto (or hf), or generation.mode=gathered")
+        if g.loop == "own" and (g.cache_implementation != "dynamic" or g.compile):
+            out.append("generation.cache_implementation / generation.compile are options of "
+                       "HF generate (generation.loop=hf); generation.loop = 'own' always uses "
+                       "a static cache and CUDA graphs (generation.cuda_graph): drop them or "
+                       "set generation.loop=hf")
+        if g.compile_step and g.hf_generate:
+            out.append("generation.compile_step compiles our decoding loop's step, but "
+                       f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
+                       "generate: drop it, or set generation.loop=own (mode gathered or "
+                       "tensor_parallel)")
+        elif g.compile_step and not g.keep_replica:
+            out.append("generation.compile_step needs generation.keep_replica=true (a new "
+                       "replica per rollout would compile its step again every time): set "
+                       "generation.keep_replica=true, or drop generation.compile_step")
+        if g.hf_generate and g.continuous is True:
+            out.append("generation.continuous = true needs our decoding loop, but "
+                       f"generation.loop = {g.loop!r} / generation.mode = {g.mode!r} use HF "
+                       "generate: set generation.continuous=auto, or generation.loop=own")
+        return out
+
+
 class EnvConfig(Section):
     """Multi-turn rollouts: each response is an episode of model turns and environment
     observations (docs/GUIDE.md "Environments and tools", docs/ENVIRONMENTS.md). Unset (no
@@ -149,3 +186,18 @@ class EnvConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.function is not None or self.url is not None
+
+    def problems(self) -> list[str]:
+        from ds_ppo.redaction import redact_url  # stdlib only: no heavy import
+
+        out = []
+        if self.function is not None and self.url is not None:
+            out.append(f"env: set one of env.function ({self.function!r}) and env.url "
+                       f"({redact_url(self.url)!r}), not both")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            out.append(f"env.url = {redact_url(self.url)!r} must start with http:// or https://")
+        if self.function is not None and ":" not in self.function:
+            out.append(f"env.function = {self.function!r} must look like module:Name")
+        if self.enabled and any(not s for s in self.stop):
+            out.append(f"env.stop = {self.stop}: an empty string would end every turn at once")
+        return out

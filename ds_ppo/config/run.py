@@ -82,6 +82,17 @@ class TrackingConfig(Section):
 
 
 # ------------------------------------------------------------------------- checkpoint
+
+    def problems(self) -> list[str]:
+        if self.register_every and not self.register_copy:
+            return [f"tracking.register_every = {self.register_every} with "
+                    "tracking.register_copy=false would register checkpoint directories by "
+                    "reference, which checkpoint.keep_last pruning deletes later: set "
+                    "tracking.register_copy=true, or tracking.register_every=0 (the final "
+                    "export, never pruned, is registered either way)"]
+        return []
+
+
 class CheckpointConfig(Section):
     every: int = Field(50, ge=0, description="Save every N iterations (0: only at the end).")
     keep_last: int = Field(2, gt=0, description="Complete checkpoints kept on disk.")
@@ -111,3 +122,10 @@ class CheckpointConfig(Section):
         "checkpoint is named by checkpoints/best and never pruned by keep_last. null: off.")
     keep_best_mode: Literal["max", "min"] = Field(
         "max", description="Whether keep_best's metric is better higher (max) or lower (min).")
+
+    def problems(self) -> list[str]:
+        if self.keep_best is not None and not self.every:
+            return [f"checkpoint.keep_best = {self.keep_best!r} keeps the best of the periodic "
+                    "checkpoints, but checkpoint.every = 0 saves none: set "
+                    "checkpoint.every (e.g. 25)"]
+        return []

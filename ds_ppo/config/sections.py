@@ -11,8 +11,9 @@ sections live in one module per job and are re-exported here:
 - ``engines``: ``deepspeed``;
 - ``jobs``: ``sft`` and ``rm``.
 
-Each field's type, default and range are checked while parsing; rules that join several
-fields live in ``ds_ppo.config.checks``. The tree is frozen: nothing changes it mid-run.
+Each field's type, default and range are checked while parsing; the rules among a section's
+own fields are its ``problems()`` method, next to the fields; rules that join sections or need
+the world size live in ``ds_ppo.config.checks``. The tree is frozen: nothing changes it mid-run.
 """
 from __future__ import annotations
 
@@ -80,6 +81,11 @@ class Config(Section):
         "dist_timeout_minutes less 5% (15 s to 2.5 min, at most a quarter): after a reward.url "
         "call's own deadline, before the collective timeout; 0: off. Must be below "
         "dist_timeout_minutes.")
+
+    def sections(self) -> list[Section]:
+        """The top-level sections, in the order above (each checks its own rules: `problems`)."""
+        return [v for v in (getattr(self, k) for k in type(self).model_fields)
+                if isinstance(v, Section)]
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -10,7 +10,7 @@ template) with the job's batch sizes and length:
 
 Both use the policy section (model, optimizer, lora) and deepspeed.policy. The result is held in
 `JobEngines`, shaped like `Engines` where checkpoints and exports read it (a `policy`, no
-`value`), so engine/checkpoint.py saves and resumes it unchanged.
+`value`), so engine/checkpoint/save_load.py saves and resumes it unchanged.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
 from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
-from ds_ppo.ppo.batching import is_split, model_micro_batches
+from ds_ppo.ppo.batching import batching, is_split, model_micro_batches
 from ds_ppo.ppo.correction import sampler_logprobs
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
@@ -133,7 +133,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
     engines.policy.eval()
     if critic is not None:
         critic.eval()
-    batches, order, mine = model_micro_batches(rollout, cfg)
+    plan = batching(cfg)
+    batches, order, mine = model_micro_batches(rollout, plan)
     packed = cfg.ppo.micro_batch_tokens is not None
     tiling = {"tiled": cfg.ppo.tiled_logits, "tile_tokens": cfg.ppo.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
@@ -141,7 +142,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
     for k, rows in enumerate(batches):
         watchdog.progress(k)
         mb = rollout.slice(rows)
-        split = is_split(rollout, cfg, rows)  # one row across the sequence-parallel group
+        split = is_split(rollout, plan, rows)  # one row across the sequence-parallel group
         if sampled is None:
             lp, ent = engines.policy.logprobs(mb, temp, with_entropy=True, packed=packed,
                                               split=split, **tiling)

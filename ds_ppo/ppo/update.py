@@ -42,7 +42,7 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.batching import is_split, plan_micro_batches, varying_counts
+from ds_ppo.ppo.batching import batching, is_split, plan_micro_batches, varying_counts
 from ds_ppo.role_names import TRAINED_ROLES
 
 
@@ -136,10 +136,10 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
              for rows, mine in zip(minibatches, ptx_rows)], dtype=torch.float64))
         # longest rows first, split rows last; the order within a mini-batch does not change
         # its gradient (each micro-batch loss is normalised by the whole mini-batch's count)
-        micro = [plan_micro_batches(exp.rollout, cfg, p.micro_batch_size, rows)
+        micro = [plan_micro_batches(exp.rollout, batching(cfg), p.micro_batch_size, rows)
                  for rows in minibatches]
         steps = [len(m) for m in micro]
-        if varying_counts(cfg):  # per mini-batch, the most micro-batches of any rank
+        if varying_counts(batching(cfg)):  # per mini-batch, the most micro-batches of any rank
             steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
         for mine, n_steps, (n_tok, pg_div, ptx_tok), rows in zip(micro, steps, counts.tolist(),
                                                                   ptx_rows):
@@ -160,7 +160,8 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
     copies = dist.sp_size()  # ranks that compute a whole row's gradient (module docstring)
     critic = engines.value
     packed = p.micro_batch_tokens is not None
-    explicit = varying_counts(cfg)  # the optimizer step placed on the last micro-batch
+    plan = batching(cfg)
+    explicit = varying_counts(plan)  # the optimizer step placed on the last micro-batch
     # device tensors, read once per mini-batch: no host sync between micro-batches
     losses, stats = [], {}
     batches = exp.rollout.with_idle(mine, step.n_steps)  # then zero-weight repeats
@@ -168,7 +169,7 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
                  *exp.rollout.positions(batches, packed, len(mine)))
     for k, mb_rows in enumerate(batches):
         watchdog.progress(k)
-        split = is_split(exp.rollout, cfg, mb_rows)  # one row across the SP group
+        split = is_split(exp.rollout, plan, mb_rows)  # one row across the SP group
         # idle: no gradient, no statistics
         weight = 0.0 if k >= len(mine) else scale if split else scale / copies
         boundary = (k == step.n_steps - 1) if explicit else None  # the optimizer step

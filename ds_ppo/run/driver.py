@@ -29,7 +29,7 @@ from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
                                       load_checkpoint, mark_best, read_state, rng_state,
                                       stage_changed)
-from ds_ppo.engine.checkpoint_files import verify_model_paths
+from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
 from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
@@ -210,7 +210,7 @@ def seed_everything(seed: int) -> None:
 def _already_finished(cfg: Config, job: Job, total: int | None) -> TrainResult | None:
     """The result of a run that already completed `total` units (`finished_run`), printed
     once; else None."""
-    from ds_ppo.engine.checkpoint_files import finished_message, finished_run
+    from ds_ppo.engine.checkpoint.files import finished_message, finished_run
 
     if total is None:
         return None

@@ -1,9 +1,9 @@
 """`ds-ppo export`: the policy (and optionally the value model) as a Hugging Face model directory:
 safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
-Two paths, both written by engine/export.py: `export_engine` inside a running job (weights
+Two paths, both written by engine/checkpoint/export.py: `export_engine` inside a running job (weights
 gathered a group at a time from ZeRO-3 and streamed into safetensors shards by the ranks of node
-0: engine/hf_writer.py), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
+0: engine/checkpoint/hf_writer.py), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
 (the checkpoint's safetensors copies re-written tensor by tensor, else DeepSpeed's ZeRO checkpoint
 consolidation; one process, CPU only). This module is the command: its checks and the atomic
 write.
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import (is_export, read_state, resolve_checkpoint, unusable,
+from ds_ppo.engine.checkpoint.files import (is_export, read_state, resolve_checkpoint, unusable,
                                             verify_export, verify_files)
-from ds_ppo.engine.export import (MARKER, export_engine, export_into, export_reads,
+from ds_ppo.engine.checkpoint.export import (MARKER, export_engine, export_into, export_reads,
                                   replace_dir, source_problem, write_marker)
 from ds_ppo.errors import CheckpointError, UserError
 
@@ -46,7 +46,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     Reads the safetensors copies the checkpoint holds (checkpoint.save_hf_weights); a checkpoint
     saved without them is consolidated from DeepSpeed's ZeRO shards instead (pickles: only for
     checkpoints you wrote yourself). `verify`: first check the files it reads against the
-    checkpoint's manifest (engine/manifest.py).
+    checkpoint's manifest (engine/checkpoint/manifest.py).
 
     Raises:
         UserError: `out_dir` holds files of something else (and not `overwrite`).
@@ -101,7 +101,7 @@ def check_export_target(out_dir: Path, overwrite: bool) -> None:
 
 def write_atomically(out_dir: Path, write) -> None:
     """`write(tmp)` fills a temporary directory next to `out_dir`, which then replaces `out_dir`
-    (engine/export.py replace_dir); if `write` fails, the temporary directory is removed and
+    (engine/checkpoint/export.py replace_dir); if `write` fails, the temporary directory is removed and
     `out_dir` is as it was."""
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

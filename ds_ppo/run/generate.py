@@ -28,7 +28,7 @@ def model_dir(spec: str) -> Path:
         raise UserError(f"--model {spec}: no such directory")
     if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return p
-    from ds_ppo.engine.checkpoint_files import resolve_checkpoint
+    from ds_ppo.engine.checkpoint.files import resolve_checkpoint
 
     hf = resolve_checkpoint(p) / "hf"
     if not any((hf / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json",
@@ -49,7 +49,7 @@ def check_files(path: Path, verify: bool = True) -> None:
     import json
     import sys
 
-    from ds_ppo.engine.checkpoint_files import is_export, verify_export, verify_files
+    from ds_ppo.engine.checkpoint.files import is_export, verify_export, verify_files
 
     # a checkpoint's hf/: known by either of its two records (deleting one switches nothing off)
     ckpt = path.parent if any((path.parent / f).is_file()

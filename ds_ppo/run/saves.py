@@ -57,7 +57,7 @@ def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             last_checkpoint: str | None, model_class: str = "AutoModelForCausalLM"):
     """Save the final state (unless the last iteration was just saved) and export the policy
     (a supervised job's model: `model_class` names what it loads with)."""
-    from ds_ppo.engine.export import export_final
+    from ds_ppo.engine.checkpoint.export import export_final
     from ds_ppo.run.export import DTYPES
 
     out = Path(cfg.output_dir)

@@ -126,7 +126,7 @@ def test_a_missing_shard_is_named_on_another_world_size(critic_free, tmp_path):
     any conversion; without the manifest's check (checkpoint.verify=false), the conversion's
     failure is one message naming the checkpoint, not ds_to_universal's traceback."""
     from ds_ppo.engine.checkpoint import ensure_universal
-    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.engine.checkpoint.files import find_resume
     from ds_ppo.errors import CheckpointError
 
     _, saved, _ = critic_free

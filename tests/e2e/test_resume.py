@@ -152,7 +152,7 @@ def test_export_replaces_only_its_own_exports(restarted_run, tmp_path):
 # is the newest that verifies.
 @pytest.fixture
 def damaged(restarted_run, tmp_path):
-    from ds_ppo.engine import manifest
+    from ds_ppo.engine.checkpoint import manifest
 
     _, out, _, _, _ = restarted_run
     copy = tmp_path / "out"
@@ -192,7 +192,7 @@ def _one_line(err: str) -> str:
 def test_flipped_tensor_bytes_stop_the_resume_naming_file_and_checkpoint(damaged):
     """8 bytes flipped inside a tensor load silently; the manifest's CRC-32 catches them before
     anything loads and points at the newest checkpoint that verifies."""
-    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.engine.checkpoint.files import find_resume
     from ds_ppo.errors import CheckpointError
 
     out, ckpt, good = damaged
@@ -206,7 +206,7 @@ def test_flipped_tensor_bytes_stop_the_resume_naming_file_and_checkpoint(damaged
 
 
 def test_a_garbled_manifest_is_named_too(damaged):
-    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.engine.checkpoint.files import find_resume
     from ds_ppo.errors import CheckpointError
 
     out, ckpt, good = damaged
@@ -254,7 +254,7 @@ def test_a_damaged_pickle_is_one_message_naming_the_file(damaged):
     from types import SimpleNamespace
 
     from ds_ppo.engine.checkpoint import load_checkpoint
-    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.engine.checkpoint.files import find_resume
     from ds_ppo.errors import CheckpointError
 
     out, ckpt, good = damaged
@@ -319,7 +319,7 @@ def test_a_full_disk_during_the_export_at_the_end_is_one_line_and_resumable(rest
     assert (copy / "checkpoints" / "latest").read_text().strip() == "iter_000001"
     run_cli(cmd, cwd=work)
     assert json.loads((copy / "final" / "ds_ppo_export.json").read_text())["iteration"] == 1
-    from ds_ppo.engine.checkpoint_files import verify_export
+    from ds_ppo.engine.checkpoint.files import verify_export
 
     verify_export(copy / "final", "final")
 

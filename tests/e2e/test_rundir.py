@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_ppo.engine import checkpoint as ckpt
+from ds_ppo.engine.checkpoint import save_load as ckpt
 from ds_ppo.engine.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint,
                                       read_state, save_checkpoint)
 from ds_ppo.engine.role_objects import PolicyRole, ValueRole
@@ -227,7 +227,7 @@ def test_a_deleted_manifest_does_not_switch_the_check_off(tmp_path, caplog):
     manifest.json is an error naming it, not a resume that loads unchecked; one saved without
     (checkpoint.verify=false) loads with a warning that says so, and checkpoint.verify=false
     on a checkpoint that has one warns that it is not checked."""
-    from ds_ppo.engine.checkpoint_files import find_resume
+    from ds_ppo.engine.checkpoint.files import find_resume
     from ds_ppo.errors import CheckpointError
 
     path = _save(tmp_path, 1)
@@ -258,8 +258,8 @@ def test_exports_are_checked_wherever_they_load(tmp_path, caplog):
     """An export carries a manifest that its marker records: a flipped byte, a deleted
     manifest or a deleted marker is an error naming the file at a model path (policy.path
     etc.) and in `ds-ppo generate`; checkpoint.verify=false / --no-verify warn instead."""
-    from ds_ppo.engine.checkpoint_files import verify_model_paths
-    from ds_ppo.engine.export import write_marker
+    from ds_ppo.engine.checkpoint.files import verify_model_paths
+    from ds_ppo.engine.checkpoint.export import write_marker
     from ds_ppo.errors import CheckpointError
     from ds_ppo.run.generate import check_files
 
@@ -316,7 +316,7 @@ def test_generate_checks_a_lora_checkpoint_adapter(tmp_path):
         (path / "hf" / "adapter_config.json").write_text("{}")
         (path / "hf" / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
         (path / "manifest.json").unlink()
-        from ds_ppo.engine import manifest
+        from ds_ppo.engine.checkpoint import manifest
 
         manifest.write_share(path, 0, 1)
         manifest.merge(path)
@@ -341,8 +341,8 @@ def test_generate_checks_a_lora_checkpoint_adapter(tmp_path):
 def test_a_lora_merge_checks_its_base_when_that_is_an_export(tmp_path):
     """`ds-ppo export` of a LoRA policy merges the adapter into its base: a base that is a
     ds_ppo export (e.g. an SFT run's final/) is checked against its manifest first."""
-    from ds_ppo.engine import manifest
-    from ds_ppo.engine.export import write_marker
+    from ds_ppo.engine.checkpoint import manifest
+    from ds_ppo.engine.checkpoint.export import write_marker
     from ds_ppo.errors import CheckpointError
     from ds_ppo.run.export import export_checkpoint
 

@@ -26,17 +26,19 @@ def _first_and_last_mean_score(rows: list[dict]) -> tuple[float, float]:
             sum(r["score/mean"] for r in rows[-5:]) / 5)
 
 
-def _train_in_a_new_dir(tmp_path_factory, name: str, *overrides: str):
+def _train_in_a_new_dir(tmp_path_factory, name: str, *overrides: str, fresh: bool = False):
     """`ds-ppo train OVERRIDES` in a new directory: (its output_dir, the finished process)."""
     work = tmp_path_factory.mktemp(name)
-    proc = run_cli(["train", f"output_dir={work / 'out'}", *overrides], cwd=work, timeout=900)
+    proc = run_cli(["train", f"output_dir={work / 'out'}", *overrides], cwd=work, timeout=900,
+                   fresh=fresh)
     return work / "out", proc
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """The README's main command: `ds-ppo train` with no config (the tiny default)."""
-    return _train_in_a_new_dir(tmp_path_factory, "default")
+    """The README's main command: `ds-ppo train` with no config (the tiny default), in a new
+    interpreter as a user starts it (its start-up lines are checked below)."""
+    return _train_in_a_new_dir(tmp_path_factory, "default", fresh=True)
 
 
 @pytest.mark.slow

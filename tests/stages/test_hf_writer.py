@@ -1,4 +1,4 @@
-"""Streamed HF weight writing (ds_ppo/engine/hf_writer.py): shard layout like transformers, files
+"""Streamed HF weight writing (ds_ppo/engine/checkpoint/hf_writer.py): shard layout like transformers, files
 plain transformers loads, several writers, and a writer whose peak CPU memory is one tensor, not
 the model (measured in a fresh process on a ~400 MB model)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from conftest import clean_env
 
-from ds_ppo.engine.hf_writer import (Entry, ShardedWriter, parse_size, plan_shards,
+from ds_ppo.engine.checkpoint.hf_writer import (Entry, ShardedWriter, parse_size, plan_shards,
                                      write_module_weights)
 
 
@@ -181,7 +181,7 @@ def test_a_llama_loaded_under_zero3_streams(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from ds_ppo.engine.hf_writer import _needs_conversion
+    from ds_ppo.engine.checkpoint.hf_writer import _needs_conversion
 
     cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32,
                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
@@ -196,7 +196,7 @@ def test_exports_put_back_the_dropout_training_switched_off(tmp_path):
     checkpoint's hf/ copy through saved_config) has the model's own probabilities again."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ds_ppo.engine.hf_writer import saved_config
+    from ds_ppo.engine.checkpoint.hf_writer import saved_config
     from ds_ppo.engine.roles import _model_config
     from ds_ppo.run.export import export_engine
 
@@ -220,10 +220,10 @@ def test_the_export_at_the_end_replaces_final_whole_or_not_at_all(tmp_path, monk
     """export_final writes aside and renames: a write that dies half-way (here: the weights
     file cut after 4 KB, then an error, as a kill leaves it) leaves the previous final/ as it
     was, loadable; a complete one replaces it."""
-    import ds_ppo.engine.export as engine_export
+    import ds_ppo.engine.checkpoint.export as engine_export
     from transformers import AutoModelForCausalLM
 
-    from ds_ppo.engine.export import MARKER, export_final
+    from ds_ppo.engine.checkpoint.export import MARKER, export_final
 
     final = tmp_path / "final"
     first, second = _tiny_llama(True), _tiny_llama(False)

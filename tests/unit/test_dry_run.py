@@ -70,7 +70,7 @@ def test_a_finished_run_stops_before_torch_imports(tmp_path):
     marker = tmp_path / "out" / "final" / "ds_ppo_export.json"
     code = textwrap.dedent("""
         import sys
-        from ds_ppo.engine.checkpoint_files import finished_run
+        from ds_ppo.engine.checkpoint.files import finished_run
         from ds_ppo.cli import main
         print(main(["train", "output_dir=out"]), "torch" in sys.modules)
         print(finished_run("out", "auto", 41, True))
@@ -83,7 +83,7 @@ def test_a_finished_run_stops_before_torch_imports(tmp_path):
                         "(out/checkpoints/iter_000040, exported to out/final); nothing to "
                         "train: raise iterations to continue"), proc.stdout + proc.stderr[-2000:]
     assert lines[1:] == ["0 False", "None"]  # iterations=41: something to do
-    from ds_ppo.engine.checkpoint_files import finished_run
+    from ds_ppo.engine.checkpoint.files import finished_run
 
     marker.write_text(json.dumps({"checkpoint": "the run in out", "iteration": 20}))
     assert finished_run(tmp_path / "out", "auto", 40, True) is None

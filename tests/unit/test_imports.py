@@ -108,8 +108,8 @@ def test_no_import_cycle_inside_ds_ppo():
 
     Function-level (lazy) imports count as edges, not only module-level ones: a lazy import
     still makes one module depend on the other, and a cycle through one works only because of
-    the order in which the functions happen to be called (e.g. engine/checkpoint.py exporting
-    through ds_ppo/export.py, which read engine/checkpoint.py back). Imports under
+    the order in which the functions happen to be called (e.g. engine/checkpoint/save_load.py exporting
+    through ds_ppo/export.py, which read engine/checkpoint/save_load.py back). Imports under
     `if TYPE_CHECKING:` count as well: a cycle of type-only imports is still a tangle."""
     assert import_cycles(import_graph()) == []
 

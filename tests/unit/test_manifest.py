@@ -1,10 +1,10 @@
-"""A checkpoint's manifest (ds_ppo/engine/manifest.py): who checksums which file, the parts of
+"""A checkpoint's manifest (ds_ppo/engine/checkpoint/manifest.py): who checksums which file, the parts of
 several ranks merged into one manifest, and each kind of damage named. Plain files: no torch."""
 from __future__ import annotations
 
 import json
 
-from ds_ppo.engine import manifest
+from ds_ppo.engine.checkpoint import manifest
 
 FILES = {"policy/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt": 400,
          "policy/ds/zero_pp_rank_1_mp_rank_00_optim_states.pt": 400,

@@ -9,7 +9,8 @@ import torch
 from ds_ppo.config import load_config
 from ds_ppo.data.ptx import lm_rollout
 from ds_ppo.engine import dist
-from ds_ppo.ppo.batching import is_split, plan_micro_batches, split_rows, varying_counts
+from ds_ppo.ppo.batching import (batching, is_split, plan_micro_batches, split_rows,
+                                 varying_counts)
 
 
 def test_layout_groups_consecutive_ranks_and_strides_the_data_parallel_groups():
@@ -41,8 +42,9 @@ def _rollout(row_lens: list[int]):
 
 
 def _cfg(*extra: str):
-    return load_config(None, ["deepspeed.sequence_parallel_size=2", "ppo.micro_batch_size=2",
-                              "deepspeed.sequence_parallel_min_tokens=10", *extra])
+    return batching(load_config(None, ["deepspeed.sequence_parallel_size=2",
+                                       "ppo.micro_batch_size=2",
+                                       "deepspeed.sequence_parallel_min_tokens=10", *extra]))
 
 
 def test_rows_of_at_least_min_tokens_are_split_and_run_alone_after_the_whole_ones(sp2):

@@ -2,8 +2,8 @@
 code (ds_ppo.ppo.scoring.score, add_advantages, ppo_update) on CPU: docs/RESULTS.md, "One long
 row".
 
-    python tests/support/measure_long_context.py --grid 4096,8192,16384,32768
-    python tests/support/measure_long_context.py --tokens 8192 --mode tiled   # one process
+    python tools/measure_long_context.py --grid 4096,8192,16384,32768
+    python tools/measure_long_context.py --tokens 8192 --mode tiled   # one process
 
 Each (length, mode) runs in a fresh process, since peak RSS (ru_maxrss) is a process maximum.
 Modes: untiled (ppo.tiled_logits=false: the (1, T, V) logits of today), tiled
@@ -44,7 +44,7 @@ def one(tokens: int, mode: str) -> dict:
     from ds_ppo.ppo.scoring import score
     from ds_ppo.ppo.update import ppo_update
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import FakeEngine
 
     torch.manual_seed(0)

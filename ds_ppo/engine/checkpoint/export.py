@@ -2,7 +2,7 @@
 config + tokenizer, loadable with `from_pretrained` and no ds_ppo).
 
 - `export_engine`: inside a running job, a role's (ZeRO-3) weights gathered a group at a time
-  and streamed into safetensors shards by the ranks of node 0 (engine/hf_writer.py);
+  and streamed into safetensors shards by the ranks of node 0 (engine/checkpoint/hf_writer.py);
 - `export_into`: offline, from a checkpoint (one process, CPU): its safetensors copies re-written
   tensor by tensor, else DeepSpeed's ZeRO checkpoint consolidation; a LoRA role merged into its
   base or copied as its PEFT directory.
@@ -21,19 +21,19 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine.checkpoint_files import EXPORT_MARKER, TAG
+from ds_ppo.engine.checkpoint.files import EXPORT_MARKER, TAG
 from ds_ppo.errors import CheckpointError
 
 log = logging.getLogger("ds_ppo")
-MARKER = EXPORT_MARKER  # marks a directory an export wrote (engine/checkpoint_files.py)
+MARKER = EXPORT_MARKER  # marks a directory an export wrote (engine/checkpoint/files.py)
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT directory's files
 
 
 def export_engine(engine, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
     """Collective: stream the engine's (ZeRO-3) weights, gathered a group at a time, into
-    safetensors shards written by the ranks of node 0 (engine/hf_writer.py), plus config and
+    safetensors shards written by the ranks of node 0 (engine/checkpoint/hf_writer.py), plus config and
     tokenizer. `engine`: anything with the model as `.module` (a role of `Engines`)."""
-    from ds_ppo.engine.hf_writer import save_module
+    from ds_ppo.engine.checkpoint.hf_writer import save_module
 
     return save_module(engine.module, tokenizer, out_dir, dtype)
 
@@ -210,7 +210,7 @@ def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
     existing directory `out_dir`, then the export marker."""
     from transformers import AutoTokenizer
 
-    from ds_ppo.engine.hf_writer import save_module
+    from ds_ppo.engine.checkpoint.hf_writer import save_module
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "hf")
     roles = [("policy", out_dir)] + ([("value", out_dir / "value")] if with_value else [])
@@ -234,10 +234,10 @@ def export_into(ckpt: Path, out_dir: Path, dtype: torch.dtype, with_value: bool,
 def write_marker(out_dir: Path, source: str, dtype: torch.dtype, with_value: bool,
                  iteration: int | None = None, with_manifest: bool = True) -> None:
     """Mark the complete export `out_dir` as ds_ppo's (a later `ds-ppo export --out` may
-    replace it), then write its manifest (engine/manifest.py: every file's size and CRC-32,
+    replace it), then write its manifest (engine/checkpoint/manifest.py: every file's size and CRC-32,
     the marker's included), which the marker records, so every later load requires it. A
     run's own export at its end also records the iteration it holds."""
-    from ds_ppo.engine import manifest
+    from ds_ppo.engine.checkpoint import manifest
 
     marker = {"checkpoint": source, "dtype": str(dtype).removeprefix("torch."),
               "value": with_value}
@@ -279,7 +279,7 @@ def _copy_safetensors(src: Path, target: Path, dtype: torch.dtype) -> None:
     """The weights re-written (streamed) in `dtype`; config and generation config copied."""
     from transformers import AutoConfig, GenerationConfig
 
-    from ds_ppo.engine.hf_writer import copy_safetensors_weights
+    from ds_ppo.engine.checkpoint.hf_writer import copy_safetensors_weights
 
     copy_safetensors_weights(src, target, dtype)
     config = AutoConfig.from_pretrained(src)

@@ -5,8 +5,8 @@ second of our decoding loop, both modes alternating, on a ~4.5M-parameter Llama 
 runs as usual, then a countdown picks the tokens) to a log-normal draw, so both modes decode
 exactly the same tokens. Used for docs/RESULTS.md:
 
-    PYTHONPATH=. python tests/support/measure_continuous.py
-    PYTHONPATH=. python tests/support/measure_continuous.py --check-every 4 --slots 8 16 32
+    PYTHONPATH=. python tools/measure_continuous.py
+    PYTHONPATH=. python tools/measure_continuous.py --check-every 4 --slots 8 16 32
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
 
 from support.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Checkpoints that lose nothing: writing one, and loading one into the engines (the directory's
-layout, choosing and checking a checkpoint: engine/checkpoint_files.py).
+layout, choosing and checking a checkpoint: files.py beside this module).
 
 Writing protocol: every rank writes into `iter_NNNNNN.tmp/`; after a barrier (every rank done),
 rank 0 renames it to `iter_NNNNNN/` and then replaces `latest` through a temporary file and an
@@ -28,26 +28,21 @@ from pathlib import Path
 
 import torch
 
-from ds_ppo.engine import dist, manifest
-from ds_ppo.engine.checkpoint_files import (TAG, UNIVERSAL_TAG, TrainerState,
+from ds_ppo.engine import dist
+from ds_ppo.engine.checkpoint import manifest
+from ds_ppo.engine.checkpoint.files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             check_estimator_family, checkpoint_name,
                                             checkpoints_dir, complete_checkpoints, find_resume,
                                             latest_checkpoint, named_by_best, named_by_latest,
                                             read_state,
                                             resolve_checkpoint, unusable, verify_checkpoint)
-from ds_ppo.engine.export import disk_full_reason, export_engine
-from ds_ppo.engine.hf_writer import saved_config
+from ds_ppo.engine.checkpoint.export import disk_full_reason, export_engine
+from ds_ppo.engine.checkpoint.hf_writer import saved_config
 from ds_ppo.engine.lora import is_lora, save_adapters
 from ds_ppo.errors import CheckpointError, ConfigError
 from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
-__all__ = [  # with what callers find here from engine/checkpoint_files.py
-    "TAG", "UNIVERSAL_TAG", "TrainerState", "check_estimator_family", "checkpoint_name",
-    "checkpoints_dir", "complete_checkpoints", "ensure_universal", "find_resume",
-    "latest_checkpoint", "load_checkpoint", "mark_best", "read_state", "resolve_checkpoint",
-    "rng_state",
-    "save_checkpoint", "set_rng_state", "universal_workers", "verify_checkpoint"]
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -72,7 +67,7 @@ rng_state, set_rng_state = _rng_state, _set_rng_state  # this rank's streams, as
 def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokenizer,
                     keep_last: int, save_hf_weights: bool = True, verify: bool = True) -> Path:
     """Collective: every rank calls it. Returns the final directory. `verify`: write the
-    manifest (every file's size and CRC-32, engine/manifest.py) that resume and export check.
+    manifest (every file's size and CRC-32, engine/checkpoint/manifest.py) that resume and export check.
     Rank 0 logs the save, then each checkpoint that keep_last prunes.
 
     Raises:

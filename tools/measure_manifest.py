@@ -1,8 +1,8 @@
 """What a checkpoint manifest costs (docs/CHECKPOINTS.md): the write at save (every file's size
-and CRC-32, engine/manifest.py) and the check on resume, beside the save itself.
+and CRC-32, engine/checkpoint/manifest.py) and the check on resume, beside the save itself.
 
-    python tests/support/measure_manifest.py --checkpoint outputs/tiny/checkpoints/iter_000040
-    python tests/support/measure_manifest.py --hidden 768 --layers 12 --out /tmp/m100
+    python tools/measure_manifest.py --checkpoint outputs/tiny/checkpoints/iter_000040
+    python tools/measure_manifest.py --hidden 768 --layers 12 --out /tmp/m100
 
 --checkpoint times an existing checkpoint; otherwise a Llama-shape policy and value model are
 built from a config (random weights) and written as a gae checkpoint on one rank holds them:
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ds_ppo.engine import manifest  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from ds_ppo.engine.checkpoint import manifest  # noqa: E402
 
 
 def _build(out: Path, hidden: int, layers: int, vocab: int) -> tuple[int, float]:

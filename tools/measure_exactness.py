@@ -8,8 +8,8 @@ same tokens. For each mode: the gap (mean and max of |sampler - trainer| over th
 tokens, the k3 KL estimate) and the seconds of generation and of scoring. One markdown table
 and one JSON line (also written to --json). Run from the repository root:
 
-    python tests/support/measure_exactness.py --device cuda --dtype bf16      # a GPU
-    python tests/support/measure_exactness.py --device cpu --dtype fp32 --tiny  # CPU, seconds
+    python tools/measure_exactness.py --device cuda --dtype bf16      # a GPU
+    python tools/measure_exactness.py --device cpu --dtype fp32 --tiny  # CPU, seconds
 
 (launch/gpu_checks.sh runs the first; its CPU test runs the second.)
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -4,8 +4,8 @@ modules standing in for the DeepSpeed engines (forwards and backwards; no optimi
 same in both). Prints the positions computed and the seconds of each mode (best of --repeats,
 the modes alternating). Used for docs/RESULTS.md:
 
-    PYTHONPATH=. python tests/support/measure_packing.py
-    PYTHONPATH=. python tests/support/measure_packing.py --device cuda --attn flash_attention_2 --threads 4
+    PYTHONPATH=. python tools/measure_packing.py
+    PYTHONPATH=. python tools/measure_packing.py --device cuda --attn flash_attention_2 --threads 4
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
 
 from conftest import FakeEngine  # noqa: E402
 

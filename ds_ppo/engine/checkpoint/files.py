@@ -1,5 +1,5 @@
 """The checkpoint directory: its layout, which checkpoint a run continues from, and whether a
-checkpoint is whole. Nothing here loads weights (writing and loading them: engine/checkpoint.py).
+checkpoint is whole. Nothing here loads weights (writing and loading them: engine/checkpoint/save_load.py).
 
 Layout (output_dir/checkpoints/):
     iter_000010/policy/ds/...    DeepSpeed checkpoint of the policy (weights, optimizer, LR schedule)
@@ -38,7 +38,7 @@ from ds_ppo.errors import CheckpointError, ConfigError, UserError
 from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
-# marks a directory an export wrote (engine/export.py): the source, dtype, and for a run's own
+# marks a directory an export wrote (engine/checkpoint/export.py): the source, dtype, and for a run's own
 # export at its end (output_dir/final) the iteration it holds
 EXPORT_MARKER = "ds_ppo_export.json"
 TAG = "ds"  # DeepSpeed tag inside each role's folder
@@ -199,7 +199,7 @@ def unusable(path: Path, file: Path, what: str, fallback: Path | None | bool = T
 def newest_verified(path: Path) -> Path | None:
     """The newest checkpoint older than `path` in its directory whose files all match their
     manifest (rank 0, every file read: only on the way to an error)."""
-    from ds_ppo.engine import manifest
+    from ds_ppo.engine.checkpoint import manifest
 
     it = _iteration(path)
     for i, older in reversed(complete_checkpoints(path.parent)):
@@ -211,10 +211,11 @@ def newest_verified(path: Path) -> Path | None:
 def _first_problem(path: Path, prefixes: tuple[str, ...] | None,
                    expected: str | None) -> tuple[str, str] | None:
     """Collective: each rank checks its share of `path`'s files against the manifest
-    (engine/manifest.py; `expected`: why a missing manifest is an error); the first problem of
+    (engine/checkpoint/manifest.py; `expected`: why a missing manifest is an error); the first problem of
     any rank as (its file relative to `path`, what is wrong, with how many more files differ),
     alike on every rank, or None."""
-    from ds_ppo.engine import dist, manifest  # here: this module needs no torch (--dry-run)
+    from ds_ppo.engine import dist
+    from ds_ppo.engine.checkpoint import manifest  # here: this module needs no torch (--dry-run)
 
     mine = manifest.problems(path, dist.rank(), dist.world_size(), prefixes, expected)
     found = [p for part in dist.gather_objects(mine) for p in part]
@@ -227,7 +228,7 @@ def _first_problem(path: Path, prefixes: tuple[str, ...] | None,
 def verify_files(path: Path, command: str = "resume",
                  prefixes: tuple[str, ...] | None = None) -> float:
     """Collective: check `path`'s files against its manifest, each rank its share (see
-    engine/manifest.py), before anything is loaded. -> seconds taken (this rank).
+    engine/checkpoint/manifest.py), before anything is loaded. -> seconds taken (this rank).
 
     Raises:
         CheckpointError (every rank): a file is missing, cut off or changed; names it and the
@@ -251,7 +252,7 @@ def verify_files(path: Path, command: str = "resume",
 
 def has_manifest(path: Path) -> bool:
     """Whether the checkpoint `path` has, or was saved with, a manifest."""
-    from ds_ppo.engine.manifest import MANIFEST
+    from ds_ppo.engine.checkpoint.manifest import MANIFEST
 
     return (path / MANIFEST).exists() or read_state(path).manifest
 
@@ -266,7 +267,7 @@ def _export_marker(path: Path) -> dict:
 
 def is_export(path: Path) -> bool:
     """Whether `path` is a model directory ds_ppo exported (it holds its marker or a manifest)."""
-    from ds_ppo.engine.manifest import MANIFEST
+    from ds_ppo.engine.checkpoint.manifest import MANIFEST
 
     return path.is_dir() and ((path / EXPORT_MARKER).exists() or (path / MANIFEST).exists())
 
@@ -310,7 +311,7 @@ def verify_model_paths(paths: dict[str, str | None], verify: bool) -> None:
     exported is checked against its manifest (`verify_export`) before anything loads;
     `verify` false (checkpoint.verify) skips that, with a warning naming each."""
     from ds_ppo.engine import dist
-    from ds_ppo.engine.manifest import MANIFEST
+    from ds_ppo.engine.checkpoint.manifest import MANIFEST
 
     for key, spec in paths.items():
         if spec is None or not is_export(Path(spec)):

@@ -4,7 +4,7 @@ measure_continuous.py (hidden 256): 32 prompts of 32 random tokens, 64 new token
 cache columns written so far), ours attending to every column (as before 2026-12-02, and as the
 CUDA-graph step does) and HF generate; the outputs must agree. Used for docs/RESULTS.md:
 
-    PYTHONPATH=. python tests/support/measure_greedy_vs_hf.py --new-tokens 64
+    PYTHONPATH=. python tools/measure_greedy_vs_hf.py --new-tokens 64
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
 
-from support.measure_continuous import policy  # noqa: E402
+from measure_continuous import policy  # noqa: E402
 
 import ds_ppo.engine.generation.loop as decode_module  # noqa: E402
 from ds_ppo.engine.generation.loop import decode  # noqa: E402
