@@ -4,7 +4,7 @@ deepspeed.initialize with expert_parallel.autoep_size = the world size, one forw
 against the model's own before replacement) and one optimizer step. Not wired into ds_ppo;
 a probe for whoever wires it.
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 tests/support/probe_autoep.py [--stage 3] [--shim]
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 tools/probe_autoep.py [--stage 3] [--shim]
 
 --shim lets transformers' output-recorder registry take the default argument DeepSpeed 0.19.8
 passes (`_CanRecordRegistry.get(key, default)`); transformers 5.25 takes none, and AutoEP

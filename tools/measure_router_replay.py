@@ -4,7 +4,7 @@ replay"). The sampler is the trainer's model in bf16 (a bf16 generation replica)
 on its gate weights; both decode through our loop (routes recorded) and the float32 trainer
 scores the rollout through `forward.response_logprobs`, the forward scoring and the update use.
 
-    OMP_NUM_THREADS=1 python tests/support/measure_router_replay.py
+    OMP_NUM_THREADS=1 python tools/measure_router_replay.py
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from ds_ppo.algo.masks import response_mask  # noqa: E402
 from ds_ppo.containers import Rollout  # noqa: E402
