@@ -177,7 +177,7 @@ def test_streamed_export_writes_the_hf_moe_layout(kind, tmp_path, caplog):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from ds_ppo.engine.hf_writer import save_module
+    from ds_ppo.engine.checkpoint.hf_writer import save_module
 
     model = small_moe(kind)
     with caplog.at_level("WARNING", logger="ds_ppo"):
