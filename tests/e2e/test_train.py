@@ -58,7 +58,6 @@ def test_default_experiment_raises_reward(default_run):
     assert rows[-1]["padding/update_positions_per_token"] >= 1.0
 
 
-@pytest.mark.slow
 MOE_ARCH = ["policy.arch.model_type=qwen3_moe", "policy.arch.num_experts=4",
             "policy.arch.num_experts_per_tok=2", "policy.arch.moe_intermediate_size=64",
             "policy.arch.head_dim=16", "ppo.router_replay=true"]
@@ -84,6 +83,7 @@ def test_a_mixture_of_experts_policy_learns_the_default_task(tmp_path_factory):
     assert set(rows[0]) - {"iteration"} <= documented, sorted(set(rows[0]) - documented)
 
 
+@pytest.mark.slow
 def test_every_logged_metric_is_documented(default_run):
     out, _ = default_run
     doc = (REPO / "docs" / "METRICS.md").read_text()
