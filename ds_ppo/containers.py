@@ -82,6 +82,11 @@ class Rollout:
     transcripts: list | None = None  # B episodes' turns: {turn, model, reward, observation}
     # (B, T) bool, True on the first token of each model turn (None: one turn from column 0)
     turn_starts: torch.Tensor | None = None
+    # a mixture-of-experts policy's expert choices where the sampler routed each token (our
+    # decoding loop; None: a dense policy or HF generate): int16 top-k expert indices per MoE
+    # layer, -1 where no route was recorded (pads; the last response token, never fed back)
+    prompt_routes: torch.Tensor | None = None  # (B, P, layers, k)
+    response_routes: torch.Tensor | None = None  # (B, T, layers, k)
 
     @property
     def context(self) -> torch.Tensor:  # (B, T) bool
@@ -195,11 +200,12 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                 out[f.name] = torch.cat(values)
                 continue
             left = f.name.startswith("prompt_")
-            fill = pad_id if f.name.endswith("_ids") else 0
+            fill = pad_id if f.name.endswith("_ids") else -1 if f.name.endswith("_routes") else 0
             width = P if left else T
+            inner = (0, 0) * (values[0].dim() - 2)  # routes: pad only the token axis
             out[f.name] = torch.cat([torch.nn.functional.pad(
-                v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=fill)
-                for v in values])
+                v, inner + ((width - v.shape[1], 0) if left else (0, width - v.shape[1])),
+                value=fill) for v in values])
         elif isinstance(values[0], list):
             out[f.name] = [x for v in values for x in v]
         else:  # one value for the whole rollout (`sampling`): the parts' must agree
@@ -227,6 +233,9 @@ class Experience:
     reward_retries: int | None = None  # reward.url: requests retried for them (metric only)
     # (positions computed, real tokens) by one scoring forward over the rollout (metric only)
     scoring_positions: tuple[int, int] = (0, 0)
+    # a mixture-of-experts policy's scoring forwards (metric only): (tokens whose own routing
+    # differs from the sampler's in some layer, tokens with a recorded route)
+    route_flips: tuple[float, float] = (0.0, 0.0)
     rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured

@@ -117,6 +117,15 @@ class PPOConfig(Section):
         "behaviour policy is the sampler's). Not with ppo.rollout_correction (it compares the "
         "two). policy/entropy is then measured in the first PPO epoch's forwards (not in critic "
         "warm-up iterations).")
+    router_replay: bool = Field(
+        False, description="A mixture-of-experts policy: the decoding loop records each "
+        "token's chosen experts (top-k indices per MoE layer, prompt and response tokens) and "
+        "the policy's scoring and update forwards route every token to those experts (R3, Ma et "
+        "al. 2025); the gate weights stay differentiable (the router's softmax at the chosen "
+        "experts). Without it, a token the trainer routes elsewhere than the sampler did gets "
+        "a ratio between two different computations. Metric rollout/route_flip_frac: the share "
+        "of tokens whose own routing would differ. Needs generation.loop=own, a gathered "
+        "replica (generation.mode), deepspeed.sequence_parallel_size 1.")
     rollout_is_cap: float = Field(
         2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
         "(tis: min(r, C); mis: the band [1/C, C]).")

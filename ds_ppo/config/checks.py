@@ -75,6 +75,19 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                             f"{g.mode!r} use HF generate: set generation.loop=own (mode "
                             f"gathered or tensor_parallel), or {key}={str(off).lower()}")
     problems += _old_logprob_problems(cfg)
+    if cfg.ppo.router_replay and cfg.env.enabled:
+        problems.append("ppo.router_replay = true replays the experts our decoding loop "
+                        "records for a prompt and its response, but env.enabled = true builds "
+                        "episodes whose observations the sampler never routed: set "
+                        "ppo.router_replay=false")
+    if cfg.ppo.router_replay and (g.loop == "hf" or g.mode != "gathered"
+                                  or cfg.deepspeed.sequence_parallel_size > 1):
+        problems.append(f"ppo.router_replay = true replays the experts our decoding loop "
+                        f"records on a gathered replica, but generation.loop = {g.loop!r} / "
+                        f"generation.mode = {g.mode!r} / deepspeed.sequence_parallel_size = "
+                        f"{cfg.deepspeed.sequence_parallel_size}: set generation.loop=own, "
+                        "generation.mode=gathered and deepspeed.sequence_parallel_size=1, or "
+                        "ppo.router_replay=false")
     if g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
                               or cfg.policy.attn_implementation not in ("sdpa", "eager")):
         problems.append(f"generation.batch_invariant = true replaces the sdpa / eager attention "

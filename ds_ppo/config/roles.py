@@ -53,6 +53,12 @@ class Optim(Section):
                                 "as a fraction of lr.")
     max_grad_norm: float | None = Field(
         1.0, description="Gradient clipping by global norm (> 0); null disables it.")
+    moe_aux_loss_coef: float | None = Field(
+        None, ge=0, le=1, description="A mixture-of-experts model's auxiliary load-balancing "
+        "loss (Switch Transformer's, as transformers computes it for each forward over its real "
+        "tokens) joins each training micro-batch's loss with this coefficient; null = the "
+        "model config's router_aux_loss_coef (0.001 for Qwen3-MoE and Mixtral), 0 = off. "
+        "Logged as <role>/moe_aux_loss. Dense models: ignored.")
 
 
 class LoraConfig(Section):

@@ -154,6 +154,16 @@ def join_error(err: Exception, environ, timeout_minutes: float):
                      f"{timeout_minutes:g}: {seen}. {hint}.")
 
 
+def set_zero3_leaf_modules(model: torch.nn.Module, classes: list[type]) -> None:
+    """ZeRO-3 treats each module of `classes` in `model` as one leaf: all its parameters are
+    gathered when it is entered and no hooks run inside it (DeepSpeed's set_z3_leaf_modules;
+    before deepspeed.initialize). No classes: nothing."""
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -260,10 +260,24 @@ def _for_entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
     return logits if grad else logits.detach()
 
 
+def replay_routes(rollout: Rollout, packed: bool) -> torch.Tensor:
+    """(N, layers, k) long: the rollout's recorded expert choices for the N tokens of its
+    forward, in the order the routers see them (`model_inputs`' columns, or packed: the kept
+    tokens of `_packed_forward`); -1 where none was recorded."""
+    from ds_ppo.engine.moe import forward_routes
+
+    if packed:
+        return forward_routes(rollout.prompt_routes, rollout.response_routes,
+                              keep=torch.cat([rollout.prompt_mask, rollout.context], dim=1))
+    lead = rollout.prompt_ids.shape[1] - max(rollout.prompt_lens, default=0)
+    return forward_routes(rollout.prompt_routes, rollout.response_routes, lead=lead,
+                          width=max(rollout.response_lens, default=0))
+
+
 def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy: bool = False,
                       packed: bool = False, tiled: Literal["auto"] | bool = False,
                       tile_tokens: int = 1024, truncate: bool = True,
-                      entropy_grad: bool = False):
+                      entropy_grad: bool = False, routers=None, replay: bool | None = None):
     """(B, T) float32 log-probs of the response tokens (and (B, T) entropy if asked) under the
     distribution they were sampled from (`logit_shape`; truncate=False: without top-k / top-p,
     the reference's). The forward runs on `rollout.model_inputs()` (unused padding dropped);
@@ -273,7 +287,15 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
     tokens' logits are computed, and every position outside rollout.mask is 0.
     tiled (ppo.tiled_logits; `tile_logits` decides auto): the output head runs `tile_tokens`
     positions at a time on the final hidden states; the same numbers, no (B, T, V) logits.
-    entropy_grad: the entropy is differentiable (ppo.entropy_coef's bonus), else a metric."""
+    entropy_grad: the entropy is differentiable (ppo.entropy_coef's bonus), else a metric.
+    routers: a mixture-of-experts model's `moe.RouterTap`; with `replay` True every token is
+    routed to the experts the rollout recorded (ppo.router_replay), False: routed by the
+    routers and compared with the recorded choice (`RouterTap.take_flips`), None: routed by the
+    routers (the reference)."""
+    if routers is not None:  # set for every forward: the routes stay until the next one's
+        known = replay is not None and rollout.response_routes is not None
+        routers.routes = replay_routes(rollout, packed) if known else None
+        routers.replay = bool(replay) and known
     shape = logit_shape(rollout, temperature, truncate)
     positions = sum(rollout.response_lens) if packed else \
         len(rollout) * max(rollout.response_lens, default=0)

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from ds_ppo.containers import Rollout
-from ds_ppo.engine import dist
-from ds_ppo.engine.forward import response_logprobs, response_values, sequence_scores
+from ds_ppo.engine import dist, moe
+from ds_ppo.engine.forward import (causal_lm, response_logprobs, response_values,
+                                   sequence_scores)
 from ds_ppo.engine.sequence_parallel import row_logprobs, row_values
 
 
@@ -31,6 +32,8 @@ class Role:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        # a mixture-of-experts model's router hooks (engine/moe.py); None for a dense model
+        self.routers = moe.tap(self.module if hasattr(engine, "module") else causal_lm(engine))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -56,14 +59,38 @@ class TrainedRole(Role):
     """A role with an optimizer (policy, value): DeepSpeed's engine with its optimizer and LR
     schedule."""
 
-    def backward_step(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+    aux_coef = 0.0  # a mixture-of-experts model's load-balancing loss coefficient (roles.py)
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._aux: list[torch.Tensor] = []  # this step's load-balancing losses (detached)
+
+    def backward_step(self, loss: torch.Tensor, boundary: bool | None = None,
+                      aux: bool = True) -> None:
         """One micro-batch backward; DeepSpeed steps the optimizer at accumulation boundaries:
         every gradient_accumulation_steps micro-batches, or, given `boundary`, exactly when it is
-        True (a caller whose number of micro-batches per step varies: ppo.micro_batch_tokens)."""
+        True (a caller whose number of micro-batches per step varies: ppo.micro_batch_tokens).
+
+        A mixture-of-experts model's load-balancing loss of the forward just run (`aux`; an
+        idle micro-batch passes False) joins the loss x aux_coef, unscaled: DeepSpeed's average
+        over ranks and accumulation steps makes it the mean over the step's micro-batches."""
+        lb = self.routers.take_aux() if self.routers is not None else None
+        if lb is not None and aux:
+            self._aux.append(lb.detach())
+            if self.aux_coef:
+                loss = loss + self.aux_coef * lb
         if boundary is not None:
             self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss)
         self.engine.step()
+
+    def take_aux_loss(self) -> tuple[float, float]:
+        """(sum, count) of this rank's load-balancing losses since the last call (0, 0 for a
+        dense model): the metric <role>/moe_aux_loss."""
+        if not self._aux:
+            return 0.0, 0.0
+        losses, self._aux = self._aux, []
+        return float(torch.stack(losses).double().sum()), float(len(losses))
 
     def lr(self) -> float:
         """The learning rate of the next optimizer step (nan without an optimizer)."""
@@ -125,16 +152,21 @@ class _LogProbs:
             return row_logprobs(self.engine, rollout, temperature, dist.sp_group(),
                                 kwargs.get("tile_tokens", 1024), with_entropy,
                                 kwargs.get("truncate", True), kwargs.get("entropy_grad", False))
-        return response_logprobs(self.engine, rollout, temperature, with_entropy, **kwargs)
+        # the policy replays (ppo.router_replay) or compares the rollout's expert choices; the
+        # reference (also the LoRA policy with its adapters off) routes by itself
+        return response_logprobs(self.engine, rollout, temperature, with_entropy,
+                                 routers=self.routers,
+                                 replay=getattr(self, "router_replay", None), **kwargs)
 
 
 class PolicyRole(_LogProbs, TrainedRole):
     """The policy: a causal LM, trained; with policy.ema_decay, the moving average of its
     weights (`engine/ema.py`)."""
 
-    def __init__(self, engine, ema=None) -> None:
+    def __init__(self, engine, ema=None, router_replay: bool = False) -> None:
         super().__init__(engine)
         self.ema = ema  # engine.ema.ParamEMA, or None
+        self.router_replay = router_replay  # ppo.router_replay: forwards replay rollout routes
 
     def update_ema(self) -> None:
         """After an optimizer step: the EMA takes its share of the new weights (no-op without
@@ -146,6 +178,11 @@ class PolicyRole(_LogProbs, TrainedRole):
         """||EMA - weights||_2 over the trained parameters, all ranks' partitions (collective
         under ZeRO-3); None without an EMA."""
         return self.ema.distance() if self.ema is not None else None
+
+    def take_route_flips(self) -> tuple[float, float]:
+        """(tokens the policy's forwards routed otherwise than the sampler, tokens with a
+        recorded route) since the last call; (0, 0) for a dense policy."""
+        return self.routers.take_flips() if self.routers is not None else (0.0, 0.0)
 
     def empty_partition_cache(self) -> None:
         """Release ZeRO-3 parameters a forward outside the engine's step left gathered."""

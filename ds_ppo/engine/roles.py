@@ -30,7 +30,7 @@ import torch
 
 from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
-from ds_ppo.engine import dist, lora, sequence_parallel
+from ds_ppo.engine import dist, lora, moe, sequence_parallel
 from ds_ppo.engine.forward import causal_lm
 from ds_ppo.engine.ds_config import (build_ds_config, describe_stages, resolve_dtype,
                                      zero_stages)
@@ -152,6 +152,10 @@ def _optimizer(params, section, device: torch.device, offload: bool):
 def _initialize(model, ds_config: dict, optimizer=None, scheduler=None):
     import deepspeed
 
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        # a mixture-of-experts block is one ZeRO-3 leaf: its parameters are gathered at its
+        # entry, whichever experts this rank's tokens reach (no hang when a rank skips some)
+        dist.set_zero3_leaf_modules(model, moe.moe_blocks(model))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config)
     return engine
@@ -416,8 +420,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
                      cfg.deepspeed.sequence_parallel_min_tokens)
     if dist.is_main():
         log.info("%s", describe_stages(ds_configs, world, stages, load_universal))
-    return Engines(policy=PolicyRole(policy, ema),
-                   value=ValueRole(value) if value is not None else None,
+    policy_role = PolicyRole(policy, ema, router_replay=cfg.ppo.router_replay)
+    policy_role.aux_coef = moe.aux_coef(causal_lm(policy).config, cfg.policy.moe_aux_loss_coef)
+    value_role = ValueRole(value) if value is not None else None
+    if value_role is not None:
+        value_role.aux_coef = moe.aux_coef(causal_lm(value).config, cfg.value.moe_aux_loss_coef)
+    return Engines(policy=policy_role, value=value_role,
                    reference=ReferenceRole(reference),
                    reward=RewardRole(reward) if reward is not None else None,
                    reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ds_ppo.config import Config, job_accum_steps
-from ds_ppo.engine import dist, lora
+from ds_ppo.engine import dist, lora, moe
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype, zero_stages
 from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
 from ds_ppo.engine.roles import (_hidden_size, _init_policy, _load_kwargs, _model_config,
@@ -70,6 +70,7 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
         engine, ds = _init_scorer(cfg, path, world, device, dtype, batch, total_steps,
                                   load_universal)
         role = ScorerRole(engine)
+    role.aux_coef = moe.aux_coef(role.module.config, cfg.policy.moe_aux_loss_coef)
     lora_bases = {"policy": path} if cfg.policy.lora is not None else {}
     if lora_bases and dist.is_main():
         log.info("LoRA %s", lora.describe_trainable(job, role.module))

@@ -151,6 +151,35 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
                     d.offload_param, states)
 
 
+def _moe_notes(cfg: Config, roles: dict[str, RolePlan]) -> list[str]:
+    """What the plan says of a mixture-of-experts role: total against active parameters (states
+    scale with the first, FLOPs per token with the second), the whole-block ZeRO-3 gather, and
+    the sampler's recorded routes (ppo.router_replay)."""
+    notes = []
+    for role, rp in roles.items():
+        s = rp.shape
+        if s is None or not s.experts:
+            continue
+        gather = (f"; ZeRO-3 gathers each MoE block whole (one leaf module: every expert of "
+                  f"the layer, {2 * s.layer_expert_params / GiB:.2f} GiB of 16-bit weights, "
+                  "whichever experts the rank's tokens use)" if rp.zero_stage == 3 else "")
+        notes.append(f"{role}: mixture of experts, {s.experts} experts x {s.moe_layers} layers, "
+                     f"top-{s.top_k}: {_params(s.params)} params held and (if trained) trained, "
+                     f"{_params(s.active_params)} active per token (compute per token: "
+                     f"{s.active_params / s.params:.1%} of a dense model of this size){gather}")
+    pol = roles.get("policy")
+    if cfg.ppo.router_replay and pol is not None and pol.shape is not None and pol.shape.experts:
+        s = pol.shape
+        n = cfg.ppo.rollout_batch_size * cfg.ppo.samples_per_prompt
+        per_token = 2 * s.moe_layers * s.top_k  # int16 per layer and choice
+        notes.append(f"ppo.router_replay: the recorded expert choices take {per_token} bytes per "
+                     f"token on the device (int16 x {s.moe_layers} layers x top-{s.top_k}), "
+                     f"{per_token * (cfg.data.max_prompt_len + cfg.generation.max_new_tokens) / 2**20:.2f}"
+                     f" MiB per sequence of the longest length; {n} sequences per rollout "
+                     "over all ranks")
+    return notes
+
+
 def ema_bytes_per_rank(params: int, world_size: int, zero_stage: int) -> int:
     """policy.ema_decay (engine/ema.py): a float32 EMA of each rank's own partition, 4 bytes per
     parameter divided by the ZeRO-3 group; without ZeRO-3 every rank holds the whole."""
@@ -382,6 +411,7 @@ def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, R
             if sharded else f"rows of {seq} tokens stay whole (below "
             f"deepspeed.sequence_parallel_min_tokens = "
             f"{cfg.deepspeed.sequence_parallel_min_tokens})"))
+    notes += _moe_notes(cfg, roles)
     if "value" not in roles:
         notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
                      "no value model (no weights, gradients or optimizer state for it)")

@@ -26,6 +26,9 @@ def to_json(p: Plan) -> dict[str, Any]:
             "model": s.model_class if s else None, "shape_source": s.source if s else None,
             "params": s.params if s else 0,
             "largest_layer_params": s.largest_layer_params if s else 0,
+            # a mixture-of-experts model: parameters a token uses, experts per layer, top-k
+            "active_params": s.active_params if s else 0,
+            "experts": s.experts if s else 0, "top_k": s.top_k if s else 0,
             "trained": rp.trained, "zero_stage": rp.zero_stage,
             "offload_optimizer": rp.offload_optimizer, "offload_param": rp.offload_param,
             "gpu_bytes_per_rank": rp.states.gpu_bytes_per_rank,

@@ -31,6 +31,24 @@ class ModelShape:
     source: str  # where the shape came from, for the table
     decoder_linears: frozenset[str] = frozenset()  # engine.generation.choice.decoder_linears
     tied: bool = False  # output head tied to the input embeddings
+    # a mixture-of-experts model (else 0): routed experts per MoE layer, experts per token,
+    # MoE layers, and the routed experts' parameters over all layers
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert_params: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token's forward uses: all but the routed experts it is not sent to."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params * (self.experts - self.top_k) // self.experts
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One MoE layer's routed experts' parameters (0 for a dense model)."""
+        return self.expert_params // self.moe_layers if self.moe_layers else 0
 
 
 def _hf_config(path: str | None, arch: dict[str, Any] | None):
@@ -51,12 +69,13 @@ def _hf_config(path: str | None, arch: dict[str, Any] | None):
         return None
 
 
-_COUNTS: dict[tuple[str, str], tuple[str, int, int, frozenset[str]]] = {}
+_COUNTS: dict[tuple[str, str], tuple] = {}
 
 
-def _meta_counts(hf_config, head: Head) -> tuple[str, int, int, frozenset[str]]:
-    """(class name, params, largest-layer params, decoder linear layers) of a model built on the
-    meta device; cached per config and head, since the greedy lever search replans many times."""
+def _meta_counts(hf_config, head: Head) -> tuple:
+    """(class name, params, largest-layer params, decoder linear layers, (experts, top-k, MoE
+    layers, routed expert params)) of a model built on the meta device; cached per config and
+    head, since the greedy lever search replans many times."""
     key = (hf_config.to_json_string(use_diff=False), head)
     if key in _COUNTS:
         return _COUNTS[key]
@@ -79,13 +98,29 @@ def _meta_counts(hf_config, head: Head) -> tuple[str, int, int, frozenset[str]]:
         transformers.logging.set_verbosity(verbosity)
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    _COUNTS[key] = (type(model).__name__, params, largest, decoder_linears(model))
+    _COUNTS[key] = (type(model).__name__, params, largest, decoder_linears(model),
+                    _moe_counts(model))
     return _COUNTS[key]
+
+
+def _moe_counts(model) -> tuple[int, int, int, int]:
+    """(routed experts per layer, experts per token, MoE layers, the routed experts' params)
+    of a mixture-of-experts model (engine/moe.py finds its routers), zeros for a dense one."""
+    from ds_ppo.engine.moe import routers
+
+    found = routers(model)
+    if not found:
+        return 0, 0, 0, 0
+    experts = [m.experts for m in model.modules()
+               if getattr(m, "gate", None) in found and hasattr(m, "experts")]
+    n = sum(p.numel() for e in experts for p in e.parameters())
+    return int(found[0].num_experts), int(found[0].top_k), len(found), n
 
 
 def model_shape(hf_config, head: Head, source: str) -> ModelShape:
     """Count a model's parameters on the meta device and read its layer dimensions."""
-    cls, params, largest, linears = _meta_counts(hf_config, head)
+    cls, params, largest, linears, (experts, top_k, moe_layers, expert_params) = \
+        _meta_counts(hf_config, head)
     text = hf_config.get_text_config()
     hidden = int(text.hidden_size)
     heads = int(text.num_attention_heads)
@@ -94,7 +129,8 @@ def model_shape(hf_config, head: Head, source: str) -> ModelShape:
     inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     return ModelShape(cls, params, largest, hidden, int(text.num_hidden_layers), heads, kv_heads,
                       head_dim, int(inter), int(text.vocab_size), source, linears,
-                      bool(getattr(hf_config, "tie_word_embeddings", False)))
+                      bool(getattr(hf_config, "tie_word_embeddings", False)), experts, top_k,
+                      moe_layers, expert_params)
 
 
 @dataclass(frozen=True)
@@ -154,13 +190,16 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
 
 def lora_params(shape: ModelShape, lora, output_head: bool = False) -> int:
     """Adapter parameters of a Llama-layout model: r x (in + out) for each adapted projection
-    (all-linear = q, k, v, o, gate, up, down of every layer), plus r x (hidden + vocab) for the
+    (all-linear = q, k, v, o, gate, up, down of every layer; a mixture-of-experts model's
+    fused experts are not linear layers, so there q, k, v, o), plus r x (hidden + vocab) for the
     output head when it is adapted (`output_head`: config.lora_output_head)."""
     h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
         shape.intermediate
     sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
              "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
     names = sizes if lora.target_modules == "all-linear" else lora.target_modules
+    if shape.experts and shape.decoder_linears:  # fused experts are no linear layers: peft
+        names = [n for n in names if n in shape.decoder_linears]  # adapts attention only
     head = lora.r * (h + shape.vocab) if output_head else 0
     return shape.layers * lora.r * sum(sizes.get(n, 0) for n in names) + head
 

@@ -52,6 +52,8 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
         acc.add_mean("reward/input_cut_rate", float(exp.reward_cut.sum()), n)
     acc.add_max("time/reward_s", exp.reward_s)
     acc.add_mean("padding/scoring_positions_per_token", *exp.scoring_positions)
+    if exp.rollout.response_routes is not None:  # a mixture-of-experts policy, our loop
+        acc.add_mean("rollout/route_flip_frac", *exp.route_flips)
     if exp.reward_retries is not None:
         acc.add_sum("reward/retries", exp.reward_retries)
     if exp.old_values is not None:

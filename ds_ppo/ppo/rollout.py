@@ -98,6 +98,7 @@ def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]]
                       extras=[prompts.extra(i) for i in indices],
                       messages=([prompts.chat(i) for i in indices]
                                 if prompts.messages is not None else None),
-                      rollout_logprobs=gen.logprobs, sampling=gen.sampling)
+                      rollout_logprobs=gen.logprobs, sampling=gen.sampling,
+                      prompt_routes=gen.prompt_routes, response_routes=gen.response_routes)
     return rollout
 

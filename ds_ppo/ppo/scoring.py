@@ -164,6 +164,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
     packed = cfg.ppo.micro_batch_tokens is not None
     tiling = {"tiled": cfg.ppo.tiled_logits, "tile_tokens": cfg.ppo.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
+    engines.policy.take_route_flips()  # counted from here: the scoring forwards' own
     for k, rows in enumerate(batches):
         watchdog.progress(k)
         mb = rollout.slice(rows)
@@ -179,6 +180,7 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
         if critic is not None:
             values.append(critic.values(mb, packed=packed, split=split))
     del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches
+    flips = engines.policy.take_route_flips()  # idle repeats too: a share, it barely moves
     engines.policy.train()
     if critic is not None:
         critic.train()
@@ -195,4 +197,5 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
                       entropy=zero(entropy) if sampled is None else None,
                       scores=rewards.scores, reward_cut=rewards.cut, reward_s=rewards.seconds,
                       reward_retries=rewards.retries,
-                      scoring_positions=rollout.positions(batches, packed, mine))
+                      scoring_positions=rollout.positions(batches, packed, mine),
+                      route_flips=flips)

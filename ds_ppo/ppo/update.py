@@ -179,14 +179,15 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
             # with PPO-ptx the ptx micro-batches follow: the policy's step comes after them
             policy_boundary = False if step.ptx_rows is not None else boundary
             pg_loss, pg_stats, extra = _policy_loss(mb, engines, cfg, step, packed, split)
-            engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary)
+            engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary,
+                                         aux=weight > 0)
             step_losses.update(extra)
             named.update({f"policy/{k}": v for k, v in pg_stats.items()})
         if critic is not None:
             values = critic.values(mb.rollout, packed=packed, split=split)
             vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
                                            clip_eps=p.value_clip_eps, num_tokens=step.n_tok)
-            critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary)
+            critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary, aux=weight > 0)
             step_losses["loss/value"] = vf_loss.detach()
             named.update({f"value/{k}": v for k, v in vf_stats.items()})
         if k >= len(mine):
@@ -205,6 +206,11 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
                                                 scale / copies)[None]])
     if step.train_policy:
         engines.policy.update_ema()  # policy.ema_decay: after the optimizer step
+    for role in TRAINED_ROLES:  # a mixture-of-experts model's load-balancing loss (mean)
+        engine = getattr(engines, role)
+        aux_sum, aux_count = engine.take_aux_loss() if engine is not None else (0.0, 0.0)
+        if aux_count:
+            acc.add_mean(f"{role}/moe_aux_loss", aux_sum, aux_count)
     sums = torch.stack([torch.stack(parts).sum(dim=0) for parts in stats.values()])
     for name, (tot, count) in zip(stats, sums.tolist()):  # one read for all statistics
         acc.add_mean(name, tot, count)

@@ -198,11 +198,14 @@ def train_step(job: Task, cfg: Config, engines, data, rows: list[int], acc: Accu
         batch = mine[k] if k < len(mine) else [shortest]
         loss, stats = job.loss(cfg, engines.policy, data, batch, pad_id, packed)
         weight = scale / divisor if k < len(mine) else 0.0
-        engines.policy.backward_step(loss * weight, boundary=k == steps - 1)
+        engines.policy.backward_step(loss * weight, boundary=k == steps - 1, aux=k < len(mine))
         watchdog.progress(k)
         if k < len(mine):
             for name, (total, count) in stats.items():
                 acc.add_mean(name, float(total), count)
+    total, count = engines.policy.take_aux_loss()  # a mixture-of-experts model's
+    if count:
+        acc.add_mean("moe_aux_loss", total, count)
     norm = engines.policy.grad_norm()
     if norm is not None:
         acc.add_replicated("grad_norm", norm)

@@ -58,6 +58,31 @@ def test_default_experiment_raises_reward(default_run):
     assert rows[-1]["padding/update_positions_per_token"] >= 1.0
 
 
+MOE_ARCH = ["policy.arch.model_type=qwen3_moe", "policy.arch.num_experts=4",
+            "policy.arch.num_experts_per_tok=2", "policy.arch.moe_intermediate_size=64",
+            "policy.arch.head_dim=16", "ppo.router_replay=true"]
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_policy_learns_the_default_task(tmp_path_factory):
+    """The tiny default with a Qwen3-MoE policy (and MoE critic: 4 experts, top-2) and router
+    replay: the mean score rises as the dense policy's does, the load-balancing loss and the
+    route flips are logged (none: sampler and trainer share float32 weights on CPU), and the
+    export loads in plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = _train_in_a_new_dir(tmp_path_factory, "moe", *MOE_ARCH)
+    rows = read_metrics(out)
+    first, last = _first_and_last_mean_score(rows)
+    assert last > first + 0.25, (first, last)
+    assert all(r["rollout/route_flip_frac"] == 0.0 for r in rows)
+    assert all(1.5 < r["policy/moe_aux_loss"] < 4.0 for r in rows)
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.num_experts == 4
+    doc = (REPO / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[a-z0-9_]+|kl_coef)`", doc))
+    assert set(rows[0]) - {"iteration"} <= documented, sorted(set(rows[0]) - documented)
+
+
 @pytest.mark.slow
 def test_every_logged_metric_is_documented(default_run):
     out, _ = default_run

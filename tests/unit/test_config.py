@@ -341,7 +341,8 @@ def test_world_size_from_env(monkeypatch):
 PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16),
            ("grpo", 8, 4, 8), ("70b-lora", 8, 4, 16), ("recipe", 1, 1, 32),
            ("calculator", 1, 2, 16), ("lookup", 1, 2, 16), ("8b-long", 8, 8, 2),
-           ("70b-long", 64, 16, 1)]  # 70b-long: 8 data-parallel ranks (sequence parallel 8)
+           ("70b-long", 64, 16, 1),  # 70b-long: 8 data-parallel ranks (sequence parallel 8)
+           ("30b-a3b", 8, 8, 8), ("235b-a22b", 64, 2, 2)]
 
 
 def test_presets_are_all_tested():
@@ -634,3 +635,17 @@ def test_dynamic_sampling_needs_groups(capsys):
     assert "ppo.dynamic_sampling = true keeps groups" in err and "ppo.samples_per_prompt >= 2" in err
     assert "Traceback" not in err
     assert main(["train", "--dry-run", "ppo.dynamic_sampling=true", "ppo.samples_per_prompt=2"]) == 0
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["generation.loop=hf"], "generation.loop = 'hf'"),
+    (["generation.mode=zero3"], "generation.mode = 'zero3'"),
+    (["env.function=ds_ppo.envs.calculator:Calculator"], "env.enabled = true"),
+])
+def test_router_replay_needs_our_loop_on_a_gathered_replica(overrides, named, capsys):
+    """ppo.router_replay replays what our decoding loop records on a gathered replica: the
+    other generation paths (and episodes) are refused at --dry-run, naming the key."""
+    assert main(["train", "--dry-run", "ppo.router_replay=true"]) == 0
+    assert main(["train", "--dry-run", "ppo.router_replay=true", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.router_replay = true" in err and named in err and "Traceback" not in err

@@ -68,7 +68,8 @@ def test_each_supervised_job_has_its_own_learning_rate():
 
 # (preset, world size it is for)
 WORLD = {"tiny": 1, "1b": 1, "8b": 8, "70b": 64, "grpo": 8, "70b-lora": 8, "recipe": 1,
-         "calculator": 1, "lookup": 1, "8b-long": 8, "70b-long": 64}
+         "calculator": 1, "lookup": 1, "8b-long": 8, "70b-long": 64, "30b-a3b": 8,
+         "235b-a22b": 64}
 
 
 def test_every_preset_has_a_world_size_here():

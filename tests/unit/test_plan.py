@@ -610,3 +610,32 @@ def test_multi_turn_plan_counts_the_whole_episode():
         ps, multi.data.max_prompt_len + 8192 - multi.generation.max_new_tokens, batch, False,
         tp=8)
     assert b.peak_gpu_bytes > a.peak_gpu_bytes
+
+
+# ------------------------------------------------------------------- mixture of experts
+@pytest.mark.parametrize("name,nodes,total,active", [("30b-a3b", 1, 30.53, 3.35),
+                                                     ("235b-a22b", 8, 235.09, 22.19)])
+def test_moe_presets_fit_and_count_total_and_active_params(name, nodes, total, active):
+    """The MoE presets fit 80 GB GPUs as configured; the plan holds and trains every expert
+    (total parameters) and names the active ones, each MoE block's whole-layer ZeRO-3 gather
+    and, without their offloaded optimizer, the lever that makes them fit."""
+    cfg = load_config(name)
+    p = P.plan(cfg, P.Cluster(nodes, 8, 80 * GiB))
+    assert p.fits, P.format_plan(p, name)
+    shape = p.roles["policy"].shape
+    assert (round(shape.params / 1e9, 2), round(shape.active_params / 1e9, 2)) == (total, active)
+    assert shape.experts == 128 and shape.top_k == 8
+    assert shape.largest_layer_params == shape.layer_expert_params  # the fused experts
+    text = P.format_plan(p, name)
+    assert "mixture of experts, 128 experts" in text and "gathers each MoE block whole" in text
+    js = P.to_json(p)["roles"]["policy"]
+    assert (js["experts"], js["top_k"], js["active_params"]) == (128, 8, shape.active_params)
+    unoffloaded = load_config(name, ["deepspeed.policy.offload_optimizer=false"])
+    q = P.plan(unoffloaded, P.Cluster(nodes, 8, 80 * GiB))
+    if not q.fits:
+        assert "deepspeed.policy.offload_optimizer=true" in q.biggest_lever.lever.overrides
+
+
+def test_router_replay_memory_is_noted():
+    text = P.format_plan(P.plan(load_config("30b-a3b"), P.Cluster(1, 8, 80 * GiB)), "30b-a3b")
+    assert "ppo.router_replay: the recorded expert choices take 768 bytes per token" in text

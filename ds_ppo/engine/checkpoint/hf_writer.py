@@ -205,6 +205,35 @@ def _needs_conversion(module: torch.nn.Module) -> bool:
     return any(not isinstance(c, PrefixChange) for c in conversions or [])
 
 
+def saved_names(hf: torch.nn.Module, module: torch.nn.Module | None = None
+                ) -> dict[str, list[tuple[str, tuple[int, ...]]]] | None:
+    """For a model whose saved weights transformers renames or splits (`_needs_conversion`: a
+    mixture-of-experts layer's fused (E, ...) expert tensors are saved as one tensor per
+    expert): each parameter's name -> the (name, shape) of the tensors save_pretrained writes
+    for it, from transformers' reverse conversion applied to that parameter alone (on meta
+    tensors: nothing is gathered); None when some conversion needs several parameters at once
+    (then only a whole state dict converts). `module`: the model as trained (a LoRA or ZeRO-3
+    one; default `hf`), whose parameter names and full shapes (`ds_shape`) are read."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from ds_ppo.engine.generation import _param_chunks
+
+    shapes = {name: tuple(getattr(ps[0], "ds_shape", ps[0].shape))
+              for chunk in _param_chunks(module if module is not None else hf, 2**62)
+              for name, ps, _ in chunk}
+    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    try:
+        whole = revert_weight_conversion(hf, dict(meta))
+        each = {n: [(k, tuple(v.shape)) for k, v in revert_weight_conversion(
+            hf, {n: t}).items()] for n, t in meta.items()}
+    except Exception:  # a conversion that needs the other parameters of its group
+        return None
+    flat = {k: s for outs in each.values() for k, s in outs}
+    if flat != {k: tuple(v.shape) for k, v in whole.items()}:
+        return None
+    return each
+
+
 def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype,
                          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                          group_numel: int | None = None) -> None:
@@ -221,11 +250,15 @@ def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: to
     # (name in the plain HF model, parameters to gather, the full tensor once gathered): a LoRA
     # model's adapted weights come merged (W + alpha / r x B A), tied weights once
     chunks = list(_param_chunks(module, group_numel or GATHER_CHUNK_NUMEL))
-    buffers = [(n.replace(".base_layer.", "."), b)
-               for n, b in _persistent_buffers(plain_model(module))]
-    entries = [Entry(name, tuple(getattr(ps[0], "ds_shape", ps[0].shape)),
-                     _export_dtype(ps[0].dtype, dtype))
-               for chunk in chunks for name, ps, _ in chunk]
+    hf = plain_model(module)
+    buffers = [(n.replace(".base_layer.", "."), b) for n, b in _persistent_buffers(hf)]
+    # names as save_pretrained writes them: a mixture-of-experts model's fused expert
+    # tensors split per expert (`saved_names`), each tensor converted once gathered
+    renamed = saved_names(hf, module) if _needs_conversion(hf) else None
+    entries = [Entry(out, shape, _export_dtype(ps[0].dtype, dtype))
+               for chunk in chunks for name, ps, _ in chunk
+               for out, shape in (renamed[name] if renamed is not None else
+                                  [(name, tuple(getattr(ps[0], "ds_shape", ps[0].shape)))])]
     entries += [Entry(n, tuple(b.shape), _export_dtype(b.dtype, dtype)) for n, b in buffers]
     writers = min(dist.local_world_size(), dist.world_size())
     writer = ShardedWriter(out_dir, entries, max_shard_size, dist.rank(), writers)
@@ -233,7 +266,13 @@ def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: to
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
                                                modifier_rank=None):
             for name, _, full in chunk:
-                writer.write(name, full())
+                if renamed is None:
+                    writer.write(name, full())
+                    continue
+                from transformers.core_model_loading import revert_weight_conversion
+
+                for out, tensor in revert_weight_conversion(hf, {name: full()}).items():
+                    writer.write(out, tensor)
     for name, b in buffers:
         writer.write(name, b)
     writer.close()
@@ -272,7 +311,7 @@ def save_module(module: torch.nn.Module, tokenizer, out_dir: str | Path, dtype: 
 
     out_dir = Path(out_dir)
     hf = plain_model(module)  # a LoRA model's weights are written merged, as a plain model's
-    if _needs_conversion(hf):
+    if _needs_conversion(hf) and saved_names(hf, module) is None:
         _save_module_gathered(module, out_dir, dtype, max_shard_size)
     else:
         write_module_weights(module, out_dir, dtype, max_shard_size)

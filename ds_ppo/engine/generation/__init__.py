@@ -63,6 +63,10 @@ class Generated:
     # outside mask (loop=own; None with HF generate)
     logprobs: torch.Tensor | None = None
     sampling: LogitShape | None = None  # the distribution sampled from (`sampling_shape`)
+    # a mixture-of-experts policy's expert choices (loop=own; engine/moe.py): int16 top-k
+    # indices per MoE layer, -1 where no token was routed
+    prompt_routes: torch.Tensor | None = None  # (B, P, layers, k)
+    response_routes: torch.Tensor | None = None  # (B, T, layers, k)
 
 
 def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -234,18 +238,19 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
     elif cfg.compile and replica_is_new:
         model.forward = torch.compile(model.forward, dynamic=True)
 
-    def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out = model.generate(input_ids=ids, attention_mask=am.long(), **kw)
-        return out[:, ids.shape[1]:], None, None
+        return out[:, ids.shape[1]:], None, None, None
     return run
 
 
 def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None,
                 slots: int | None = None, generator: torch.Generator | None = None):
-    """A `(ids, mask) -> (response ids, log-probs, DecodeStats)` function running our loop
-    (loop=own); `group`: the tensor-parallel group decoding together (None: a whole replica);
-    `slots`: rows decoding at once (None: all; fewer: continuous batching); `generator`: the
-    random stream to sample from (None: torch's default)."""
+    """A `(ids, mask) -> (response ids, log-probs, DecodeStats, routes)` function running our
+    loop (loop=own); `group`: the tensor-parallel group decoding together (None: a whole
+    replica); `slots`: rows decoding at once (None: all; fewer: continuous batching);
+    `generator`: the random stream to sample from (None: torch's default). routes: a
+    mixture-of-experts replica's (prompt, response) expert choices (`Decoded`), else None."""
     shape = sampling_shape(cfg, eos_ids, pad_id)
 
     def run(ids: torch.Tensor, am: torch.Tensor):
@@ -254,8 +259,10 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
                      temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
                      suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
                      stop_check_every=cfg.stop_check_every, group=group, slots=slots,
-                     compile_step=cfg.compile_step, generator=generator)
-        return out.response_ids, out.logprobs, out.stats
+                     compile_step=cfg.compile_step, generator=generator,
+                     routes=group is None)
+        routes = None if out.prompt_routes is None else (out.prompt_routes, out.response_routes)
+        return out.response_ids, out.logprobs, out.stats, routes
     return run
 
 
@@ -302,11 +309,11 @@ def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]
 
 
 def _stack_chunks(outs: list[torch.Tensor], pad_id: float) -> torch.Tensor:
-    """The chunks' responses (or log-probs) as one (N, W) tensor, each padded to the widest
-    chunk with `pad_id`."""
+    """The chunks' responses (or log-probs, or routes) as one (N, W, ...) tensor, each padded
+    to the widest chunk with `pad_id`."""
     width = max(o.shape[1] for o in outs)
-    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id)
-                      for o in outs])
+    return torch.cat([torch.nn.functional.pad(
+        o, (0, 0) * (o.dim() - 2) + (0, width - o.shape[1]), value=pad_id) for o in outs])
 
 
 @torch.no_grad()
@@ -337,7 +344,7 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         module.eval()
         module.config.use_cache = True
         run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
-    outs, logprobs, stats = [], [], []
+    outs, logprobs, stats, routes = [], [], [], []
     # continuous batching (slots set): one call over every row, its slots take them in turn
     chunks = _prompt_chunks(rows_mask, rows.shape[0] if slots else
                             cfg.batch_size or rows.shape[0])
@@ -345,12 +352,13 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         for k, (idx, lead) in enumerate(chunks):
             watchdog.progress(k)
             # a whole replica decodes without collectives: a rank may split alone
-            for out, lp, st in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
-                                             splittable=mode == "gathered" or
-                                             (tp is not None and tp.size == 1)):
+            for out, lp, st, rt in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
+                                                 splittable=mode == "gathered" or
+                                                 (tp is not None and tp.size == 1)):
                 outs.append(out)
                 logprobs.append(lp)
                 stats.append(st)
+                routes.append(rt)
     if mode not in REPLICA_MODES:
         module.config.use_cache = False
         module.train(was_training)
@@ -359,15 +367,17 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         policy_engine.empty_partition_cache()
     kept = model if mode in REPLICA_MODES and cfg.keep_replica else None
     del model, run  # unless kept, the replica's memory goes back before training resumes
-    return _generated(outs, logprobs, stats, chunks, offset, prompt_ids.shape[0], cfg, eos_ids,
-                      pad_id, device, kept, loop)
+    return _generated(outs, logprobs, stats, routes, chunks, offset, prompt_ids.shape, cfg,
+                      eos_ids, pad_id, device, kept, loop)
 
 
-def _generated(outs: list, logprobs: list, stats: list, chunks: list, offset: int, n: int,
-               cfg: GenerationConfig, eos_ids: list[int], pad_id: int, device: torch.device,
-               kept: torch.nn.Module | None, loop: str) -> Generated:
-    """The chunks' outputs as this rank's `Generated` (rows `offset` .. offset + n of them: a
-    tensor-parallel rank's share of its group's responses), in prompt order."""
+def _generated(outs: list, logprobs: list, stats: list, routes: list, chunks: list, offset: int,
+               shape: torch.Size, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
+               device: torch.device, kept: torch.nn.Module | None, loop: str) -> Generated:
+    """The chunks' outputs as this rank's `Generated` (its `shape` = (n, P) prompts: rows
+    `offset` .. offset + n of the chunks', a tensor-parallel rank's share of its group's
+    responses), in prompt order."""
+    n, prompt_width = shape
     order = [i for idx, _ in chunks for i in idx]
     response = in_row_order(_stack_chunks(outs, pad_id), order)
     response = response[offset:offset + n]
@@ -378,9 +388,17 @@ def _generated(outs: list, logprobs: list, stats: list, chunks: list, offset: in
     if all(lp is not None for lp in logprobs):  # loop=own
         rollout_lp = in_row_order(_stack_chunks(logprobs, 0.0), order)
         rollout_lp = rollout_lp[offset:offset + n].masked_fill(~mask, 0.0)
+    prompt_routes = response_routes = None
+    if routes and all(rt is not None for rt in routes):  # a mixture-of-experts replica
+        P = prompt_width  # each chunk's prompts lost `lead` leading pad columns
+        prompt_routes = in_row_order(torch.cat([torch.nn.functional.pad(
+            p, (0, 0, 0, 0, P - p.shape[1], 0), value=-1) for p, _ in routes]), order)
+        response_routes = in_row_order(_stack_chunks([r for _, r in routes], -1), order)
+        response_routes = response_routes[:, :response.shape[1]]
     return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
                      decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp,
-                     sampling=sampling_shape(cfg, eos_ids, pad_id))
+                     sampling=sampling_shape(cfg, eos_ids, pad_id),
+                     prompt_routes=prompt_routes, response_routes=response_routes)
 
 
 @torch.no_grad()
@@ -395,12 +413,13 @@ def decode_on_replica(replica: torch.nn.Module, prompt_ids: torch.Tensor,
     run = _own_decode(replica, cfg, eos_ids, pad_id, None, slots, generator)
     chunks = _prompt_chunks(prompt_mask, prompt_ids.shape[0] if slots else
                             cfg.batch_size or prompt_ids.shape[0])
-    outs, logprobs, stats = [], [], []
+    outs, logprobs, stats, routes = [], [], [], []
     for idx, lead in chunks:
-        for out, lp, st in _run_or_split(run, prompt_ids[idx, lead:], prompt_mask[idx, lead:],
-                                         splittable=True):
+        for out, lp, st, rt in _run_or_split(run, prompt_ids[idx, lead:],
+                                             prompt_mask[idx, lead:], splittable=True):
             outs.append(out)
             logprobs.append(lp)
             stats.append(st)
-    return _generated(outs, logprobs, stats, chunks, 0, prompt_ids.shape[0], cfg, eos_ids, pad_id,
-                      prompt_ids.device, None, "own")
+            routes.append(rt)
+    return _generated(outs, logprobs, stats, routes, chunks, 0, prompt_ids.shape, cfg, eos_ids,
+                      pad_id, prompt_ids.device, None, "own")

@@ -124,6 +124,10 @@ class Decoded:
     response_ids: torch.Tensor  # (N, W) long, pad after each row's first EOS (as HF generate)
     logprobs: torch.Tensor  # (N, W) float32, each token's log-prob where it was sampled; 0 after
     stats: DecodeStats
+    # a mixture-of-experts model's expert choices (`routes`; else None): int16 top-k indices
+    # per MoE layer, -1 where no token was routed (engine/moe.py)
+    prompt_routes: torch.Tensor | None = None  # (N, P, layers, k)
+    response_routes: torch.Tensor | None = None  # (N, W, layers, k)
 
 
 @torch.no_grad()
@@ -133,7 +137,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
            stop_check_every: int = 8, trim: bool = True, group=None,
            slots: int | None = None, compile_step: bool = False,
-           generator: torch.Generator | None = None) -> Decoded:
+           generator: torch.Generator | None = None, routes: bool = False) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
     `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
@@ -173,15 +177,23 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         # eager steps (no CUDA graph to replay) attend only to the cache columns written so far
         eager = not (cuda_graph and _graphs_available(device)) and not compile_step
         run = Slots(model, prompt_ids, prompt_mask.bool(), S, T, choose, eos_ids, pad_id,
-                    trim=eager, step_forward=compiled_step(model) if compile_step else None)
-        stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
-                           narrow=slots is not None)
+                    trim=eager, step_forward=compiled_step(model) if compile_step else None,
+                    routes=routes)
+        try:
+            stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
+                               narrow=slots is not None)
+        finally:
+            if run.tap is not None:
+                run.tap.record = False
     width = min(stats.steps, T)
     if trim:
         # as HF generate: as wide as the longest response (the loop may run up to
         # stop_check_every - 1 steps past the last EOS)
         width = int(response_mask(run.result, eos_ids).sum(dim=-1).max())
-    return Decoded(run.result[:, :width], run.result_lp[:, :width], stats)
+    if run.tap is None:
+        return Decoded(run.result[:, :width], run.result_lp[:, :width], stats)
+    return Decoded(run.result[:, :width], run.result_lp[:, :width], stats,
+                   run.result_routes[:, :P], run.result_routes[:, P:P + width])
 
 
 def compiled_step(model: torch.nn.Module):

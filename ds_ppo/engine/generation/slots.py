@@ -8,6 +8,7 @@ import inspect
 import torch
 
 from ds_ppo.algo.masks import decode_attention_mask
+from ds_ppo.engine import moe
 from ds_ppo.engine.forward import position_ids
 
 
@@ -87,11 +88,15 @@ class Slots:
     reads only the columns written so far, P + k + 1 at step k until the ring wraps (a refill
     writes the columns just before the shared one, so those too), instead of all W: the
     columns left out are masked, so the outputs are the same; the attention's cost per step
-    then grows with the tokens decoded, as HF generate's dynamic cache does."""
+    then grows with the tokens decoded, as HF generate's dynamic cache does.
+
+    A mixture-of-experts model's expert choices (`routes`, engine/moe.py) are kept per slot
+    like its tokens: the prefill's for the prompt columns, each step's for the token it fed
+    (response token idx - 1), -1 where nothing was routed (pads, the last token)."""
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, S: int,
                  T: int, choose, eos_ids: list[int], pad_id: int, trim: bool = False,
-                 step_forward=None):
+                 step_forward=None, routes: bool = False):
         N, P = prompt_ids.shape
         device = prompt_ids.device
         self.model, self.P, self.T, self.W, self.pad_id = model, P, T, P + T, pad_id
@@ -117,6 +122,18 @@ class Slots:
         self.lp = torch.zeros(S, T + 1, dtype=torch.float32, device=device)
         self.result = torch.full((N, T), pad_id, dtype=torch.long, device=device)
         self.result_lp = torch.zeros(N, T, dtype=torch.float32, device=device)
+        self.tap = moe.tap(model) if routes else None
+        if self.tap is not None:
+            self.tap.record, self.tap.routes = True, None
+            shape = (self.tap.layers, self.tap.top_k)
+            self.slot_routes = torch.full((S, P + T + 1, *shape), -1, dtype=moe.ROUTE_DTYPE,
+                                          device=device)  # prompt, response, spill column
+            self.result_routes = torch.full((N, P + T, *shape), -1, dtype=moe.ROUTE_DTYPE,
+                                            device=device)
+
+    def _seen_routes(self) -> torch.Tensor:
+        """(tokens, layers, k) the expert choices of the forward just run (flattened B x L)."""
+        return torch.stack(self.tap.seen, dim=1).to(moe.ROUTE_DTYPE)
 
     def _record(self, logits: torch.Tensor) -> None:
         """Each live slot's next token (index `idx`) from its (S, V) logits; a slot whose row
@@ -141,6 +158,11 @@ class Slots:
             self.keys[..., :self.span[0]], self.dtype, self.kernel), position_ids=self.pos,
             use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
         self.col.add_(1).remainder_(self.W)
+        if self.tap is not None:  # the fed token is response token idx - 1 (an ended row's: -1)
+            S = self.idx.shape[0]
+            chosen = self._seen_routes().masked_fill(self.done[:, None, None], -1)
+            at = (self.P + self.idx - 1).clamp(min=self.P)[:, None, None, None]
+            self.slot_routes.scatter_(1, at.expand(S, 1, *chosen.shape[1:]), chosen[:, None])
         self.pos.add_((~self.done)[:, None].long())  # an ended row's position stays in range
         self._record(logits)
 
@@ -162,6 +184,12 @@ class Slots:
             prompt_mask, self.dtype, self.kernel), position_ids=position_ids(mask),
             use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1]
         cols = (torch.arange(self.P, device=device) + steps_run) % self.W
+        if self.tap is not None:  # the prompt's routes; no response token routed yet
+            chosen = self._seen_routes().view(len(slots), self.P, *self.slot_routes.shape[2:])
+            fresh = torch.full((len(slots), *self.slot_routes.shape[1:]), -1,
+                               dtype=moe.ROUTE_DTYPE, device=device)
+            fresh[:, :self.P] = chosen.masked_fill(~mask[:, :, None, None], -1)
+            self.slot_routes.index_copy_(0, s_t, fresh)
         if first:  # a one-token prompt went to column 0 (col's start); steps start at P
             self.col.fill_(self.P % self.W)
         else:
@@ -187,7 +215,8 @@ class Slots:
         """Keep only the slots `keep`, in this order: every per-slot buffer and the cache's rows
         are gathered into new, narrower tensors (a captured step must be captured again)."""
         k = torch.tensor(keep, dtype=torch.long, device=self.ids.device)
-        for name in ("token", "pos", "keys", "idx", "done", "out", "lp"):
+        for name in ("token", "pos", "keys", "idx", "done", "out", "lp") + (
+                ("slot_routes",) if self.tap is not None else ()):
             setattr(self, name, getattr(self, name).index_select(0, k))
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, k)
@@ -201,3 +230,6 @@ class Slots:
         r_t = torch.tensor(rows, dtype=torch.long, device=device)
         self.result.index_copy_(0, r_t, self.out.index_select(0, s_t)[:, :self.T])
         self.result_lp.index_copy_(0, r_t, self.lp.index_select(0, s_t)[:, :self.T])
+        if self.tap is not None:
+            self.result_routes.index_copy_(
+                0, r_t, self.slot_routes.index_select(0, s_t)[:, :self.P + self.T])

@@ -1,0 +1,193 @@
+"""Mixture-of-experts policies through every job with real DeepSpeed processes, run once per
+world size and shared by the cases of tests/dist/test_moe_dist.py (as dist_checks.py is by
+test_engine.py):
+    python tests/support/moe_checks.py --out R.json --work DIR                   (one rank)
+    deepspeed --num_gpus 2 tests/support/moe_checks.py --out R.json --work DIR   (two CPU ranks)
+Tiny random-init Qwen3-MoE and Mixtral policies (2 layers, 4 experts, top-2), ZeRO-3 on two
+ranks (each MoE block one ZeRO-3 leaf). Rank 0 writes one JSON object of results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist_checks import (GROUP_BASE, GROUP_KEYS, LOSS_KEYS, cfg_for, first_update,  # noqa: E402
+                         group_update, supervised_steps)
+
+from ds_ppo.engine import dist  # noqa: E402
+from ds_ppo.engine.dist import init_distributed  # noqa: E402
+from ds_ppo.trainer import train  # noqa: E402
+
+sys.modules.setdefault("moe_checks", sys.modules[__name__])
+
+_SIZES = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=4",
+          "num_key_value_heads=2", "head_dim=8", "num_experts_per_tok=2",
+          "max_position_embeddings=128", "tie_word_embeddings=false", "intermediate_size=64"]
+QWEN = ["policy.arch.model_type=qwen3_moe", "policy.arch.num_experts=4",
+        "policy.arch.moe_intermediate_size=32"] + [f"policy.arch.{s}" for s in _SIZES]
+MIXTRAL = ["policy.arch.model_type=mixtral", "policy.arch.num_local_experts=4"] + [
+    f"policy.arch.{s}" for s in _SIZES if not s.startswith("head_dim")]
+DENSE_VALUE = ["value.arch.model_type=llama", "value.arch.hidden_size=32",
+               "value.arch.intermediate_size=64", "value.arch.num_hidden_layers=2",
+               "value.arch.num_attention_heads=4", "value.arch.num_key_value_heads=2",
+               "value.arch.max_position_embeddings=128"]
+# the load-balancing loss of a micro-batch depends on which rows share it (as transformers
+# computes it), so the world-size comparisons leave it out; the `_aux` scenarios have it
+NO_AUX = ["policy.moe_aux_loss_coef=0", "value.moe_aux_loss_coef=0"]
+MOE_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
+REPLAY_KEYS = LOSS_KEYS + ("rollout/route_flip_frac", "rollout/logprob_abs_diff_max")
+SUPERVISED = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss", "sft/moe_aux_loss"),
+              "rm": ("loss/rm", "rm/accuracy", "rm/grad_norm", "eval/loss", "rm/moe_aux_loss")}
+RESUME_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
+
+
+def skipped_experts(work: Path) -> dict:
+    """Rank 1's routers send every token to experts 0 and 1 (their top-2 forced), rank 0's
+    route as they do, so under ZeRO-3 rank 1 never runs experts 2 and 3 while rank 0 does: the
+    iteration completes (each MoE block is one ZeRO-3 leaf, its experts gathered together).
+    Returns the leaf classes the engine set and the first update's losses."""
+    import torch
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    leaves: list[str] = []
+    set_leaves, forward = dist.set_zero3_leaf_modules, q.Qwen3MoeTopKRouter.forward
+
+    def record(model, classes):
+        leaves.extend(c.__name__ for c in classes)
+        set_leaves(model, classes)
+
+    def forced(self, hidden_states):
+        logits, _, _ = forward(self, hidden_states)
+        chosen = torch.tensor([0, 1], device=logits.device).expand(logits.shape[0], 2)
+        weights = torch.softmax(logits.float(), -1).gather(1, chosen).to(logits.dtype)
+        return logits, weights, chosen
+
+    dist.set_zero3_leaf_modules = record
+    if dist.rank() == 1:
+        q.Qwen3MoeTopKRouter.forward = forced
+    try:
+        out = first_update(work, "skip", QWEN + NO_AUX + ["ppo.micro_batch_size=4"])
+    finally:
+        dist.set_zero3_leaf_modules, q.Qwen3MoeTopKRouter.forward = set_leaves, forward
+    return {"leaf_classes": sorted(set(leaves)), **out}
+
+
+def supervised(work: Path, job: str, name: str, extra: list[str]) -> dict:
+    from dist_checks import SUPERVISED_KEYS
+
+    SUPERVISED_KEYS[job] = SUPERVISED[job]
+    return supervised_steps(work, job, name, ["deepspeed.policy.zero_stage=3",
+                                              f"{job}.micro_batch_size=4"] + extra)
+
+
+def resume_and_export(work: Path) -> dict:
+    """Two iterations in one go, and one then a resume to two (checkpoints every iteration,
+    aux loss on): the resumed iteration's metrics; rank 0 then loads the uninterrupted run's
+    export with plain transformers and compares its logits with the policy's weights read
+    from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32)."""
+    base = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
+                   "checkpoint.keep_last=3"]
+    whole = train(cfg_for(work, "whole", base + [
+        "iterations=2", "checkpoint.export_at_end=true"])).history
+    train(cfg_for(work, "split", base + ["iterations=1"]))
+    resumed = train(cfg_for(work, "split", base + ["iterations=2", "resume=auto"])).history
+    out = {"whole": {k: whole[1][k] for k in RESUME_KEYS},
+           "resumed": {k: resumed[0][k] for k in RESUME_KEYS},
+           "resumed_iterations": len(resumed)}
+    if dist.is_main():
+        out["export"] = _export_vs_checkpoint(work / "whole")
+    dist.barrier()
+    return out
+
+
+def _export_vs_checkpoint(run: Path) -> dict:
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    export = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32).eval()
+    ckpt = run / "checkpoints" / "iter_000002" / "policy"
+    if list((ckpt / "ds").glob("zero_pp_rank_*")):  # ZeRO-3 partitions (several ranks)
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="ds")
+    else:  # one rank: ZeRO-0, the whole module
+        state = torch.load(ckpt / "ds" / "mp_rank_00_model_states.pt",
+                           weights_only=False)["module"]
+    # the export's 16-bit weights, computed in float32 on both sides
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "final"),
+                                                 dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(
+        {k: v.to(torch.bfloat16).float() for k, v in state.items()}, strict=False)
+    reference.eval()
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = export(input_ids=ids).logits, reference(input_ids=ids).logits
+    names = json.loads((run / "final" / "config.json").read_text())
+    return {"max_abs_diff": float((a - b).abs().max()), "missing": sorted(missing),
+            "unexpected": sorted(unexpected), "architectures": names["architectures"],
+            "per_expert_keys": _per_expert_keys(run / "final")}
+
+
+def _per_expert_keys(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return sum(".experts.0." in k for k in f.keys())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated scenarios (development)")
+    args = parser.parse_args()
+    work = Path(args.work)
+    init_distributed()
+    results: dict = {"world_size": dist.world_size()}
+    z3 = ["ppo.micro_batch_size=4"]
+    grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
+                         "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean",
+                         "policy.moe_aux_loss_coef=0"]
+    scenarios = {
+        # PPO with an MoE critic (the value model starts from the MoE policy)
+        "qwen_gae": lambda: first_update(work, "qgae", QWEN + NO_AUX + z3, MOE_KEYS),
+        "qwen_gae_aux": lambda: first_update(work, "qgaeaux", QWEN + z3 + [
+            "policy.moe_aux_loss_coef=0.5", "value.moe_aux_loss_coef=0.5"], MOE_KEYS),
+        "qwen_replay": lambda: first_update(work, "qrep", QWEN + NO_AUX + z3 + [
+            "ppo.router_replay=true"], REPLAY_KEYS),
+        # a dense critic next to a Mixtral policy
+        "mixtral_dense_value": lambda: first_update(work, "mixd", MIXTRAL + DENSE_VALUE +
+                                                    NO_AUX + z3),
+        "qwen_grpo": lambda: group_update(work, "qgrpo", QWEN + grpo + z3, GROUP_KEYS),
+        "mixtral_lora": lambda: first_update(work, "mixlora", MIXTRAL + NO_AUX + z3 + [
+            "policy.lora.r=8", "value.lora.r=8"]),
+        "qwen_sft": lambda: supervised(work, "sft", "qsft", QWEN + ["policy.moe_aux_loss_coef=0"]),
+        "qwen_rm": lambda: supervised(work, "rm", "qrm", QWEN + ["policy.moe_aux_loss_coef=0"]),
+        "resume_export": lambda: resume_and_export(work),
+        "skipped_experts": lambda: skipped_experts(work),
+    }
+    for name, fn in scenarios.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as e:  # recorded, so one failing scenario does not hide the others
+            import traceback
+
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if dist.is_main():
+            print(f"[moe_checks] {name} done in {time.time() - t0:.1f}s", flush=True)
+    if dist.is_main():
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
