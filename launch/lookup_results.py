@@ -6,6 +6,10 @@ right answers) averaged per block of 100 iterations, and whether a run kept what
     python launch/lookup_results.py                          # seeds 1 2 3, 1000 iterations
     python launch/lookup_results.py --seeds 1 --iterations 300 --out /tmp/lookup
     python launch/lookup_results.py --table-only --out outputs/lookup_results
+    python launch/lookup_results.py --settings recommended --seeds 2 --out outputs/lookup_results
+
+Each (settings, seed) is a run of its own: several commands with different --seeds (or
+--settings) can run side by side on the same --out.
 
 Runs one after another on CPU (about 10-20 minutes each); a finished run is not run again (the
 trainer sees its output_dir complete), so the command can be repeated after an interruption.
@@ -21,8 +25,8 @@ from pathlib import Path
 # the calculator preset's settings, on the lookup task
 BASELINE = ["--config", "calculator", "env.function=ds_ppo.envs.lookup:Lookup",
             "data.path=builtin:lookup", "data.reward_keys=[code]"]
-# the lookup preset: the same, plus ppo.entropy_coef, ppo.dynamic_sampling, the alarm on
-# env/correct and checkpoint.keep_best
+# the lookup preset: the same, plus ppo.entropy_coef with ppo.entropy_target,
+# ppo.dynamic_sampling, the alarm on env/correct and checkpoint.keep_best
 RECOMMENDED = ["--config", "lookup"]
 SETTINGS = {"calculator": BASELINE, "recommended": RECOMMENDED}
 BLOCK = 100
@@ -45,12 +49,15 @@ def accuracy_blocks(rows: list[dict], key: str = "env/correct") -> list[float]:
 
 def kept(blocks: list[float], ceiling: float = 1.0, share: float = 0.9) -> str:
     """When a run first reached `share` of the ceiling (a block's mean), and whether every later
-    block stayed there."""
+    block stayed there: held for how many iterations after that block, or the block it lost it
+    in."""
     first = next((i for i, b in enumerate(blocks) if b >= share * ceiling), None)
     if first is None:
         return "not reached"
-    held = all(b >= share * ceiling for b in blocks[first:])
-    return f"from {first * BLOCK + 1}, {'held' if held else 'lost'}"
+    lost = next((i for i in range(first + 1, len(blocks)) if blocks[i] < share * ceiling), None)
+    if lost is not None:
+        return f"from {first * BLOCK + 1}, lost in {lost * BLOCK + 1}-{(lost + 1) * BLOCK}"
+    return f"from {first * BLOCK + 1}, held {(len(blocks) - first - 1) * BLOCK} after"
 
 
 def table(out: Path, seeds: list[int]) -> str:
@@ -77,12 +84,13 @@ def table(out: Path, seeds: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--iterations", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path("outputs/lookup_results"))
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
     if not args.table_only:
-        for settings in SETTINGS:
+        for settings in args.settings:
             for seed in args.seeds:
                 cmd = command(settings, seed, args.iterations, args.out)
                 print("+", " ".join(cmd[1:]), flush=True)

@@ -89,7 +89,16 @@ class PPOConfig(Section):
         "policy's entropy over the response tokens, aggregated like the policy loss "
         "(loss_aggregation; tiled like the log-probs), for every advantage_estimator. Keeps a "
         "policy that has found a reward from collapsing onto one answer (metric "
-        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise.")
+        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise. "
+        "With entropy_target, the most the bonus's coefficient reaches.")
+    entropy_target: float | None = Field(
+        None, gt=0, description="Steer the entropy bonus's coefficient (metric "
+        "policy/entropy_coef) so that policy/entropy stays near this many nats per token: after "
+        "each iteration it moves by entropy_coef x clip(1 - policy/entropy / entropy_target, -1, "
+        "1) / 10, within [0, entropy_coef], starting at entropy_coef (ds_ppo/algo/entropy.py); "
+        "above the target there is no bonus. Its value is saved in checkpoints. null: a fixed "
+        "coefficient entropy_coef. Needs entropy_coef > 0. Try 0.5-1 nats, well below the "
+        "entropy of a random policy (ln of the vocabulary size).")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")

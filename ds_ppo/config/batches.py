@@ -98,6 +98,10 @@ def _estimator_problems(p: PPOConfig, world_size: int) -> list[str]:
     if p.dual_clip is not None and p.dual_clip <= 1:
         problems.append(f"ppo.dual_clip = {p.dual_clip} must be > 1 (e.g. 3.0), or null to turn "
                         "the dual clip off")
+    if p.entropy_target is not None and p.entropy_coef <= 0:
+        problems.append(f"ppo.entropy_target = {p.entropy_target:g} steers the entropy bonus's "
+                        "coefficient up to ppo.entropy_coef, which is 0: set ppo.entropy_coef "
+                        "> 0 (e.g. 0.005), or ppo.entropy_target=null")
     if p.dynamic_sampling and n < 2:
         problems.append("ppo.dynamic_sampling = true keeps groups whose responses score "
                         "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")
