@@ -40,7 +40,6 @@ _EXPORTS = {
     "discounted_returns": "group",
     "entropy_bonus": "aggregation",
     "EntropyController": "entropy",
-    "ENTROPY_STEPS": "entropy",
     "entropy_from_logits": "logits",
     "estimator": "choices",
     "ESTIMATORS": "choices",
