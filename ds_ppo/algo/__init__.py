@@ -17,7 +17,7 @@ Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden 
 masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss,
-- entropy_bonus).
+- entropy_bonus, its coefficient from EntropyController).
 Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 Supervised jobs (supervised_losses.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
@@ -39,6 +39,7 @@ _EXPORTS = {
     "decode_attention_mask": "masks",
     "discounted_returns": "group",
     "entropy_bonus": "aggregation",
+    "EntropyController": "entropy",
     "entropy_from_logits": "logits",
     "estimator": "choices",
     "ESTIMATORS": "choices",

@@ -89,7 +89,17 @@ class PPOConfig(Section):
         "policy's entropy over the response tokens, aggregated like the policy loss "
         "(loss_aggregation; tiled like the log-probs), for every advantage_estimator. Keeps a "
         "policy that has found a reward from collapsing onto one answer (metric "
-        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise.")
+        "policy/entropy); 0 = off. Try 0.001-0.01: too large and the responses turn to noise. "
+        "With entropy_target, the most the bonus's coefficient reaches.")
+    entropy_target: float | None = Field(
+        None, gt=0, description="Set the entropy bonus's coefficient (metric "
+        "policy/entropy_coef) from the policy's entropy so that policy/entropy stays near this "
+        "many nats per token: after each iteration entropy_coef x clip(1 - policy/entropy / "
+        "entropy_target, 0, 1), so no bonus at or above the target and entropy_coef at entropy "
+        "0; entropy_coef in the first iteration (ds_ppo/algo/entropy.py). Saved in checkpoints. "
+        "null: a fixed coefficient entropy_coef. Needs entropy_coef > 0. The entropy settles "
+        "below the target, where the bonus balances the policy gradient's sharpening: "
+        "docs/RESULTS.md's lookup task uses 2.5 nats with entropy_coef 0.015.")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")
@@ -206,6 +216,10 @@ class PPOConfig(Section):
                        "the dual clip off")
         if p.value_clip_eps is not None and p.value_clip_eps <= 0:
             out.append(f"ppo.value_clip_eps = {p.value_clip_eps} must be > 0 or null")
+        if p.entropy_target is not None and p.entropy_coef <= 0:
+            out.append(f"ppo.entropy_target = {p.entropy_target:g} steers the entropy bonus's "
+                       "coefficient up to ppo.entropy_coef, which is 0: set ppo.entropy_coef "
+                       "> 0 (e.g. 0.005), or ppo.entropy_target=null")
         if p.dynamic_sampling and n < 2:
             out.append("ppo.dynamic_sampling = true keeps groups whose responses score "
                        "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")

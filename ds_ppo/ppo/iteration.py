@@ -57,22 +57,25 @@ class IterationInputs:
 
 def run_iteration(run: IterationInputs, iteration: int, indices: list[int] | PromptDraw,
                   kl_coef: float, acc: Accumulator,
-                  timed: PhaseTimer = lambda phase: nullcontext()
-                  ) -> tuple[Experience, Generated]:
+                  timed: PhaseTimer = lambda phase: nullcontext(),
+                  entropy_coef: float | None = None) -> tuple[Experience, Generated]:
     """Steps 1-4 of iteration `iteration` (1-based) on this rank's prompts `indices` (or, with
     ppo.dynamic_sampling, the rounds `indices` draws): the scored `Experience` (B = this rank's
     sequences) with its advantages, after the PPO update of the engines; and what generation
     ran (decoding loop and its statistics). The update's statistics go into `acc`;
     `timed(phase)` wraps each stage. With `run.schedule` (ppo.schedule one_step_off, async) the
-    rollout is the schedule's for this iteration and `indices` is not read."""
+    rollout is the schedule's for this iteration and `indices` is not read. `entropy_coef`: the
+    entropy bonus's coefficient of this update (the entropy controller's; None:
+    ppo.entropy_coef)."""
     # generation.batch_invariant: the sampler's and the trainer's forwards give equal logits
     with batch_invariant(run.cfg.generation.batch_invariant):
-        return _iteration(run, iteration, indices, kl_coef, acc, timed)
+        return _iteration(run, iteration, indices, kl_coef, acc, timed, entropy_coef)
 
 
 def _iteration(run: IterationInputs, iteration: int, indices: list[int] | PromptDraw,
                kl_coef: float,
-               acc: Accumulator, timed: PhaseTimer) -> tuple[Experience, Generated]:
+               acc: Accumulator, timed: PhaseTimer,
+               entropy_coef: float | None) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
     rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
     # step 1. generate the trajectory (this rank's shard of the global batch)
@@ -98,7 +101,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
         exp = add_advantages(exp, advantage_settings(cfg, kl_coef))
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with _stage(timed, "update", iteration):
-        ppo_update(exp, engines, cfg, iteration, acc, run.ptx)
+        ppo_update(exp, engines, cfg, iteration, acc, run.ptx, entropy_coef)
     if run.schedule is not None:  # step 4b. the next rollout buffered: nothing left running
         run.schedule.finish(iteration, acc)
     return exp, generated

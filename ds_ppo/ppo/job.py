@@ -2,7 +2,8 @@
 split, the reward model's tokenizer, PPO-ptx rows), its engines (policy, value, reference,
 reward), and one iteration: steps 1-4 of `ppo/iteration.py` (generate, score, KL-shaped rewards
 and advantages, PPO update), then the iteration's metrics, the evaluation when due, the KL
-controller's update and the report.
+controller's update, the entropy bonus's
+coefficient (ppo.entropy_target) and the report.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ds_ppo import watchdog
-from ds_ppo.algo import AdaptiveKLController, FixedKLController
+from ds_ppo.algo import AdaptiveKLController, EntropyController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import TrainerState, check_estimator_family
@@ -55,6 +56,7 @@ class PPOJob:
         p = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
                        if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
+        self.entropy_ctl = EntropyController(p.entropy_coef, p.entropy_target)
 
     # ------------------------------------------------------------------- start-up
     def known_total(self, cfg: Config) -> int:
@@ -111,6 +113,7 @@ class PPOJob:
     def resumed(self, state: TrainerState) -> None:
         state.advantage_estimator = self.cfg.ppo.advantage_estimator
         self.kl_ctl.load_state_dict(state.kl_controller)
+        self.entropy_ctl.load_state_dict(state.entropy_controller)
 
     def in_flight(self) -> dict | None:
         schedule = self.inputs.schedule
@@ -149,11 +152,12 @@ class PPOJob:
         acc, t_iter = Accumulator(), time.perf_counter()
         # steps 1-4. generate, score, KL-shaped rewards and advantages, PPO update
         prompts = self._prompts(run, iteration)
+        entropy_coef = self.entropy_ctl.value
         exp, _ = run_iteration(self.inputs, iteration, prompts, kl_ctl.value, acc,
-                               metric_timer(acc))
+                               metric_timer(acc), entropy_coef=entropy_coef)
         if isinstance(prompts, PromptDraw):  # where the next iteration draws from
             run.state.prompts_drawn = prompts.end
-        # step 5. metrics, reduced across ranks; evaluation; KL controller
+        # step 5. metrics, reduced across ranks; evaluation; KL and entropy controllers
         watchdog.at("metrics", iteration)
         metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                     cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
@@ -164,6 +168,11 @@ class PPOJob:
             metrics.update(eval_metrics)
         kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
         run.state.kl_controller = kl_ctl.state_dict()
+        if cfg.ppo.entropy_target is not None:  # the coefficient this iteration trained with
+            metrics["policy/entropy_coef"] = entropy_coef
+            if "policy/entropy" in metrics:  # not measured in a critic warm-up iteration
+                self.entropy_ctl.update(metrics["policy/entropy"])
+            run.state.entropy_controller = self.entropy_ctl.state_dict()
         self._exp, self._eval_samples = exp, eval_samples  # for the report
         return metrics
 

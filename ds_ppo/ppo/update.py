@@ -99,15 +99,19 @@ class _Step:
     ptx_rows: list[int] | None  # this rank's PPO-ptx rows of this step (None: off)
     ptx_tok: float  # ptx target tokens of the global mini-batch (the LM loss's divisor)
     entropy: bool = False  # measure policy/entropy here (ppo.old_logprobs=rollout, epoch 0)
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient (0: no bonus)
 
 
 def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator,
-               ptx: PtxStream | None = None) -> None:
+               ptx: PtxStream | None = None, entropy_coef: float | None = None) -> None:
     """Train the policy (and the value model, if the estimator has one) on one rollout's
     experience; adds loss statistics to `acc`. In the critic warm-up (`critic_warmup`) only the
     value model trains. `ptx`: the PPO-ptx rows, whose LM loss (x ppo.ptx_coef) joins each
-    policy step."""
+    policy step. `entropy_coef`: the entropy bonus's coefficient (None: ppo.entropy_coef; the
+    entropy controller's with ppo.entropy_target)."""
     p = cfg.ppo
+    if entropy_coef is None:
+        entropy_coef = p.entropy_coef
     per_rank_mini = p.mini_batch_size // dist.dp_world_size()  # rows of a data-parallel rank
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.counted_lens  # host: model-token counts without a device read
@@ -146,7 +150,8 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             # no scoring forward (ppo.old_logprobs=rollout): the first epoch's forwards, which
             # see each row once, give policy/entropy
             step = _Step(max(n_tok, 1.0), max(pg_div, 1.0), n_steps, train_policy, rows,
-                         max(ptx_tok, 1.0), entropy=exp.entropy is None and epoch == 0)
+                         max(ptx_tok, 1.0), entropy=exp.entropy is None and epoch == 0,
+                         entropy_coef=entropy_coef)
             _optimizer_step(exp, mine, step, engines, cfg, acc, ptx)
 
 
@@ -228,10 +233,10 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
 def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool,
                  split: bool = False):
     """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
-    loss, minus ppo.entropy_coef x the entropy bonus), its statistics, and the detached terms as
+    loss, minus the entropy bonus's coefficient x the entropy bonus), its statistics, and the detached terms as
     metrics. `split`: one row split across the sequence-parallel group."""
     p = cfg.ppo
-    bonus = p.entropy_coef > 0
+    bonus = step.entropy_coef > 0
     logprobs, entropy = engines.policy.logprobs(
         mb.rollout, cfg.generation.temperature, with_entropy=step.entropy or bonus,
         packed=packed, tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens, split=split,
@@ -252,7 +257,7 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
     if bonus:  # the tokens and weights of the KL term (the policy's, without rollout correction)
         ent_term = entropy_bonus(entropy, pg_mask, step.pg_div, weights)
         terms["loss/entropy"] = ent_term.detach()
-        pg_loss = pg_loss - p.entropy_coef * ent_term
+        pg_loss = pg_loss - step.entropy_coef * ent_term
     return pg_loss, pg_stats, terms
 
 

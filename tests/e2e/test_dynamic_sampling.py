@@ -1,16 +1,22 @@
 """ppo.dynamic_sampling in `ds-ppo train`: a GRPO run refills its batch with groups that carry
 signal (metrics sampling/*, no signal-free group left in the batch while rounds remain), and a
-resumed run continues from the saved stream position exactly as the uninterrupted run."""
+resumed run continues from the saved stream position, and with the entropy bonus's coefficient
+(ppo.entropy_target) saved, exactly as the uninterrupted run."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from conftest import read_metrics, run_cli
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/")
 DYNAMIC = ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=8",
            "ppo.dynamic_sampling=true", "tracking.enabled=false", "checkpoint.every=2",
-           "checkpoint.export_at_end=false"]
+           "checkpoint.export_at_end=false",
+           # a target above any entropy: the coefficient follows the entropy every iteration,
+           # and a resume that restarted it (at entropy_coef) would change iteration 3
+           "ppo.entropy_coef=0.01", "ppo.entropy_target=100"]
 
 
 def _comparable(row: dict) -> dict:
@@ -37,3 +43,8 @@ def test_dynamic_sampling_refills_and_resumes_exactly(tmp_path):
     assert drawn > 32 and any(r["sampling/rounds"] > 1 for r in a)
     state = json.loads((full / "checkpoints" / "iter_000004" / "trainer_state.json").read_text())
     assert state["prompts_drawn"] == drawn
+    # each iteration trains with the coefficient of the last one's entropy
+    coefs = [r["policy/entropy_coef"] for r in a] + [state["entropy_controller"]["value"]]
+    assert coefs[0] == 0.01
+    for r, coef in zip(a, coefs[1:]):
+        assert coef == pytest.approx(0.01 * (1 - r["policy/entropy"] / 100)) and coef < 0.01

@@ -98,3 +98,29 @@ def test_entropy_coef_zero_is_the_default_and_computes_no_entropy_in_the_update(
     update.ppo_update(exp, engines, cfg, 1, acc)
     assert asked and set(asked) == {(False, False)}
     assert "loss/entropy" not in acc.reduce()
+
+
+def test_the_update_trains_with_the_coefficient_it_is_given():
+    """ppo.entropy_target's controller hands the update its coefficient: the one given replaces
+    ppo.entropy_coef (0: no bonus, no entropy in the update's forwards)."""
+    coef = 0.05
+    plain = _cfg(*UPDATE)
+    bonus = _cfg(*UPDATE, f"ppo.entropy_coef={coef}")
+
+    def run(cfg, **kwargs):
+        fakes, engines = _engines()
+        exp = _experience(cfg, engines)
+        acc = Accumulator()
+        update.ppo_update(exp, engines, cfg, 1, acc, **kwargs)
+        return _grads(fakes.policy.module), acc.reduce()
+
+    with_bonus, m = run(bonus)
+    given, m_given = run(plain, entropy_coef=coef)
+    switched_off, m_off = run(bonus, entropy_coef=0.0)
+    without, _ = run(plain)
+    assert "loss/entropy" in m_given and "loss/entropy" not in m_off
+    assert m_given["loss/entropy"] == m["loss/entropy"]
+    for n in with_bonus:
+        assert torch.equal(given[n], with_bonus[n]), n
+        assert torch.equal(switched_off[n], without[n]), n
+    assert any(not torch.equal(with_bonus[n], without[n]) for n in with_bonus)

@@ -69,14 +69,21 @@ def test_results_table_blocks_and_verdicts(tmp_path):
     rows = [{"iteration": i, "env/correct": 0.25 if i <= 100 else 0.95 if i <= 200 else 0.5}
             for i in range(1, 301)]
     assert m.accuracy_blocks(rows) == pytest.approx([0.25, 0.95, 0.5])
-    assert m.kept([0.25, 0.95, 0.97]) == "from 101, held"
-    assert m.kept([0.25, 0.95, 0.5]) == "from 101, lost"
+    assert m.kept([0.25, 0.95, 0.97]) == "from 101, held 100 after"
+    assert m.kept([0.25, 0.95, 0.97], last=250) == "from 101, held 50 after"
+    assert m.kept([0.25, 0.95, 0.5, 0.95]) == "from 101, lost in 201-300"
     assert m.kept([0.25, 0.3]) == "not reached"
+    # a dip the blocks hide: 20 iterations at 0.5 inside a block whose mean is 0.9
+    dip = [{"iteration": i, "env/correct": 0.5 if 131 <= i <= 150 else 1.0}
+           for i in range(101, 201)]
+    assert m.lowest_window(dip, after=100) == "0.50 (131-150)"
+    assert m.lowest_window(dip, after=190) == ""  # fewer than 20 iterations left
     run = tmp_path / "recommended_seed2"
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     text = m.table(tmp_path, [1, 2])
-    assert "| recommended | 2 | 0.25 | 0.95 | 0.50 | from 101, lost |" in text
+    assert "| recommended | 2 | 0.25 | 0.95 | 0.50 | from 101, lost in 201-300 | 0.50 (201-220) |" \
+        in text
     assert "calculator" not in text  # runs not made are left out
     cmd = m.command("calculator", 3, 500, tmp_path)
     assert "seed=3" in cmd and "env.function=ds_ppo.envs.lookup:Lookup" in cmd

@@ -50,6 +50,7 @@ _NAME = re.compile(r"iter_(\d+)")  # a checkpoint's directory name (fullmatch)
 class TrainerState:
     iteration: int = 0  # iterations completed
     kl_controller: dict = field(default_factory=dict)
+    entropy_controller: dict = field(default_factory=dict)  # ppo.entropy_target's coefficient
     mlflow_run_id: str | None = None
     world_size: int = 1
     seed: int = 0
