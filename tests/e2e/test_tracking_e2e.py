@@ -129,7 +129,7 @@ def test_registered_versions_load_back_and_generate_the_exports_tokens(tracked):
     """The checkpoint of iteration 2 and both runs' exports (iterations 4 and 6) are versions of
     tracking.register_model, tagged with the run, iteration, eval score and config hash; the
     latest loads back with the transformers flavour and generates the export's greedy tokens."""
-    from test_registry import export_greedy, registered_greedy
+    from support.registry_checks import export_greedy, registered_greedy
 
     uri, out, run_id, _, _ = tracked
     client = _client(uri)

@@ -14,12 +14,11 @@ import pytest
 from support.mlflow_server import mlflow_server, mlflow_uri  # noqa: F401  (the session's server fixture)
 
 from conftest import free_port
+from support.registry_checks import export_greedy, registered_greedy
 from ds_ppo.config import load_config, validate
 from ds_ppo.errors import ConfigError, RegistrationError
 from ds_ppo.run.registry import config_hash, register_policy
 from ds_ppo.run.tracking import open_tracker
-
-PROMPT = "the happy dog"
 
 
 @pytest.fixture(scope="module")
@@ -41,37 +40,6 @@ def model_dir(tmp_path_factory):
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "final")
     tok.save_pretrained(root / "final")
     return root / "final"
-
-
-def greedy_tokens(model, tokenizer, prompt: str = PROMPT, n: int = 8) -> list[int]:
-    import torch
-
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def registered_greedy(uri: str, name: str, version) -> list[int]:
-    """Greedy tokens of registered model `name` version `version`, loaded back through MLflow's
-    transformers flavour from the server at `uri`."""
-    import mlflow
-    import mlflow.transformers
-
-    mlflow.set_tracking_uri(uri)
-    try:
-        parts = mlflow.transformers.load_model(f"models:/{name}/{version}",
-                                               return_type="components")
-    finally:
-        mlflow.set_tracking_uri(None)
-    return greedy_tokens(parts["model"], parts["tokenizer"])
-
-
-def export_greedy(path) -> list[int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return greedy_tokens(AutoModelForCausalLM.from_pretrained(path),
-                         AutoTokenizer.from_pretrained(path))
 
 
 def _tracker(uri, tmp_path, *overrides):
