@@ -2,7 +2,8 @@
 # The prepared GPU session (docs/PERFORMANCE.md, "The prepared GPU session"): bench rows of the
 # 1b shape at the 1b preset's settings (zero_stage auto) and on ZeRO-3 with and without its
 # knobs, our decoding loop alone (eager and compiled step, against the memory bound, with its
-# kernel table and the fp32 greedy check) and, where TRL is installed, the peer ratio; each
+# kernel table and the fp32 greedy check), ppo.schedule sync against one_step_off (generation
+# beside the update, docs/ASYNC.md) and, where TRL is installed, the peer ratio; each
 # within what is left of a time budget. Every result lands in RESULT_DIR and in one tarball
 # there (bench_gpu_results.tar.gz); the summary tables are printed last.
 #
@@ -63,13 +64,14 @@ step() {  # step NAME CMD...: a non-bench run, its log kept, its exit code and l
   echo "[bench_gpu] $name: $* (budget left ${l}s)"
   timeout "$l" "$@" >"$RESULTS/$name.log" 2>&1
   local rc=$?
-  steps+=("$name: exit $rc | $(grep -v '^\s*$' "$RESULTS/$name.log" | tail -n 1)")
+  # its last line, not a JSON record
+  steps+=("$name: exit $rc | $(grep -v -e '^\s*$' -e '^{' "$RESULTS/$name.log" | tail -n 1)")
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 # the preset's settings: 128 prompts, gradient checkpointing, zero_stage auto
 PRESET=(--iterations 2 --skip-baselines --prompts 128 --gradient-checkpointing)
-for run in ${BENCH_RUNS:-preset z3 z3_knobs decode peer main}; do
+for run in ${BENCH_RUNS:-preset z3 z3_knobs decode schedule peer main}; do
   case $run in
     main) bench main --iterations 2 ;;
     preset) bench preset "${PRESET[@]}" --zero-stage auto ;;
@@ -85,6 +87,10 @@ for run in ${BENCH_RUNS:-preset z3 z3_knobs decode peer main}; do
     decode) step decode "$PY" -m ds_ppo.bench.decode --shape "${BENCH_SHAPE:-1b}" \
                 --json "$RESULTS/decode.json" --profile-dir "$RESULTS" --greedy-check \
                 ${DECODE_FLAGS:-} ;;
+    # shellcheck disable=SC2086
+    schedule) step schedule "$PY" -m ds_ppo.bench --shape "${BENCH_SHAPE:-1b}" \
+                  --output-dir "$MODELS" --json "$RESULTS/schedule.json" --iterations 3 \
+                  --zero-stage 2 --schedule sync,one_step_off ${BENCH_FLAGS:-} ;;
     peer)
       if "$PY" -c "import trl" 2>/dev/null; then
         # shellcheck disable=SC2086
@@ -93,8 +99,8 @@ for run in ${BENCH_RUNS:-preset z3 z3_knobs decode peer main}; do
       else
         steps+=("peer: skipped (trl is not installed: add it to prepare_wheels.sh's wheels)")
       fi ;;
-    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, peer, main, persist," \
-            "zero2, micro32, compiled)"; exit 2 ;;
+    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, schedule, peer, main," \
+            "persist, zero2, micro32, compiled)"; exit 2 ;;
   esac
 done
 
@@ -114,6 +120,10 @@ fi
 if [[ -f "$RESULTS/decode.log" ]]; then
   echo
   grep -E '^\||^greedy fp32' "$RESULTS/decode.log"
+fi
+if [[ -f "$RESULTS/schedule.json" ]]; then
+  echo
+  grep -E '^ds-ppo bench --schedule|^\|' "$RESULTS/schedule.log"
 fi
 if (( ${#steps[@]} )); then
   echo

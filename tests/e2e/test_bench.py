@@ -197,12 +197,13 @@ def test_flop_model_counts_body_parameters_of_a_llama():
 def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_path):
     """launch/bench_gpu.sh (the one script the GPU session runs), on CPU with the tiny shape: the
     preset's row (zero_stage auto), ZeRO-3 with its knobs, the decode run (eager and compiled
-    step, fp32 greedy check), the peer step; one tarball of every result; the summaries last."""
+    step, fp32 greedy check), sync against one_step_off, the peer step; one tarball of every
+    result; the summaries last."""
     import tarfile
 
     from conftest import REPO
 
-    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="preset z3_knobs decode peer",
+    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="preset z3_knobs decode schedule peer",
                     BENCH_MODELS=str(tmp_path / "models"),
                     BENCH_FLAGS="--prompts 4 --prompt-len 8 --new-tokens 8 --iterations 1",
                     DECODE_FLAGS="--rows 2 --new-tokens 6", PEER_FLAGS="--iterations 1")
@@ -216,11 +217,15 @@ def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_pa
     assert lines[table + 2].startswith("| preset | ZeRO auto 0/0/0/0, micro 2")  # CPU: stage 0
     assert lines[table + 3].startswith("| z3_knobs | ZeRO-3, ") and "persistence 1e+06" in \
         lines[table + 3] and "live 3e+09" in lines[table + 3]
+    schedules = [line.split("|")[1].strip() for line in lines
+                 if line.startswith(("| sync |", "| one_step_off |"))]
+    assert schedules == ["sync", "one_step_off"], out[-3000:]
     decode = [line for line in lines if line.startswith("| tiny | 2 |")]
     assert [line.split("|")[3].strip() for line in decode] == ["eager", "compiled"], decode
     assert "greedy fp32 (8 rows x 32 tokens): compiled == eager: yes; eager == HF generate: yes" \
         in out
-    assert lines[-2].startswith("decode: exit 0 |") and lines[-1].startswith("peer: ")
+    assert lines[-3].startswith("decode: exit 0 |") and lines[-1].startswith("peer: ")
+    assert lines[-2].startswith("schedule: exit 0 | | one_step_off |")
     preset = json.loads((res / "preset.json").read_text())["settings"]
     assert preset["zero_stage"] == "auto" and preset["zero_stages"] == {
         "policy": 0, "value": 0, "reference": 0, "reward": 0}
