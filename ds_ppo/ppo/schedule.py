@@ -114,7 +114,7 @@ class RolloutSchedule:
         # a rollout for an earlier iteration is never used (only after a resume with a
         # checkpoint of other settings)
         self.buffer = {j: b for j, b in self.buffer.items() if j > iteration}
-        usable = got is not None and current - got.version <= self.lag
+        usable = self._usable(got, iteration)
         # regenerated: a buffered rollout too old for max_staleness, or none after a resume
         # (a checkpoint of a sync run, or of another world size, holds none); every rank alike
         # (the weight sync below is collective)
@@ -142,7 +142,7 @@ class RolloutSchedule:
             self.deferred = iteration  # after this iteration's update
             return
         todo = [j for j in rollout_batch(self.schedule, self.max_staleness, iteration)
-                if j not in self.buffer]
+                if not self._usable(self.buffer.get(j), j)]
         if not todo:
             return
         version = iteration - 1
@@ -175,6 +175,11 @@ class RolloutSchedule:
         acc.add_max("async/weight_sync_bytes", float(self.sync_bytes))
 
     # ------------------------------------------------------------------ the parts
+    def _usable(self, buffered: Buffered | None, iteration: int) -> bool:
+        """Whether `buffered` can train `iteration`: at most max_staleness updates old then
+        (older only after a resume with a smaller max_staleness)."""
+        return buffered is not None and (iteration - 1) - buffered.version <= self.lag
+
     @staticmethod
     def _staleness_metrics(got: Buffered, current: int, acc: Accumulator) -> None:
         """async/staleness_*, off-policy token share and dropped of the rollout trained on."""
