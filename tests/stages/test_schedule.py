@@ -207,6 +207,5 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     # as one_step_off, 3's is regenerated now and 4's is generated again beside iteration 3
     _train(tmp_path / "c", *ASYNC3, "iterations=2")
     _train(tmp_path / "c", *OFF, "iterations=4")
-    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
-                                                                                     (0, 1)]
+    assert list(zip(_column(tmp_path / "c", "async/regenerated"),
+                    _column(tmp_path / "c", "async/staleness_max")))[2:] == [(1, 0), (0, 1)]
