@@ -93,10 +93,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
                  "(version j-1), then scored and trained on: on-policy"),
     ScheduleSpec("one_step_off", "generated during iteration j-1's scoring and update with the "
                  "weights iteration j-1 started from (version j-2): every sample one update old"),
-    ScheduleSpec("async", "generated during iteration j-1's scoring and update with the "
-                 "generation replica's weights, refreshed every ppo.max_staleness updates: "
-                 "samples 1 to max_staleness updates old (0: generated after the update, as "
-                 "sync)"),
+    ScheduleSpec("async", "generated N = ppo.max_staleness at a time: the rollouts of "
+                 "iterations k+1 .. k+N during iteration k's scoring and update (k = 1, N+1, "
+                 "2N+1, ...), all with the weights iteration k started from (version k-1): "
+                 "samples 1 to N updates old (N = 0: generated after the update, as sync)"),
 )}
 SCHEDULE_NAMES: tuple[str, ...] = get_args(Schedule)
 
@@ -109,8 +109,25 @@ def rollout_version(schedule: str, max_staleness: int, iteration: int) -> int:
     sync (or async with max_staleness 0): iteration - 1, the current weights. one_step_off
     (async with max_staleness 1): iteration - 2, the weights the previous iteration started
     from (the first two rollouts both come from the initial weights). async with N >= 1: the
-    replica is refreshed at versions 0, N, 2N, ...: the newest of those <= iteration - 2."""
+    weights iteration k started from (version k - 1), where k is the iteration whose
+    `rollout_batch` holds `iteration`: versions 0, N, 2N, ..., so a sample is 1 to N updates
+    old."""
     if schedule == "sync" or (schedule == "async" and max_staleness == 0):
         return iteration - 1
     every = 1 if schedule == "one_step_off" else max_staleness
     return max(0, (iteration - 2) // every * every)
+
+
+def rollout_batch(schedule: str, max_staleness: int, iteration: int) -> range:
+    """The iterations whose rollouts are generated beside `iteration`'s scoring and update, in
+    one go from the weights `iteration` started from (version iteration - 1; see
+    `rollout_version`). one_step_off: the next one. async with N >= 1: at iterations 1, N+1,
+    2N+1, ... the next N (their reward calls overlap one another and training), else none.
+    sync and async with max_staleness 0: none (the rollout is generated at the iteration's start,
+    or after the update)."""
+    if schedule == "sync" or (schedule == "async" and max_staleness == 0):
+        return range(0)
+    every = 1 if schedule == "one_step_off" else max_staleness
+    if (iteration - 1) % every:
+        return range(0)
+    return range(iteration + 1, iteration + every + 1)

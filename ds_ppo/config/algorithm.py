@@ -144,9 +144,11 @@ class PPOConfig(Section):
         "score and train in turn, on-policy; one_step_off = the next iteration's rollout is "
         "generated (and its reward function called) in a background worker on the generation "
         "replica while this iteration scores and trains, with the weights this iteration "
-        "started from (every sample one update old); async = the same, the replica refreshed "
-        "every max_staleness updates (samples up to max_staleness updates old). Off-policy "
-        "schedules need ppo.rollout_correction (tis or mis) or ppo.old_logprobs=rollout.")
+        "started from (every sample one update old); async = the replica refreshed every "
+        "max_staleness updates, each refresh generating the next max_staleness rollouts in one "
+        "go, their reward calls overlapping (samples up to max_staleness updates old). "
+        "Off-policy schedules need ppo.rollout_correction (tis or mis) or "
+        "ppo.old_logprobs=rollout.")
     max_staleness: int = Field(
         1, ge=0, le=64, description="schedule=async: the most updates a sample's weights may "
         "lag the weights it trains (0: generated after the previous update, the same updates as "

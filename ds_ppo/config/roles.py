@@ -157,7 +157,8 @@ class RewardConfig(Section):
         "service). Each rank posts its own share, reward.batch_size responses per request.")
     batch_size: int = Field(64, gt=0, description="reward.url: responses per request.")
     concurrency: int = Field(4, gt=0, description="reward.url: requests in flight at once, "
-                             "per rank.")
+                             "per rank. ppo.schedule=async: also the most rollouts whose reward "
+                             "calls run at once (at most ppo.max_staleness).")
     timeout_s: float | None = Field(
         600.0, gt=0, description="Time limit of one reward call in seconds. reward.function: "
         "the call runs in a worker thread; a call still running then stops the run with a "

@@ -80,9 +80,9 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
-        if run.schedule is not None:  # ppo.schedule: generated beside the last update
+        if run.schedule is not None:  # ppo.schedule: generated beside an earlier update
             rollout, generated, rewards = run.schedule.take(iteration, acc)
-            # step 1b. the next iteration's rollout, in the background during this one's
+            # step 1b. at a refresh, the next iterations' rollouts start in the background
             run.schedule.start_next(iteration)
         elif isinstance(indices, PromptDraw):  # rounds until enough groups carry signal
             rollout, generated, rewards = refill(
@@ -102,7 +102,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with _stage(timed, "update", iteration):
         ppo_update(exp, engines, cfg, iteration, acc, run.ptx, entropy_coef)
-    if run.schedule is not None:  # step 4b. the next rollout buffered: nothing left running
+    if run.schedule is not None:  # step 4b. the next rollouts buffered: nothing left running
         run.schedule.finish(iteration, acc)
     return exp, generated
 

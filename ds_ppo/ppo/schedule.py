@@ -1,6 +1,6 @@
-"""ppo.schedule's rollouts (docs/ASYNC.md): with one_step_off and async, the next iteration's
-rollout is generated, and its reward function called, in a background worker on a generation
-replica of its own, while this iteration scores and trains on the engines.
+"""ppo.schedule's rollouts (docs/ASYNC.md): with one_step_off and async, the rollouts of the
+next iterations are generated, and their reward function called, in a background worker on a
+generation replica of its own, while this iteration scores and trains on the engines.
 
 What runs where (colocated placement, every rank alike):
 
@@ -8,15 +8,19 @@ What runs where (colocated placement, every rank alike):
   gathers that refresh the replica (`build_replica`) and their checksum agreement, the
   agreement on the reward call's outcome (`scoring._function_scores`), scoring, the update;
 - the worker thread: `replica_rollout` on the replica (our decoding loop, no collective) from
-  its own random stream (`generator`), then `call_reward` (reward.function / reward.url). A
-  reward model's forwards are collective: they stay in scoring, on the training thread.
+  its own random stream (`generator`), one rollout after another in iteration order, each one's
+  `call_reward` (reward.function / reward.url) handed to a small pool as its decoding ends, so
+  the calls of a batch overlap one another. A reward model's forwards are collective: they stay
+  in scoring, on the training thread.
 
-Which weights generate iteration j's rollout is fixed by `algo.choices.rollout_version`, never
-by timing, and the worker is joined before each iteration ends, so at every iteration boundary
-nothing is running: what is in flight is one finished rollout (with its version and its
-reward call), the worker's random stream and, when the replica's weights are older than the
-engines', the replica. `state_dict` is that; a checkpoint holds it (per rank), so a resumed
-run generates and trains on exactly what the uninterrupted one would.
+Which iterations' rollouts are generated beside an iteration (`algo.choices.rollout_batch`) and
+from which weights (`rollout_version`) are fixed by the schedule, never by timing: at a refresh
+the replica takes the current weights and generates the next max_staleness rollouts in one go.
+The worker is joined before each iteration ends, so at every iteration boundary nothing is
+running: what is in flight is up to max_staleness finished rollouts (each with its version and
+its reward call) and the worker's random stream. `state_dict` is that; a checkpoint holds it
+(per rank), so a resumed run generates and trains on exactly what the uninterrupted one would.
+The replica is always refreshed before it generates, so a checkpoint needs none of its weights.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from ds_ppo.algo.choices import rollout_version
+from ds_ppo.algo.choices import rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
@@ -56,7 +60,15 @@ class Buffered:
     # the reward function's call on it (None: a reward model, or a failed call saved in a
     # checkpoint: scoring calls the reward)
     called: RewardCall | None
-    seconds: float  # worker time to generate and score it
+    seconds: float  # worker time to generate it plus its reward call's
+
+
+@dataclass
+class Batch:
+    """What the worker gave back for one `rollout_batch`: its rollouts, in iteration order."""
+
+    rollouts: list[Buffered]
+    seconds: float  # the worker's wall-clock time for the whole batch
 
 
 class RolloutSchedule:
@@ -76,10 +88,13 @@ class RolloutSchedule:
             cfg.seed * 1000 + dist.dp_rank())
         self.replica: torch.nn.Module | None = None
         self.replica_version: int | None = None
-        self.buffer: Buffered | None = None
-        self.pending: Future | None = None
+        self.buffer: dict[int, Buffered] = {}  # by the iteration that trains on it
+        self.pending: Future | None = None  # a Batch
         self.deferred: int | None = None  # the next rollout is generated after the update
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ppo-rollout")
+        # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
+        self.reward_pool = ThreadPoolExecutor(max(1, min(self.lag, cfg.reward.concurrency)),
+                                              thread_name_prefix="ds_ppo-reward")
         self.busy_s = 0.0  # this iteration's worker time
         self.sync_s, self.sync_bytes = 0.0, 0
         self.t_start = 0.0
@@ -88,16 +103,18 @@ class RolloutSchedule:
     # ------------------------------------------------------------------ the iteration's steps
     def take(self, iteration: int, acc: Accumulator
              ) -> tuple[Rollout, Generated, RewardScores | None]:
-        """Step 1: the rollout of `iteration`: the one generated beside the previous iteration,
-        or generated now (the first iteration, a resume without one, or one older than
-        max_staleness after a resume with other settings: regenerated, counted); its reward
-        scores when the reward function was called on it already (collective: agreed)."""
+        """Step 1: the rollout of `iteration`: the one generated ahead of it, or generated now
+        (the first iteration, a resume without one, or one older than max_staleness after a
+        resume with other settings: regenerated, counted); its reward scores when the reward
+        function was called on it already (collective: agreed)."""
         self.t_start, self.busy_s, self.sync_s, self.sync_bytes = time.perf_counter(), 0.0, 0.0, 0
         current = iteration - 1
-        got, self.buffer = self.buffer, None
-        acc.add_mean("async/queue_depth", float(got is not None), 1)
-        usable = (got is not None and got.iteration == iteration
-                  and current - got.version <= self.lag)
+        acc.add_mean("async/queue_depth", float(len(self.buffer)), 1)
+        got = self.buffer.pop(iteration, None)
+        # a rollout for an earlier iteration is never used (only after a resume with a
+        # checkpoint of other settings)
+        self.buffer = {j: b for j, b in self.buffer.items() if j > iteration}
+        usable = self._usable(got, iteration)
         # regenerated: a buffered rollout too old for max_staleness, or none after a resume
         # (a checkpoint of a sync run, or of another world size, holds none); every rank alike
         # (the weight sync below is collective)
@@ -108,12 +125,7 @@ class RolloutSchedule:
             self._sync(current)
             got = self._produce(iteration, current)
             self.busy_s += got.seconds
-        staleness = float(current - got.version)
-        tokens = float(got.rollout.mask.sum())
-        acc.add_mean("async/staleness_mean", staleness * len(got.rollout), len(got.rollout))
-        acc.add_max("async/staleness_max", staleness)
-        acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
-        acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
+        self._staleness_metrics(got, current, acc)
         generation_metrics(got.rollout, got.generated, acc)
         rewards = None
         if got.called is not None:
@@ -122,54 +134,99 @@ class RolloutSchedule:
         return got.rollout, got.generated, rewards
 
     def start_next(self, iteration: int) -> None:
-        """Right after `take`: start generating iteration + 1's rollout in the worker, from the
-        weights `rollout_version` names (refreshing the replica first if they are the current
-        ones); with max_staleness 0 they exist only after the update: `finish` generates it."""
-        nxt = iteration + 1
-        version = rollout_version(self.schedule, self.max_staleness, nxt)
-        if version == iteration:  # after this iteration's update
-            self.deferred = version
+        """Right after `take`: when `rollout_batch` names rollouts to generate beside this
+        iteration, refresh the replica with the current weights (version iteration - 1) and
+        start the worker on them; with max_staleness 0 the next rollout's weights exist only
+        after the update: `finish` generates it."""
+        if rollout_version(self.schedule, self.max_staleness, iteration + 1) == iteration:
+            self.deferred = iteration  # after this iteration's update
             return
+        todo = [j for j in rollout_batch(self.schedule, self.max_staleness, iteration)
+                if not self._usable(self.buffer.get(j), j)]
+        if not todo:
+            return
+        version = iteration - 1
         if version != self.replica_version:
-            # the weights this iteration started from: `version` itself, except after a resume
-            # with other settings whose replica does not hold that older version
-            version = iteration - 1
             self._sync(version)
-        self.pending = self.pool.submit(self._produce, nxt, version)
+        self.pending = self.pool.submit(self._produce_batch, todo, version)
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
-        """After the update: the next iteration's rollout finished and buffered, so nothing is
-        running at the iteration's end (what a checkpoint then holds: `state_dict`)."""
+        """After the update: the rollouts started beside this iteration finished and buffered,
+        so nothing is running at the iteration's end (what a checkpoint then holds:
+        `state_dict`)."""
         t0 = time.perf_counter()
         if self.deferred is not None:
             self._sync(self.deferred)
-            self.buffer, self.deferred = self._produce(iteration + 1, iteration), None
-        else:
-            self.buffer, self.pending = self.pending.result(), None
+            got = self._produce(iteration + 1, self.deferred)
+            self.buffer[got.iteration], self.deferred = got, None
+            self.busy_s += got.seconds
+        elif self.pending is not None:
+            batch: Batch = self.pending.result()
+            self.pending = None
+            self.buffer.update((b.iteration, b) for b in batch.rollouts)
+            self.busy_s += batch.seconds
         waited = time.perf_counter() - t0
         self.completed = iteration
         total = max(time.perf_counter() - self.t_start, 1e-9)
-        busy = self.buffer.seconds + self.busy_s
         acc.add_max("async/training_wait_s", waited)
         acc.add_mean("async/training_idle_frac", min(waited, total), total)
-        acc.add_mean("async/generation_idle_frac", max(total - busy, 0.0), total)
+        acc.add_mean("async/generation_idle_frac", max(total - self.busy_s, 0.0), total)
         acc.add_max("async/weight_sync_s", self.sync_s)
         acc.add_max("async/weight_sync_bytes", float(self.sync_bytes))
 
     # ------------------------------------------------------------------ the parts
-    def _produce(self, iteration: int, version: int) -> Buffered:
-        """The rollout of `iteration` on the replica (weights of `version`), its reward function
-        called: no collective (the worker runs this; so does the training thread when it
-        generates now)."""
+    def _usable(self, buffered: Buffered | None, iteration: int) -> bool:
+        """Whether `buffered` can train `iteration`: at most max_staleness updates old then
+        (older only after a resume with a smaller max_staleness)."""
+        return buffered is not None and (iteration - 1) - buffered.version <= self.lag
+
+    @staticmethod
+    def _staleness_metrics(got: Buffered, current: int, acc: Accumulator) -> None:
+        """async/staleness_*, off-policy token share and dropped of the rollout trained on."""
+        staleness = float(current - got.version)
+        tokens = float(got.rollout.mask.sum())
+        acc.add_mean("async/staleness_mean", staleness * len(got.rollout), len(got.rollout))
+        acc.add_max("async/staleness_max", staleness)
+        acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
+        acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
+
+    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float]:
+        """The rollout of `iteration` on the replica from the worker's stream (no collective),
+        and its seconds."""
         run, t0 = self.run, time.perf_counter()
         rollout, gen = replica_rollout(run.prompts, self.prompts_of(iteration), self.replica,
                                        run.cfg, run.tokenizer, run.eos_ids, run.engines.device,
                                        self.generator)
-        called = None
-        if run.engines.reward_fn is not None:
-            called = call_reward(rollout, run.engines.reward_fn, run.cfg, in_worker=True)
-        return Buffered(iteration, version, rollout, replace(gen, replica=None), called,
-                        time.perf_counter() - t0)
+        return rollout, replace(gen, replica=None), time.perf_counter() - t0
+
+    def _call(self, rollout: Rollout) -> RewardCall | None:
+        """The reward function's call on `rollout` (None: a reward model scores it later)."""
+        fn = self.run.engines.reward_fn
+        return None if fn is None else call_reward(rollout, fn, self.run.cfg, in_worker=True)
+
+    def _produce(self, iteration: int, version: int) -> Buffered:
+        """The rollout of `iteration` on the replica (weights of `version`), its reward function
+        called, on the calling thread (the training thread, when it generates now)."""
+        rollout, gen, seconds = self._decode(iteration)
+        called = self._call(rollout)
+        return Buffered(iteration, version, rollout, gen, called,
+                        seconds + (called.seconds if called is not None else 0.0))
+
+    def _produce_batch(self, iterations: list[int], version: int) -> Batch:
+        """The worker: the rollouts of `iterations` decoded one after another from the replica
+        (weights of `version`) and the worker's stream, so the tokens do not depend on timing;
+        each one's reward call starts in the reward pool as its decoding ends."""
+        t0 = time.perf_counter()
+        decoded = []
+        for j in iterations:
+            rollout, gen, seconds = self._decode(j)
+            decoded.append((j, rollout, gen, seconds, self.reward_pool.submit(self._call, rollout)))
+        rollouts = []
+        for j, rollout, gen, seconds, call in decoded:
+            called = call.result()
+            rollouts.append(Buffered(j, version, rollout, gen, called,
+                                     seconds + (called.seconds if called is not None else 0.0)))
+        return Batch(rollouts, time.perf_counter() - t0)
 
     def _sync(self, version: int) -> None:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
@@ -197,22 +254,13 @@ class RolloutSchedule:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """What a checkpoint after the last finished iteration holds for this rank: the
-        buffered rollout, the worker's random stream, and the replica's weights when they are
-        older than the engines' (async with max_staleness >= 2 generates from them again)."""
-        buffer = self.buffer
-        if buffer is not None and buffer.called is not None and buffer.called.error is not None:
-            # a failed reward call is not kept: the resumed run calls the (fixed) reward again
-            buffer = replace(buffer, called=None)
-        keep_replica = (self.replica is not None and self.replica_version is not None
-                        and self.replica_version < self.completed)
+        """What a checkpoint after the last finished iteration holds for this rank: every
+        buffered rollout (with its version and reward call) and the worker's random stream.
+        No replica weights: the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "completed": self.completed,
-                "buffer": buffer, "generator": self.generator.get_state(),
-                "replica_version": self.replica_version if keep_replica else None,
-                "replica": ({k: v.detach().cpu().clone()
-                             for k, v in self.replica.state_dict().items()}
-                            if keep_replica else None)}
+                "buffer": [_kept(b) for b in self.buffer.values()],
+                "generator": self.generator.get_state()}
 
     def load_state_dict(self, saved: dict | None) -> None:
         """Continue from `state_dict`'s (None: a checkpoint without one, e.g. of a sync run or
@@ -220,12 +268,20 @@ class RolloutSchedule:
         if saved is None:
             return
         self.generator.set_state(saved["generator"])
-        self.buffer = dist.moved(saved["buffer"], self.run.engines.device)
+        buffered = saved["buffer"]
+        if isinstance(buffered, Buffered) or buffered is None:  # saved with one rollout ahead
+            buffered = [] if buffered is None else [buffered]
+        moved = dist.moved(buffered, self.run.engines.device)
+        self.buffer = {b.iteration: b for b in moved}
         self.completed = saved["completed"]
-        if saved["replica"] is not None:
-            self._sync(-1)  # allocate the replica (the checksum check runs as ever)
-            self.replica.load_state_dict(saved["replica"])
-            self.replica_version = saved["replica_version"]
+
+
+def _kept(buffered: Buffered) -> Buffered:
+    """`buffered` as a checkpoint keeps it: a failed reward call is not kept (the resumed run
+    calls the fixed reward again)."""
+    if buffered.called is not None and buffered.called.error is not None:
+        return replace(buffered, called=None)
+    return buffered
 
 
 def _fault_point(replica: torch.nn.Module, version: int) -> None:

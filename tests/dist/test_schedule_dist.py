@@ -26,8 +26,8 @@ def _comparable(row: dict) -> dict:
 
 
 @pytest.mark.parametrize("schedule", [["ppo.schedule=one_step_off"],
-                                      ["ppo.schedule=async", "ppo.max_staleness=2"]],
-                         ids=["one_step_off", "async2"])
+                                      ["ppo.schedule=async", "ppo.max_staleness=3"]],
+                         ids=["one_step_off", "async3"])
 def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     from safetensors.torch import load_file
 
@@ -35,8 +35,9 @@ def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     full, killed = tmp_path / "full", tmp_path / "killed"
     proc = _launch(full, extra, tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    # SIGKILL in the middle of iteration 4's save: iteration 2's checkpoint (with the rollout of
-    # iteration 3 generated beside iteration 2) is the one to resume from
+    # SIGKILL in the middle of iteration 4's save: iteration 2's checkpoint is the one to resume
+    # from (one_step_off: with the rollout of iteration 3, generated beside iteration 2; async 3:
+    # with those of iterations 3 and 4, generated beside iteration 1)
     proc = _launch(killed, extra, tmp_path, DS_PPO_FAULT="kill_during_save:4")
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "iter_000002"
@@ -46,7 +47,7 @@ def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     a, b = read_metrics(full), read_metrics(killed)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
     assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if "one_step_off" in
-                                                         schedule[0] else [1.0, 2.0, 1.0])
+                                                         schedule[0] else [1.0, 2.0, 3.0])
     assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
     wa = load_file(full / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
     wb = load_file(killed / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")

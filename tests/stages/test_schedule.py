@@ -1,7 +1,8 @@
 """ppo.schedule (ppo/schedule.py): which weights generate each rollout, the config's refusals, and
 whole in-process runs of the tiny default: async with max_staleness 0 trains exactly as sync;
 one_step_off and async runs resumed from a checkpoint equal uninterrupted ones (metrics and
-final weights, bit for bit on CPU); a corrupted weight sync stops the run with one line."""
+final weights, bit for bit on CPU), and need every buffered rollout to; a corrupted weight sync
+stops the run with one line."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_ppo.algo.choices import SCHEDULE_NAMES, SCHEDULES, rollout_version
+from ds_ppo.algo.choices import (SCHEDULE_NAMES, SCHEDULES, rollout_batch,
+                                  rollout_version)
 from ds_ppo.config import load_config
 from ds_ppo.config.checks import validate
 from ds_ppo.errors import ConfigError
@@ -38,6 +40,27 @@ def test_rollout_version_by_hand():
     versions = [rollout_version("async", 3, j) for j in range(1, 11)]
     assert versions == [0, 0, 0, 0, 3, 3, 3, 6, 6, 6]
     assert [j - 1 - v for j, v in enumerate(versions, 1)][1:] == [1, 2, 3, 1, 2, 3, 1, 2, 3]
+
+
+def test_rollout_batch_by_hand():
+    # async 3: the next three rollouts in one go at iterations 1, 4, 7
+    assert [list(rollout_batch("async", 3, k)) for k in range(1, 8)] == [
+        [2, 3, 4], [], [], [5, 6, 7], [], [], [8, 9, 10]]
+    assert [list(rollout_batch("one_step_off", 1, k)) for k in range(1, 4)] == [[2], [3], [4]]
+    for sched, n in (("sync", 1), ("async", 0)):
+        assert not any(rollout_batch(sched, n, k) for k in range(1, 6))
+
+
+@pytest.mark.parametrize("sched,n", [("one_step_off", 1), ("async", 1), ("async", 2),
+                                     ("async", 4)])
+def test_every_rollout_after_the_first_is_batched_once_from_its_version(sched, n):
+    # each rollout j >= 2 is generated beside exactly one iteration k < j, from the weights k
+    # started from, and is at most max_staleness updates old when it trains
+    origin = {j: k for k in range(1, 30) for j in rollout_batch(sched, n, k)}
+    assert sorted(origin)[:25] == list(range(2, 27))
+    for j in range(2, 27):
+        assert rollout_version(sched, n, j) == origin[j] - 1
+        assert 1 <= (j - 1) - rollout_version(sched, n, j) <= n
 
 
 @pytest.mark.parametrize("overrides,names", [
@@ -95,26 +118,58 @@ def test_async_staleness_zero_trains_as_sync(tmp_path):
     assert staleness == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("schedule", [OFF, ["ppo.schedule=async", "ppo.max_staleness=2",
-                                           "ppo.rollout_correction=tis"]],
-                         ids=["one_step_off", "async2"])
-def test_resume_continues_exactly(tmp_path, schedule):
+ASYNC2 = ["ppo.schedule=async", "ppo.max_staleness=2", "ppo.rollout_correction=tis"]
+ASYNC3 = ["ppo.schedule=async", "ppo.max_staleness=3", "ppo.rollout_correction=tis"]
+
+
+def _column(out: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("schedule,stop,buffered,stale", [
+    (OFF, 3, 1, [0.0, 1.0, 1.0, 1.0, 1.0]),
+    # async 2: iteration 3 generated the rollouts of 4 and 5
+    (ASYNC2, 3, 2, [0.0, 1.0, 2.0, 1.0, 2.0]),
+    # async 3: iteration 1 generated those of 2, 3 and 4; the checkpoint after 2 holds 3 and 4
+    (ASYNC3, 2, 2, [0.0, 1.0, 2.0, 3.0, 1.0]),
+], ids=["one_step_off", "async2", "async3"])
+def test_resume_continues_exactly(tmp_path, schedule, stop, buffered, stale):
     full, split = tmp_path / "full", tmp_path / "split"
-    _train(full, *schedule, "iterations=5", "checkpoint.every=3")
-    _train(split, *schedule, "iterations=3", "checkpoint.every=3")
-    saved = split / "checkpoints" / "iter_000003" / "in_flight" / "rank_00000.pt"
-    assert saved.is_file()  # the buffered rollout of iteration 4 and the worker's stream
-    _train(split, *schedule, "iterations=5", "checkpoint.every=3")
+    every = f"checkpoint.every={stop}"
+    _train(full, *schedule, "iterations=5", every)
+    _train(split, *schedule, f"iterations={stop}", every)
+    saved = split / "checkpoints" / f"iter_{stop:06d}" / "in_flight" / "rank_00000.pt"
+    # the buffered rollouts (each with its version and reward call) and the worker's stream
+    held = torch.load(saved, weights_only=False)
+    assert [b.iteration for b in held["buffer"]] == list(range(stop + 1, stop + 1 + buffered))
+    _train(split, *schedule, "iterations=5", every)
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5]
     assert a == b
     assert _same_weights(_weights(full, 5), _weights(split, 5))
-    stale = [json.loads(line)["async/staleness_mean"]
-             for line in (split / "metrics.jsonl").read_text().splitlines()]
-    assert stale == ([0.0, 1.0, 1.0, 1.0, 1.0] if schedule is OFF else [0.0, 1.0, 2.0, 1.0, 2.0])
-    regenerated = [json.loads(line)["async/regenerated"]
-                   for line in (split / "metrics.jsonl").read_text().splitlines()]
-    assert regenerated == [0.0] * 5
+    assert _column(split, "async/staleness_mean") == stale
+    assert _column(split, "async/regenerated") == [0.0] * 5
+
+
+def test_resume_needs_every_buffered_rollout(tmp_path, monkeypatch):
+    # a checkpoint of async 3 after iteration 2 holds the rollouts of 3 and 4; resumed with only
+    # the first of them (the worker's stream restored), iteration 4's is generated again and
+    # the run no longer equals the uninterrupted one
+    from ds_ppo.ppo.schedule import RolloutSchedule
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    _train(full, *ASYNC3, "iterations=4", "checkpoint.every=2")
+    _train(split, *ASYNC3, "iterations=2", "checkpoint.every=2")
+    load = RolloutSchedule.load_state_dict
+
+    def first_only(self, saved):
+        load(self, {**saved, "buffer": saved["buffer"][:1]})
+
+    monkeypatch.setattr(RolloutSchedule, "load_state_dict", first_only)
+    _train(split, *ASYNC3, "iterations=4", "checkpoint.every=2")
+    assert _column(split, "async/regenerated") == [0.0, 0.0, 0.0, 1.0]
+    assert _rows(full)[:3] == _rows(split)[:3] and _rows(full)[3] != _rows(split)[3]
+    assert not _same_weights(_weights(full, 4), _weights(split, 4))
 
 
 def test_sync_saves_nothing_in_flight(tmp_path):
@@ -148,3 +203,9 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
                                                                                      (0, 1)]
+    # async 3's checkpoint after iteration 2 holds the rollouts of 3 and 4 (version 0): resumed
+    # as one_step_off, 3's is regenerated now and 4's is generated again beside iteration 3
+    _train(tmp_path / "c", *ASYNC3, "iterations=2")
+    _train(tmp_path / "c", *OFF, "iterations=4")
+    assert list(zip(_column(tmp_path / "c", "async/regenerated"),
+                    _column(tmp_path / "c", "async/staleness_max")))[2:] == [(1, 0), (0, 1)]
