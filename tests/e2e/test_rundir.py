@@ -38,7 +38,8 @@ class _Engine:
     does (torch.load of a pickle)."""
 
     def __init__(self, numel: int = 16):
-        self.numel, self.module = numel, SimpleNamespace(config=_Saver())
+        self.numel, self.module = numel, torch.nn.Module()  # a model without weights
+        self.module.config = _Saver()
 
     def save_checkpoint(self, path, tag, save_latest, **_):
         (Path(path) / tag).mkdir(parents=True)
