@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from conftest import clean_env
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SCRIPTS = ["_common.sh", "single_node.sh", "multi_node.sh", "multinode_localhost.sh",
@@ -17,7 +18,9 @@ SCRIPTS = ["_common.sh", "single_node.sh", "multi_node.sh", "multinode_localhost
 
 def run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items()
+    # a fresh shell's: no launcher variables (an in-process run earlier in this worker sets
+    # MASTER_PORT, which the scripts would take instead of their default)
+    full_env = {k: v for k, v in clean_env().items()
                 if not k.startswith(("MLFLOW_", "NCCL_", "SLURM_", "DS_PPO_"))}
     full_env.update(DS_PPO_DRY_RUN="1", **(env or {}))
     res = subprocess.run(["bash", str(LAUNCH / script), *args], cwd=cwd, env=full_env,
