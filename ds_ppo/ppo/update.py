@@ -42,7 +42,8 @@ from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.batching import batching, is_split, plan_micro_batches, varying_counts
+from ds_ppo.ppo.batching import (Batching, batching, is_split, plan_micro_batches,
+                                 varying_counts)
 from ds_ppo.role_names import TRAINED_ROLES
 
 
@@ -113,6 +114,7 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
     if entropy_coef is None:
         entropy_coef = p.entropy_coef
     per_rank_mini = p.mini_batch_size // dist.dp_world_size()  # rows of a data-parallel rank
+    plan = batching(cfg)
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
@@ -140,10 +142,10 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
              for rows, mine in zip(minibatches, ptx_rows)], dtype=torch.float64))
         # longest rows first, split rows last; the order within a mini-batch does not change
         # its gradient (each micro-batch loss is normalised by the whole mini-batch's count)
-        micro = [plan_micro_batches(exp.rollout, batching(cfg), p.micro_batch_size, rows)
+        micro = [plan_micro_batches(exp.rollout, plan, p.micro_batch_size, rows)
                  for rows in minibatches]
         steps = [len(m) for m in micro]
-        if varying_counts(batching(cfg)):  # per mini-batch, the most micro-batches of any rank
+        if varying_counts(plan):  # per mini-batch, the most micro-batches of any rank
             steps = dist.all_reduce_max(torch.tensor(steps, dtype=torch.float64)).long().tolist()
         for mine, n_steps, (n_tok, pg_div, ptx_tok), rows in zip(micro, steps, counts.tolist(),
                                                                   ptx_rows):
@@ -152,11 +154,11 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             step = _Step(max(n_tok, 1.0), max(pg_div, 1.0), n_steps, train_policy, rows,
                          max(ptx_tok, 1.0), entropy=exp.entropy is None and epoch == 0,
                          entropy_coef=entropy_coef)
-            _optimizer_step(exp, mine, step, engines, cfg, acc, ptx)
+            _optimizer_step(exp, mine, step, engines, cfg, plan, acc, ptx)
 
 
 def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines, cfg: Config,
-                    acc: Accumulator, ptx: PtxStream | None) -> None:
+                    plan: Batching, acc: Accumulator, ptx: PtxStream | None) -> None:
     """One optimizer step of each trained role over this rank's micro-batches `mine` of a
     mini-batch (then idle ones up to step.n_steps), and its statistics into `acc`."""
     p = cfg.ppo
@@ -165,7 +167,6 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
     copies = dist.sp_size()  # ranks that compute a whole row's gradient (module docstring)
     critic = engines.value
     packed = p.micro_batch_tokens is not None
-    plan = batching(cfg)
     explicit = varying_counts(plan)  # the optimizer step placed on the last micro-batch
     # device tensors, read once per mini-batch: no host sync between micro-batches
     losses, stats = [], {}
