@@ -101,6 +101,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
 SCHEDULE_NAMES: tuple[str, ...] = get_args(Schedule)
 
 
+def max_lag(schedule: str, max_staleness: int) -> int:
+    """The most updates a sample's weights may lag the weights that train on it: 0 for sync,
+    1 for one_step_off, ppo.max_staleness for async (also the rollouts generated per refresh)."""
+    return {"sync": 0, "one_step_off": 1}.get(schedule, max_staleness)
+
+
 def rollout_version(schedule: str, max_staleness: int, iteration: int) -> int:
     """The policy version (optimizer updates applied, 0 = the initial weights) whose weights
     generate the rollout of `iteration` (1-based). Fixed by the schedule, never by timing, so an
@@ -112,9 +118,9 @@ def rollout_version(schedule: str, max_staleness: int, iteration: int) -> int:
     weights iteration k started from (version k - 1), where k is the iteration whose
     `rollout_batch` holds `iteration`: versions 0, N, 2N, ..., so a sample is 1 to N updates
     old."""
-    if schedule == "sync" or (schedule == "async" and max_staleness == 0):
+    every = max_lag(schedule, max_staleness)
+    if every == 0:
         return iteration - 1
-    every = 1 if schedule == "one_step_off" else max_staleness
     return max(0, (iteration - 2) // every * every)
 
 
@@ -125,9 +131,7 @@ def rollout_batch(schedule: str, max_staleness: int, iteration: int) -> range:
     2N+1, ... the next N (their reward calls overlap one another and training), else none.
     sync and async with max_staleness 0: none (the rollout is generated at the iteration's start,
     or after the update)."""
-    if schedule == "sync" or (schedule == "async" and max_staleness == 0):
-        return range(0)
-    every = 1 if schedule == "one_step_off" else max_staleness
-    if (iteration - 1) % every:
+    every = max_lag(schedule, max_staleness)
+    if every == 0 or (iteration - 1) % every:
         return range(0)
     return range(iteration + 1, iteration + every + 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ds_ppo.algo.choices import max_lag
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.model_checks import (model_problems, sequence_parallel_problems,
@@ -247,7 +248,7 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
     if cfg.deepspeed.sequence_parallel_size > 1:
         problems.append(f"{where}, which deepspeed.sequence_parallel_size > 1 does not support "
                         f"yet: set deepspeed.sequence_parallel_size=1, {fix}")
-    lag = 1 if p.schedule == "one_step_off" else p.max_staleness
+    lag = max_lag(p.schedule, p.max_staleness)
     if lag > 0 and p.rollout_correction == "none" and p.old_logprobs == "training":
         problems.append(f"{where} from weights up to {lag} update(s) old, but "
                         "ppo.rollout_correction = 'none' with ppo.old_logprobs = 'training' "

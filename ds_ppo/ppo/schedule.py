@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from ds_ppo.algo.choices import rollout_batch, rollout_version
+from ds_ppo.algo.choices import max_lag, rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
@@ -80,7 +80,7 @@ class RolloutSchedule:
         cfg = run.cfg
         self.schedule, self.max_staleness = cfg.ppo.schedule, cfg.ppo.max_staleness
         # the most updates a used sample may lag (a buffered one beyond: regenerated)
-        self.lag = 1 if self.schedule == "one_step_off" else self.max_staleness
+        self.lag = max_lag(self.schedule, self.max_staleness)
         device = run.engines.device
         # the worker's sampling stream, seeded as the sync loop seeds its (ppo/job.py): with
         # max_staleness 0 the two sample the same tokens
