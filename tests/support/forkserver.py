@@ -38,7 +38,6 @@ def _child(req: dict) -> int:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [sys.argv[0], *req["args"]]
-    code = 0
     try:
         from ds_ppo.cli import main
 
