@@ -560,6 +560,28 @@ def sequence_parallel() -> dict:
     return sp_checks.compare()
 
 
+def run_scenarios(scenarios: dict, args, tag: str) -> None:
+    """Each scenario of `scenarios` (name -> function returning its results) that `args.only`
+    names (all without it), on every rank; rank 0 writes {name: results} (and the world size)
+    to `args.out`. A scenario that raises is recorded as an error, so it hides no other."""
+    results: dict = {"world_size": dist.world_size()}
+    for name, fn in scenarios.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as e:  # recorded, so one failing scenario does not hide the others
+            import traceback
+
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if dist.is_main():
+            print(f"[{tag}] {name} done in {time.time() - t0:.1f}s", flush=True)
+    if dist.is_main():
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -569,7 +591,6 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     init_distributed()
-    results: dict = {"world_size": dist.world_size()}
     grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
                          "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean"]
     rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",
@@ -637,21 +658,7 @@ def main() -> None:
         # last: it registers the Ulysses attention (switched off outside its own forwards)
         "sequence_parallel": lambda: sequence_parallel() if dist.world_size() == 2 else {},
     }
-    for name, fn in scenarios.items():
-        if args.only and name not in args.only.split(","):
-            continue
-        t0 = time.time()
-        try:
-            results[name] = fn()
-        except Exception as e:  # recorded, so one failing scenario does not hide the others
-            import traceback
-
-            traceback.print_exc()
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        if dist.is_main():
-            print(f"[dist_checks] {name} done in {time.time() - t0:.1f}s", flush=True)
-    if dist.is_main():
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    run_scenarios(scenarios, args, "dist_checks")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_checks import (GROUP_BASE, GROUP_KEYS, LOSS_KEYS, cfg_for, first_update,  # noqa: E402
-                         group_update, supervised_steps)
+                         group_update, run_scenarios, supervised_steps)
 
 from ds_ppo.engine import dist  # noqa: E402
 from ds_ppo.engine.dist import init_distributed  # noqa: E402
@@ -149,7 +148,6 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     init_distributed()
-    results: dict = {"world_size": dist.world_size()}
     z3 = ["ppo.micro_batch_size=4"]
     grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
                          "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean",
@@ -172,21 +170,7 @@ def main() -> None:
         "resume_export": lambda: resume_and_export(work),
         "skipped_experts": lambda: skipped_experts(work),
     }
-    for name, fn in scenarios.items():
-        if args.only and name not in args.only.split(","):
-            continue
-        t0 = time.time()
-        try:
-            results[name] = fn()
-        except Exception as e:  # recorded, so one failing scenario does not hide the others
-            import traceback
-
-            traceback.print_exc()
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        if dist.is_main():
-            print(f"[moe_checks] {name} done in {time.time() - t0:.1f}s", flush=True)
-    if dist.is_main():
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    run_scenarios(scenarios, args, "moe_checks")
 
 
 if __name__ == "__main__":
