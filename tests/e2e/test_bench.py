@@ -248,7 +248,7 @@ def test_bench_and_trainer_run_one_iteration_function():
 
     stages = {"make_rollout", "score", "add_advantages", "ppo_update", "rollout_for_reward",
               "encode_rollout_for_reward"}
-    allowed = {"ppo/iteration.py": stages, "ppo/evaluate.py": {"make_rollout"},  # evaluation generates
+    allowed = {"ppo/iteration.py": stages, "ppo/job.py": {"make_rollout"},  # evaluation generates
                "rewards/encode.py": {"rollout_for_reward", "encode_rollout_for_reward"}}
     calls = {}
     for path in sorted((REPO / "ds_ppo").rglob("*.py")):
