@@ -1,7 +1,7 @@
 """Step 2b of an iteration: the sampler's log-probs (the rollout's) against the trainer's (the
 scored old log-probs) for the same tokens. Measured every iteration (metrics rollout/*) and,
 with ppo.rollout_correction, turned into importance weights of the policy loss
-(`ds_ppo.algo.correction`, Yao et al. 2025)."""
+(`ds_ppo.algo.importance_sampling`, Yao et al. 2025)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,7 +1,7 @@
 """Rollout correction on a real mismatch: responses sampled by a perturbed replica (as a
 bf16 or differently-batched replica would differ from the trainer), scored by the trainer's
 model; the measured gap, the importance weights and the policy loss's mask against hand
-computations (ds_ppo.ppo.correction, ds_ppo.algo.correction)."""
+computations (ds_ppo.ppo.correction, ds_ppo.algo.importance_sampling)."""
 from __future__ import annotations
 
 import copy
