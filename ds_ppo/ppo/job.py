@@ -141,13 +141,13 @@ class PPOJob:
             self.inputs = replace(self.inputs, schedule=rollout_schedule(
                 self.inputs, lambda iteration: sampler.indices(iteration - 1),
                 self._saved_flight))
-        from ds_ppo.ppo.report import Reporter, report_settings
+        from ds_ppo.ppo.iteration_report import Reporter, report_settings
 
         self.reporter = Reporter(report_settings(cfg), run.tracker, run.out, tokenizer)
 
     # ------------------------------------------------------------------- one iteration
     def step(self, run, iteration: int) -> dict[str, float]:
-        from ds_ppo.ppo.report import iteration_metrics
+        from ds_ppo.ppo.iteration_report import iteration_metrics
 
         cfg, engines, kl_ctl = run.cfg, run.engines, self.kl_ctl
         acc, t_iter = Accumulator(), time.perf_counter()

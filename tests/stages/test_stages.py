@@ -564,7 +564,7 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
     from ds_ppo.ppo.correction import correction_settings, rollout_correction
     from ds_ppo.algo.kl import FixedKLController
-    from ds_ppo.ppo.report import iteration_metrics
+    from ds_ppo.ppo.iteration_report import iteration_metrics
 
     rollout = padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
     with torch.no_grad():
@@ -737,7 +737,7 @@ def test_divergence_check_losses_always_grad_norms_unless_fp16():
 
 
 def test_samples_table_rows_carry_the_reward_columns():
-    from ds_ppo.ppo.report import sample_row as _sample_row
+    from ds_ppo.ppo.iteration_report import sample_row as _sample_row
 
     assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
         "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}
