@@ -107,7 +107,7 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     if cfg.ppo.schedule != "sync":  # the trainer's own schedule, over the same prompts each time
         from dataclasses import replace
 
-        from ds_ppo.ppo.job import rollout_schedule
+        from ds_ppo.ppo.train_job import rollout_schedule
 
         inputs = replace(inputs, schedule=rollout_schedule(inputs, lambda iteration: indices))
     records = []

@@ -716,7 +716,7 @@ def test_minibatches_hold_the_same_samples_at_any_world_size(epoch):
 
 def test_divergence_check_losses_always_grad_norms_unless_fp16():
     from ds_ppo.errors import Diverged
-    from ds_ppo.ppo.job import GRAD_NORMS, LOSSES, PPOJob
+    from ds_ppo.ppo.train_job import GRAD_NORMS, LOSSES, PPOJob
     from ds_ppo.run.driver import stop_if_diverged
 
     def _stop_if_diverged(metrics, iteration, last, grad_norms=True):

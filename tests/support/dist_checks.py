@@ -265,7 +265,7 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores
     from ds_ppo.ppo.update import ppo_update, update_settings
 
-    from ds_ppo.ppo.job import prompt_sampler as _sampler
+    from ds_ppo.ppo.train_job import prompt_sampler as _sampler
 
     prompts = load_prompts(cfg.data, tok)
     rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),

@@ -148,7 +148,7 @@ def test_final_answer_match():
 def test_evaluation_takes_one_greedy_response_per_prompt(monkeypatch):
     """n greedy samples of a prompt would be n copies: evaluation generates one, and the PPO
     job's evaluation generates with that config."""
-    from ds_ppo.ppo import evaluate as ev, job
+    from ds_ppo.ppo import evaluate as ev, train_job as job
 
     cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
     greedy = ev.greedy_config(cfg)

@@ -1,6 +1,6 @@
 """The PPO stages take the few settings they read, not the whole config: each stage's frozen
 settings dataclass is built from the config in one function next to it (`advantage_settings`,
-`update_settings`, ...), which the driver (ppo/job.py, ppo/iteration.py) calls."""
+`update_settings`, ...), which the driver (ppo/train_job.py, ppo/iteration.py) calls."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +12,7 @@ from conftest import REPO
 
 PPO = REPO / "ds_ppo" / "ppo"
 # the driver around the stages builds their settings from the config
-DRIVER = {"job.py", "iteration.py"}
+DRIVER = {"train_job.py", "iteration.py"}
 # stages that still read the config (generation, episodes, the rollout schedule; the reward
 # calls and the reward model's micro-batches of scoring.py)
 STILL_CONFIG = {
@@ -77,9 +77,10 @@ def test_the_check_sees_a_function_that_takes_the_config(tmp_path, monkeypatch):
     fake.mkdir()
     (fake / "update.py").write_text("def ppo_update(exp, engines, cfg: Config):\n    pass\n"
                                     "def update_settings(cfg: Config):\n    pass\n")
-    (fake / "job.py").write_text("def start(cfg: Config):\n    pass\n")
+    (fake / "train_job.py").write_text("def start(cfg: Config):\n    pass\n")
     monkeypatch.setattr(sys.modules[__name__], "PPO", fake)
-    assert _config_takers() == {"job.py": ["start"], "update.py": ["ppo_update", "update_settings"]}
+    assert _config_takers() == {"train_job.py": ["start"],
+                              "update.py": ["ppo_update", "update_settings"]}
     try:
         test_no_ppo_stage_takes_the_whole_config()
     except AssertionError as e:
