@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
                                  OldLogprobs, RolloutCorrection, Schedule, describe_estimators)
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 
 
 class PPOConfig(Section):

@@ -82,7 +82,7 @@ class RolloutSchedule:
         # the most updates a used sample may lag (a buffered one beyond: regenerated)
         self.lag = max_lag(self.schedule, self.max_staleness)
         device = run.engines.device
-        # the worker's sampling stream, seeded as the sync loop seeds its (ppo/job.py): with
+        # the worker's sampling stream, seeded as the sync loop seeds its (ppo/train_job.py): with
         # max_staleness 0 the two sample the same tokens
         self.generator = torch.Generator(device=device).manual_seed(
             cfg.seed * 1000 + dist.dp_rank())
