@@ -1,54 +1,87 @@
 """ppo.schedule on 2 gloo ranks through the real `deepspeed` launcher (ZeRO-3: every weight sync
 into the background worker's replica is a collective gather): a run killed by SIGKILL and
 started again with the same command gives the metrics and final weights of an uninterrupted
-run, bit for bit."""
+run, bit for bit.
+
+The ten commands (per schedule: the uninterrupted run, the run killed in iteration 4's save and
+its rerun) run in three launched jobs (tests/support/chained_runs.py), each command in the
+order a user would run them:
+  1. full one_step_off, full async 3, one_step_off killed
+  2. one_step_off again (resumes), async 3 killed
+  3. async 3 again (resumes)
+"""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 import torch
 
-from conftest import SMALL, clean_env, deepspeed_cmd, free_port, read_metrics
+from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, read_metrics
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/training", "async/generation",
             "async/weight_sync_s")
+SCHEDULES = {"one_step_off": ["ppo.schedule=one_step_off"],
+             "async3": ["ppo.schedule=async", "ppo.max_staleness=3"]}
+KILL = "kill_during_save:4"
+pytestmark = pytest.mark.launcher
 
 
-def _launch(out, extra: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
-    args = ["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}", *extra]
-    return subprocess.run([*deepspeed_cmd(2, free_port()), "--module", "ds_ppo", *args], cwd=cwd,
-                          env=clean_env(**env), capture_output=True, text=True, timeout=600)
+def _argv(out, schedule: str) -> list[str]:
+    return ["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
+            *SCHEDULES[schedule], "ppo.rollout_correction=tis"]
 
 
-def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+def _chain(work, name: str, runs: list[tuple[list[str], str | None]]):
+    plan = work / f"{name}.json"
+    plan.write_text(json.dumps([{"argv": argv, "fault": fault} for argv, fault in runs]))
+    return subprocess.run([*deepspeed_cmd(2, free_port()), str(REPO / "tests" / "support" /
+                                                               "chained_runs.py"), str(plan)],
+                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("schedule", [["ppo.schedule=one_step_off"],
-                                      ["ppo.schedule=async", "ppo.max_staleness=3"]],
-                         ids=["one_step_off", "async3"])
-def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("schedules")
+    full = {s: work / f"full_{s}" for s in SCHEDULES}
+    killed = {s: work / f"killed_{s}" for s in SCHEDULES}
+    a, b = SCHEDULES
+    seen = {}
+    first = _chain(work, "chain1", [(_argv(full[a], a), None), (_argv(full[b], b), None),
+                                    (_argv(killed[a], a), KILL)])
+    seen["chain1"] = first
+    latest = {a: (killed[a] / "checkpoints" / "latest").read_text().strip()}
+    second = _chain(work, "chain2", [(_argv(killed[a], a), None), (_argv(killed[b], b), KILL)])
+    latest[b] = (killed[b] / "checkpoints" / "latest").read_text().strip()
+    third = _chain(work, "chain3", [(_argv(killed[b], b), None)])
+    return full, killed, latest, (first, second, third)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule):
     from safetensors.torch import load_file
 
-    extra = [*schedule, "ppo.rollout_correction=tis"]
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    proc = _launch(full, extra, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    full, killed, latest, chains = runs
+    index = list(SCHEDULES).index(schedule)
+    killed_in, resumed_in = chains[index], chains[index + 1]
+    # the killed command (its chain's last) never finished; the commands before it did
+    kill_at = 2 if index == 0 else 1
+    assert killed_in.returncode != 0
+    assert [f"[chained_runs] {i} exit 0" in killed_in.stdout for i in range(kill_at + 1)] == \
+        [True] * kill_at + [False], killed_in.stdout[-3000:] + killed_in.stderr[-6000:]
+    assert "[chained_runs] 0 exit 0" in resumed_in.stdout, resumed_in.stderr[-6000:]
     # SIGKILL in the middle of iteration 4's save: iteration 2's checkpoint is the one to resume
     # from (one_step_off: with the rollout of iteration 3, generated beside iteration 2; async 3:
     # with those of iterations 3 and 4, generated beside iteration 1)
-    proc = _launch(killed, extra, tmp_path, DS_PPO_FAULT="kill_during_save:4")
-    assert proc.returncode != 0
-    assert (killed / "checkpoints" / "latest").read_text().strip() == "iter_000002"
-    proc = _launch(killed, extra, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "resumed from" in proc.stdout + proc.stderr
-    a, b = read_metrics(full), read_metrics(killed)
+    assert latest[schedule] == "iter_000002"
+    assert "resumed from" in resumed_in.stdout + resumed_in.stderr
+    a, b = read_metrics(full[schedule]), read_metrics(killed[schedule])
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
-    assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if "one_step_off" in
-                                                         schedule[0] else [1.0, 2.0, 3.0])
-    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
-    wa = load_file(full / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-    wb = load_file(killed / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
+    assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if schedule == "one_step_off"
+                                                         else [1.0, 2.0, 3.0])
+    comparable = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in a]
+    assert comparable == [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in b]
+    wa = load_file(full[schedule] / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
+    wb = load_file(killed[schedule] / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
