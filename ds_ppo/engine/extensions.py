@@ -33,8 +33,33 @@ def skip_cpu_shm_comm(accelerator_name: str) -> bool:
         return False
     import deepspeed.ops
 
+    if "__compatible_ops__" not in vars(deepspeed.ops):  # not probed yet: probe lazily
+        deepspeed.ops.__compatible_ops__ = _OpsProbedOnRead()
     deepspeed.ops.__compatible_ops__[SHM_COMM] = False
     return True
+
+
+class _OpsProbedOnRead(dict):
+    """DeepSpeed's table of compatible ops (`deepspeed.ops.__compatible_ops__`), each op probed
+    when it is first read. DeepSpeed's own table probes all of them on first access, which
+    compiles test programs (about 1 s per process); `deepspeed.comm` reads one entry."""
+
+    def __missing__(self, name: str) -> bool:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+        builder = ALL_OPS.get(name)
+        self[name] = bool(builder is not None and probe_is_compatible(builder))
+        return self[name]
+
+    def get(self, name, default=None):
+        return self[name] if name in self or _known_op(name) else default
+
+
+def _known_op(name: str) -> bool:
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    return name in ALL_OPS
 
 
 def extensions_root(environ=os.environ) -> Path:

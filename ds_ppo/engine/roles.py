@@ -64,12 +64,23 @@ class Engines:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _freeze_imported_objects() -> None:
+    """Once per process, before the engines load: collect, then move every object that exists
+    now (the imported libraries' modules, classes and functions, ~400k) out of the garbage
+    collector's view (`gc.freeze`). Each full collection after a load (`_zero_init_for`) then
+    scans only the run's own objects: milliseconds instead of 0.1-0.4 s."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
 @contextmanager
 def _zero_init_for(ds_config: dict):
     """Keep a HfDeepSpeedConfig alive while loading, so transformers partitions at load time
     (ZeRO-3) — and drop it afterwards so later plain models (the generation replica) are not."""
     from transformers.integrations import HfDeepSpeedConfig
 
+    _freeze_imported_objects()
     hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841  (kept alive through a weakref)
     try:
         yield

@@ -82,6 +82,8 @@ def serve() -> None:
     import ds_ppo.cli  # noqa: F401
     import ds_ppo.trainer  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
+    import peft  # noqa: F401  (LoRA)
+    import torch.utils.cpp_extension  # noqa: F401  (the extension cache's lock check)
 
     proto_out = os.fdopen(os.dup(1), "w", buffering=1)
     null = os.open(os.devnull, os.O_WRONLY)
