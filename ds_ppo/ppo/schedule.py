@@ -8,10 +8,11 @@ What runs where (colocated placement, every rank alike):
   gathers that refresh the replica (`build_replica`) and their checksum agreement, the
   agreement on the reward call's outcome (`scoring._function_scores`), scoring, the update;
 - the worker thread: `replica_rollout` on the replica (our decoding loop, no collective) from
-  its own random stream (`generator`), one rollout after another in iteration order, each one's
-  `call_reward` (reward.function / reward.url) handed to a small pool as its decoding ends, so
-  the calls of a batch overlap one another. A reward model's forwards are collective: they stay
-  in scoring, on the training thread.
+  its own random stream (`generator`), one rollout after another in iteration order, each
+  response's reward call (reward.function / reward.url) started as the decoding loop finishes
+  it (`reward_stream`; with reward.stream off, each rollout's one call handed to a small pool as
+  its decoding ends), so the calls of a batch overlap one another. A reward model's forwards
+  are collective: they stay in scoring, on the training thread.
 
 Which iterations' rollouts are generated beside an iteration (`algo.choices.rollout_batch`) and
 from which weights (`rollout_version`) are fixed by the schedule, never by timing: at a refresh
@@ -39,6 +40,7 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
 from ds_ppo.errors import UserError
 from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
 from ds_ppo.ppo.rollout import generation_metrics, replica_rollout
 from ds_ppo.ppo.scoring import RewardCall, RewardScores, call_reward, timed_reward_scores
 
@@ -190,37 +192,46 @@ class RolloutSchedule:
         acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
-    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float]:
+    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float, RewardStream | None]:
         """The rollout of `iteration` on the replica from the worker's stream (no collective),
-        and its seconds."""
+        its seconds, and the reward stream its responses went to as they finished (None: the
+        reward is called on the whole rollout)."""
         run, t0 = self.run, time.perf_counter()
+        stream = reward_stream(run.cfg, run.engines.reward_fn)
         rollout, gen = replica_rollout(run.prompts, self.prompts_of(iteration), self.replica,
                                        run.cfg, run.tokenizer, run.eos_ids, run.engines.device,
-                                       self.generator)
-        return rollout, replace(gen, replica=None), time.perf_counter() - t0
+                                       self.generator, stream)
+        return rollout, replace(gen, replica=None), time.perf_counter() - t0, stream
 
-    def _call(self, rollout: Rollout) -> RewardCall | None:
-        """The reward function's call on `rollout` (None: a reward model scores it later)."""
+    def _call(self, rollout: Rollout, stream: RewardStream | None) -> RewardCall | None:
+        """The reward function's call on `rollout`, or the outcome of its streamed calls
+        (None: a reward model scores it later)."""
         fn = self.run.engines.reward_fn
-        return None if fn is None else call_reward(rollout, fn, self.run.cfg, in_worker=True)
+        if fn is None:
+            return None
+        if stream is not None:
+            return stream.result(rollout, in_worker=True)
+        return call_reward(rollout, fn, self.run.cfg, in_worker=True)
 
     def _produce(self, iteration: int, version: int) -> Buffered:
         """The rollout of `iteration` on the replica (weights of `version`), its reward function
         called, on the calling thread (the training thread, when it generates now)."""
-        rollout, gen, seconds = self._decode(iteration)
-        called = self._call(rollout)
+        rollout, gen, seconds, stream = self._decode(iteration)
+        called = self._call(rollout, stream)
         return Buffered(iteration, version, rollout, gen, called,
                         seconds + (called.seconds if called is not None else 0.0))
 
     def _produce_batch(self, iterations: list[int], version: int) -> Batch:
         """The worker: the rollouts of `iterations` decoded one after another from the replica
         (weights of `version`) and the worker's stream, so the tokens do not depend on timing;
-        each one's reward call starts in the reward pool as its decoding ends."""
+        each one's reward calls start as its responses finish (reward.stream), or its one call
+        in the reward pool as its decoding ends."""
         t0 = time.perf_counter()
         decoded = []
         for j in iterations:
-            rollout, gen, seconds = self._decode(j)
-            decoded.append((j, rollout, gen, seconds, self.reward_pool.submit(self._call, rollout)))
+            rollout, gen, seconds, stream = self._decode(j)
+            decoded.append((j, rollout, gen, seconds,
+                            self.reward_pool.submit(self._call, rollout, stream)))
         rollouts = []
         for j, rollout, gen, seconds, call in decoded:
             called = call.result()

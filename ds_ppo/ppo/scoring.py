@@ -34,13 +34,21 @@ class RewardCall:
     scores: list[float]  # one per row ([] after an error)
     error: UserError | None  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
     seconds: float  # this rank's wall-clock time for the call
+    retries: int | None = None  # reward.url: requests retried (None: counted at scoring)
 
 
 def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> RewardCall:
     """reward.function (or reward.url) on this rank's rows (`call_reward_function`: checked,
     with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
     worker, which must not touch the watchdog (the training thread reports its phases)."""
-    columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+    return call_reward_rows(list(rollout.prompts), list(rollout.responses), rollout.extras, fn,
+                            cfg, in_worker)
+
+
+def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict], fn,
+                     cfg: Config, in_worker: bool = False) -> RewardCall:
+    """`call_reward` on rows given as texts and their dataset rows (`extras`)."""
+    columns = {k: [e[k] for e in extras] for k in cfg.data.reward_keys}
     # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
     # thread around it; its answers are checked like a function's
     spec = cfg.reward.function or redact_url(cfg.reward.url)
@@ -50,8 +58,7 @@ def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> R
     t0 = time.perf_counter()
     try:
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
-            scores = call_reward_function(fn, spec, list(rollout.prompts),
-                                          list(rollout.responses), columns, timeout_s)
+            scores = call_reward_function(fn, spec, prompts, responses, columns, timeout_s)
         return RewardCall(scores, None, time.perf_counter() - t0)
     except UserError as e:
         return RewardCall([], e, time.perf_counter() - t0)
@@ -137,19 +144,23 @@ def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
     if scores.is_cuda:
         torch.cuda.synchronize()  # the reward model's forwards run asynchronously
     seconds = time.perf_counter() - t0
-    if retries is not None:
+    if called is not None and called.retries is not None:  # counted where it was called
+        retries = called.retries
+    elif retries is not None:
         retries = engines.reward_fn.retries - retries
     return RewardScores(scores, cut, seconds, retries)
 
 
 @torch.no_grad()
 def score(rollout: Rollout, engines, cfg: Config, reward_encode,
-          rewards: RewardScores | None = None) -> Experience:
+          rewards: RewardScores | None = None, stream=None) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
     ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
     micro-batches make up the difference). `rewards`: the rollout's reward scores when they
-    are known already (ppo.dynamic_sampling chose its groups by them)."""
+    are known already (ppo.dynamic_sampling chose its groups by them). `stream`: the
+    `RewardStream` whose calls started as generation finished the responses (they ran during
+    the forwards; their outcome is taken after them)."""
     temp = cfg.generation.temperature
     critic = engines.value  # None with a critic-free estimator
     # ppo.old_logprobs=rollout: the sampler's log-probs (the config checks make them the
@@ -190,7 +201,8 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
         return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
 
     if rewards is None:
-        rewards = timed_reward_scores(rollout, engines, cfg, reward_encode)
+        called = None if stream is None else stream.result(rollout)
+        rewards = timed_reward_scores(rollout, engines, cfg, reward_encode, called)
     old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
     return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None,
