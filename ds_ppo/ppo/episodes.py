@@ -28,7 +28,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.engine import dist
-from ds_ppo.engine.generation import Generated, generate
+from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 from ds_ppo.envs.base import EnvFailed, Step
 from ds_ppo.rewards.encode import decode_responses
 
@@ -124,15 +124,20 @@ def _failure(error: EnvFailed | None) -> EnvFailed:
 
 
 def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
-                   eos_ids: list[int], pad_id: int
+                   eos_ids: list[int], pad_id: int, on_replica=None
                    ) -> tuple[list[list[int]], list[list[float]] | None, Generated]:
     """One generate() call over the contexts (left-padded): each row's counted tokens and
-    their sampler log-probs (None with HF generate)."""
+    their sampler log-probs (None with HF generate). `on_replica`: (replica, random stream) to
+    decode on instead (`decode_on_replica`: no collective)."""
     ids, am = left_pad(contexts, pad_id)
-    gen = generate(engines.policy, ids.to(engines.device), am.to(engines.device).bool(),
-                   cfg.generation, mode, eos_ids, pad_id, engines.dtype,
-                   kept_replica=engines.replica)
-    engines.replica = gen.replica
+    ids, am = ids.to(engines.device), am.to(engines.device).bool()
+    if on_replica is not None:
+        replica, generator = on_replica
+        gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, pad_id, generator)
+    else:
+        gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids, pad_id,
+                       engines.dtype, kept_replica=engines.replica)
+        engines.replica = gen.replica
     counted = [[t for t, m in zip(row, keep) if m]
                for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
     logprobs = None
@@ -142,11 +147,18 @@ def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
 
 
 def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
-                  mode: str, eos_ids: list[int], env) -> tuple[Rollout, Generated, EpisodeStats]:
+                  mode: str, eos_ids: list[int], env, on_replica=None
+                  ) -> tuple[Rollout, Generated, EpisodeStats]:
     """Episodes for the prompts at `indices` (this rank's shard; ppo.samples_per_prompt each,
     next to each other, as `make_rollout`), with `env` (an EnvRunner). Collective: every rank
     makes the same number of generate calls (a rank whose episodes have all ended generates
-    for one idle row, dropped), and an environment failure on any rank stops all ranks."""
+    for one idle row, dropped), and an environment failure on any rank stops all ranks.
+
+    `on_replica`: (replica, random stream) of ppo.schedule's background worker. The turns then
+    decode on that replica and nothing is collective: a rank stops when its own episodes have
+    ended, and a failure is raised here as this rank's EnvFailed, which the training thread
+    agrees on across ranks when the rollout is taken (`agree_on_episodes`)."""
+    local = on_replica is not None
     e, n = cfg.env, cfg.ppo.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [list(prompts.input_ids[i]) for i in indices]
@@ -175,14 +187,14 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     gens = []
     for turn in range(e.max_turns):
         code = 2 if error is not None else 1 if live else 0
-        worst = _any_rank(code, device)
+        worst = code if local else _any_rank(code, device)
         if worst == 2:
-            raise _failure(error)
+            raise error if local else _failure(error)
         if worst == 0:
             break
         rows = live or [0]  # a rank with no live episode still takes part in the call
         counted, turn_lp, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows],
-                                               engines, cfg, mode, eos_ids, pad)
+                                               engines, cfg, mode, eos_ids, pad, on_replica)
         if turn_lp is None:
             sampled = None
         gens.append(gen)
@@ -218,7 +230,9 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         if sampled is not None:  # observations: 0, as every position outside the mask
             for i in range(B):
                 sampled[i] += [0.0] * (len(response[i]) - len(sampled[i]))
-    if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
+    if local and error is not None:
+        raise error
+    if not local and _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
         raise _failure(error)
     if retries_before is not None:
         stats.retries = env.retries - retries_before
@@ -233,10 +247,18 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     stats.observation_tokens = sum(rollout.response_lens) - stats.model_tokens
     last = gens[-1]
     generated = Generated(response_ids=rollout.response_ids, mask=rollout.mask,
-                          ended=rollout.ended, replica=engines.replica, loop=last.loop,
+                          ended=rollout.ended, replica=None if local else engines.replica,
+                          loop=last.loop,
                           decode_stats=[s for g in gens for s in g.decode_stats],
                           logprobs=rollout.rollout_logprobs, sampling=rollout.sampling)
     return rollout, generated, stats
+
+
+def agree_on_episodes(error: EnvFailed | None, device) -> None:
+    """Collective: the ranks agree on the outcome of episodes played without collectives
+    (`make_episodes` with `on_replica`); a failure on any rank stops every rank alike."""
+    if _any_rank(2 if error is not None else 0, device) == 2:
+        raise _failure(error)
 
 
 def _turn_starts(starts: list[list[int]], shape, device) -> torch.Tensor:

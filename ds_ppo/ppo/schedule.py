@@ -40,6 +40,9 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
 from ds_ppo.errors import UserError
 from ds_ppo.metrics import Accumulator
+from ds_ppo.envs.base import EnvFailed
+from ds_ppo.ppo.episodes import (EpisodeStats, add_episode_metrics, agree_on_episodes,
+                                 make_episodes)
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
 from ds_ppo.ppo.rollout import generation_metrics, replica_rollout
 from ds_ppo.ppo.scoring import RewardCall, RewardScores, call_reward, timed_reward_scores
@@ -57,12 +60,14 @@ class Buffered:
 
     iteration: int  # the iteration (1-based) that trains on it
     version: int  # policy version (optimizer updates applied) of the weights that generated it
-    rollout: Rollout
-    generated: Generated  # the decoding loop's output (no replica)
+    rollout: Rollout | None  # None: its episodes' environment failed (env_error)
+    generated: Generated | None  # the decoding loop's output (no replica)
     # the reward function's call on it (None: a reward model, or a failed call saved in a
     # checkpoint: scoring calls the reward)
     called: RewardCall | None
     seconds: float  # worker time to generate it plus its reward call's
+    episodes: EpisodeStats | None = None  # env: its episodes' statistics (metrics env/*)
+    env_error: EnvFailed | None = None  # env: this rank's environment failure (agreed on take)
 
 
 @dataclass
@@ -127,6 +132,9 @@ class RolloutSchedule:
             self._sync(current)
             got = self._produce(iteration, current)
             self.busy_s += got.seconds
+        if self.run.env is not None:  # episodes: a failure on any rank stops all (collective)
+            agree_on_episodes(got.env_error, self.run.engines.device)
+            add_episode_metrics(acc, got.episodes)
         self._staleness_metrics(got, current, acc)
         generation_metrics(got.rollout, got.generated, acc)
         rewards = None
@@ -192,22 +200,35 @@ class RolloutSchedule:
         acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
-    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float, RewardStream | None]:
-        """The rollout of `iteration` on the replica from the worker's stream (no collective),
-        its seconds, and the reward stream its responses went to as they finished (None: the
-        reward is called on the whole rollout)."""
+    def _decode(self, iteration: int, version: int) -> tuple[Buffered, RewardStream | None]:
+        """The rollout of `iteration` on the replica (weights of `version`) from the worker's
+        stream (no collective), with its seconds; and the reward stream its responses went to
+        as they finished (None: the reward is called on the whole rollout). With an env, its
+        episodes (their environment steps here too; a failure is kept for `take`)."""
         run, t0 = self.run, time.perf_counter()
+        indices = self.prompts_of(iteration)
+        if run.env is not None:
+            try:
+                rollout, gen, stats = make_episodes(
+                    run.prompts, indices, run.engines, run.cfg, run.tokenizer, "gathered",
+                    run.eos_ids, run.env, on_replica=(self.replica, self.generator))
+            except EnvFailed as e:
+                return Buffered(iteration, version, None, None, None,
+                                time.perf_counter() - t0, env_error=e), None
+            return Buffered(iteration, version, rollout, replace(gen, replica=None), None,
+                            time.perf_counter() - t0, episodes=stats), None
         stream = reward_stream(run.cfg, run.engines.reward_fn)
-        rollout, gen = replica_rollout(run.prompts, self.prompts_of(iteration), self.replica,
-                                       run.cfg, run.tokenizer, run.eos_ids, run.engines.device,
+        rollout, gen = replica_rollout(run.prompts, indices, self.replica, run.cfg,
+                                       run.tokenizer, run.eos_ids, run.engines.device,
                                        self.generator, stream)
-        return rollout, replace(gen, replica=None), time.perf_counter() - t0, stream
+        return Buffered(iteration, version, rollout, replace(gen, replica=None), None,
+                        time.perf_counter() - t0), stream
 
-    def _call(self, rollout: Rollout, stream: RewardStream | None) -> RewardCall | None:
+    def _call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
         """The reward function's call on `rollout`, or the outcome of its streamed calls
-        (None: a reward model scores it later)."""
+        (None: a reward model scores it later, or no rollout: its environment failed)."""
         fn = self.run.engines.reward_fn
-        if fn is None:
+        if fn is None or rollout is None:
             return None
         if stream is not None:
             return stream.result(rollout, in_worker=True)
@@ -216,10 +237,10 @@ class RolloutSchedule:
     def _produce(self, iteration: int, version: int) -> Buffered:
         """The rollout of `iteration` on the replica (weights of `version`), its reward function
         called, on the calling thread (the training thread, when it generates now)."""
-        rollout, gen, seconds, stream = self._decode(iteration)
-        called = self._call(rollout, stream)
-        return Buffered(iteration, version, rollout, gen, called,
-                        seconds + (called.seconds if called is not None else 0.0))
+        got, stream = self._decode(iteration, version)
+        got.called = self._call(got.rollout, stream)
+        got.seconds += got.called.seconds if got.called is not None else 0.0
+        return got
 
     def _produce_batch(self, iterations: list[int], version: int) -> Batch:
         """The worker: the rollouts of `iterations` decoded one after another from the replica
@@ -229,15 +250,12 @@ class RolloutSchedule:
         t0 = time.perf_counter()
         decoded = []
         for j in iterations:
-            rollout, gen, seconds, stream = self._decode(j)
-            decoded.append((j, rollout, gen, seconds,
-                            self.reward_pool.submit(self._call, rollout, stream)))
-        rollouts = []
-        for j, rollout, gen, seconds, call in decoded:
-            called = call.result()
-            rollouts.append(Buffered(j, version, rollout, gen, called,
-                                     seconds + (called.seconds if called is not None else 0.0)))
-        return Batch(rollouts, time.perf_counter() - t0)
+            got, stream = self._decode(j, version)
+            decoded.append((got, self.reward_pool.submit(self._call, got.rollout, stream)))
+        for got, call in decoded:
+            got.called = call.result()
+            got.seconds += got.called.seconds if got.called is not None else 0.0
+        return Batch([got for got, _ in decoded], time.perf_counter() - t0)
 
     def _sync(self, version: int) -> None:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
@@ -270,7 +288,7 @@ class RolloutSchedule:
         No replica weights: the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "completed": self.completed,
-                "buffer": [_kept(b) for b in self.buffer.values()],
+                "buffer": [k for b in self.buffer.values() if (k := _kept(b)) is not None],
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, saved: dict | None) -> None:
@@ -287,9 +305,11 @@ class RolloutSchedule:
         self.completed = saved["completed"]
 
 
-def _kept(buffered: Buffered) -> Buffered:
+def _kept(buffered: Buffered) -> Buffered | None:
     """`buffered` as a checkpoint keeps it: a failed reward call is not kept (the resumed run
-    calls the fixed reward again)."""
+    calls the fixed reward again), nor episodes whose environment failed (generated again)."""
+    if buffered.env_error is not None:
+        return None
     if buffered.called is not None and buffered.called.error is not None:
         return replace(buffered, called=None)
     return buffered

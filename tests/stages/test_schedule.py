@@ -209,3 +209,39 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     _train(tmp_path / "c", *OFF, "iterations=4")
     assert list(zip(_column(tmp_path / "c", "async/regenerated"),
                     _column(tmp_path / "c", "async/staleness_max")))[2:] == [(1, 0), (0, 1)]
+
+
+CALC = ["ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "ppo.micro_batch_size=8",
+        "tracking.enabled=false", "checkpoint.export_at_end=false", "checkpoint.keep_last=3",
+        "ppo.rollout_correction=tis"]
+
+
+def _calculator(out: Path, *overrides: str):
+    from ds_ppo.config.load import preset_path
+    from ds_ppo.trainer import train
+
+    return train(load_config(preset_path("calculator"), [*CALC, f"output_dir={out}",
+                                                           *overrides]))
+
+
+@pytest.mark.parametrize("schedule,stale", [
+    (["ppo.schedule=one_step_off"], [0.0, 1.0, 1.0, 1.0]),
+    (["ppo.schedule=async", "ppo.max_staleness=2"], [0.0, 1.0, 2.0, 1.0]),
+], ids=["one_step_off", "async2"])
+def test_calculator_episodes_resume_exactly(tmp_path, schedule, stale):
+    # the calculator preset's multi-turn episodes, played in the background worker (environment
+    # steps included); a run stopped after iteration 2 and resumed equals the uninterrupted one
+    full, split = tmp_path / "full", tmp_path / "split"
+    _calculator(full, *schedule, "iterations=4", "checkpoint.every=2")
+    _calculator(split, *schedule, "iterations=2", "checkpoint.every=2")
+    held = torch.load(split / "checkpoints" / "iter_000002" / "in_flight" / "rank_00000.pt",
+                      weights_only=False)
+    assert [b.iteration for b in held["buffer"]] == [3]  # its episodes and their statistics
+    assert all(b.episodes is not None and b.rollout.turn_rewards is not None
+               for b in held["buffer"])
+    _calculator(split, *schedule, "iterations=4", "checkpoint.every=2")
+    a, b = _rows(full), _rows(split)
+    assert [r["iteration"] for r in b] == [1, 2, 3, 4] and a == b
+    assert _column(split, "async/staleness_mean") == stale
+    assert _column(split, "async/regenerated") == [0.0] * 4
+    assert all(r["env/calls"] > 0 for r in b)
