@@ -22,7 +22,7 @@ from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
 from ds_ppo.ppo.reward_stream import reward_stream
-from ds_ppo.ppo.rollout import generation_metrics, make_rollout
+from ds_ppo.ppo.rollout import generation_metrics, make_rollout, stamp_versions
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import rollout_correction
 from ds_ppo.ppo.dynamic import PromptDraw, refill
@@ -94,6 +94,8 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
             stream = None if run.env is not None else reward_stream(cfg, engines.reward_fn)
             rollout, generated = _generate(run, indices, acc, stream)
             generation_metrics(rollout, generated, acc)
+        if rollout.token_versions is None:  # generated now, by the current weights
+            stamp_versions(rollout, iteration - 1)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):
         exp = score(rollout, engines, cfg, run.reward_encode, rewards, stream)

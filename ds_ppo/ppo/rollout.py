@@ -1,6 +1,8 @@
 """Rollout: this rank's prompts -> responses from the current policy (a `Rollout`)."""
 from __future__ import annotations
 
+import torch
+
 from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
@@ -32,6 +34,15 @@ def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
     decoded = sum(st.rows for st in gen.decode_stats)
     slot_steps = sum(st.slot_steps for st in gen.decode_stats) * len(rollout) / max(decoded, 1)
     acc.add_mean("generation/slot_utilisation", sum(rollout.response_lens), slot_steps)
+
+
+def stamp_versions(rollout: Rollout, version: int) -> Rollout:
+    """`rollout` with `token_versions` recorded: every counted token sampled by the weights of
+    policy `version` (a rollout is decoded with one version's weights from start to end)."""
+    mask = rollout.mask
+    rollout.token_versions = torch.full(mask.shape, version, dtype=torch.int32,
+                                        device=mask.device).masked_fill_(~mask, -1)
+    return rollout
 
 
 def decodes_own_rows(gen_cfg, mode: str) -> bool:

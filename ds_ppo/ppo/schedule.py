@@ -44,7 +44,7 @@ from ds_ppo.envs.base import EnvFailed
 from ds_ppo.ppo.episodes import (EpisodeStats, add_episode_metrics, agree_on_episodes,
                                  make_episodes)
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
-from ds_ppo.ppo.rollout import generation_metrics, replica_rollout
+from ds_ppo.ppo.rollout import generation_metrics, replica_rollout, stamp_versions
 from ds_ppo.ppo.scoring import RewardCall, RewardScores, call_reward, timed_reward_scores
 
 log = logging.getLogger("ds_ppo")
@@ -192,12 +192,19 @@ class RolloutSchedule:
 
     @staticmethod
     def _staleness_metrics(got: Buffered, current: int, acc: Accumulator) -> None:
-        """async/staleness_*, off-policy token share and dropped of the rollout trained on."""
+        """async/staleness_* of the rollout's samples and of its tokens (by the version that
+        sampled each, `Rollout.token_versions`), off-policy token share and dropped."""
         staleness = float(current - got.version)
-        tokens = float(got.rollout.mask.sum())
         acc.add_mean("async/staleness_mean", staleness * len(got.rollout), len(got.rollout))
         acc.add_max("async/staleness_max", staleness)
-        acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
+        rollout = got.rollout
+        if rollout.token_versions is None:  # a checkpoint saved before versions were recorded
+            stamp_versions(rollout, got.version)
+        lag = (current - rollout.token_versions)[rollout.mask].float()
+        tokens = float(lag.numel())
+        acc.add_mean("async/token_staleness_mean", float(lag.sum()), tokens)
+        acc.add_max("async/token_staleness_max", float(lag.max()) if tokens else 0.0)
+        acc.add_mean("async/off_policy_token_share", float((lag > 0).sum()), tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
     def _decode(self, iteration: int, version: int) -> tuple[Buffered, RewardStream | None]:
@@ -215,14 +222,15 @@ class RolloutSchedule:
             except EnvFailed as e:
                 return Buffered(iteration, version, None, None, None,
                                 time.perf_counter() - t0, env_error=e), None
-            return Buffered(iteration, version, rollout, replace(gen, replica=None), None,
-                            time.perf_counter() - t0, episodes=stats), None
+            return Buffered(iteration, version, stamp_versions(rollout, version),
+                            replace(gen, replica=None), None, time.perf_counter() - t0,
+                            episodes=stats), None
         stream = reward_stream(run.cfg, run.engines.reward_fn)
         rollout, gen = replica_rollout(run.prompts, indices, self.replica, run.cfg,
                                        run.tokenizer, run.eos_ids, run.engines.device,
                                        self.generator, stream)
-        return Buffered(iteration, version, rollout, replace(gen, replica=None), None,
-                        time.perf_counter() - t0), stream
+        return Buffered(iteration, version, stamp_versions(rollout, version),
+                        replace(gen, replica=None), None, time.perf_counter() - t0), stream
 
     def _call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
         """The reward function's call on `rollout`, or the outcome of its streamed calls

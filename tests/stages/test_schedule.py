@@ -142,12 +142,17 @@ def test_resume_continues_exactly(tmp_path, schedule, stop, buffered, stale):
     # the buffered rollouts (each with its version and reward call) and the worker's stream
     held = torch.load(saved, weights_only=False)
     assert [b.iteration for b in held["buffer"]] == list(range(stop + 1, stop + 1 + buffered))
+    for b in held["buffer"]:  # each token's version saved with it: the weights that sampled it
+        versions, mask = b.rollout.token_versions, b.rollout.mask
+        assert (versions[mask] == b.version).all() and (versions[~mask] == -1).all()
     _train(split, *schedule, "iterations=5", every)
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5]
     assert a == b
     assert _same_weights(_weights(full, 5), _weights(split, 5))
     assert _column(split, "async/staleness_mean") == stale
+    assert _column(split, "async/token_staleness_mean") == stale
+    assert _column(split, "async/token_staleness_max") == stale
     assert _column(split, "async/regenerated") == [0.0] * 5
 
 
@@ -237,8 +242,10 @@ def test_calculator_episodes_resume_exactly(tmp_path, schedule, stale):
     held = torch.load(split / "checkpoints" / "iter_000002" / "in_flight" / "rank_00000.pt",
                       weights_only=False)
     assert [b.iteration for b in held["buffer"]] == [3]  # its episodes and their statistics
-    assert all(b.episodes is not None and b.rollout.turn_rewards is not None
-               for b in held["buffer"])
+    for b in held["buffer"]:  # observations were not sampled: no version
+        versions, mask = b.rollout.token_versions, b.rollout.mask
+        assert b.episodes is not None and b.rollout.turn_rewards is not None
+        assert (versions[mask] == b.version).all() and (versions[~mask] == -1).all()
     _calculator(split, *schedule, "iterations=4", "checkpoint.every=2")
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4] and a == b
