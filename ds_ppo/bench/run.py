@@ -161,6 +161,8 @@ def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict
                      "iterations_per_hour": 3600 * len(timed) / sum(timed),
                      "generation_s": sum(r["generation"]["seconds"] for r in records
                                          if not r["warmup"]) / len(timed),
+                     "scoring_s": sum(r["scoring"]["seconds"] for r in records
+                                      if not r["warmup"]) / len(timed),
                      "training_s": sum(r["training"]["seconds"] for r in records
                                        if not r["warmup"]) / len(timed)})
         del engines

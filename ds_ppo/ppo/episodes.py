@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -123,20 +124,92 @@ def _failure(error: EnvFailed | None) -> EnvFailed:
     return out
 
 
+def _action(tokenizer, cfg: Config, context: list[int], used: int, toks: list[int]
+            ) -> tuple[list[int], bool, str]:
+    """A model turn's tokens as the episode keeps them (cut after the first env.stop string,
+    and to the env.max_total_tokens left after the `used` response tokens), whether that budget
+    cut it, and its text (the action the environment gets)."""
+    toks = cut_at_stop(tokenizer, context, toks, cfg.env.stop)
+    room = cfg.env.max_total_tokens - used
+    cut = len(toks) > room  # the turn would pass the episode's budget: it ends here
+    if cut:
+        toks = toks[:room]
+    return toks, cut, decode_responses(tokenizer, [context], [toks])[1][0]
+
+
+_STEP_POOLS: dict[int, ThreadPoolExecutor] = {}  # by env.concurrency: environment-step threads
+
+
+class TurnSteps:
+    """The environment steps of one turn: each live episode's starts as the decoding loop
+    finishes its turn (`on_done`, its action computed as the turn's end computes it), at most
+    env.concurrency at once, while the other episodes still decode; `steps` takes them in
+    episode order and steps the episodes not started yet. Each episode's step reads only its
+    own episode, so the steps are those of one call over all of them."""
+
+    def __init__(self, env, episodes, turn: int, live: list[int], eos_ids: list[int],
+                 action_of) -> None:
+        self.env, self.episodes, self.turn, self.live = env, episodes, turn, live
+        self.eos, self.action_of = set(eos_ids), action_of
+        self.started: dict[int, tuple[str, Future]] = {}  # episode -> (action, its step)
+        size = env.cfg.concurrency
+        if size not in _STEP_POOLS:
+            _STEP_POOLS[size] = ThreadPoolExecutor(size, thread_name_prefix="ds_ppo-env-step")
+        self.pool = _STEP_POOLS[size]
+
+    def on_done(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """The decoding loop's hand-in: rows (indices into `live`) whose turn has ended."""
+        for k, toks in zip(rows, tokens):
+            i = self.live[k]
+            end = next((n + 1 for n, t in enumerate(toks) if t in self.eos), len(toks))
+            action = self.action_of(i, toks[:end])
+            self.started[i] = (action, self.pool.submit(
+                self.env.step, self.episodes, [i], [action], self.turn))
+
+    def steps(self, actions: list[str]) -> list[Step]:
+        """The Step of every live episode for its `actions` (in `live` order); an EnvFailed of
+        the first failing episode, in that order, as one call over them all raises."""
+        for i, a in zip(self.live, actions):
+            if i in self.started and self.started[i][0] != a:
+                raise EnvFailed(f"episode {i}, turn {self.turn + 1} was decoded again after "
+                                "its environment step started (out of device memory mid-"
+                                "turn): lower generation.batch_size")
+        rest = [(i, a) for i, a in zip(self.live, actions) if i not in self.started]
+        got: dict[int, Step] = {}
+        errors: dict[int, EnvFailed] = {}
+        if rest:
+            ids = [i for i, _ in rest]
+            try:
+                got.update(zip(ids, self.env.step(self.episodes, ids, [a for _, a in rest],
+                                                  self.turn)))
+            except EnvFailed as e:
+                errors[min(ids)] = e
+        for i, (_, step) in self.started.items():
+            try:
+                got[i] = step.result()[0]
+            except EnvFailed as e:
+                errors[i] = e
+        if errors:
+            raise errors[min(errors)]
+        return [got[i] for i in self.live]
+
+
 def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
-                   eos_ids: list[int], pad_id: int, on_replica=None
+                   eos_ids: list[int], pad_id: int, on_replica=None, on_done=None
                    ) -> tuple[list[list[int]], list[list[float]] | None, Generated]:
     """One generate() call over the contexts (left-padded): each row's counted tokens and
     their sampler log-probs (None with HF generate). `on_replica`: (replica, random stream) to
-    decode on instead (`decode_on_replica`: no collective)."""
+    decode on instead (`decode_on_replica`: no collective). `on_done`: the decoding loop's
+    hand-in of finished rows (`TurnSteps.on_done`)."""
     ids, am = left_pad(contexts, pad_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     if on_replica is not None:
         replica, generator = on_replica
-        gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, pad_id, generator)
+        gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, pad_id, generator,
+                                on_done)
     else:
         gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids, pad_id,
-                       engines.dtype, kept_replica=engines.replica)
+                       engines.dtype, kept_replica=engines.replica, on_done=on_done)
         engines.replica = gen.replica
     counted = [[t for t, m in zip(row, keep) if m]
                for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
@@ -193,8 +266,12 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         if worst == 0:
             break
         rows = live or [0]  # a rank with no live episode still takes part in the call
+        # each episode's environment step starts as the decoding loop finishes its turn
+        stepping = TurnSteps(env, episodes, turn, live, eos_ids, lambda i, toks: _action(
+            tokenizer, cfg, prompt_ids[i] + response[i], len(response[i]), toks)[2])
         counted, turn_lp, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows],
-                                               engines, cfg, mode, eos_ids, pad, on_replica)
+                                               engines, cfg, mode, eos_ids, pad, on_replica,
+                                               stepping.on_done if live else None)
         if turn_lp is None:
             sampled = None
         gens.append(gen)
@@ -203,12 +280,10 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             continue
         actions = []
         for k, (toks, i) in enumerate(zip(counted, live)):
-            ctx = prompt_ids[i] + response[i]
-            toks = cut_at_stop(tokenizer, ctx, toks, e.stop)
-            room = e.max_total_tokens - len(response[i])
-            if len(toks) > room:  # the turn would pass the episode's budget: it ends here
-                toks, truncated[i] = toks[:room], True
-            actions.append(decode_responses(tokenizer, [ctx], [toks])[1][0])
+            toks, cut, action = _action(tokenizer, cfg, prompt_ids[i] + response[i],
+                                        len(response[i]), toks)
+            truncated[i] = truncated[i] or cut
+            actions.append(action)
             if toks:
                 starts[i].append(len(response[i]))
             if sampled is not None:  # a cut turn keeps its first tokens' log-probs
@@ -218,7 +293,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             stats.turns += 1
         try:
             t0 = time.perf_counter()
-            steps = env.step(episodes, live, actions, turn)
+            steps = stepping.steps(actions)
             stats.env_s += time.perf_counter() - t0
             stats.calls += len(live)
         except EnvFailed as err:
