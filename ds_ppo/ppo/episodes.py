@@ -6,8 +6,9 @@ Every turn, all live episodes of the rank generate their next turn in one batch 
 `generate()` (the same call as a single-turn rollout: the context so far is the prompt,
 re-prefilled, so no KV cache outlives a call; docs/ENVIRONMENTS.md measures what that costs).
 A turn ends at EOS, a generation.stop_tokens token, one of env.stop's strings (cut after it) or
-generation.max_new_tokens. The environment then steps every live episode at once
-(ds_ppo.envs.runner); an episode ends when it says done, after env.max_turns turns, or when its
+generation.max_new_tokens. The environment steps each live episode as soon as the decoding loop
+hands its turn in, together with the others found ended at the same check (`TurnSteps`,
+ds_ppo.envs.runner), while the rest still decode; an episode ends when it says done, after env.max_turns turns, or when its
 next turn would pass env.max_total_tokens (counted: env/truncated_frac). Ended episodes leave the
 batch. Observations are appended as plain text for plain prompts, with the policy's chat
 template for chat prompts.
@@ -141,17 +142,20 @@ _STEP_POOLS: dict[int, ThreadPoolExecutor] = {}  # by env.concurrency: environme
 
 
 class TurnSteps:
-    """The environment steps of one turn: each live episode's starts as the decoding loop
-    finishes its turn (`on_done`, its action computed as the turn's end computes it), at most
-    env.concurrency at once, while the other episodes still decode; `steps` takes them in
-    episode order and steps the episodes not started yet. Each episode's step reads only its
-    own episode, so the steps are those of one call over all of them."""
+    """The environment steps of one turn: the episodes whose turns the decoding loop finds
+    ended at one check are stepped together as soon as it hands them in (`on_done`, each action
+    computed as the turn's end computes it), while the other episodes still decode; `steps`
+    takes the Steps in episode order and steps the episodes not started yet. At most
+    env.concurrency such calls run at once (each runs its episodes as `EnvRunner.step` does).
+    Each episode's step reads only its own episode, so the steps are those of one call over all
+    of them."""
 
     def __init__(self, env, episodes, turn: int, live: list[int], eos_ids: list[int],
                  action_of) -> None:
         self.env, self.episodes, self.turn, self.live = env, episodes, turn, live
         self.eos, self.action_of = set(eos_ids), action_of
-        self.started: dict[int, tuple[str, Future]] = {}  # episode -> (action, its step)
+        # episode -> (action, the call stepping it, its place in that call)
+        self.started: dict[int, tuple[str, Future, int]] = {}
         size = env.cfg.concurrency
         if size not in _STEP_POOLS:
             _STEP_POOLS[size] = ThreadPoolExecutor(size, thread_name_prefix="ds_ppo-env-step")
@@ -159,12 +163,14 @@ class TurnSteps:
 
     def on_done(self, rows: list[int], tokens: list[list[int]]) -> None:
         """The decoding loop's hand-in: rows (indices into `live`) whose turn has ended."""
+        ids, actions = [], []
         for k, toks in zip(rows, tokens):
             i = self.live[k]
             end = next((n + 1 for n, t in enumerate(toks) if t in self.eos), len(toks))
-            action = self.action_of(i, toks[:end])
-            self.started[i] = (action, self.pool.submit(
-                self.env.step, self.episodes, [i], [action], self.turn))
+            ids.append(i)
+            actions.append(self.action_of(i, toks[:end]))
+        call = self.pool.submit(self.env.step, self.episodes, ids, actions, self.turn)
+        self.started.update((i, (a, call, n)) for n, (i, a) in enumerate(zip(ids, actions)))
 
     def steps(self, actions: list[str]) -> list[Step]:
         """The Step of every live episode for its `actions` (in `live` order); an EnvFailed of
@@ -184,9 +190,9 @@ class TurnSteps:
                                                   self.turn)))
             except EnvFailed as e:
                 errors[min(ids)] = e
-        for i, (_, step) in self.started.items():
+        for i, (_, call, n) in self.started.items():
             try:
-                got[i] = step.result()[0]
+                got[i] = call.result()[n]
             except EnvFailed as e:
                 errors[i] = e
         if errors:
