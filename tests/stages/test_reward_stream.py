@@ -91,7 +91,8 @@ def test_stream_scores_in_row_order_and_calls_changed_rows_again():
     rollout = _rollout(["p0", "p1", "p2", "p3"], ["a", "bb", "ccc", "dddd"])
     called = stream.result(rollout)
     assert called.error is None and called.scores == [1.0, 2.0, 3.0, 4.0]
-    assert sorted(map(sorted, calls)) == [["a", "ccc"], ["bb", "dddd"], ["old"]]
+    # the streamed calls (one or two: rows handed in while a call runs may join the next)
+    assert sorted(r for c in calls[:-1] for r in c) == ["a", "ccc", "old"]
     assert calls[-1] == ["bb", "dddd"]  # the rows missing or changed, in one call, at the end
 
 
@@ -142,6 +143,7 @@ def test_streamed_training_equals_one_call_per_rollout(tmp_path, monkeypatch):
         rows[stream] = [{k: v for k, v in json.loads(line).items()
                          if not k.startswith(VOLATILE)}
                         for line in Path(out / "metrics.jsonl").read_text().splitlines()]
-        if stream == "true":  # 16 responses over 2 iterations, in many calls
-            assert sum(calls) == 16 and len(calls) > 4, calls
+        if stream == "true":  # 16 responses over 2 iterations, all through the stream (how
+            # many calls depends on how the hand-ins coalesce while calls run)
+            assert sum(calls) == 16 and len(calls) >= 2, calls
     assert len(rows["true"]) == 2 and rows["true"] == rows["false"]
