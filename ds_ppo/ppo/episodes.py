@@ -8,9 +8,9 @@ re-prefilled, so no KV cache outlives a call; docs/ENVIRONMENTS.md measures what
 A turn ends at EOS, a generation.stop_tokens token, one of env.stop's strings (cut after it) or
 generation.max_new_tokens. The environment steps each live episode as soon as the decoding loop
 hands its turn in, together with the others found ended at the same check (`TurnSteps`,
-ds_ppo.envs.runner), while the rest still decode; an episode ends when it says done, after env.max_turns turns, or when its
-next turn would pass env.max_total_tokens (counted: env/truncated_frac). Ended episodes leave the
-batch. Observations are appended as plain text for plain prompts, with the policy's chat
+ds_ppo.envs.runner), while the rest still decode. An episode ends when it says done, after
+env.max_turns turns, or when its next turn would pass env.max_total_tokens (counted:
+env/truncated_frac). Ended episodes leave the batch. Observations are appended as plain text for plain prompts, with the policy's chat
 template for chat prompts.
 
 The `Rollout` holds the whole episode as the response: `mask` True on the model's tokens only

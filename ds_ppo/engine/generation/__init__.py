@@ -257,10 +257,9 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
     shape = sampling_shape(cfg, eos_ids, pad_id)
 
     def run(ids: torch.Tensor, am: torch.Tensor, rows: list[int] | None = None):
-        done = None
+        done = None  # on_done with the caller's row indices
         if on_done is not None and rows is not None:
-            def done(local: list[int], tokens: list[list[int]]) -> None:
-                on_done([rows[r] for r in local], tokens)
+            done = lambda local, tokens: on_done([rows[r] for r in local], tokens)  # noqa: E731
         out = decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                      pad_id=pad_id, min_new_tokens=shape.min_new_tokens,
                      temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
