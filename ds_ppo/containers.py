@@ -87,6 +87,9 @@ class Rollout:
     # layer, -1 where no route was recorded (pads; the last response token, never fed back)
     prompt_routes: torch.Tensor | None = None  # (B, P, layers, k)
     response_routes: torch.Tensor | None = None  # (B, T, layers, k)
+    # (B, T) int32: the policy version (optimizer updates applied) whose weights sampled each
+    # counted token, -1 elsewhere (pads, an episode's observations); None: not recorded
+    token_versions: torch.Tensor | None = None
 
     @property
     def context(self) -> torch.Tensor:  # (B, T) bool
@@ -200,7 +203,8 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                 out[f.name] = torch.cat(values)
                 continue
             left = f.name.startswith("prompt_")
-            fill = pad_id if f.name.endswith("_ids") else -1 if f.name.endswith("_routes") else 0
+            fill = (pad_id if f.name.endswith("_ids") else
+                    -1 if f.name.endswith(("_routes", "_versions")) else 0)
             width = P if left else T
             inner = (0, 0) * (values[0].dim() - 2)  # routes: pad only the token axis
             out[f.name] = torch.cat([torch.nn.functional.pad(

@@ -66,9 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --reward function: each reward call answers after S seconds")
     p.add_argument("--schedule", default=None, metavar="NAMES",
                    help="compare ppo.schedule settings in one run, comma-separated (sync, "
-                   "one_step_off, async or async:N for max_staleness N): the timed iterations "
-                   "of each on fresh engines, their iterations per hour against the first's; "
-                   "every schedule runs with ppo.rollout_correction=tis")
+                   "one_step_off, async or async:N for max_staleness N, each optionally "
+                   "followed by +KEY=VALUE overrides of its own, e.g. sync+reward.stream=false): "
+                   "the timed iterations of each on fresh engines, their iterations per hour "
+                   "against the first's; every schedule runs with ppo.rollout_correction=tis")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any ds_ppo config override, e.g. --set ppo.ppo_epochs=2 (repeatable)")
     p.add_argument("--device-peak-tflops", type=float, default=None,

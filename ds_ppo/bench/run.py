@@ -133,17 +133,19 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
 
 
 def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict:
-    """`--schedule a,b,...`: the timed iterations of each ppo.schedule on fresh engines (the
-    same initial weights, prompts and settings; ppo.rollout_correction=tis for all), in one
-    process; iterations per hour of each and against the first."""
+    """`--schedule a,b,...`: the timed iterations of each ppo.schedule (with its own `+key=value`
+    overrides, if any) on fresh engines (the same initial weights, prompts and settings;
+    ppo.rollout_correction=tis for all), in one process; iterations per hour of each and
+    against the first."""
     import torch
 
     from ds_ppo.engine.roles import init_engines
 
     rows = []
     for name in args.schedule.split(","):
-        schedule, _, staleness = name.partition(":")
-        extra = [f"ppo.schedule={schedule}", "ppo.rollout_correction=tis"]
+        head, *overrides = name.split("+")  # sync+reward.stream=false: that schedule with those
+        schedule, _, staleness = head.partition(":")
+        extra = [f"ppo.schedule={schedule}", "ppo.rollout_correction=tis", *overrides]
         if staleness:
             extra.append(f"ppo.max_staleness={staleness}")
         run_s = {**s, "overrides": [*s["overrides"], *extra]}
@@ -159,6 +161,8 @@ def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict
                      "iterations_per_hour": 3600 * len(timed) / sum(timed),
                      "generation_s": sum(r["generation"]["seconds"] for r in records
                                          if not r["warmup"]) / len(timed),
+                     "scoring_s": sum(r["scoring"]["seconds"] for r in records
+                                      if not r["warmup"]) / len(timed),
                      "training_s": sum(r["training"]["seconds"] for r in records
                                        if not r["warmup"]) / len(timed)})
         del engines

@@ -239,7 +239,7 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
         problems.append(f"{where} on a whole replica with our decoding loop, but generation.loop"
                         f" = {g.loop!r} / generation.mode = {g.mode!r}: set generation.loop=own "
                         f"and generation.mode=gathered (or auto), {fix}")
-    for key, on in (("ppo.dynamic_sampling", p.dynamic_sampling), ("env.enabled", cfg.env.enabled),
+    for key, on in (("ppo.dynamic_sampling", p.dynamic_sampling),
                     ("generation.batch_invariant", g.batch_invariant),
                     ("generation.require_exact", g.require_exact)):
         if on:

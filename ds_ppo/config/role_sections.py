@@ -157,8 +157,8 @@ class RewardConfig(Section):
         "service). Each rank posts its own share, reward.batch_size responses per request.")
     batch_size: int = Field(64, gt=0, description="reward.url: responses per request.")
     concurrency: int = Field(4, gt=0, description="reward.url: requests in flight at once, "
-                             "per rank. ppo.schedule=async: also the most rollouts whose reward "
-                             "calls run at once (at most ppo.max_staleness).")
+                             "per rank. reward.stream: also the reward calls in flight at once "
+                             "per rank.")
     timeout_s: float | None = Field(
         600.0, gt=0, description="Time limit of one reward call in seconds. reward.function: "
         "the call runs in a worker thread; a call still running then stops the run with a "
@@ -166,6 +166,15 @@ class RewardConfig(Section):
         "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
         "reward.url: the limit of one whole request, from connecting to the answer's last byte "
         "(then retried; an answer over 16 MiB stops the run); null: no limit.")
+    stream: bool = Field(True, description="reward.function / reward.url: call the reward on "
+                         "responses as the decoding loop finishes them (the rows found ended at "
+                         "one check go in one call), while the others still decode and while "
+                         "scoring runs; reward.concurrency calls in flight at once, responses "
+                         "finished meanwhile go together in the next call. The function must "
+                         "then score each response on its own (not relative to the others of "
+                         "its call). false: one call on the rank's rollout after generation. "
+                         "Our decoding loop only (generation.loop own, mode gathered), not with "
+                         "reward.timeout_s null or sequence parallelism.")
     retries: int = Field(3, ge=0, le=1000, description="reward.url: retries of a request after a "
                          "connection error, a timeout or a 5xx answer (back-off 1, 2, 4... s), "
                          "before the run stops.")

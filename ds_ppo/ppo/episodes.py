@@ -6,10 +6,11 @@ Every turn, all live episodes of the rank generate their next turn in one batch 
 `generate()` (the same call as a single-turn rollout: the context so far is the prompt,
 re-prefilled, so no KV cache outlives a call; docs/ENVIRONMENTS.md measures what that costs).
 A turn ends at EOS, a generation.stop_tokens token, one of env.stop's strings (cut after it) or
-generation.max_new_tokens. The environment then steps every live episode at once
-(ds_ppo.envs.runner); an episode ends when it says done, after env.max_turns turns, or when its
-next turn would pass env.max_total_tokens (counted: env/truncated_frac). Ended episodes leave the
-batch. Observations are appended as plain text for plain prompts, with the policy's chat
+generation.max_new_tokens. The environment steps each live episode as soon as the decoding loop
+hands its turn in, together with the others found ended at the same check (`TurnSteps`,
+ds_ppo.envs.runner), while the rest still decode. An episode ends when it says done, after
+env.max_turns turns, or when its next turn would pass env.max_total_tokens (counted:
+env/truncated_frac). Ended episodes leave the batch. Observations are appended as plain text for plain prompts, with the policy's chat
 template for chat prompts.
 
 The `Rollout` holds the whole episode as the response: `mask` True on the model's tokens only
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +30,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.engine import dist
-from ds_ppo.engine.generation import Generated, generate
+from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 from ds_ppo.envs.base import EnvFailed, Step
 from ds_ppo.rewards.encode import decode_responses
 
@@ -123,16 +125,98 @@ def _failure(error: EnvFailed | None) -> EnvFailed:
     return out
 
 
+def _action(tokenizer, cfg: Config, context: list[int], used: int, toks: list[int]
+            ) -> tuple[list[int], bool, str]:
+    """A model turn's tokens as the episode keeps them (cut after the first env.stop string,
+    and to the env.max_total_tokens left after the `used` response tokens), whether that budget
+    cut it, and its text (the action the environment gets)."""
+    toks = cut_at_stop(tokenizer, context, toks, cfg.env.stop)
+    room = cfg.env.max_total_tokens - used
+    cut = len(toks) > room  # the turn would pass the episode's budget: it ends here
+    if cut:
+        toks = toks[:room]
+    return toks, cut, decode_responses(tokenizer, [context], [toks])[1][0]
+
+
+_STEP_POOLS: dict[int, ThreadPoolExecutor] = {}  # by env.concurrency: environment-step threads
+
+
+class TurnSteps:
+    """The environment steps of one turn: the episodes whose turns the decoding loop finds
+    ended at one check are stepped together as soon as it hands them in (`on_done`, each action
+    computed as the turn's end computes it), while the other episodes still decode; `steps`
+    takes the Steps in episode order and steps the episodes not started yet. At most
+    env.concurrency such calls run at once (each runs its episodes as `EnvRunner.step` does).
+    Each episode's step reads only its own episode, so the steps are those of one call over all
+    of them."""
+
+    def __init__(self, env, episodes, turn: int, live: list[int], eos_ids: list[int],
+                 action_of) -> None:
+        self.env, self.episodes, self.turn, self.live = env, episodes, turn, live
+        self.eos, self.action_of = set(eos_ids), action_of
+        # episode -> (action, the call stepping it, its place in that call)
+        self.started: dict[int, tuple[str, Future, int]] = {}
+        size = env.cfg.concurrency
+        if size not in _STEP_POOLS:
+            _STEP_POOLS[size] = ThreadPoolExecutor(size, thread_name_prefix="ds_ppo-env-step")
+        self.pool = _STEP_POOLS[size]
+
+    def on_done(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """The decoding loop's hand-in: rows (indices into `live`) whose turn has ended."""
+        ids, actions = [], []
+        for k, toks in zip(rows, tokens):
+            i = self.live[k]
+            end = next((n + 1 for n, t in enumerate(toks) if t in self.eos), len(toks))
+            ids.append(i)
+            actions.append(self.action_of(i, toks[:end]))
+        call = self.pool.submit(self.env.step, self.episodes, ids, actions, self.turn)
+        self.started.update((i, (a, call, n)) for n, (i, a) in enumerate(zip(ids, actions)))
+
+    def steps(self, actions: list[str]) -> list[Step]:
+        """The Step of every live episode for its `actions` (in `live` order); an EnvFailed of
+        the first failing episode, in that order, as one call over them all raises."""
+        for i, a in zip(self.live, actions):
+            if i in self.started and self.started[i][0] != a:
+                raise EnvFailed(f"episode {i}, turn {self.turn + 1} was decoded again after "
+                                "its environment step started (out of device memory mid-"
+                                "turn): lower generation.batch_size")
+        rest = [(i, a) for i, a in zip(self.live, actions) if i not in self.started]
+        got: dict[int, Step] = {}
+        errors: dict[int, EnvFailed] = {}
+        if rest:
+            ids = [i for i, _ in rest]
+            try:
+                got.update(zip(ids, self.env.step(self.episodes, ids, [a for _, a in rest],
+                                                  self.turn)))
+            except EnvFailed as e:
+                errors[min(ids)] = e
+        for i, (_, call, n) in self.started.items():
+            try:
+                got[i] = call.result()[n]
+            except EnvFailed as e:
+                errors[i] = e
+        if errors:
+            raise errors[min(errors)]
+        return [got[i] for i in self.live]
+
+
 def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
-                   eos_ids: list[int], pad_id: int
+                   eos_ids: list[int], pad_id: int, on_replica=None, on_done=None
                    ) -> tuple[list[list[int]], list[list[float]] | None, Generated]:
     """One generate() call over the contexts (left-padded): each row's counted tokens and
-    their sampler log-probs (None with HF generate)."""
+    their sampler log-probs (None with HF generate). `on_replica`: (replica, random stream) to
+    decode on instead (`decode_on_replica`: no collective). `on_done`: the decoding loop's
+    hand-in of finished rows (`TurnSteps.on_done`)."""
     ids, am = left_pad(contexts, pad_id)
-    gen = generate(engines.policy, ids.to(engines.device), am.to(engines.device).bool(),
-                   cfg.generation, mode, eos_ids, pad_id, engines.dtype,
-                   kept_replica=engines.replica)
-    engines.replica = gen.replica
+    ids, am = ids.to(engines.device), am.to(engines.device).bool()
+    if on_replica is not None:
+        replica, generator = on_replica
+        gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, pad_id, generator,
+                                on_done)
+    else:
+        gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids, pad_id,
+                       engines.dtype, kept_replica=engines.replica, on_done=on_done)
+        engines.replica = gen.replica
     counted = [[t for t, m in zip(row, keep) if m]
                for row, keep in zip(gen.response_ids.tolist(), gen.mask.tolist())]
     logprobs = None
@@ -142,11 +226,18 @@ def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
 
 
 def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
-                  mode: str, eos_ids: list[int], env) -> tuple[Rollout, Generated, EpisodeStats]:
+                  mode: str, eos_ids: list[int], env, on_replica=None
+                  ) -> tuple[Rollout, Generated, EpisodeStats]:
     """Episodes for the prompts at `indices` (this rank's shard; ppo.samples_per_prompt each,
     next to each other, as `make_rollout`), with `env` (an EnvRunner). Collective: every rank
     makes the same number of generate calls (a rank whose episodes have all ended generates
-    for one idle row, dropped), and an environment failure on any rank stops all ranks."""
+    for one idle row, dropped), and an environment failure on any rank stops all ranks.
+
+    `on_replica`: (replica, random stream) of ppo.schedule's background worker. The turns then
+    decode on that replica and nothing is collective: a rank stops when its own episodes have
+    ended, and a failure is raised here as this rank's EnvFailed, which the training thread
+    agrees on across ranks when the rollout is taken (`agree_on_episodes`)."""
+    local = on_replica is not None
     e, n = cfg.env, cfg.ppo.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [list(prompts.input_ids[i]) for i in indices]
@@ -175,14 +266,18 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     gens = []
     for turn in range(e.max_turns):
         code = 2 if error is not None else 1 if live else 0
-        worst = _any_rank(code, device)
+        worst = code if local else _any_rank(code, device)
         if worst == 2:
-            raise _failure(error)
+            raise error if local else _failure(error)
         if worst == 0:
             break
         rows = live or [0]  # a rank with no live episode still takes part in the call
+        # each episode's environment step starts as the decoding loop finishes its turn
+        stepping = TurnSteps(env, episodes, turn, live, eos_ids, lambda i, toks: _action(
+            tokenizer, cfg, prompt_ids[i] + response[i], len(response[i]), toks)[2])
         counted, turn_lp, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows],
-                                               engines, cfg, mode, eos_ids, pad)
+                                               engines, cfg, mode, eos_ids, pad, on_replica,
+                                               stepping.on_done if live else None)
         if turn_lp is None:
             sampled = None
         gens.append(gen)
@@ -191,12 +286,10 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             continue
         actions = []
         for k, (toks, i) in enumerate(zip(counted, live)):
-            ctx = prompt_ids[i] + response[i]
-            toks = cut_at_stop(tokenizer, ctx, toks, e.stop)
-            room = e.max_total_tokens - len(response[i])
-            if len(toks) > room:  # the turn would pass the episode's budget: it ends here
-                toks, truncated[i] = toks[:room], True
-            actions.append(decode_responses(tokenizer, [ctx], [toks])[1][0])
+            toks, cut, action = _action(tokenizer, cfg, prompt_ids[i] + response[i],
+                                        len(response[i]), toks)
+            truncated[i] = truncated[i] or cut
+            actions.append(action)
             if toks:
                 starts[i].append(len(response[i]))
             if sampled is not None:  # a cut turn keeps its first tokens' log-probs
@@ -206,7 +299,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             stats.turns += 1
         try:
             t0 = time.perf_counter()
-            steps = env.step(episodes, live, actions, turn)
+            steps = stepping.steps(actions)
             stats.env_s += time.perf_counter() - t0
             stats.calls += len(live)
         except EnvFailed as err:
@@ -218,7 +311,9 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         if sampled is not None:  # observations: 0, as every position outside the mask
             for i in range(B):
                 sampled[i] += [0.0] * (len(response[i]) - len(sampled[i]))
-    if _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
+    if local and error is not None:
+        raise error
+    if not local and _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
         raise _failure(error)
     if retries_before is not None:
         stats.retries = env.retries - retries_before
@@ -233,10 +328,18 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     stats.observation_tokens = sum(rollout.response_lens) - stats.model_tokens
     last = gens[-1]
     generated = Generated(response_ids=rollout.response_ids, mask=rollout.mask,
-                          ended=rollout.ended, replica=engines.replica, loop=last.loop,
+                          ended=rollout.ended, replica=None if local else engines.replica,
+                          loop=last.loop,
                           decode_stats=[s for g in gens for s in g.decode_stats],
                           logprobs=rollout.rollout_logprobs, sampling=rollout.sampling)
     return rollout, generated, stats
+
+
+def agree_on_episodes(error: EnvFailed | None, device) -> None:
+    """Collective: the ranks agree on the outcome of episodes played without collectives
+    (`make_episodes` with `on_replica`); a failure on any rank stops every rank alike."""
+    if _any_rank(2 if error is not None else 0, device) == 2:
+        raise _failure(error)
 
 
 def _turn_starts(starts: list[list[int]], shape, device) -> torch.Tensor:

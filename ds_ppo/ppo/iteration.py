@@ -21,7 +21,8 @@ from ds_ppo.engine.batch_invariant import batch_invariant
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
-from ds_ppo.ppo.rollout import generation_metrics, make_rollout
+from ds_ppo.ppo.reward_stream import reward_stream
+from ds_ppo.ppo.rollout import generation_metrics, make_rollout, stamp_versions
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import correction_settings, rollout_correction
 from ds_ppo.ppo.dynamic import PromptDraw, refill, refill_settings
@@ -79,6 +80,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     cfg, engines = run.cfg, run.engines
     reward = _reward_scorer(run)
     rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
+    stream = None  # reward.stream: the reward calls started as responses finish
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
         if run.schedule is not None:  # ppo.schedule: generated beside an earlier update
@@ -90,12 +92,15 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                 refill_settings(cfg), indices, lambda idx: _generate(run, idx, acc), reward,
                 run.tokenizer.pad_token_id, acc)
         else:
-            rollout, generated = _generate(run, indices, acc)
+            stream = None if run.env is not None else reward_stream(cfg, engines.reward_fn)
+            rollout, generated = _generate(run, indices, acc, stream)
             generation_metrics(rollout, generated, acc)
+        if rollout.token_versions is None:  # generated now, by the current weights
+            stamp_versions(rollout, iteration - 1)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):
         exp = score(rollout, engines, scoring_settings(cfg),
-                    (lambda: reward(rollout)) if rewards is None else (lambda: rewards))
+                    (lambda: reward(rollout, stream)) if rewards is None else (lambda: rewards))
     # step 2b. the sampler's log-probs against the trainer's: metrics, importance weights
     exp = rollout_correction(exp, correction_settings(cfg), acc)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
@@ -109,18 +114,23 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     return exp, generated
 
 
-def _reward_scorer(run: IterationInputs) -> Callable[[Rollout], RewardScores]:
-    """A rollout -> its reward scores, timed (`scoring.timed_reward_scores`)."""
-    return lambda rollout: timed_reward_scores(rollout, run.engines, run.cfg, run.reward_encode)
+def _reward_scorer(run: IterationInputs) -> Callable[..., RewardScores]:
+    """(a rollout, the `RewardStream` whose calls started as its responses finished, or None)
+    -> its reward scores, timed (`scoring.timed_reward_scores`)."""
+    def reward(rollout: Rollout, stream=None) -> RewardScores:
+        called = None if stream is None else stream.result(rollout)
+        return timed_reward_scores(rollout, run.engines, run.cfg, run.reward_encode, called)
+    return reward
 
 
-def _generate(run: IterationInputs, indices: list[int], acc: Accumulator
+def _generate(run: IterationInputs, indices: list[int], acc: Accumulator, stream=None
               ) -> tuple[Rollout, Generated]:
-    """This rank's rollout of the prompts `indices`: one response per sample, or multi-turn
-    episodes with the environment (their metrics into `acc`)."""
+    """This rank's rollout of the prompts `indices`: one response per sample (each handed to
+    the reward's `stream` as it finishes), or multi-turn episodes with the environment (their
+    metrics into `acc`)."""
     if run.env is None:
         return make_rollout(run.prompts, indices, run.engines, run.cfg, run.tokenizer,
-                            run.gen_mode, run.eos_ids)
+                            run.gen_mode, run.eos_ids, stream)
     rollout, generated, stats = make_episodes(run.prompts, indices, run.engines, run.cfg,
                                               run.tokenizer, run.gen_mode, run.eos_ids, run.env)
     add_episode_metrics(acc, stats)

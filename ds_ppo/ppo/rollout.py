@@ -1,6 +1,8 @@
 """Rollout: this rank's prompts -> responses from the current policy (a `Rollout`)."""
 from __future__ import annotations
 
+import torch
+
 from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
@@ -34,6 +36,15 @@ def generation_metrics(rollout: Rollout, gen: Generated, acc) -> None:
     acc.add_mean("generation/slot_utilisation", sum(rollout.response_lens), slot_steps)
 
 
+def stamp_versions(rollout: Rollout, version: int) -> Rollout:
+    """`rollout` with `token_versions` recorded: every counted token sampled by the weights of
+    policy `version` (a rollout is decoded with one version's weights from start to end)."""
+    mask = rollout.mask
+    rollout.token_versions = torch.full(mask.shape, version, dtype=torch.int32,
+                                        device=mask.device).masked_fill_(~mask, -1)
+    return rollout
+
+
 def decodes_own_rows(gen_cfg, mode: str) -> bool:
     """Whether this rank brings its rows to generation. With sequence parallelism in
     tensor_parallel mode, when each tensor-parallel group is made of whole SP groups (both are
@@ -48,13 +59,14 @@ def decodes_own_rows(gen_cfg, mode: str) -> bool:
 
 
 def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
-                 mode: str, eos_ids: list[int]) -> tuple[Rollout, Generated]:
+                 mode: str, eos_ids: list[int], stream=None) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch):
     ppo.samples_per_prompt of each, next to each other (rows g*n .. g*n + n - 1 answer prompt
     indices[g]), sampled in one batch from this rank's stream, so independently. With
     sequence parallelism, the SP group's ranks hold the same `indices` and the same stream; the
     group's first rank's rollout is returned on all of them (broadcast: a kernel's
-    non-determinism can never give them different rows, and a split row must be one row)."""
+    non-determinism can never give them different rows, and a split row must be one row).
+    `stream`: a `RewardStream` the responses go to as they finish (ppo/reward_stream.py)."""
     n = cfg.ppo.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [prompts.input_ids[i] for i in indices]
@@ -63,14 +75,16 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     # no rows: this rank joins its tensor-parallel group's decoding of the others' rows
     rows = len(indices) if decodes_own_rows(cfg.generation, mode) else 0
     gen = generate(engines.policy, ids[:rows], am[:rows], cfg.generation, mode, eos_ids,
-                   tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica)
+                   tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica,
+                   on_done=_watch(stream, prompts, indices, prompt_ids, tokenizer, eos_ids))
     engines.replica = gen.replica
     rollout = _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer) if rows else None
     return dist.broadcast_in_sp_group(rollout, engines.device), gen
 
 
 def replica_rollout(prompts: PromptSet, indices: list[int], replica, cfg: Config, tokenizer,
-                    eos_ids: list[int], device, generator) -> tuple[Rollout, Generated]:
+                    eos_ids: list[int], device, generator, stream=None
+                    ) -> tuple[Rollout, Generated]:
     """`make_rollout` on a replica built already (`decode_on_replica`), sampling from the random
     stream `generator`: no collective, for the background worker of ppo.schedule."""
     n = cfg.ppo.samples_per_prompt
@@ -79,8 +93,17 @@ def replica_rollout(prompts: PromptSet, indices: list[int], replica, cfg: Config
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(device), am.to(device).bool()
     gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, tokenizer.pad_token_id,
-                            generator)
+                            generator, _watch(stream, prompts, indices, prompt_ids, tokenizer,
+                                              eos_ids))
     return _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen
+
+
+def _watch(stream, prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
+           tokenizer, eos_ids: list[int]):
+    """The decoding loop's `on_done` that hands finished responses to `stream` (None: none)."""
+    if stream is None:
+        return None
+    return stream.watch(tokenizer, prompt_ids, [prompts.extra(i) for i in indices], eos_ids)
 
 
 def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],

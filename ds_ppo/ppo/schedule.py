@@ -8,10 +8,11 @@ What runs where (colocated placement, every rank alike):
   gathers that refresh the replica (`build_replica`) and their checksum agreement, the
   agreement on the reward call's outcome (`scoring._function_scores`), scoring, the update;
 - the worker thread: `replica_rollout` on the replica (our decoding loop, no collective) from
-  its own random stream (`generator`), one rollout after another in iteration order, each one's
-  `call_reward` (reward.function / reward.url) handed to a small pool as its decoding ends, so
-  the calls of a batch overlap one another. A reward model's forwards are collective: they stay
-  in scoring, on the training thread.
+  its own random stream (`generator`), one rollout after another in iteration order, each
+  response's reward call (reward.function / reward.url) started as the decoding loop finishes
+  it (`reward_stream`; with reward.stream off, each rollout's one call handed to a small pool as
+  its decoding ends), so the calls of a batch overlap one another. A reward model's forwards
+  are collective: they stay in scoring, on the training thread.
 
 Which iterations' rollouts are generated beside an iteration (`algo.choices.rollout_batch`) and
 from which weights (`rollout_version`) are fixed by the schedule, never by timing: at a refresh
@@ -39,7 +40,11 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
 from ds_ppo.errors import UserError
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.rollout import generation_metrics, replica_rollout
+from ds_ppo.envs.base import EnvFailed
+from ds_ppo.ppo.episodes import (EpisodeStats, add_episode_metrics, agree_on_episodes,
+                                 make_episodes)
+from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
+from ds_ppo.ppo.rollout import generation_metrics, replica_rollout, stamp_versions
 from ds_ppo.ppo.scoring import RewardCall, RewardScores, call_reward, timed_reward_scores
 
 log = logging.getLogger("ds_ppo")
@@ -55,12 +60,14 @@ class Buffered:
 
     iteration: int  # the iteration (1-based) that trains on it
     version: int  # policy version (optimizer updates applied) of the weights that generated it
-    rollout: Rollout
-    generated: Generated  # the decoding loop's output (no replica)
+    rollout: Rollout | None  # None: its episodes' environment failed (env_error)
+    generated: Generated | None  # the decoding loop's output (no replica)
     # the reward function's call on it (None: a reward model, or a failed call saved in a
     # checkpoint: scoring calls the reward)
     called: RewardCall | None
     seconds: float  # worker time to generate it plus its reward call's
+    episodes: EpisodeStats | None = None  # env: its episodes' statistics (metrics env/*)
+    env_error: EnvFailed | None = None  # env: this rank's environment failure (agreed on take)
 
 
 @dataclass
@@ -125,6 +132,9 @@ class RolloutSchedule:
             self._sync(current)
             got = self._produce(iteration, current)
             self.busy_s += got.seconds
+        if self.run.env is not None:  # episodes: a failure on any rank stops all (collective)
+            agree_on_episodes(got.env_error, self.run.engines.device)
+            add_episode_metrics(acc, got.episodes)
         self._staleness_metrics(got, current, acc)
         generation_metrics(got.rollout, got.generated, acc)
         rewards = None
@@ -182,51 +192,78 @@ class RolloutSchedule:
 
     @staticmethod
     def _staleness_metrics(got: Buffered, current: int, acc: Accumulator) -> None:
-        """async/staleness_*, off-policy token share and dropped of the rollout trained on."""
+        """async/staleness_* of the rollout's samples and of its tokens (by the version that
+        sampled each, `Rollout.token_versions`), off-policy token share and dropped."""
         staleness = float(current - got.version)
-        tokens = float(got.rollout.mask.sum())
         acc.add_mean("async/staleness_mean", staleness * len(got.rollout), len(got.rollout))
         acc.add_max("async/staleness_max", staleness)
-        acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
+        rollout = got.rollout
+        if rollout.token_versions is None:  # a checkpoint saved before versions were recorded
+            stamp_versions(rollout, got.version)
+        lag = (current - rollout.token_versions)[rollout.mask].float()
+        tokens = float(lag.numel())
+        acc.add_mean("async/token_staleness_mean", float(lag.sum()), tokens)
+        acc.add_max("async/token_staleness_max", float(lag.max()) if tokens else 0.0)
+        acc.add_mean("async/off_policy_token_share", float((lag > 0).sum()), tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
-    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float]:
-        """The rollout of `iteration` on the replica from the worker's stream (no collective),
-        and its seconds."""
+    def _decode(self, iteration: int, version: int) -> tuple[Buffered, RewardStream | None]:
+        """The rollout of `iteration` on the replica (weights of `version`) from the worker's
+        stream (no collective), with its seconds; and the reward stream its responses went to
+        as they finished (None: the reward is called on the whole rollout). With an env, its
+        episodes (their environment steps here too; a failure is kept for `take`)."""
         run, t0 = self.run, time.perf_counter()
-        rollout, gen = replica_rollout(run.prompts, self.prompts_of(iteration), self.replica,
-                                       run.cfg, run.tokenizer, run.eos_ids, run.engines.device,
-                                       self.generator)
-        return rollout, replace(gen, replica=None), time.perf_counter() - t0
+        indices = self.prompts_of(iteration)
+        if run.env is not None:
+            try:
+                rollout, gen, stats = make_episodes(
+                    run.prompts, indices, run.engines, run.cfg, run.tokenizer, "gathered",
+                    run.eos_ids, run.env, on_replica=(self.replica, self.generator))
+            except EnvFailed as e:
+                return Buffered(iteration, version, None, None, None,
+                                time.perf_counter() - t0, env_error=e), None
+            return Buffered(iteration, version, stamp_versions(rollout, version),
+                            replace(gen, replica=None), None, time.perf_counter() - t0,
+                            episodes=stats), None
+        stream = reward_stream(run.cfg, run.engines.reward_fn)
+        rollout, gen = replica_rollout(run.prompts, indices, self.replica, run.cfg,
+                                       run.tokenizer, run.eos_ids, run.engines.device,
+                                       self.generator, stream)
+        return Buffered(iteration, version, stamp_versions(rollout, version),
+                        replace(gen, replica=None), None, time.perf_counter() - t0), stream
 
-    def _call(self, rollout: Rollout) -> RewardCall | None:
-        """The reward function's call on `rollout` (None: a reward model scores it later)."""
+    def _call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
+        """The reward function's call on `rollout`, or the outcome of its streamed calls
+        (None: a reward model scores it later, or no rollout: its environment failed)."""
         fn = self.run.engines.reward_fn
-        return None if fn is None else call_reward(rollout, fn, self.run.cfg, in_worker=True)
+        if fn is None or rollout is None:
+            return None
+        if stream is not None:
+            return stream.result(rollout, in_worker=True)
+        return call_reward(rollout, fn, self.run.cfg, in_worker=True)
 
     def _produce(self, iteration: int, version: int) -> Buffered:
         """The rollout of `iteration` on the replica (weights of `version`), its reward function
         called, on the calling thread (the training thread, when it generates now)."""
-        rollout, gen, seconds = self._decode(iteration)
-        called = self._call(rollout)
-        return Buffered(iteration, version, rollout, gen, called,
-                        seconds + (called.seconds if called is not None else 0.0))
+        got, stream = self._decode(iteration, version)
+        got.called = self._call(got.rollout, stream)
+        got.seconds += got.called.seconds if got.called is not None else 0.0
+        return got
 
     def _produce_batch(self, iterations: list[int], version: int) -> Batch:
         """The worker: the rollouts of `iterations` decoded one after another from the replica
         (weights of `version`) and the worker's stream, so the tokens do not depend on timing;
-        each one's reward call starts in the reward pool as its decoding ends."""
+        each one's reward calls start as its responses finish (reward.stream), or its one call
+        in the reward pool as its decoding ends."""
         t0 = time.perf_counter()
         decoded = []
         for j in iterations:
-            rollout, gen, seconds = self._decode(j)
-            decoded.append((j, rollout, gen, seconds, self.reward_pool.submit(self._call, rollout)))
-        rollouts = []
-        for j, rollout, gen, seconds, call in decoded:
-            called = call.result()
-            rollouts.append(Buffered(j, version, rollout, gen, called,
-                                     seconds + (called.seconds if called is not None else 0.0)))
-        return Batch(rollouts, time.perf_counter() - t0)
+            got, stream = self._decode(j, version)
+            decoded.append((got, self.reward_pool.submit(self._call, got.rollout, stream)))
+        for got, call in decoded:
+            got.called = call.result()
+            got.seconds += got.called.seconds if got.called is not None else 0.0
+        return Batch([got for got, _ in decoded], time.perf_counter() - t0)
 
     def _sync(self, version: int) -> None:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
@@ -259,7 +296,7 @@ class RolloutSchedule:
         No replica weights: the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "completed": self.completed,
-                "buffer": [_kept(b) for b in self.buffer.values()],
+                "buffer": [k for b in self.buffer.values() if (k := _kept(b)) is not None],
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, saved: dict | None) -> None:
@@ -276,9 +313,11 @@ class RolloutSchedule:
         self.completed = saved["completed"]
 
 
-def _kept(buffered: Buffered) -> Buffered:
+def _kept(buffered: Buffered) -> Buffered | None:
     """`buffered` as a checkpoint keeps it: a failed reward call is not kept (the resumed run
-    calls the fixed reward again)."""
+    calls the fixed reward again), nor episodes whose environment failed (generated again)."""
+    if buffered.env_error is not None:
+        return None
     if buffered.called is not None and buffered.called.error is not None:
         return replace(buffered, called=None)
     return buffered

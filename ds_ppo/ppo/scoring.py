@@ -35,13 +35,21 @@ class RewardCall:
     scores: list[float]  # one per row ([] after an error)
     error: UserError | None  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
     seconds: float  # this rank's wall-clock time for the call
+    retries: int | None = None  # reward.url: requests retried (None: counted at scoring)
 
 
 def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> RewardCall:
     """reward.function (or reward.url) on this rank's rows (`call_reward_function`: checked,
     with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
     worker, which must not touch the watchdog (the training thread reports its phases)."""
-    columns = {k: [e[k] for e in rollout.extras] for k in cfg.data.reward_keys}
+    return call_reward_rows(list(rollout.prompts), list(rollout.responses), rollout.extras, fn,
+                            cfg, in_worker)
+
+
+def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict], fn,
+                     cfg: Config, in_worker: bool = False) -> RewardCall:
+    """`call_reward` on rows given as texts and their dataset rows (`extras`)."""
+    columns = {k: [e[k] for e in extras] for k in cfg.data.reward_keys}
     # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
     # thread around it; its answers are checked like a function's
     spec = cfg.reward.function or redact_url(cfg.reward.url)
@@ -51,8 +59,7 @@ def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> R
     t0 = time.perf_counter()
     try:
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
-            scores = call_reward_function(fn, spec, list(rollout.prompts),
-                                          list(rollout.responses), columns, timeout_s)
+            scores = call_reward_function(fn, spec, prompts, responses, columns, timeout_s)
         return RewardCall(scores, None, time.perf_counter() - t0)
     except UserError as e:
         return RewardCall([], e, time.perf_counter() - t0)
@@ -138,7 +145,9 @@ def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
     if scores.is_cuda:
         torch.cuda.synchronize()  # the reward model's forwards run asynchronously
     seconds = time.perf_counter() - t0
-    if retries is not None:
+    if called is not None and called.retries is not None:  # counted where it was called
+        retries = called.retries
+    elif retries is not None:
         retries = engines.reward_fn.retries - retries
     return RewardScores(scores, cut, seconds, retries)
 
@@ -168,8 +177,9 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
     ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
     micro-batches make up the difference). `rewards()`, called after the model forwards: the
-    rollout's reward scores (`timed_reward_scores`, or those known already: ppo.dynamic_sampling
-    chose its groups by them)."""
+    rollout's reward scores (`timed_reward_scores`, taking the outcome of the calls that
+    reward.stream started as generation finished the responses, or scores known already:
+    ppo.dynamic_sampling chose its groups by them)."""
     temp = s.temperature
     critic = engines.value  # None with a critic-free estimator
     # ppo.old_logprobs=rollout: the sampler's log-probs (the config checks make them the

@@ -56,7 +56,8 @@ class ScriptedPolicy:
         self.turn = {k: 0 for k in script}
         self.contexts: list[list[list[int]]] = []
 
-    def __call__(self, policy, ids, am, gen_cfg, mode, eos_ids, pad_id, dtype, kept_replica=None):
+    def __call__(self, policy, ids, am, gen_cfg, mode, eos_ids, pad_id, dtype, kept_replica=None,
+                 on_done=None):
         rows, seen = [], []
         for row, keep in zip(ids.tolist(), am.tolist()):
             ctx = [t for t, k in zip(row, keep) if k]
@@ -69,6 +70,10 @@ class ScriptedPolicy:
         out = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
         mask = torch.tensor([[i < len(r) for i in range(width)] for r in rows])
         ended = torch.tensor([r[-1] == self.eos for r in rows])
+        if on_done is not None:  # as our loop: the shortest turns first, each row once
+            for n in sorted({len(r) for r in rows}):
+                done = [k for k, r in enumerate(rows) if len(r) == n]
+                on_done(done, [out[k].tolist() for k in done])
         return Generated(response_ids=out, mask=mask, ended=ended, loop="own")
 
 
@@ -137,6 +142,38 @@ def test_observation_past_the_token_budget_ends_the_episode(tok, monkeypatch):
     assert rollout.mask[0].tolist() == [True] * 6 and stats.truncated == 1
     assert rollout.ended.tolist() == [False] and len(policy.contexts) == 1
     assert rollout.turn_rewards[0, 5] == 0.2  # the call's reward still counts
+
+
+STEPPED = threading.Event()
+
+
+def stepped(prompt, actions, answer):
+    STEPPED.set()
+    return Step(reward=float(len(actions)), done=True)
+
+
+def test_an_episodes_step_starts_while_the_others_decode(tok, monkeypatch):
+    """Episode 0's turn ends first: its environment step starts while the turn of episode 1 is
+    still decoding (the scripted policy waits for it before handing episode 1's turn in; an
+    environment stepped only after the whole turn would leave that wait to run out)."""
+    cfg = _cfg("env.function=episode_envs:stepped", "env.max_turns=1")
+    eos, good = tok.eos_token_id, _ids(tok, "good")[-1]
+    waited = []
+    real = ScriptedPolicy.__call__
+
+    def waiting(self, *args, on_done=None, **kwargs):
+        def hand_in(rows, tokens):
+            if len(rows) == 1 and rows[0] == 1:  # the longer turn: after the first's step
+                waited.append(STEPPED.wait(30))
+            on_done(rows, tokens)
+        return real(self, *args, on_done=hand_in, **kwargs)
+
+    STEPPED.clear()
+    monkeypatch.setattr(ScriptedPolicy, "__call__", waiting)
+    rollout, _, stats, _, _ = _episodes(tok, monkeypatch, cfg, ["a", "b"], ["1", "2"],
+                                        [[[good, eos]], [[good, good, good, eos]]])
+    assert waited == [True] and stats.calls == 2
+    assert rollout.turn_rewards.sum(1).tolist() == [1.0, 1.0]
 
 
 def test_cut_at_stop_keeps_the_token_completing_the_string(tok):

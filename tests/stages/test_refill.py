@@ -105,6 +105,21 @@ def test_concat_rollouts_pads_each_part_to_the_widest():
     assert both.mask.sum(1).tolist() == both.response_lens
 
 
+def _width(rollout: Rollout) -> int:
+    return rollout.mask.shape[1]
+
+
+def test_concat_rollouts_pads_token_versions_with_minus_one():
+    from ds_ppo.ppo.rollout import stamp_versions
+
+    b = stamp_versions(_rollout([2, 5]), 4)
+    a = stamp_versions(padded_rollout([[3]], [[4]], 1, 1, PAD), 3)  # one response column
+    both = concat_rollouts([a, b], PAD)
+    assert both.token_versions.shape == both.mask.shape and _width(a) == 1 < _width(b)
+    assert (both.token_versions[~both.mask] == -1).all()
+    assert both.token_versions[both.mask].unique().tolist() == [3, 4]
+
+
 def test_concat_rollouts_keeps_the_sampled_distribution():
     """The rounds of one iteration were sampled alike: their `sampling` (the distribution the
     trainer's log-probs use) passes through; parts sampled otherwise are refused."""

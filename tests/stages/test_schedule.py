@@ -142,12 +142,17 @@ def test_resume_continues_exactly(tmp_path, schedule, stop, buffered, stale):
     # the buffered rollouts (each with its version and reward call) and the worker's stream
     held = torch.load(saved, weights_only=False)
     assert [b.iteration for b in held["buffer"]] == list(range(stop + 1, stop + 1 + buffered))
+    for b in held["buffer"]:  # each token's version saved with it: the weights that sampled it
+        versions, mask = b.rollout.token_versions, b.rollout.mask
+        assert (versions[mask] == b.version).all() and (versions[~mask] == -1).all()
     _train(split, *schedule, "iterations=5", every)
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5]
     assert a == b
     assert _same_weights(_weights(full, 5), _weights(split, 5))
     assert _column(split, "async/staleness_mean") == stale
+    assert _column(split, "async/token_staleness_mean") == stale
+    assert _column(split, "async/token_staleness_max") == stale
     assert _column(split, "async/regenerated") == [0.0] * 5
 
 
@@ -209,3 +214,38 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     _train(tmp_path / "c", *OFF, "iterations=4")
     assert list(zip(_column(tmp_path / "c", "async/regenerated"),
                     _column(tmp_path / "c", "async/staleness_max")))[2:] == [(1, 0), (0, 1)]
+
+
+CALC = ["ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "ppo.micro_batch_size=8",
+        "tracking.enabled=false", "checkpoint.export_at_end=false", "checkpoint.keep_last=3",
+        "ppo.rollout_correction=tis"]
+
+
+def _calculator(out: Path, *overrides: str):
+    from ds_ppo.config.load import preset_path
+    from ds_ppo.trainer import train
+
+    return train(load_config(preset_path("calculator"), [*CALC, f"output_dir={out}",
+                                                           *overrides]))
+
+
+def test_calculator_episodes_resume_exactly(tmp_path):
+    # the calculator preset's multi-turn episodes, played in the background worker (environment
+    # steps included); a run stopped after iteration 2 and resumed equals the uninterrupted one
+    full, split = tmp_path / "full", tmp_path / "split"
+    schedule = ["ppo.schedule=one_step_off"]
+    _calculator(full, *schedule, "iterations=3", "checkpoint.every=2")
+    _calculator(split, *schedule, "iterations=2", "checkpoint.every=2")
+    held = torch.load(split / "checkpoints" / "iter_000002" / "in_flight" / "rank_00000.pt",
+                      weights_only=False)
+    assert [b.iteration for b in held["buffer"]] == [3]  # its episodes and their statistics
+    for b in held["buffer"]:  # observations were not sampled: no version
+        versions, mask = b.rollout.token_versions, b.rollout.mask
+        assert b.episodes is not None and b.rollout.turn_rewards is not None
+        assert (versions[mask] == b.version).all() and (versions[~mask] == -1).all()
+    _calculator(split, *schedule, "iterations=3", "checkpoint.every=2")
+    a, b = _rows(full), _rows(split)
+    assert [r["iteration"] for r in b] == [1, 2, 3] and a == b
+    assert _column(split, "async/staleness_mean") == [0.0, 1.0, 1.0]
+    assert _column(split, "async/regenerated") == [0.0] * 3
+    assert all(r["env/calls"] > 0 for r in b)

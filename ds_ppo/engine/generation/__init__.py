@@ -245,22 +245,28 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
 
 
 def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None,
-                slots: int | None = None, generator: torch.Generator | None = None):
-    """A `(ids, mask) -> (response ids, log-probs, DecodeStats, routes)` function running our
-    loop (loop=own); `group`: the tensor-parallel group decoding together (None: a whole
-    replica); `slots`: rows decoding at once (None: all; fewer: continuous batching);
+                slots: int | None = None, generator: torch.Generator | None = None,
+                on_done=None):
+    """A `(ids, mask, rows) -> (response ids, log-probs, DecodeStats, routes)` function
+    running our loop (loop=own); `group`: the tensor-parallel group decoding together (None: a
+    whole replica); `slots`: rows decoding at once (None: all; fewer: continuous batching);
     `generator`: the random stream to sample from (None: torch's default). routes: a
-    mixture-of-experts replica's (prompt, response) expert choices (`Decoded`), else None."""
+    mixture-of-experts replica's (prompt, response) expert choices (`Decoded`), else None.
+    `on_done(rows, tokens)`: each response as the loop finishes it (`decode`), its row named
+    by `rows` (the caller's row index of each of `ids`' rows)."""
     shape = sampling_shape(cfg, eos_ids, pad_id)
 
-    def run(ids: torch.Tensor, am: torch.Tensor):
+    def run(ids: torch.Tensor, am: torch.Tensor, rows: list[int] | None = None):
+        done = None  # on_done with the caller's row indices
+        if on_done is not None and rows is not None:
+            done = lambda local, tokens: on_done([rows[r] for r in local], tokens)  # noqa: E731
         out = decode(model, ids, am, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                      pad_id=pad_id, min_new_tokens=shape.min_new_tokens,
                      temperature=shape.temperature, top_k=shape.top_k, top_p=shape.top_p,
                      suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
                      stop_check_every=cfg.stop_check_every, group=group, slots=slots,
                      compile_step=cfg.compile_step, generator=generator,
-                     routes=group is None)
+                     routes=group is None, on_done=done)
         routes = None if out.prompt_routes is None else (out.prompt_routes, out.response_routes)
         return out.response_ids, out.logprobs, out.stats, routes
     return run
@@ -279,11 +285,13 @@ def _group_random_stream(tp: TPGroup | None, device: torch.device):
         yield
 
 
-def _run_or_split(run, ids: torch.Tensor, mask: torch.Tensor, splittable: bool) -> list:
+def _run_or_split(run, ids: torch.Tensor, mask: torch.Tensor, splittable: bool,
+                  rows: list[int] | None = None) -> list:
     """[run(ids, mask)]; if the device runs out of memory and `splittable`, the prompts in two
-    halves (recursively, down to one prompt), in order, with one warning per split."""
+    halves (recursively, down to one prompt), in order, with one warning per split. `rows`: the
+    caller's row index of each prompt, handed to `run` (which then streams finished rows)."""
     try:
-        return [run(ids, mask)]
+        return [run(ids, mask) if rows is None else run(ids, mask, rows)]
     except torch.OutOfMemoryError:
         if not splittable or ids.shape[0] == 1:
             raise
@@ -292,8 +300,10 @@ def _run_or_split(run, ids: torch.Tensor, mask: torch.Tensor, splittable: bool) 
     half = ids.shape[0] // 2
     log.warning("generation: out of device memory for %d prompts at once; generating them in "
                 "halves (generation.batch_size=%d or less avoids the retry)", ids.shape[0], half)
-    return (_run_or_split(run, ids[:half], mask[:half], splittable)
-            + _run_or_split(run, ids[half:], mask[half:], splittable))
+    return (_run_or_split(run, ids[:half], mask[:half], splittable,
+                          None if rows is None else rows[:half])
+            + _run_or_split(run, ids[half:], mask[half:], splittable,
+                            None if rows is None else rows[half:]))
 
 
 def _prompt_chunks(mask: torch.Tensor, size: int) -> list[tuple[list[int], int]]:
@@ -319,11 +329,14 @@ def _stack_chunks(outs: list[torch.Tensor], pad_id: float) -> torch.Tensor:
 @torch.no_grad()
 def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              cfg: GenerationConfig, mode: str, eos_ids: list[int], pad_id: int,
-             dtype: torch.dtype, kept_replica: torch.nn.Module | None = None) -> Generated:
+             dtype: torch.dtype, kept_replica: torch.nn.Module | None = None,
+             on_done=None) -> Generated:
     """Sample responses for this rank's prompts (B, P) (left-padded) from the current policy.
 
     With generation.keep_replica, the replica is returned in `Generated.replica` and should be
-    passed back as `kept_replica` next time: its weights are refreshed in place."""
+    passed back as `kept_replica` next time: its weights are refreshed in place. `on_done(rows,
+    tokens)`: called with this rank's rows as our loop finishes them (`decode`), in mode
+    gathered with loop own; other modes and loops do not call it."""
     module = policy_engine.module
     device = prompt_ids.device
     was_training = module.training
@@ -337,13 +350,16 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         # tensor_parallel: the group's ranks capture their steps (all-reduces inside) together
         group = tp.group if tp is not None else None
         slots = cfg.batch_size if use_continuous(cfg, loop, rows.shape[0]) else None
-        run = (_own_decode(model, cfg, eos_ids, pad_id, group, slots) if loop == "own" else
+        hook = on_done if tp is None and loop == "own" else None
+        run = (_own_decode(model, cfg, eos_ids, pad_id, group, slots, None, hook)
+               if loop == "own" else
                _hf_generate(model, cfg, eos_ids, pad_id, kept_replica is None, None))
     else:
         model = module
         module.eval()
         module.config.use_cache = True
         run = _hf_generate(model, cfg, eos_ids, pad_id, False, dist.world_size() > 1)
+        hook = None
     outs, logprobs, stats, routes = [], [], [], []
     # continuous batching (slots set): one call over every row, its slots take them in turn
     chunks = _prompt_chunks(rows_mask, rows.shape[0] if slots else
@@ -354,7 +370,8 @@ def generate(policy_engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             # a whole replica decodes without collectives: a rank may split alone
             for out, lp, st, rt in _run_or_split(run, rows[idx, lead:], rows_mask[idx, lead:],
                                                  splittable=mode == "gathered" or
-                                                 (tp is not None and tp.size == 1)):
+                                                 (tp is not None and tp.size == 1),
+                                                 rows=idx if hook is not None else None):
                 outs.append(out)
                 logprobs.append(lp)
                 stats.append(st)
@@ -404,19 +421,21 @@ def _generated(outs: list, logprobs: list, stats: list, routes: list, chunks: li
 @torch.no_grad()
 def decode_on_replica(replica: torch.nn.Module, prompt_ids: torch.Tensor,
                       prompt_mask: torch.Tensor, cfg: GenerationConfig, eos_ids: list[int],
-                      pad_id: int, generator: torch.Generator) -> Generated:
+                      pad_id: int, generator: torch.Generator, on_done=None) -> Generated:
     """Sample responses for this rank's prompts (B, P) (left-padded) on a whole replica that is
     already built (`build_replica`), with our decoding loop, from the random stream
     `generator`: `generate`'s gathered mode without the gather. No collective and no watchdog
-    call: safe in a background worker while the training thread runs collectives."""
+    call: safe in a background worker while the training thread runs collectives. `on_done`:
+    as `generate`'s."""
     slots = cfg.batch_size if use_continuous(cfg, "own", prompt_ids.shape[0]) else None
-    run = _own_decode(replica, cfg, eos_ids, pad_id, None, slots, generator)
+    run = _own_decode(replica, cfg, eos_ids, pad_id, None, slots, generator, on_done)
     chunks = _prompt_chunks(prompt_mask, prompt_ids.shape[0] if slots else
                             cfg.batch_size or prompt_ids.shape[0])
     outs, logprobs, stats, routes = [], [], [], []
     for idx, lead in chunks:
         for out, lp, st, rt in _run_or_split(run, prompt_ids[idx, lead:],
-                                             prompt_mask[idx, lead:], splittable=True):
+                                             prompt_mask[idx, lead:], splittable=True,
+                                             rows=idx if on_done is not None else None):
             outs.append(out)
             logprobs.append(lp)
             stats.append(st)

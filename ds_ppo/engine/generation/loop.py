@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -137,7 +138,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            suppress_ids: list[int] | tuple[int, ...] = (), cuda_graph: bool = True,
            stop_check_every: int = 8, trim: bool = True, group=None,
            slots: int | None = None, compile_step: bool = False,
-           generator: torch.Generator | None = None, routes: bool = False) -> Decoded:
+           generator: torch.Generator | None = None, routes: bool = False,
+           on_done: Callable[[list[int], list[list[int]]], None] | None = None) -> Decoded:
     """Generate up to `max_new_tokens` tokens for left-padded prompts (N, P).
 
     `slots` (default: N) rows decode at once. With fewer slots than prompts this is continuous
@@ -155,7 +157,11 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     shapes: the steps attend to every cache column, as the CUDA graph's do), inside the CUDA
     graph where there is one: fused elementwise kernels (RMSNorm, rotary embeddings, residual
     adds) instead of eager's many small ones. The warm-up steps compile it. `generator`: the
-    random stream tokens are sampled from (None: torch's default one).
+    random stream tokens are sampled from (None: torch's default one). `on_done(rows, tokens)`:
+    called on this thread at every check that finds responses ended (and once at the end for
+    the rest), with those rows and each one's T token ids (pad after its EOS): what streams a
+    response to its reward call while the other rows decode. It costs one device read per
+    check that finds some.
     """
     N, P = prompt_ids.shape
     S = N if slots is None else max(1, min(slots, N))
@@ -181,7 +187,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     routes=routes)
         try:
             stats = _run_slots(run, N, S, T, cuda_graph, stop_check_every, group,
-                               narrow=slots is not None)
+                               narrow=slots is not None, on_done=on_done)
         finally:
             if run.tap is not None:
                 run.tap.record = False
@@ -208,12 +214,13 @@ def compiled_step(model: torch.nn.Module):
 
 
 def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_every: int,
-               group, narrow: bool) -> DecodeStats:
+               group, narrow: bool, on_done=None) -> DecodeStats:
     """Fill the S slots with the first prompts, then run decoding steps; every
     stop_check_every steps (one host read of the ended flags) move the ended rows out and the
     next prompts in, until every row has ended or reached T tokens. `narrow` (continuous
     batching): once no prompt is left and at most 3/4 of the slots are live, the live ones move
-    into a narrower batch (`_narrower`), so the draining tail does not step idle slots."""
+    into a narrower batch (`_narrower`), so the draining tail does not step idle slots.
+    `on_done`: see `decode`."""
     device = run.ids.device
     queue = list(range(S, N))[::-1]  # popped from the end: prompt order
     row_of: list[int | None] = list(range(S))
@@ -221,6 +228,7 @@ def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_
     graphs = cuda_graph and T - 1 > WARMUP_STEPS
     stepper = first = _Stepper(run.step, device, graphs, group)
     steps, limit, refills, slot_steps = 0, T - 1, 0, N
+    handed: set[int] = set()  # rows given to on_done
     while steps < limit:
         stepper()
         steps += 1
@@ -231,6 +239,9 @@ def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_
             continue
         ended = run.done.tolist()  # the check: one host read
         free = [s for s, r in enumerate(row_of) if ended[s] and r is not None]
+        if on_done is not None:
+            _hand_in(run, on_done, [s for s in free if row_of[s] not in handed],
+                     row_of, handed, T)
         if queue and free:
             free = free[:len(queue)]
             run.harvest(free, [row_of[s] for s in free])
@@ -250,9 +261,23 @@ def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_
             stepper = _Stepper(run.step, device, graphs, group)
     live = [s for s, r in enumerate(row_of) if r is not None]
     run.harvest(live, [row_of[s] for s in live])
+    if on_done is not None:  # the rows no check found ended
+        rest = [r for r in range(N) if r not in handed]
+        if rest:
+            on_done(rest, run.result[torch.tensor(rest, device=device)].tolist())
     return DecodeStats(steps=steps + 1, graph=first.graph is not None,
                        graph_error=first.error or stepper.error, slots=S, rows=N,
                        slot_steps=slot_steps, refills=refills)
+
+
+def _hand_in(run: Slots, on_done, slots: list[int], row_of: list[int | None],
+             handed: set[int], T: int) -> None:
+    """`on_done` for the ended rows in `slots` (before a refill or a shrink moves them out)."""
+    if not slots:
+        return
+    rows = [row_of[s] for s in slots]
+    handed.update(rows)
+    on_done(rows, run.out[torch.tensor(slots, device=run.ids.device), :T].tolist())
 
 
 def _narrower(ended: list[bool]) -> list[int] | None:
