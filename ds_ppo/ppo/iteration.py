@@ -26,7 +26,8 @@ from ds_ppo.ppo.rollout import generation_metrics, make_rollout, stamp_versions
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import correction_settings, rollout_correction
 from ds_ppo.ppo.dynamic import PromptDraw, refill, refill_settings
-from ds_ppo.ppo.scoring import RewardScores, score, scoring_settings, timed_reward_scores
+from ds_ppo.ppo.scoring import (RewardScores, reward_call_settings, score, scoring_settings,
+                                timed_reward_scores)
 from ds_ppo.ppo.update import ppo_update, update_settings
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                 refill_settings(cfg), indices, lambda idx: _generate(run, idx, acc), reward,
                 run.tokenizer.pad_token_id, acc)
         else:
-            stream = None if run.env is not None else reward_stream(cfg, engines.reward_fn)
+            stream = None if run.env is not None else reward_stream(reward_call_settings(cfg), engines.reward_fn)
             rollout, generated = _generate(run, indices, acc, stream)
             generation_metrics(rollout, generated, acc)
         if rollout.token_versions is None:  # generated now, by the current weights

@@ -22,11 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 from ds_ppo import watchdog
-from ds_ppo.config import Config
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.errors import UserError
-from ds_ppo.ppo.scoring import RewardCall, call_reward_rows
+from ds_ppo.ppo.scoring import RewardCall, RewardCallSettings, call_reward_rows
 from ds_ppo.rewards.encode import decode_responses
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by size: the process's reward-call threads
@@ -38,24 +37,22 @@ def _pool(size: int) -> ThreadPoolExecutor:
     return _POOLS[size]
 
 
-def reward_stream(cfg: Config, fn) -> RewardStream | None:
+def reward_stream(s: RewardCallSettings, fn) -> RewardStream | None:
     """A RewardStream for one rollout, or None where the reward is called after generation:
     reward.stream off, no reward function or service (`fn`: `Engines.reward_fn`), a
     reward.function with reward.timeout_s null (it runs on the calling thread), or sequence
     parallelism (a group's first rank calls for all)."""
-    r = cfg.reward
-    if (not r.stream or fn is None or (r.timeout_s is None and r.url is None)
-            or dist.sp_size() > 1):
+    if not s.stream or fn is None or (s.unlimited and not s.service) or dist.sp_size() > 1:
         return None
-    return RewardStream(fn, cfg, _pool(r.concurrency))
+    return RewardStream(fn, s, _pool(s.concurrency))
 
 
 class RewardStream:
     """The reward calls of one rollout on this rank, made as its responses finish decoding."""
 
-    def __init__(self, fn, cfg: Config, pool: ThreadPoolExecutor) -> None:
-        self.fn, self.cfg, self.pool = fn, cfg, pool
-        self.limit = cfg.reward.concurrency
+    def __init__(self, fn, s: RewardCallSettings, pool: ThreadPoolExecutor) -> None:
+        self.fn, self.settings, self.pool = fn, s, pool
+        self.limit = s.concurrency
         self.cond = threading.Condition()
         self.pending: list[tuple[int, str, str, dict]] = []  # (row, prompt, response, extra)
         self.running = 0  # calls (drain loops) in flight
@@ -102,7 +99,7 @@ class RewardStream:
                         return
                     batch, self.pending = self.pending, []
                 rows, prompts, responses, extras = (list(x) for x in zip(*batch))
-                call = call_reward_rows(prompts, responses, extras, self.fn, self.cfg,
+                call = call_reward_rows(prompts, responses, extras, self.fn, self.settings,
                                         in_worker=True)
                 with self.cond:
                     if call.error is not None:
@@ -123,7 +120,7 @@ class RewardStream:
         """The reward call's outcome on the whole `rollout` (this rank's rows), once the calls
         in flight have returned; rows not handed in, or handed in with other texts, are called
         now. `in_worker`: on ppo.schedule's background worker (no watchdog phase)."""
-        exempt = {"limit_s": None} if self.cfg.reward.timeout_s is None else {}
+        exempt = {"limit_s": None} if self.settings.unlimited else {}
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
             with self.cond:
                 while self.running:
@@ -137,7 +134,7 @@ class RewardStream:
             if missing:
                 call = call_reward_rows([rollout.prompts[i] for i in missing],
                                         [rollout.responses[i] for i in missing],
-                                        [rollout.extras[i] for i in missing], self.fn, self.cfg,
+                                        [rollout.extras[i] for i in missing], self.fn, self.settings,
                                         in_worker=True)
                 error = call.error
                 self.scored.update((i, (rollout.prompts[i], rollout.responses[i], s))

@@ -45,7 +45,8 @@ from ds_ppo.ppo.episodes import (EpisodeStats, add_episode_metrics, agree_on_epi
                                  make_episodes)
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
 from ds_ppo.ppo.rollout import generation_metrics, replica_rollout, stamp_versions
-from ds_ppo.ppo.scoring import RewardCall, RewardScores, call_reward, timed_reward_scores
+from ds_ppo.ppo.scoring import (RewardCall, RewardScores, call_reward, reward_call_settings,
+                                timed_reward_scores)
 
 log = logging.getLogger("ds_ppo")
 
@@ -225,7 +226,7 @@ class RolloutSchedule:
             return Buffered(iteration, version, stamp_versions(rollout, version),
                             replace(gen, replica=None), None, time.perf_counter() - t0,
                             episodes=stats), None
-        stream = reward_stream(run.cfg, run.engines.reward_fn)
+        stream = reward_stream(reward_call_settings(run.cfg), run.engines.reward_fn)
         rollout, gen = replica_rollout(run.prompts, indices, self.replica, run.cfg,
                                        run.tokenizer, run.eos_ids, run.engines.device,
                                        self.generator, stream)

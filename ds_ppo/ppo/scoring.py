@@ -43,23 +43,40 @@ def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> R
     with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
     worker, which must not touch the watchdog (the training thread reports its phases)."""
     return call_reward_rows(list(rollout.prompts), list(rollout.responses), rollout.extras, fn,
-                            cfg, in_worker)
+                            reward_call_settings(cfg), in_worker)
+
+
+@dataclass(frozen=True)
+class RewardCallSettings:
+    """What one call of reward.function / reward.url reads from the config."""
+
+    reward_keys: tuple[str, ...]  # data.reward_keys: the dataset columns handed to the reward
+    spec: str  # reward.function, or reward.url with its credentials hidden (for messages)
+    service: bool  # reward.url (else reward.function)
+    timeout_s: float | None  # a function's per-call limit (a service applies its own)
+    unlimited: bool  # reward.timeout_s null: never stopped, by the watchdog neither
+    concurrency: int  # reward.concurrency: calls at once (reward.stream)
+    stream: bool  # reward.stream: calls start as the responses finish decoding
+
+
+def reward_call_settings(cfg: Config) -> RewardCallSettings:
+    r = cfg.reward
+    # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
+    # thread around it; its answers are checked like a function's
+    return RewardCallSettings(tuple(cfg.data.reward_keys), r.function or redact_url(r.url),
+                              r.url is not None, None if r.url is not None else r.timeout_s, r.timeout_s is None,
+                              r.concurrency, r.stream)
 
 
 def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict], fn,
-                     cfg: Config, in_worker: bool = False) -> RewardCall:
+                     s: RewardCallSettings, in_worker: bool = False) -> RewardCall:
     """`call_reward` on rows given as texts and their dataset rows (`extras`)."""
-    columns = {k: [e[k] for e in extras] for k in cfg.data.reward_keys}
-    # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
-    # thread around it; its answers are checked like a function's
-    spec = cfg.reward.function or redact_url(cfg.reward.url)
-    timeout_s = None if cfg.reward.url is not None else cfg.reward.timeout_s
-    # reward.timeout_s = null: a call that is never stopped, by the watchdog neither
-    exempt = {"limit_s": None} if cfg.reward.timeout_s is None else {}
+    columns = {k: [e[k] for e in extras] for k in s.reward_keys}
+    exempt = {"limit_s": None} if s.unlimited else {}
     t0 = time.perf_counter()
     try:
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
-            scores = call_reward_function(fn, spec, prompts, responses, columns, timeout_s)
+            scores = call_reward_function(fn, s.spec, prompts, responses, columns, s.timeout_s)
         return RewardCall(scores, None, time.perf_counter() - t0)
     except UserError as e:
         return RewardCall([], e, time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from ds_ppo.containers import Rollout
 from ds_ppo.engine.generation.loop import decode
 from ds_ppo.errors import RewardFunctionError
 from ds_ppo.ppo.reward_stream import RewardStream, _pool
+from ds_ppo.ppo.scoring import reward_call_settings
 
 
 def test_decode_hands_in_rows_as_they_end():
@@ -66,7 +67,7 @@ def test_reward_calls_run_while_decoding_goes_on():
         started.set()
         return [float(len(r)) for r in responses]
 
-    stream, handed = RewardStream(fn, _cfg(), _pool(2)), []
+    stream, handed = RewardStream(fn, reward_call_settings(_cfg()), _pool(2)), []
     model = Waiting(tiny_llama(), EOS).eval()
 
     def on_done(rows, toks):
@@ -85,7 +86,7 @@ def test_stream_scores_in_row_order_and_calls_changed_rows_again():
         calls.append(list(responses))
         return [float(len(r)) for r in responses]
 
-    stream = RewardStream(fn, _cfg(), _pool(2))
+    stream = RewardStream(fn, reward_call_settings(_cfg()), _pool(2))
     stream.add([2, 0], ["p2", "p0"], ["ccc", "a"], [{}, {}])
     stream.add([3], ["p3"], ["old"], [{}])  # row 3 decoded again later: its text changed
     rollout = _rollout(["p0", "p1", "p2", "p3"], ["a", "bb", "ccc", "dddd"])
@@ -104,7 +105,7 @@ def test_failing_streamed_call_fails_as_one_call():
             raise ValueError("cannot score 'bad'")
         return [1.0] * len(responses)
 
-    stream = RewardStream(fn, _cfg(), _pool(2))
+    stream = RewardStream(fn, reward_call_settings(_cfg()), _pool(2))
     stream.add([1], ["p1"], ["bad"], [{}])
     stream.add([0], ["p0"], ["good"], [{}])
     rollout = _rollout(["p0", "p1"], ["good", "bad"])
