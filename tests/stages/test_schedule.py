@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_ppo.algo.choices import (SCHEDULE_NAMES, SCHEDULES, rollout_batch,
-                                  rollout_version)
+from ds_ppo.algo.choices import (PLACEMENT_NAMES, PLACEMENTS, SCHEDULE_NAMES, SCHEDULES,
+                                  rollout_batch, rollout_version)
 from ds_ppo.config import load_config
 from ds_ppo.config.checks import validate
 from ds_ppo.errors import ConfigError
@@ -27,6 +27,7 @@ VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/")
 
 def test_registry_names_every_schedule():
     assert tuple(SCHEDULES) == SCHEDULE_NAMES
+    assert tuple(PLACEMENTS) == PLACEMENT_NAMES
 
 
 def test_rollout_version_by_hand():
@@ -84,6 +85,46 @@ def test_refusals_name_the_keys(overrides, names):
     ["ppo.schedule=async", "ppo.max_staleness=3", "ppo.rollout_correction=mis"]])
 def test_sound_settings_pass(overrides):
     validate(load_config(None, overrides), 1)
+
+
+SPLIT = [*OFF, "ppo.placement=split"]
+
+
+@pytest.mark.parametrize("overrides,world,names", [
+    # no rank left to train
+    (SPLIT, 1, ["ppo.generation_ranks = 1 leaves no training rank", "ppo.placement=colocated"]),
+    ([*SPLIT, "ppo.generation_ranks=4"], 4, ["leaves no training rank",
+                                             "ppo.generation_ranks <= 3"]),
+    # a generation rank serves whole training ranks
+    ([*SPLIT, "ppo.generation_ranks=3"], 4, ["exceeds the 1 training rank(s)",
+                                             "ppo.generation_ranks <= 2"]),
+    # a split placement with nothing to overlap
+    (["ppo.placement=split"], 2, ["ppo.schedule = 'sync'", "ppo.schedule=one_step_off",
+                                  "ppo.placement=colocated"]),
+    (["ppo.placement=split", "ppo.schedule=async", "ppo.max_staleness=0"], 2,
+     ["ppo.max_staleness = 0", "ppo.placement=colocated"]),
+    # the batch sizes divide the training ranks: 8 prompts over 3 of 4 ranks
+    (SPLIT, 4, ["ppo.rollout_batch_size = 8 must be divisible by the data-parallel world size 3"]),
+])
+def test_split_refusals_name_the_keys(overrides, world, names):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*SMALL, *overrides]), world, runnable=False)
+    line = next(x for x in str(e.value).splitlines() if names[0] in x)
+    assert all(n in line for n in names), line
+
+
+def test_split_settings_pass_the_plan_and_train_refuses_them():
+    """1 of 2 and 2 of 4 ranks generating are sound settings that `ds-ppo plan` sizes;
+    `ds-ppo train --dry-run` refuses split in one line (no training loop runs it yet); a
+    colocated run ignores ppo.generation_ranks."""
+    from ds_ppo.cli import main
+
+    validate(load_config(None, [*SMALL, *SPLIT]), 2, runnable=False)
+    validate(load_config(None, [*SMALL, *SPLIT, "ppo.generation_ranks=2"]), 4, runnable=False)
+    validate(load_config(None, [*SMALL, "ppo.generation_ranks=5"]), 2)
+    with pytest.raises(ConfigError, match="does not run it yet.*set ppo.placement=colocated"):
+        validate(load_config(None, [*SMALL, *SPLIT]), 2)
+    assert main(["train", "--dry-run", "--world-size", "2", *SMALL, *SPLIT]) == 2
 
 
 def _train(out: Path, *overrides: str):
