@@ -162,8 +162,7 @@ class PPOConfig(Section):
         "generate (a 16-bit replica and the reward function's calls, no ZeRO engine) and the "
         "others only train, their ZeRO states partitioned over the training ranks alone (the "
         "batch sizes then divide by the training ranks). split needs an off-policy schedule "
-        "(one_step_off, or async with max_staleness >= 1). `ds-ppo plan` sizes both; "
-        "`ds-ppo train` runs colocated only (it refuses split at --dry-run).")
+        "(one_step_off, or async with max_staleness >= 1). `ds-ppo plan` sizes both.")
     generation_ranks: int = Field(
         1, ge=1, le=65536, description="placement=split: how many ranks only generate (the "
         "last ones of the world; each serves whole training ranks, so at most the training "

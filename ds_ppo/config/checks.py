@@ -19,20 +19,14 @@ from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
 
 
-def validate(cfg: Config, world_size: int, runnable: bool = True) -> None:
+def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks that need the world size; raises ConfigError listing every problem
     (one checker per part of the config, each returning its problems). The batch rules hold per
     data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
     sequence-parallel group share their rows (world / N data-parallel ranks); under
-    ppo.placement = split only the training ranks hold rows. `runnable`: also refuse what
-    `ds-ppo plan` sizes but `ds-ppo train` does not run (the plan's searches pass False)."""
+    ppo.placement = split only the training ranks hold rows."""
     problems = [p for section in cfg.sections() for p in section.problems()]
     placement = placement_problems(cfg, world_size)
-    if runnable and cfg.ppo.placement == "split":
-        placement = placement or [
-            "ppo.placement = 'split' is sized by `ds-ppo plan`, but `ds-ppo train` does not "
-            "run it yet (generation ranks and training ranks are one process group in this "
-            "version): set ppo.placement=colocated"]
     problems += placement
     trainers = world_size if placement else training_ranks(
         cfg.ppo.placement, world_size, cfg.ppo.generation_ranks)

@@ -131,7 +131,7 @@ def min_nodes_that_fit(cfg: Config, shapes: RoleShapes, cluster: Cluster,
     batch sizes divide the world size (config.validate), so the advice can be followed."""
     for nodes in range(cluster.nodes + 1, limit + 1):
         try:
-            validate(cfg, nodes * cluster.gpus_per_node, runnable=False)
+            validate(cfg, nodes * cluster.gpus_per_node)
         except ConfigError:
             continue
         if compute_plan(cfg, shapes, replace(cluster, nodes=nodes)).fits:

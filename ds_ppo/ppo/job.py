@@ -144,6 +144,12 @@ class PPOJob:
 
         self.reporter = Reporter(cfg, run.tracker, run.out, tokenizer)
 
+    def serve(self, cfg: Config, device: torch.device) -> None:
+        """A generation rank of ppo.placement = split: its whole run (ppo/split.py)."""
+        from ds_ppo.ppo.split import serve_generation
+
+        serve_generation(cfg, device)
+
     # ------------------------------------------------------------------- one iteration
     def step(self, run, iteration: int) -> dict[str, float]:
         from ds_ppo.ppo.report import iteration_metrics

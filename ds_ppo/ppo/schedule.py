@@ -71,6 +71,62 @@ class Batch:
     seconds: float  # the worker's wall-clock time for the whole batch
 
 
+class RolloutWorker:
+    """What generates rollouts, with no collective: decoding on a replica from a random stream
+    it is handed, and the reward function's call on each rollout. The colocated placement's
+    background thread runs it on every rank; under ppo.placement = split a generation rank's
+    loop (`serve_generation`) does, for the training ranks it serves."""
+
+    def __init__(self, cfg, prompts, tokenizer, eos_ids: list[int], device: torch.device,
+                 reward_fn, lag: int) -> None:
+        self.cfg, self.prompts, self.tokenizer, self.eos_ids = cfg, prompts, tokenizer, eos_ids
+        self.device, self.reward_fn = device, reward_fn
+        self.replica: torch.nn.Module | None = None
+        # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
+        self.reward_pool = ThreadPoolExecutor(max(1, min(lag, cfg.reward.concurrency)),
+                                              thread_name_prefix="ds_ppo-reward")
+
+    def decode(self, indices: list[int], generator: torch.Generator
+               ) -> tuple[Rollout, Generated, float]:
+        """The rollout of the prompts `indices` on the replica from `generator`, and its
+        seconds."""
+        t0 = time.perf_counter()
+        rollout, gen = replica_rollout(self.prompts, indices, self.replica, self.cfg,
+                                       self.tokenizer, self.eos_ids, self.device, generator)
+        return rollout, replace(gen, replica=None), time.perf_counter() - t0
+
+    def call(self, rollout: Rollout) -> RewardCall | None:
+        """The reward function's call on `rollout` (None: a reward model scores it later)."""
+        fn = self.reward_fn
+        return None if fn is None else call_reward(rollout, fn, self.cfg, in_worker=True)
+
+    def produce(self, iteration: int, indices: list[int], version: int,
+                generator: torch.Generator) -> Buffered:
+        """The rollout of `iteration` (prompts `indices`) on the replica (weights of `version`),
+        its reward function called, on the calling thread."""
+        rollout, gen, seconds = self.decode(indices, generator)
+        called = self.call(rollout)
+        return Buffered(iteration, version, rollout, gen, called,
+                        seconds + (called.seconds if called is not None else 0.0))
+
+    def produce_batch(self, work: list[tuple[int, list[int]]], version: int,
+                      generator: torch.Generator) -> Batch:
+        """The rollouts of `work` ((iteration, prompt indices) pairs) decoded one after another
+        from the replica (weights of `version`) and `generator`, so the tokens do not depend on
+        timing; each one's reward call starts in the reward pool as its decoding ends."""
+        t0 = time.perf_counter()
+        decoded = []
+        for j, indices in work:
+            rollout, gen, seconds = self.decode(indices, generator)
+            decoded.append((j, rollout, gen, seconds, self.reward_pool.submit(self.call, rollout)))
+        rollouts = []
+        for j, rollout, gen, seconds, call in decoded:
+            called = call.result()
+            rollouts.append(Buffered(j, version, rollout, gen, called,
+                                     seconds + (called.seconds if called is not None else 0.0)))
+        return Batch(rollouts, time.perf_counter() - t0)
+
+
 class RolloutSchedule:
     """The rollouts of a run with ppo.schedule one_step_off or async, for `run_iteration`:
     `take` (step 1), `start_next` (right after it), `finish` (after the update)."""
@@ -86,15 +142,20 @@ class RolloutSchedule:
         # max_staleness 0 the two sample the same tokens
         self.generator = torch.Generator(device=device).manual_seed(
             cfg.seed * 1000 + dist.dp_rank())
-        self.replica: torch.nn.Module | None = None
         self.replica_version: int | None = None
         self.buffer: dict[int, Buffered] = {}  # by the iteration that trains on it
         self.pending: Future | None = None  # a Batch
         self.deferred: int | None = None  # the next rollout is generated after the update
+        # colocated: a worker thread on this rank; split: a generation rank (`RemoteWorker`)
+        self.remote = None
+        if cfg.ppo.placement == "split":
+            from ds_ppo.ppo.split import RemoteWorker
+
+            self.remote = RemoteWorker(run)
+        self.worker = None if self.remote is not None else RolloutWorker(
+            cfg, run.prompts, run.tokenizer, run.eos_ids, device, run.engines.reward_fn,
+            self.lag)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ppo-rollout")
-        # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
-        self.reward_pool = ThreadPoolExecutor(max(1, min(self.lag, cfg.reward.concurrency)),
-                                              thread_name_prefix="ds_ppo-reward")
         self.busy_s = 0.0  # this iteration's worker time
         self.sync_s, self.sync_bytes = 0.0, 0
         self.t_start = 0.0
@@ -148,7 +209,12 @@ class RolloutSchedule:
         version = iteration - 1
         if version != self.replica_version:
             self._sync(version)
-        self.pending = self.pool.submit(self._produce_batch, todo, version)
+        work = [(j, self.prompts_of(j)) for j in todo]
+        if self.remote is not None:
+            self.pending = self.remote.submit_batch(work, version, self.generator)
+        else:
+            self.pending = self.pool.submit(self.worker.produce_batch, work, version,
+                                            self.generator)
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
         """After the update: the rollouts started beside this iteration finished and buffered,
@@ -167,6 +233,8 @@ class RolloutSchedule:
             self.busy_s += batch.seconds
         waited = time.perf_counter() - t0
         self.completed = iteration
+        if self.remote is not None and iteration == self.run.cfg.iterations:
+            self.remote.stop()
         total = max(time.perf_counter() - self.t_start, 1e-9)
         acc.add_max("async/training_wait_s", waited)
         acc.add_mean("async/training_idle_frac", min(waited, total), total)
@@ -190,43 +258,14 @@ class RolloutSchedule:
         acc.add_mean("async/off_policy_token_share", tokens if staleness > 0 else 0.0, tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
-    def _decode(self, iteration: int) -> tuple[Rollout, Generated, float]:
-        """The rollout of `iteration` on the replica from the worker's stream (no collective),
-        and its seconds."""
-        run, t0 = self.run, time.perf_counter()
-        rollout, gen = replica_rollout(run.prompts, self.prompts_of(iteration), self.replica,
-                                       run.cfg, run.tokenizer, run.eos_ids, run.engines.device,
-                                       self.generator)
-        return rollout, replace(gen, replica=None), time.perf_counter() - t0
-
-    def _call(self, rollout: Rollout) -> RewardCall | None:
-        """The reward function's call on `rollout` (None: a reward model scores it later)."""
-        fn = self.run.engines.reward_fn
-        return None if fn is None else call_reward(rollout, fn, self.run.cfg, in_worker=True)
-
     def _produce(self, iteration: int, version: int) -> Buffered:
-        """The rollout of `iteration` on the replica (weights of `version`), its reward function
-        called, on the calling thread (the training thread, when it generates now)."""
-        rollout, gen, seconds = self._decode(iteration)
-        called = self._call(rollout)
-        return Buffered(iteration, version, rollout, gen, called,
-                        seconds + (called.seconds if called is not None else 0.0))
-
-    def _produce_batch(self, iterations: list[int], version: int) -> Batch:
-        """The worker: the rollouts of `iterations` decoded one after another from the replica
-        (weights of `version`) and the worker's stream, so the tokens do not depend on timing;
-        each one's reward call starts in the reward pool as its decoding ends."""
-        t0 = time.perf_counter()
-        decoded = []
-        for j in iterations:
-            rollout, gen, seconds = self._decode(j)
-            decoded.append((j, rollout, gen, seconds, self.reward_pool.submit(self._call, rollout)))
-        rollouts = []
-        for j, rollout, gen, seconds, call in decoded:
-            called = call.result()
-            rollouts.append(Buffered(j, version, rollout, gen, called,
-                                     seconds + (called.seconds if called is not None else 0.0)))
-        return Batch(rollouts, time.perf_counter() - t0)
+        """The rollout of `iteration` from the weights of `version`, generated now (the worker's
+        code on the training thread, or a generation rank while this rank waits)."""
+        if self.remote is not None:
+            return self.remote.produce(iteration, self.prompts_of(iteration), version,
+                                       self.generator)
+        return self.worker.produce(iteration, self.prompts_of(iteration), version,
+                                   self.generator)
 
     def _sync(self, version: int) -> None:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
@@ -234,20 +273,23 @@ class RolloutSchedule:
         the checksum of what was gathered and the whole agreed across ranks; a mismatch stops
         the run with one line."""
         engines, t0 = self.run.engines, time.perf_counter()
+        if self.remote is not None:
+            self.sync_bytes += self.remote.sync(version)
+            self.replica_version = version
+            self.sync_s += time.perf_counter() - t0
+            return
         sums: dict[str, int] = {}
-        self.replica = build_replica(engines.policy.module, engines.dtype, engines.device,
-                                     into=self.replica, own_config=True, sums=sums)
-        _fault_point(self.replica, version)
-        params = dict(self.replica.named_parameters())
+        w = self.worker
+        w.replica = build_replica(engines.policy.module, engines.dtype, engines.device,
+                                  into=w.replica, own_config=True, sums=sums)
+        _fault_point(w.replica, version)
+        params = dict(w.replica.named_parameters())
         bad = [name for name, s in sums.items() if weight_checksum(params[name]) != s]
         total = sum(sums.values()) % 2**52
         spread = dist.all_reduce_max(torch.tensor([float(total), -float(total), float(len(bad))],
                                                   dtype=torch.float64))
         if bad or float(spread[2]) or float(spread[0]) != -float(spread[1]):
-            raise WeightSyncError(
-                f"weight sync of policy version {version} into the generation replica failed its "
-                f"checksum ({bad[0] if bad else 'on another rank, or the ranks differ'}): stopped;"
-                " the engines' weights are intact, run the same command again to resume")
+            raise sync_error(version, bad[0] if bad else None)
         self.replica_version = version
         self.sync_s += time.perf_counter() - t0
         self.sync_bytes += sum(p.numel() * p.element_size() for p in params.values())
@@ -274,6 +316,15 @@ class RolloutSchedule:
         moved = dist.moved(buffered, self.run.engines.device)
         self.buffer = {b.iteration: b for b in moved}
         self.completed = saved["completed"]
+
+
+def sync_error(version: int, bad: str | None, where: str = "the generation replica"
+               ) -> WeightSyncError:
+    """The one line a failed weight sync stops the run with."""
+    return WeightSyncError(
+        f"weight sync of policy version {version} into {where} failed its checksum "
+        f"({bad or 'on another rank, or the ranks differ'}): stopped; the engines' weights are "
+        "intact, run the same command again to resume")
 
 
 def _kept(buffered: Buffered) -> Buffered:
