@@ -1,9 +1,13 @@
-"""ppo.schedule on 2 gloo ranks through the real `deepspeed` launcher (ZeRO-3: every weight sync
-into the background worker's replica is a collective gather): a run killed by SIGKILL and
+"""ppo.schedule on 2 gloo ranks through the real `deepspeed` launcher: a run killed by SIGKILL and
 started again with the same command gives the metrics and final weights of an uninterrupted
-run, bit for bit."""
+run, bit for bit. async 3 runs colocated (ZeRO-3: every weight sync into the background
+worker's replica is a collective gather); one_step_off runs with ppo.placement = split (rank 1
+only generates, rank 0 only trains), and its runs equal a colocated run on the one training
+rank, from the start and resumed from the split run's checkpoint (the buffered rollout carries
+over: nothing is regenerated)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -25,13 +29,31 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
-@pytest.mark.parametrize("schedule", [["ppo.schedule=one_step_off"],
-                                      ["ppo.schedule=async", "ppo.max_staleness=3"]],
-                         ids=["one_step_off", "async3"])
-def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
+def _weights(out):
     from safetensors.torch import load_file
 
+    return load_file(out / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
+
+
+def _same(wa: dict, wb: dict) -> bool:
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _colocated_on_one_rank(out, extra: list[str]) -> None:
+    """The same run in this process: one rank, ppo.placement = colocated."""
+    from ds_ppo.config import load_config
+    from ds_ppo.trainer import train
+
+    train(load_config(None, [*SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
+                             *[e for e in extra if not e.startswith("ppo.placement")]]))
+
+
+@pytest.mark.parametrize("schedule", [["ppo.schedule=one_step_off", "ppo.placement=split"],
+                                      ["ppo.schedule=async", "ppo.max_staleness=3"]],
+                         ids=["one_step_off_split", "async3"])
+def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     extra = [*schedule, "ppo.rollout_correction=tis"]
+    split = "ppo.placement=split" in schedule
     full, killed = tmp_path / "full", tmp_path / "killed"
     proc = _launch(full, extra, tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -41,6 +63,8 @@ def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     proc = _launch(killed, extra, tmp_path, DS_PPO_FAULT="kill_during_save:4")
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "iter_000002"
+    if split:  # iteration 2's checkpoint of the split run, to continue colocated
+        shutil.copytree(killed, tmp_path / "other")
     proc = _launch(killed, extra, tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "resumed from" in proc.stdout + proc.stderr
@@ -49,6 +73,18 @@ def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if "one_step_off" in
                                                          schedule[0] else [1.0, 2.0, 3.0])
     assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
-    wa = load_file(full / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-    wb = load_file(killed / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _same(_weights(full), _weights(killed))
+    if not split:
+        return
+    # the split placement samples and trains what colocated does on its one training rank
+    _colocated_on_one_rank(tmp_path / "colocated", extra)
+    c = read_metrics(tmp_path / "colocated")
+    assert [_comparable(r) for r in a] == [_comparable(r) for r in c]
+    assert _same(_weights(full), _weights(tmp_path / "colocated"))
+    # resumed with the other placement at the same training world size: the checkpoint's
+    # buffered rollout (iteration 3's) is trained on, nothing regenerated
+    _colocated_on_one_rank(tmp_path / "other", extra)
+    o = read_metrics(tmp_path / "other")
+    assert [r["async/regenerated"] for r in o] == [0.0] * 4
+    assert [_comparable(r) for r in a] == [_comparable(r) for r in o]
+    assert _same(_weights(full), _weights(tmp_path / "other"))
