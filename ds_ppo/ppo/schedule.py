@@ -182,6 +182,11 @@ class RolloutSchedule:
         missing = 0.0 if usable or (got is None and iteration == 1) else 1.0
         regenerate = float(dist.all_reduce_max(torch.tensor([missing], dtype=torch.float64)))
         acc.add_sum("async/regenerated", regenerate)
+        if regenerate and dist.is_main():
+            log.info("iteration %d: no buffered rollout for it (a checkpoint of a sync run, of "
+                     "another number of training ranks, or of a larger max_staleness): its "
+                     "rollout is generated now from the current weights (async/regenerated)",
+                     iteration)
         if not usable or regenerate:
             self._sync(current)
             got = self._produce(iteration, current)
@@ -300,7 +305,7 @@ class RolloutSchedule:
         buffered rollout (with its version and reward call) and the worker's random stream.
         No replica weights: the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
-                "completed": self.completed,
+                "placement": self.run.cfg.ppo.placement, "completed": self.completed,
                 "buffer": [_kept(b) for b in self.buffer.values()],
                 "generator": self.generator.get_state()}
 
@@ -316,6 +321,12 @@ class RolloutSchedule:
         moved = dist.moved(buffered, self.run.engines.device)
         self.buffer = {b.iteration: b for b in moved}
         self.completed = saved["completed"]
+        placement, now = saved.get("placement", "colocated"), self.run.cfg.ppo.placement
+        if placement != now and dist.is_main():  # the same training ranks: nothing is redone
+            log.info("resumed a checkpoint of ppo.placement = %s with ppo.placement = %s on the "
+                     "same %d training rank(s): its buffered rollouts (iterations %s) and random "
+                     "streams carry over, nothing is regenerated", placement, now,
+                     dist.world_size(), sorted(self.buffer) or "none")
 
 
 def sync_error(version: int, bad: str | None, where: str = "the generation replica"

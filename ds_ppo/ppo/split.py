@@ -138,7 +138,16 @@ def serve_generation(cfg, device: torch.device) -> None:
     log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
     generator = torch.Generator(device=device)
     while True:
-        cmd = dist.bridge_recv(first)
+        try:
+            cmd = dist.bridge_recv(first)
+        except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+            if not dist.is_collective_failure(e):
+                raise
+            # the training ranks left before the last iteration (a stop, an error: their exit
+            # code says which); nothing of this rank is kept
+            log.warning("generation rank %d: the training ranks left (%s); stopping",
+                        dist.rank(), (str(e).strip().splitlines() or [""])[0][:200])
+            return
         if cmd["op"] == "sync":
             _receive_weights(worker, cmd, first, dtype, device)
             continue
