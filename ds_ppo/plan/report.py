@@ -151,8 +151,12 @@ def format_plan(p: Plan, title: str) -> str:
         cpu += " (not checked: pass --cpu-mem-gib)"
     else:
         cpu += f" of {c.cpu_mem_bytes / GiB:.1f} GiB" + ("" if p.fits_cpu else " -- DOES NOT FIT")
-    out.append(f"Per node: GPU {c.gpus_per_node} x {_gib(p.peak_gpu_bytes)} = "
-               f"{_gib(p.peak_gpu_bytes * c.gpus_per_node)} GiB; {cpu}.")
+    if p.generation_ranks:  # the two sides' peaks differ
+        out.append(f"Per node: GPU at most {c.gpus_per_node} x {_gib(p.rank_peak(False))} GiB "
+                   f"(training ranks), {_gib(p.rank_peak(True))} GiB per generation rank; {cpu}.")
+    else:
+        out.append(f"Per node: GPU {c.gpus_per_node} x {_gib(p.peak_gpu_bytes)} = "
+                   f"{_gib(p.peak_gpu_bytes * c.gpus_per_node)} GiB; {cpu}.")
     if not p.fits:
         fits_word = "fits" if c.cpu_mem_bytes is not None else "fits the GPUs (CPU unchecked)"
         if p.biggest_lever:

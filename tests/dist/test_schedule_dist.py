@@ -51,7 +51,7 @@ def _colocated_on_one_rank(out, extra: list[str]) -> None:
 @pytest.mark.parametrize("schedule", [["ppo.schedule=one_step_off", "ppo.placement=split"],
                                       ["ppo.schedule=async", "ppo.max_staleness=3"]],
                          ids=["one_step_off_split", "async3"])
-def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
+def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule, capsys):
     extra = [*schedule, "ppo.rollout_correction=tis"]
     split = "ppo.placement=split" in schedule
     full, killed = tmp_path / "full", tmp_path / "killed"
@@ -83,7 +83,11 @@ def test_killed_run_resumes_exactly_on_two_ranks(tmp_path, schedule):
     assert _same(_weights(full), _weights(tmp_path / "colocated"))
     # resumed with the other placement at the same training world size: the checkpoint's
     # buffered rollout (iteration 3's) is trained on, nothing regenerated
+    capsys.readouterr()
     _colocated_on_one_rank(tmp_path / "other", extra)
+    assert ("resumed a checkpoint of ppo.placement = split with ppo.placement = colocated on the "
+            "same 1 training rank(s): its buffered rollouts (iterations [3])"
+            in capsys.readouterr().out)
     o = read_metrics(tmp_path / "other")
     assert [r["async/regenerated"] for r in o] == [0.0] * 4
     assert [_comparable(r) for r in a] == [_comparable(r) for r in o]

@@ -221,7 +221,7 @@ def test_corrupted_weight_sync_stops(tmp_path, monkeypatch):
     assert "\n" not in message and "policy version 1" in message and "checksum" in message
 
 
-def test_resume_with_other_settings_regenerates(tmp_path):
+def test_resume_with_other_settings_regenerates(tmp_path, capsys):
     def last(out: Path) -> dict:
         return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
@@ -233,7 +233,9 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     assert (row["iteration"], row["async/regenerated"], row["async/staleness_max"]) == (3, 1, 0)
     # a sync run's checkpoint holds no rollout: one_step_off generates iteration 3's now
     _train(tmp_path / "b", "iterations=2")
+    capsys.readouterr()
     _train(tmp_path / "b", *OFF, "iterations=4")
+    assert "iteration 3: no buffered rollout for it" in capsys.readouterr().out  # says so
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
                                                                                      (0, 1)]
