@@ -2,7 +2,8 @@
 next iterations are generated, and their reward function called, in a background worker on a
 generation replica of its own, while this iteration scores and trains on the engines.
 
-What runs where (colocated placement, every rank alike):
+What runs where (ppo.placement = colocated, every rank alike; under split, ppo/split.py: a
+generation rank runs the worker's part, `RolloutWorker`, for the training ranks it serves):
 
 - the training thread: everything with a collective, in one order on every rank: the ZeRO
   gathers that refresh the replica (`build_replica`) and their checksum agreement, the
