@@ -9,7 +9,7 @@ from ds_ppo.run.driver import TrainResult, run
 
 def train(cfg: Config) -> TrainResult:
     """Run PPO as configured; resumes from output_dir's latest checkpoint when resume=auto."""
-    from ds_ppo.ppo.job import PPOJob
+    from ds_ppo.ppo.train_job import PPOJob
 
     return run(cfg, PPOJob(cfg))
 

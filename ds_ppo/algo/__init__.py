@@ -18,7 +18,7 @@ masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss,
 - entropy_bonus, its coefficient from EntropyController).
-Rollout correction (correction.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
+Rollout correction (importance_sampling.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 Supervised jobs (supervised_losses.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
 (reward model).
@@ -91,8 +91,8 @@ _EXPORTS = {
     "response_predictors": "packing",
     "ROLLOUT_CORRECTIONS": "choices",
     "reward_centering": "supervised_losses",
-    "rollout_is_weights": "correction",
-    "rollout_mismatch": "correction",
+    "rollout_is_weights": "importance_sampling",
+    "rollout_mismatch": "importance_sampling",
     "RolloutCorrection": "choices",
     "sample_from_logits": "sampling",
     "shape_logits": "distribution",

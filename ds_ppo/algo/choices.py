@@ -17,7 +17,7 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
-# ppo.rollout_correction (algo/correction.py): none, truncated or masked importance sampling
+# ppo.rollout_correction (algo/importance_sampling.py): none, truncated or masked importance sampling
 RolloutCorrection = Literal["none", "tis", "mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 

@@ -26,7 +26,7 @@ prompts are random ids), so it runs on an image that has neither.
 The parts:
 - workload.py: model shapes, the ds_ppo config built from the flags, stand-in tokenizer, prompts
 - flops.py: the FLOP model; measure.py: timing, peak memory, the device's matmul peak
-- run.py: one run (roles, PPO iterations, generation baselines); report.py: rates and tables
+- run.py: one run (roles, PPO iterations, generation baselines); results.py: rates and tables
 - cli.py: the flags and `main` (also `python -m ds_ppo.bench`)
 - peer.py, peer_trl.py: `ds-ppo bench --peer trl`, ds_ppo beside TRL's GRPOTrainer
 """

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ds_ppo.bench.report import format_table, summary_table
+from ds_ppo.bench.results import format_table, summary_table
 from ds_ppo.bench.run import run
 from ds_ppo.bench.workload import SHAPES
 

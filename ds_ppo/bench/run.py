@@ -1,6 +1,6 @@
 """One `ds-ppo bench` run: build the four roles, run warm-up and timed PPO iterations through the
 trainer's own `run_iteration` (ds_ppo/iteration.py), then the greedy generation baselines; the
-result dict that report.py formats."""
+result dict that results.py formats."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ from typing import Any
 from ds_ppo.bench.flops import flop_model
 from ds_ppo.bench.measure import (compiled_graphs, device_info, measure_peak_tflops, measured,
                                   versions)
-from ds_ppo.bench.report import summarize
+from ds_ppo.bench.results import summarize
 from ds_ppo.bench.workload import (LATENCY_ENV, BenchTokenizer, build_config, random_prompts,
                                    resolve, run_dir_for, settings_from)
 
@@ -107,7 +107,7 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     if cfg.ppo.schedule != "sync":  # the trainer's own schedule, over the same prompts each time
         from dataclasses import replace
 
-        from ds_ppo.ppo.job import rollout_schedule
+        from ds_ppo.ppo.train_job import rollout_schedule
 
         inputs = replace(inputs, schedule=rollout_schedule(inputs, lambda iteration: indices))
     records = []

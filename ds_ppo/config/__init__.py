@@ -6,7 +6,8 @@ output). A run's config is loaded from YAML (or a packaged preset name), then do
 The tree is frozen: nothing changes it mid-run.
 
 The parts: ``sections`` (the typed tree: one class per section, in one module per job:
-``roles``, ``rollout``, ``algorithm``, ``data``, ``run``, ``engines``, ``jobs``), ``load``
+``role_sections``, ``rollout_sections``, ``algorithm``, ``data``, ``run_sections``, ``engines``,
+``jobs``), ``load``
 (YAML, presets, overrides, the key reference), ``checks`` (cross-field validation and
 warnings; its batch-size rules in ``batches``, the models' in ``model_checks``) and
 ``derived`` (values resolved from several keys). Import what you need from ``ds_ppo.config``:

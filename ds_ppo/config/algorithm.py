@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
                                  OldLogprobs, Placement, RolloutCorrection, Schedule,
                                  describe_estimators, max_lag)
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 
 
 class PPOConfig(Section):

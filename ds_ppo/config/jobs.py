@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 
 
 class SupervisedJob(Section):

@@ -2,12 +2,12 @@
 become ``ds-ppo config --describe`` output and docs/CONFIG.md). ``Config`` is the root; its
 sections live in one module per job and are re-exported here:
 
-- ``base``: ``Section``, the base of every section (unknown keys are errors, values frozen);
-- ``roles``: the models (``policy``, ``value``, ``reference``) and the ``reward``;
-- ``rollout``: ``generation`` and the multi-turn ``env``;
+- ``section_base``: ``Section``, the base of every section (unknown keys are errors, values frozen);
+- ``role_sections``: the models (``policy``, ``value``, ``reference``) and the ``reward``;
+- ``rollout_sections``: ``generation`` and the multi-turn ``env``;
 - ``algorithm``: ``ppo``;
 - ``data``: ``data``;
-- ``run``: ``tracking`` and ``checkpoint``;
+- ``run_sections``: ``tracking`` and ``checkpoint``;
 - ``engines``: ``deepspeed``;
 - ``jobs``: ``sft`` and ``rm``.
 
@@ -22,14 +22,15 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ds_ppo.config.algorithm import PPOConfig
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 from ds_ppo.config.data import DataConfig
 from ds_ppo.config.engines import DeepSpeedConfig, ReferenceDeepSpeed, RoleDeepSpeed
 from ds_ppo.config.jobs import RMConfig, SFTConfig, SupervisedJob
-from ds_ppo.config.roles import (LoraConfig, ModelSource, Optim, PolicyConfig, ReferenceConfig,
+from ds_ppo.config.role_sections import (LoraConfig, ModelSource, Optim, PolicyConfig,
+                                         ReferenceConfig,
                                  RewardConfig, ValueConfig)
-from ds_ppo.config.rollout import EnvConfig, GenerationConfig
-from ds_ppo.config.run import CheckpointConfig, TrackingConfig
+from ds_ppo.config.rollout_sections import EnvConfig, GenerationConfig
+from ds_ppo.config.run_sections import CheckpointConfig, TrackingConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "EnvConfig",

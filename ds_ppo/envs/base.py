@@ -10,7 +10,7 @@ Given as one of:
   then `.step(action)` per turn;
 - env.function = `module:function`: a stateless step `function(prompt, actions, **keys)` with
   every model turn so far (`actions[-1]` the newest); no reset;
-- env.url: an HTTP service (ds_ppo.envs.service), stateless like a step function.
+- env.url: an HTTP service (ds_ppo.envs.http_env), stateless like a step function.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 newest model turn and returns the `Step`s. Python environments (env.class, env.function) run
 in up to env.concurrency daemon worker threads, each call for at most env.timeout_s; a service
 (env.url) gets the episodes' histories in requests of env.batch_size, env.concurrency in flight
-(ds_ppo.envs.service). A call that raises, hangs or answers something that is not a step is an
+(ds_ppo.envs.http_env). A call that raises, hangs or answers something that is not a step is an
 `EnvFailed` naming the environment, the episode and the turn.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ class EnvRunner:
     def __init__(self, env_cfg, keys: list[str], deadline_s: float | None = None) -> None:
         self.cfg, self.keys = env_cfg, keys
         if env_cfg.url is not None:
-            from ds_ppo.envs.service import EnvService
+            from ds_ppo.envs.http_env import EnvService
 
             self.kind, self.impl = "url", EnvService.from_config(env_cfg, deadline_s)
             self.name = f"env.url = {self.impl.shown!r}"

@@ -1,14 +1,15 @@
 """Step 2b of an iteration: the sampler's log-probs (the rollout's) against the trainer's (the
 scored old log-probs) for the same tokens. Measured every iteration (metrics rollout/*) and,
 with ppo.rollout_correction, turned into importance weights of the policy loss
-(`ds_ppo.algo.correction`, Yao et al. 2025)."""
+(`ds_ppo.algo.importance_sampling`, Yao et al. 2025)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ds_ppo.algo import rollout_is_weights, rollout_mismatch
+from ds_ppo.algo.choices import RolloutCorrection
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout
 from ds_ppo.engine import dist
@@ -29,20 +30,36 @@ def sampler_logprobs(rollout: Rollout, key: str, value, off: str) -> torch.Tenso
     return rollout.rollout_logprobs
 
 
-def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experience:
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """Everything step 2b reads from the config."""
+
+    mode: RolloutCorrection  # ppo.rollout_correction
+    cap: float  # ppo.rollout_is_cap
+    require_exact: bool  # generation.require_exact
+    old_from_rollout: bool  # ppo.old_logprobs = rollout: the sampler's are the old log-probs
+
+
+def correction_settings(cfg: Config) -> CorrectionSettings:
+    """Step 2b's settings from the config."""
+    return CorrectionSettings(cfg.ppo.rollout_correction, cfg.ppo.rollout_is_cap,
+                              cfg.generation.require_exact, cfg.ppo.old_logprobs == "rollout")
+
+
+def rollout_correction(exp: Experience, s: CorrectionSettings, acc: Accumulator) -> Experience:
     """Metrics of the gap (token means over all ranks; the max over ranks):
     rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max, rollout/kl_k3; with
     ppo.rollout_correction also rollout_is/weight_mean (over the kept tokens) and
     rollout_is/clipped_frac (tokens truncated by tis or dropped by mis), and the experience
     with its weights. A rollout without log-probs (HF generate), or with ppo.old_logprobs =
     rollout (they are the old log-probs), adds nothing."""
-    mode, exact = cfg.ppo.rollout_correction, cfg.generation.require_exact
+    mode, exact = s.mode, s.require_exact
     if exp.rollout.rollout_logprobs is None and mode == "none" and not exact:
         return exp  # HF generate: no gap to measure
     rollout_lp = (sampler_logprobs(exp.rollout, "rollout_correction", mode, "none")
                   if mode != "none" else
                   sampler_logprobs(exp.rollout, "generation.require_exact", True, "false"))
-    if cfg.ppo.old_logprobs == "rollout":  # they are the old log-probs: no gap to measure
+    if s.old_from_rollout:  # they are the old log-probs: no gap to measure
         return exp
     mask = exp.mask
     diff, kl = rollout_mismatch(exp.old_logprobs, rollout_lp, mask)
@@ -54,8 +71,7 @@ def rollout_correction(exp: Experience, cfg: Config, acc: Accumulator) -> Experi
         require_exact(largest, exp.rollout.rollout_logprobs.device)
     if mode == "none":
         return exp
-    weights, kept, cut = rollout_is_weights(exp.old_logprobs, rollout_lp, mask, mode,
-                                            cfg.ppo.rollout_is_cap)
+    weights, kept, cut = rollout_is_weights(exp.old_logprobs, rollout_lp, mask, mode, s.cap)
     acc.add_tensor_mean("rollout_is/weight_mean", weights, kept)
     acc.add_tensor_mean("rollout_is/clipped_frac", cut.float(), mask)
     return replace(exp, is_weights=weights, is_kept=kept, is_kept_lens=kept.sum(1).tolist())

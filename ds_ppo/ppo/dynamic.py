@@ -30,7 +30,24 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.rollout import generation_metrics
-from ds_ppo.ppo.scoring import RewardScores, timed_reward_scores
+from ds_ppo.ppo.scoring import RewardScores
+
+
+@dataclass(frozen=True)
+class RefillSettings:
+    """Everything the refill reads from the config."""
+
+    samples_per_prompt: int  # ppo.samples_per_prompt: the responses of a group
+    rollout_batch_size: int  # prompts of the batch (and of each round)
+    mini_batch_size: int  # ppo.mini_batch_size (responses): the sampler's layout
+    max_rounds: int  # ppo.dynamic_sampling_max_rounds
+
+
+def refill_settings(cfg: Config) -> RefillSettings:
+    """The refill's settings from the config."""
+    p = cfg.ppo
+    return RefillSettings(p.samples_per_prompt, p.rollout_batch_size, p.mini_batch_size,
+                          p.dynamic_sampling_max_rounds)
 
 
 @dataclass
@@ -87,26 +104,27 @@ class _Round:
     rewards: RewardScores
 
 
-def refill(cfg: Config, draw: PromptDraw, generate: Callable[[list[int]], tuple[Rollout, Generated]],
-           engines, reward_encode, pad_id: int, acc: Accumulator
+def refill(s: RefillSettings, draw: PromptDraw,
+           generate: Callable[[list[int]], tuple[Rollout, Generated]],
+           reward: Callable[[Rollout], RewardScores], pad_id: int, acc: Accumulator
            ) -> tuple[Rollout, Generated, RewardScores]:
     """This rank's rollout of the iteration (in the sampler's layout), its reward scores and the
     first round's generation output, after as many rounds as it took (module docstring).
-    Collective over the data-parallel group; `generate(indices)` makes one round's rollout.
-    Adds sampling/* (and each round's generation) metrics to `acc`."""
-    p = cfg.ppo
-    n, batch = p.samples_per_prompt, p.rollout_batch_size
+    Collective over the data-parallel group; `generate(indices)` makes one round's rollout,
+    `reward(rollout)` scores it (`scoring.timed_reward_scores`). Adds sampling/* (and each
+    round's generation) metrics to `acc`."""
+    n, batch = s.samples_per_prompt, s.rollout_batch_size
     world, me = dist.dp_world_size(), dist.dp_rank()
-    chunk = p.mini_batch_size // n  # prompts per PPO mini-batch: the sampler's group size
+    chunk = s.mini_batch_size // n  # prompts per PPO mini-batch: the sampler's group size
     share = chunk // world
     rounds: list[_Round] = []
     signal: list[list[bool]] = []
     first_generated = None
-    for k in range(p.dynamic_sampling_max_rounds):
+    for k in range(s.max_rounds):
         rollout, generated = generate(draw.indices(k))
         generation_metrics(rollout, generated, acc)
         first_generated = first_generated or generated
-        rewards = timed_reward_scores(rollout, engines, cfg, reward_encode)
+        rewards = reward(rollout)
         rounds.append(_Round(rollout, rewards))
         episode = rewards.scores if rollout.turn_rewards is None else \
             rewards.scores + rollout.turn_rewards.sum(dim=1)

@@ -23,10 +23,10 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
 from ds_ppo.ppo.rollout import generation_metrics, make_rollout
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-from ds_ppo.ppo.correction import rollout_correction
-from ds_ppo.ppo.dynamic import PromptDraw, refill
-from ds_ppo.ppo.scoring import score
-from ds_ppo.ppo.update import ppo_update
+from ds_ppo.ppo.correction import correction_settings, rollout_correction
+from ds_ppo.ppo.dynamic import PromptDraw, refill, refill_settings
+from ds_ppo.ppo.scoring import RewardScores, score, scoring_settings, timed_reward_scores
+from ds_ppo.ppo.update import ppo_update, update_settings
 
 if TYPE_CHECKING:
     from ds_ppo.engine.roles import Engines
@@ -77,6 +77,7 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                acc: Accumulator, timed: PhaseTimer,
                entropy_coef: float | None) -> tuple[Experience, Generated]:
     cfg, engines = run.cfg, run.engines
+    reward = _reward_scorer(run)
     rewards = None  # known before scoring with dynamic sampling, or from ppo.schedule's worker
     # step 1. generate the trajectory (this rank's shard of the global batch)
     with _stage(timed, "generation", iteration):
@@ -86,25 +87,31 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
             run.schedule.start_next(iteration)
         elif isinstance(indices, PromptDraw):  # rounds until enough groups carry signal
             rollout, generated, rewards = refill(
-                cfg, indices, lambda idx: _generate(run, idx, acc), engines, run.reward_encode,
+                refill_settings(cfg), indices, lambda idx: _generate(run, idx, acc), reward,
                 run.tokenizer.pad_token_id, acc)
         else:
             rollout, generated = _generate(run, indices, acc)
             generation_metrics(rollout, generated, acc)
     # step 2. score it: log-probs, reference log-probs, values, reward scores
     with _stage(timed, "scoring", iteration):
-        exp = score(rollout, engines, cfg, run.reward_encode, rewards)
+        exp = score(rollout, engines, scoring_settings(cfg),
+                    (lambda: reward(rollout)) if rewards is None else (lambda: rewards))
     # step 2b. the sampler's log-probs against the trainer's: metrics, importance weights
-    exp = rollout_correction(exp, cfg, acc)
+    exp = rollout_correction(exp, correction_settings(cfg), acc)
     # step 3. KL-shaped rewards, advantages (GAE, or a critic-free estimator)
     with _stage(timed, "advantages", iteration):
         exp = add_advantages(exp, advantage_settings(cfg, kl_coef))
     # step 4. PPO epochs over mini-batches: policy (and value) updates
     with _stage(timed, "update", iteration):
-        ppo_update(exp, engines, cfg, iteration, acc, run.ptx, entropy_coef)
+        ppo_update(exp, engines, update_settings(cfg), iteration, acc, run.ptx, entropy_coef)
     if run.schedule is not None:  # step 4b. the next rollouts buffered: nothing left running
         run.schedule.finish(iteration, acc)
     return exp, generated
+
+
+def _reward_scorer(run: IterationInputs) -> Callable[[Rollout], RewardScores]:
+    """A rollout -> its reward scores, timed (`scoring.timed_reward_scores`)."""
+    return lambda rollout: timed_reward_scores(rollout, run.engines, run.cfg, run.reward_encode)
 
 
 def _generate(run: IterationInputs, indices: list[int], acc: Accumulator

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -13,7 +14,7 @@ from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
 from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserError
-from ds_ppo.ppo.batching import batching, is_split, model_micro_batches
+from ds_ppo.ppo.batching import Batching, batching, is_split, model_micro_batches
 from ds_ppo.ppo.correction import sampler_logprobs
 from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
@@ -142,27 +143,46 @@ def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
     return RewardScores(scores, cut, seconds, retries)
 
 
+@dataclass(frozen=True)
+class ScoringSettings:
+    """Everything step 2's model forwards read from the config."""
+
+    temperature: float  # generation.temperature: the log-probs' softmax
+    old_from_rollout: bool  # ppo.old_logprobs = rollout: the sampler's, no policy forward
+    plan: Batching  # micro-batches (ppo.score_micro_batch_size, ppo.micro_batch_tokens)
+    tiled_logits: bool | str  # ppo.tiled_logits (auto, true, false)
+    logits_tile_tokens: int  # ppo.logits_tile_tokens
+
+
+def scoring_settings(cfg: Config) -> ScoringSettings:
+    """Step 2's settings from the config (the reward's are `reward_scores`')."""
+    p = cfg.ppo
+    return ScoringSettings(cfg.generation.temperature, p.old_logprobs == "rollout", batching(cfg),
+                           p.tiled_logits, p.logits_tile_tokens)
+
+
 @torch.no_grad()
-def score(rollout: Rollout, engines, cfg: Config, reward_encode,
-          rewards: RewardScores | None = None) -> Experience:
+def score(rollout: Rollout, engines, s: ScoringSettings,
+          rewards: Callable[[], RewardScores]) -> Experience:
     """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
     runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
     ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
-    micro-batches make up the difference). `rewards`: the rollout's reward scores when they
-    are known already (ppo.dynamic_sampling chose its groups by them)."""
-    temp = cfg.generation.temperature
+    micro-batches make up the difference). `rewards()`, called after the model forwards: the
+    rollout's reward scores (`timed_reward_scores`, or those known already: ppo.dynamic_sampling
+    chose its groups by them)."""
+    temp = s.temperature
     critic = engines.value  # None with a critic-free estimator
     # ppo.old_logprobs=rollout: the sampler's log-probs (the config checks make them the
     # policy's own distribution's) and no policy forward
     sampled = (sampler_logprobs(rollout, "old_logprobs", "rollout", "training")
-               if cfg.ppo.old_logprobs == "rollout" else None)
+               if s.old_from_rollout else None)
     engines.policy.eval()
     if critic is not None:
         critic.eval()
-    plan = batching(cfg)
+    plan = s.plan
     batches, order, mine = model_micro_batches(rollout, plan)
-    packed = cfg.ppo.micro_batch_tokens is not None
-    tiling = {"tiled": cfg.ppo.tiled_logits, "tile_tokens": cfg.ppo.logits_tile_tokens}
+    packed = plan.micro_batch_tokens is not None
+    tiling = {"tiled": s.tiled_logits, "tile_tokens": s.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
     engines.policy.take_route_flips()  # counted from here: the scoring forwards' own
     for k, rows in enumerate(batches):
@@ -189,13 +209,12 @@ def score(rollout: Rollout, engines, cfg: Config, reward_encode,
     def zero(parts):  # row order, 0 at masked positions
         return in_row_order(torch.cat(parts), order).masked_fill(~mask, 0.0)
 
-    if rewards is None:
-        rewards = timed_reward_scores(rollout, engines, cfg, reward_encode)
+    scored = rewards()
     old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
     return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=zero(ref_logp),
                       old_values=zero(values) if values else None,
                       entropy=zero(entropy) if sampled is None else None,
-                      scores=rewards.scores, reward_cut=rewards.cut, reward_s=rewards.seconds,
-                      reward_retries=rewards.retries,
+                      scores=scored.scores, reward_cut=scored.cut, reward_s=scored.seconds,
+                      reward_retries=scored.retries,
                       scoring_positions=rollout.positions(batches, packed, mine),
                       route_flips=flips)

@@ -35,7 +35,8 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
                                       weight_checksum)
 from ds_ppo.engine.lora import plain_model
-from ds_ppo.ppo.schedule import Batch, Buffered, RolloutWorker, WeightSyncError, sync_error
+from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,
+                                     sync_error)
 
 log = logging.getLogger("ds_ppo")
 

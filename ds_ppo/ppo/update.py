@@ -37,6 +37,7 @@ import torch
 from ds_ppo import watchdog
 from ds_ppo.algo import (entropy_bonus, kl_loss, lm_loss, loss_divisor, loss_token_weights,
                          masked_mean, policy_loss, value_loss)
+from ds_ppo.algo.choices import KLEstimator, LossAggregation
 from ds_ppo.config import Config, critic_warmup, grad_accum_steps, max_model_tokens
 from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
@@ -45,6 +46,45 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.batching import (Batching, batching, is_split, plan_micro_batches,
                                  varying_counts)
 from ds_ppo.role_names import TRAINED_ROLES
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Everything step 4 reads from the config."""
+
+    ppo_epochs: int
+    mini_batch_size: int  # ppo.mini_batch_size: rows of a global mini-batch (one optimizer step)
+    plan: Batching  # micro-batches (ppo.micro_batch_size, ppo.micro_batch_tokens)
+    grad_accum_steps: int  # DeepSpeed's gradient_accumulation_steps at this world size
+    seed: int
+    warmup_iterations: int  # ppo.critic_warmup_iterations with a value model, else 0
+    temperature: float  # generation.temperature: the log-probs' softmax
+    tiled_logits: bool | str  # ppo.tiled_logits (auto, true, false)
+    logits_tile_tokens: int  # ppo.logits_tile_tokens
+    loss_aggregation: LossAggregation
+    max_model_tokens: int  # the L_max of seq_mean_token_sum_norm (config.max_model_tokens)
+    clip_eps: float
+    clip_eps_high: float | None
+    dual_clip: float | None
+    kl_loss_coef: float
+    kl_estimator: KLEstimator
+    kl_clip: float | None
+    entropy_coef: float  # ppo.entropy_coef: the bonus without an entropy controller
+    vf_coef: float
+    value_clip_eps: float | None
+    ptx_coef: float
+
+
+def update_settings(cfg: Config, world_size: int | None = None) -> UpdateSettings:
+    """Step 4's settings from the config, for `world_size` ranks (default: this run's)."""
+    p = cfg.ppo
+    world = dist.world_size() if world_size is None else world_size
+    return UpdateSettings(
+        p.ppo_epochs, p.mini_batch_size, batching(cfg), grad_accum_steps(cfg, world), cfg.seed,
+        p.critic_warmup_iterations if critic_warmup(cfg, 1) else 0,
+        cfg.generation.temperature, p.tiled_logits, p.logits_tile_tokens, p.loss_aggregation,
+        max_model_tokens(cfg), p.clip_eps, p.clip_eps_high, p.dual_clip, p.kl_loss_coef,
+        p.kl_estimator, p.kl_clip, p.entropy_coef, p.vf_coef, p.value_clip_eps, p.ptx_coef)
 
 
 def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
@@ -71,7 +111,7 @@ def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
     return rows
 
 
-def _policy_mask_and_weights(mb: Experience, cfg: Config, filtered: bool):
+def _policy_mask_and_weights(mb: Experience, s: UpdateSettings, filtered: bool):
     """A micro-batch's policy-loss mask ((B, T) bool: counted tokens of the rows that train,
     minus those ppo.rollout_correction=mis drops), the ppo.loss_aggregation token weights
     ((B, T) or None; the KL loss term's too) and the policy loss's token weights (those times
@@ -81,9 +121,8 @@ def _policy_mask_and_weights(mb: Experience, cfg: Config, filtered: bool):
         pg_mask = pg_mask & torch.tensor(mb.train_rows, device=pg_mask.device)[:, None]
     if mb.is_kept is not None:
         pg_mask = pg_mask & mb.is_kept
-    agg = cfg.ppo.loss_aggregation
-    weights = None if agg == "token_mean" else loss_token_weights(
-        pg_mask, agg, max_model_tokens(cfg))
+    agg = s.loss_aggregation
+    weights = None if agg == "token_mean" else loss_token_weights(pg_mask, agg, s.max_model_tokens)
     if mb.is_weights is None:
         return pg_mask, weights, weights
     return pg_mask, weights, mb.is_weights if weights is None else weights * mb.is_weights
@@ -103,31 +142,30 @@ class _Step:
     entropy_coef: float = 0.0  # the entropy bonus's coefficient (0: no bonus)
 
 
-def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accumulator,
+def ppo_update(exp: Experience, engines, s: UpdateSettings, iteration: int, acc: Accumulator,
                ptx: PtxStream | None = None, entropy_coef: float | None = None) -> None:
     """Train the policy (and the value model, if the estimator has one) on one rollout's
     experience; adds loss statistics to `acc`. In the critic warm-up (`critic_warmup`) only the
     value model trains. `ptx`: the PPO-ptx rows, whose LM loss (x ppo.ptx_coef) joins each
     policy step. `entropy_coef`: the entropy bonus's coefficient (None: ppo.entropy_coef; the
     entropy controller's with ppo.entropy_target)."""
-    p = cfg.ppo
     if entropy_coef is None:
-        entropy_coef = p.entropy_coef
-    per_rank_mini = p.mini_batch_size // dist.dp_world_size()  # rows of a data-parallel rank
-    plan = batching(cfg)
+        entropy_coef = s.entropy_coef
+    per_rank_mini = s.mini_batch_size // dist.dp_world_size()  # rows of a data-parallel rank
+    plan = s.plan
     critic = engines.value  # None with a critic-free estimator
     lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
-    train_policy = not critic_warmup(cfg, iteration)
-    ptx = ptx if train_policy and p.ptx_coef > 0 else None
-    if critic_warmup(cfg, 1):  # a run with a warm-up says which iterations are
+    train_policy = iteration > s.warmup_iterations  # config.critic_warmup
+    ptx = ptx if train_policy and s.ptx_coef > 0 else None
+    if s.warmup_iterations:  # a run with a warm-up says which iterations are
         acc.add_replicated("value/warmup", 0.0 if train_policy else 1.0)
     engines.policy.train()
     if critic is not None:
         critic.train()
-    for epoch in range(p.ppo_epochs):
-        minibatches = minibatch_rows(len(exp), per_rank_mini, dist.dp_rank(), epoch, cfg.seed,
+    for epoch in range(s.ppo_epochs):
+        minibatches = minibatch_rows(len(exp), per_rank_mini, dist.dp_rank(), epoch, s.seed,
                                      iteration)
         ptx_rows = [ptx.minibatch(iteration, epoch * len(minibatches) + j) if ptx else None
                     for j in range(len(minibatches))]
@@ -137,12 +175,12 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
         # its PPO-ptx target tokens
         counts = dist.all_reduce_sum(torch.tensor(
             [[float(sum(lens[i] for i in rows)),
-              loss_divisor([pg_lens[i] for i in rows if kept[i]], p.loss_aggregation),
+              loss_divisor([pg_lens[i] for i in rows if kept[i]], s.loss_aggregation),
               float(ptx.tokens(mine)) if ptx else 0.0]
              for rows, mine in zip(minibatches, ptx_rows)], dtype=torch.float64))
         # longest rows first, split rows last; the order within a mini-batch does not change
         # its gradient (each micro-batch loss is normalised by the whole mini-batch's count)
-        micro = [plan_micro_batches(exp.rollout, plan, p.micro_batch_size, rows)
+        micro = [plan_micro_batches(exp.rollout, plan, plan.micro_batch_size, rows)
                  for rows in minibatches]
         steps = [len(m) for m in micro]
         if varying_counts(plan):  # per mini-batch, the most micro-batches of any rank
@@ -154,19 +192,19 @@ def ppo_update(exp: Experience, engines, cfg: Config, iteration: int, acc: Accum
             step = _Step(max(n_tok, 1.0), max(pg_div, 1.0), n_steps, train_policy, rows,
                          max(ptx_tok, 1.0), entropy=exp.entropy is None and epoch == 0,
                          entropy_coef=entropy_coef)
-            _optimizer_step(exp, mine, step, engines, cfg, plan, acc, ptx)
+            _optimizer_step(exp, mine, step, engines, s, acc, ptx)
 
 
-def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines, cfg: Config,
-                    plan: Batching, acc: Accumulator, ptx: PtxStream | None) -> None:
+def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines,
+                    s: UpdateSettings, acc: Accumulator, ptx: PtxStream | None) -> None:
     """One optimizer step of each trained role over this rank's micro-batches `mine` of a
     mini-batch (then idle ones up to step.n_steps), and its statistics into `acc`."""
-    p = cfg.ppo
+    plan = s.plan
     world = dist.world_size()  # DeepSpeed averages over every rank (module docstring)
-    scale = float(world * grad_accum_steps(cfg, world))
+    scale = float(world * s.grad_accum_steps)
     copies = dist.sp_size()  # ranks that compute a whole row's gradient (module docstring)
     critic = engines.value
-    packed = p.micro_batch_tokens is not None
+    packed = plan.micro_batch_tokens is not None
     explicit = varying_counts(plan)  # the optimizer step placed on the last micro-batch
     # device tensors, read once per mini-batch: no host sync between micro-batches
     losses, stats = [], {}
@@ -184,7 +222,7 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
         if step.train_policy:
             # with PPO-ptx the ptx micro-batches follow: the policy's step comes after them
             policy_boundary = False if step.ptx_rows is not None else boundary
-            pg_loss, pg_stats, extra = _policy_loss(mb, engines, cfg, step, packed, split)
+            pg_loss, pg_stats, extra = _policy_loss(mb, engines, s, step, packed, split)
             engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary,
                                          aux=weight > 0)
             step_losses.update(extra)
@@ -192,8 +230,8 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
         if critic is not None:
             values = critic.values(mb.rollout, packed=packed, split=split)
             vf_loss, vf_stats = value_loss(values, mb.old_values, mb.returns, mb.mask,
-                                           clip_eps=p.value_clip_eps, num_tokens=step.n_tok)
-            critic.backward_step(p.vf_coef * vf_loss * weight, boundary=boundary, aux=weight > 0)
+                                           clip_eps=s.value_clip_eps, num_tokens=step.n_tok)
+            critic.backward_step(s.vf_coef * vf_loss * weight, boundary=boundary, aux=weight > 0)
             step_losses["loss/value"] = vf_loss.detach()
             named.update({f"value/{k}": v for k, v in vf_stats.items()})
         if k >= len(mine):
@@ -208,7 +246,7 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
     if step.ptx_rows is not None:  # PPO-ptx: its micro-batches, then the policy's step
         names.append("loss/ptx")
         # every rank of an SP group runs the same ptx rows whole
-        total = torch.cat([total, _ptx_backward(ptx, step, engines, cfg,
+        total = torch.cat([total, _ptx_backward(ptx, step, engines, s,
                                                 scale / copies)[None]])
     if step.train_policy:
         engines.policy.update_ema()  # policy.ema_decay: after the optimizer step
@@ -231,30 +269,29 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
             acc.add_replicated(f"{role}/grad_norm", norm)
 
 
-def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool,
+def _policy_loss(mb: Experience, engines, s: UpdateSettings, step: _Step, packed: bool,
                  split: bool = False):
     """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
     loss, minus the entropy bonus's coefficient x the entropy bonus), its statistics, and the detached terms as
     metrics. `split`: one row split across the sequence-parallel group."""
-    p = cfg.ppo
     bonus = step.entropy_coef > 0
     logprobs, entropy = engines.policy.logprobs(
-        mb.rollout, cfg.generation.temperature, with_entropy=step.entropy or bonus,
-        packed=packed, tiled=p.tiled_logits, tile_tokens=p.logits_tile_tokens, split=split,
+        mb.rollout, s.temperature, with_entropy=step.entropy or bonus,
+        packed=packed, tiled=s.tiled_logits, tile_tokens=s.logits_tile_tokens, split=split,
         entropy_grad=bonus)
-    pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, cfg, mb.train_rows is not None)
+    pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, s, mb.train_rows is not None)
     pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
-                                    clip_eps=p.clip_eps, num_tokens=step.pg_div,
-                                    clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip,
+                                    clip_eps=s.clip_eps, num_tokens=step.pg_div,
+                                    clip_eps_high=s.clip_eps_high, dual_clip=s.dual_clip,
                                     token_weights=pg_weights)
     if step.entropy:  # a token mean over the micro-batch, as the other statistics
         pg_stats["entropy"] = masked_mean(entropy.detach(), mb.mask)
     terms = {"loss/policy": pg_loss.detach()}
-    if p.kl_loss_coef > 0:
-        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, p.kl_estimator, step.pg_div,
-                          weights, clip=p.kl_clip)
+    if s.kl_loss_coef > 0:
+        kl_term = kl_loss(logprobs, mb.ref_logprobs, pg_mask, s.kl_estimator, step.pg_div,
+                          weights, clip=s.kl_clip)
         terms["loss/kl"] = kl_term.detach()
-        pg_loss = pg_loss + p.kl_loss_coef * kl_term
+        pg_loss = pg_loss + s.kl_loss_coef * kl_term
     if bonus:  # the tokens and weights of the KL term (the policy's, without rollout correction)
         ent_term = entropy_bonus(entropy, pg_mask, step.pg_div, weights)
         terms["loss/entropy"] = ent_term.detach()
@@ -262,20 +299,19 @@ def _policy_loss(mb: Experience, engines, cfg: Config, step: _Step, packed: bool
     return pg_loss, pg_stats, terms
 
 
-def _ptx_backward(ptx: PtxStream, step: _Step, engines, cfg: Config,
+def _ptx_backward(ptx: PtxStream, step: _Step, engines, s: UpdateSettings,
                   scale: float) -> torch.Tensor:
     """PPO-ptx (InstructGPT eq. 2): backward of ppo.ptx_coef x the LM loss on this rank's ptx
     rows of the step, in micro-batches of ppo.micro_batch_size (the same count on every rank),
     each normalised by the global mini-batch's ptx tokens; the policy's optimizer step on the
     last. Returns this rank's share of the LM loss (detached)."""
-    p = cfg.ppo
-    rows = step.ptx_rows
-    chunks = [rows[i:i + p.micro_batch_size] for i in range(0, len(rows), p.micro_batch_size)]
+    rows, size = step.ptx_rows, s.plan.micro_batch_size
+    chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
     total = torch.zeros((), dtype=torch.float64, device=engines.device)
     for k, chunk in enumerate(chunks):
         batch = ptx.batch(chunk, engines.device)
         logprobs, _ = engines.policy.logprobs(batch, 1.0)  # the model's own distribution
         loss = lm_loss(logprobs, batch.mask, num_tokens=step.ptx_tok)
-        engines.policy.backward_step(p.ptx_coef * loss * scale, boundary=k == len(chunks) - 1)
+        engines.policy.backward_step(s.ptx_coef * loss * scale, boundary=k == len(chunks) - 1)
         total = total + loss.detach().double()
     return total

@@ -53,7 +53,7 @@ def check_alarms(settings, state: AlarmState, metrics: dict[str, float],
     """Update `state` with this iteration's `metrics`; the alarms that fire now.
 
     Args:
-        settings: tracking.alarms (config.run.AlarmsConfig).
+        settings: tracking.alarms (config.run_sections.AlarmsConfig).
         state: updated in place.
         metrics: the iteration's metrics (identical on every rank).
         iteration: 1-based.

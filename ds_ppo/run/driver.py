@@ -1,4 +1,4 @@
-"""The run around any training job: `ds-ppo train` (ppo/job.py), `ds-ppo sft` and `ds-ppo rm`
+"""The run around any training job: `ds-ppo train` (ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm`
 (run/supervised.py over sft/task.py and rm/task.py).
 
 `run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,

@@ -1,7 +1,7 @@
 """`ds-ppo export`: the policy (and optionally the value model) as a Hugging Face model directory:
 safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
-Two paths, both written by engine/checkpoint/export.py: `export_engine` inside a running job (weights
+Two paths, both written by engine/checkpoint/hf_export.py: `export_engine` inside a running job (weights
 gathered a group at a time from ZeRO-3 and streamed into safetensors shards by the ranks of node
 0: engine/checkpoint/hf_writer.py), and `ds-ppo export --checkpoint DIR --out DIR` offline from a checkpoint
 (the checkpoint's safetensors copies re-written tensor by tensor, else DeepSpeed's ZeRO checkpoint
@@ -29,7 +29,7 @@ import torch
 
 from ds_ppo.engine.checkpoint.files import (is_export, read_state, resolve_checkpoint, unusable,
                                             verify_export, verify_files)
-from ds_ppo.engine.checkpoint.export import (MARKER, export_engine, export_into, export_reads,
+from ds_ppo.engine.checkpoint.hf_export import (MARKER, export_engine, export_into, export_reads,
                                   replace_dir, source_problem, write_marker)
 from ds_ppo.errors import CheckpointError, UserError
 
@@ -101,7 +101,7 @@ def check_export_target(out_dir: Path, overwrite: bool) -> None:
 
 def write_atomically(out_dir: Path, write) -> None:
     """`write(tmp)` fills a temporary directory next to `out_dir`, which then replaces `out_dir`
-    (engine/checkpoint/export.py replace_dir); if `write` fails, the temporary directory is removed and
+    (engine/checkpoint/hf_export.py replace_dir); if `write` fails, the temporary directory is removed and
     `out_dir` is as it was."""
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -62,7 +62,7 @@ def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
             in_flight=None):
     """Save the final state (unless the last iteration was just saved) and export the policy
     (a supervised job's model: `model_class` names what it loads with)."""
-    from ds_ppo.engine.checkpoint.export import export_final
+    from ds_ppo.engine.checkpoint.hf_export import export_final
     from ds_ppo.run.export import DTYPES
 
     out = Path(cfg.output_dir)

@@ -248,7 +248,8 @@ def test_bench_and_trainer_run_one_iteration_function():
 
     stages = {"make_rollout", "score", "add_advantages", "ppo_update", "rollout_for_reward",
               "encode_rollout_for_reward"}
-    allowed = {"ppo/iteration.py": stages, "ppo/evaluate.py": {"make_rollout"},  # evaluation generates
+    allowed = {"ppo/iteration.py": stages,
+               "ppo/train_job.py": {"make_rollout"},  # evaluation generates
                "rewards/encode.py": {"rollout_for_reward", "encode_rollout_for_reward"}}
     calls = {}
     for path in sorted((REPO / "ds_ppo").rglob("*.py")):
@@ -260,7 +261,7 @@ def test_bench_and_trainer_run_one_iteration_function():
               for rel, names in calls.items() if names & stages - allowed.get(rel, set())}
     assert not strays, strays
     assert {"run_iteration", "reward_encoder"} <= calls["bench/run.py"]
-    assert "run_iteration" in calls["ppo/job.py"]
+    assert "run_iteration" in calls["ppo/train_job.py"]
 
 
 def test_gpu_checks_script_runs_its_steps_and_prints_a_summary(tmp_path):

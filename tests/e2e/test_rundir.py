@@ -260,7 +260,7 @@ def test_exports_are_checked_wherever_they_load(tmp_path, caplog):
     manifest or a deleted marker is an error naming the file at a model path (policy.path
     etc.) and in `ds-ppo generate`; checkpoint.verify=false / --no-verify warn instead."""
     from ds_ppo.engine.checkpoint.files import verify_model_paths
-    from ds_ppo.engine.checkpoint.export import write_marker
+    from ds_ppo.engine.checkpoint.hf_export import write_marker
     from ds_ppo.errors import CheckpointError
     from ds_ppo.run.generate import check_files
 
@@ -343,7 +343,7 @@ def test_a_lora_merge_checks_its_base_when_that_is_an_export(tmp_path):
     """`ds-ppo export` of a LoRA policy merges the adapter into its base: a base that is a
     ds_ppo export (e.g. an SFT run's final/) is checked against its manifest first."""
     from ds_ppo.engine.checkpoint import manifest
-    from ds_ppo.engine.checkpoint.export import write_marker
+    from ds_ppo.engine.checkpoint.hf_export import write_marker
     from ds_ppo.errors import CheckpointError
     from ds_ppo.run.export import export_checkpoint
 

@@ -1,7 +1,7 @@
 """Rollout correction on a real mismatch: responses sampled by a perturbed replica (as a
 bf16 or differently-batched replica would differ from the trainer), scored by the trainer's
 model; the measured gap, the importance weights and the policy loss's mask against hand
-computations (ds_ppo.ppo.correction, ds_ppo.algo.correction)."""
+computations (ds_ppo.ppo.correction, ds_ppo.algo.importance_sampling)."""
 from __future__ import annotations
 
 import copy
@@ -18,8 +18,8 @@ from ds_ppo.engine.generation.loop import decode
 from ds_ppo.engine.forward import response_logprobs
 from ds_ppo.errors import ConfigError
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.correction import rollout_correction
-from ds_ppo.ppo.update import _policy_mask_and_weights
+from ds_ppo.ppo.correction import correction_settings, rollout_correction
+from ds_ppo.ppo.update import _policy_mask_and_weights, update_settings
 
 EOS_IDS = [EOS, *range(5, 9)]
 
@@ -54,7 +54,7 @@ def mismatch():
 def _run(exp, mode, cap=1.5):
     cfg = load_config(None, [f"ppo.rollout_correction={mode}", f"ppo.rollout_is_cap={cap}"])
     acc = Accumulator()
-    out = rollout_correction(exp, cfg, acc)
+    out = rollout_correction(exp, correction_settings(cfg), acc)
     return out, acc.reduce(), cfg
 
 
@@ -90,7 +90,8 @@ def test_weights_and_policy_mask_by_hand(mismatch, mode):
     assert metrics["rollout_is/weight_mean"] == pytest.approx(sum(kept) / len(kept), rel=1e-5)
     assert metrics["rollout_is/clipped_frac"] == pytest.approx(sum(cut) / len(cut), rel=1e-6)
     # the update: mis leaves the dropped tokens out of the loss and its divisor's lengths
-    pg_mask, agg_weights, pg_weights = _policy_mask_and_weights(out, cfg, filtered=False)
+    pg_mask, agg_weights, pg_weights = _policy_mask_and_weights(out, update_settings(cfg),
+                                                                filtered=False)
     assert agg_weights is None and torch.equal(pg_weights, out.is_weights)
     dropped = mask & ~pg_mask
     assert int(dropped.sum()) == (sum(cut) if mode == "mis" else 0)
@@ -116,7 +117,7 @@ def test_require_exact_stops_on_any_gap(mismatch):
     from ds_ppo.errors import NotOnPolicy
 
     exp, pairs = mismatch
-    cfg = load_config(None, ["generation.require_exact=true"])
+    cfg = correction_settings(load_config(None, ["generation.require_exact=true"]))
     acc = Accumulator()
     with pytest.raises(NotOnPolicy) as info:
         rollout_correction(exp, cfg, acc)

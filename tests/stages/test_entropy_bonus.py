@@ -59,7 +59,7 @@ def test_entropy_bonus_gradient_by_hand(estimator, mode, extra):
             engines.value = None
         exp = _experience(cfg, engines)
         acc = Accumulator()
-        update.ppo_update(exp, engines, cfg, 1, acc)
+        update.ppo_update(exp, engines, update.update_settings(cfg), 1, acc)
         return _grads(fakes.policy.module), acc.reduce(), exp
 
     with_bonus, m, exp = run(bonus)
@@ -95,7 +95,7 @@ def test_entropy_coef_zero_is_the_default_and_computes_no_entropy_in_the_update(
     exp = _experience(cfg, engines)
     engines.policy.logprobs = logprobs
     acc = Accumulator()
-    update.ppo_update(exp, engines, cfg, 1, acc)
+    update.ppo_update(exp, engines, update.update_settings(cfg), 1, acc)
     assert asked and set(asked) == {(False, False)}
     assert "loss/entropy" not in acc.reduce()
 
@@ -111,7 +111,7 @@ def test_the_update_trains_with_the_coefficient_it_is_given():
         fakes, engines = _engines()
         exp = _experience(cfg, engines)
         acc = Accumulator()
-        update.ppo_update(exp, engines, cfg, 1, acc, **kwargs)
+        update.ppo_update(exp, engines, update.update_settings(cfg), 1, acc, **kwargs)
         return _grads(fakes.policy.module), acc.reduce()
 
     with_bonus, m = run(bonus)

@@ -220,10 +220,10 @@ def test_the_export_at_the_end_replaces_final_whole_or_not_at_all(tmp_path, monk
     """export_final writes aside and renames: a write that dies half-way (here: the weights
     file cut after 4 KB, then an error, as a kill leaves it) leaves the previous final/ as it
     was, loadable; a complete one replaces it."""
-    import ds_ppo.engine.checkpoint.export as engine_export
+    import ds_ppo.engine.checkpoint.hf_export as engine_export
     from transformers import AutoModelForCausalLM
 
-    from ds_ppo.engine.checkpoint.export import MARKER, export_final
+    from ds_ppo.engine.checkpoint.hf_export import MARKER, export_final
 
     final = tmp_path / "final"
     first, second = _tiny_llama(True), _tiny_llama(False)

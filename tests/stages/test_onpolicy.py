@@ -160,9 +160,9 @@ def test_batch_invariant_old_logprobs_from_the_rollout_give_the_same_update_bit_
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
     from ds_ppo.metrics import Accumulator
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.correction import rollout_correction
-    from ds_ppo.ppo.scoring import score
-    from ds_ppo.ppo.update import ppo_update
+    from ds_ppo.ppo.correction import correction_settings, rollout_correction
+    from ds_ppo.ppo.update import ppo_update, update_settings
+    from support.stage_calls import score_rollout
 
     overrides = ["generation.max_new_tokens=10", "generation.temperature=0.8",
                  "generation.top_k=30", "generation.top_p=0.9", "generation.min_new_tokens=2",
@@ -186,8 +186,10 @@ def test_batch_invariant_old_logprobs_from_the_rollout_give_the_same_update_bit_
             cfg = load_config(None, [*overrides, f"ppo.old_logprobs={mode}",
                                      f"generation.require_exact={mode == 'training'}"])
             acc = Accumulator()
-            exp = rollout_correction(score(rollout, engines, cfg, None), cfg, acc)
-            ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, cfg, 1, acc)
+            exp = rollout_correction(score_rollout(rollout, engines, cfg), correction_settings(cfg),
+                                     acc)
+            ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines,
+                       update_settings(cfg), 1, acc)
             runs[mode] = (exp, acc.reduce(), [p.detach().clone() for p in policy.parameters()])
     (exp_t, m_t, w_t), (exp_r, _, w_r) = runs["training"], runs["rollout"]
     assert m_t["rollout/logprob_abs_diff_max"] == 0.0 and m_t["rollout/kl_k3"] == 0.0

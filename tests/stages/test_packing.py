@@ -16,6 +16,7 @@ from ds_ppo.algo import (additive_mask, block_causal_mask, cumulative_lengths, p
 from ds_ppo.engine.forward import response_logprobs, response_values
 from conftest import FakeEngine
 from support.rollouts import padded_rollout
+from support.stage_calls import score_rollout
 from test_stages import _cfg
 
 # float32 on CPU: a packed forward sums the same terms as the padded one, in another order and
@@ -194,10 +195,10 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
         reward_fn=lambda prompts, responses: [float(len(r)) for r in responses], reward=None)
     cfg = _cfg(*UPDATE, *extra)
     with torch.no_grad():
-        exp = advantages.add_advantages(scoring.score(rollout, engines, cfg, None),
+        exp = advantages.add_advantages(score_rollout(rollout, engines, cfg),
                                              advantages.advantage_settings(cfg, 0.1))
     acc = Accumulator()
-    update.ppo_update(exp, engines, cfg, 1, acc)
+    update.ppo_update(exp, engines, update.update_settings(cfg), 1, acc)
     grads = {f"{role}.{n}": p.grad.clone() for role in ("policy", "value")
              for n, p in fakes[role].named_parameters()}
     return exp, acc.reduce(), grads, types.SimpleNamespace(**fakes)

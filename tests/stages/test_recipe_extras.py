@@ -19,9 +19,10 @@ from ds_ppo.engine.forward import LastTokenScorer, response_values
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 from ds_ppo.engine.roles import load_value_model
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo import advantages, scoring, update
+from ds_ppo.ppo import advantages, update
 from support.tiny_models import small_llama
 from support.rollouts import padded_rollout
+from support.stage_calls import score_rollout
 from test_stages import _cfg
 
 
@@ -178,7 +179,7 @@ def _experience(cfg, engines):
     prompts = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (2, 5, 3, 1)]
     responses = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (4, 1, 6, 3)]
     with torch.no_grad():
-        exp = scoring.score(padded_rollout(prompts, responses, P=6, T=7), engines, cfg, None)
+        exp = score_rollout(padded_rollout(prompts, responses, P=6, T=7), engines, cfg)
         return advantages.add_advantages(exp, advantages.advantage_settings(cfg, 0.1))
 
 
@@ -201,14 +202,14 @@ def test_ptx_gradient_is_policy_gradient_plus_coef_times_lm_gradient():
     fakes, engines = _engines()
     exp = _experience(base_cfg, engines)
     acc = Accumulator()
-    update.ppo_update(exp, engines, _cfg(*UPDATE, f"ppo.ptx_coef={coef}",
-                                         "data.ptx_path=x.jsonl"), 1, acc, stream)
+    ptx_cfg = _cfg(*UPDATE, f"ppo.ptx_coef={coef}", "data.ptx_path=x.jsonl")
+    update.ppo_update(exp, engines, update.update_settings(ptx_cfg), 1, acc, stream)
     with_ptx, m = _grads(fakes.policy.module), acc.reduce()
     # the optimizer step is placed after the ptx micro-batches: 2 PPO + 2 ptx, then one step
     assert fakes.policy.boundaries == [False, False, False, True]
 
     fakes2, engines2 = _engines()
-    update.ppo_update(exp, engines2, base_cfg, 1, Accumulator())
+    update.ppo_update(exp, engines2, update.update_settings(base_cfg), 1, Accumulator())
     ppo_only = _grads(fakes2.policy.module)
     model = _small(LlamaForCausalLM)  # the same initial weights, by hand
     picked = stream.minibatch(1, 0)
@@ -237,7 +238,8 @@ def test_critic_warmup_trains_the_value_model_only():
     for iteration, warm in ((1, True), (2, False)):
         fakes, engines = _engines(ema)
         acc = Accumulator()
-        update.ppo_update(_experience(cfg, engines), engines, cfg, iteration, acc)
+        update.ppo_update(_experience(cfg, engines), engines, update.update_settings(cfg),
+                          iteration, acc)
         m = acc.reduce()
         policy_grads = [g for g in _grads(fakes.policy.module).values() if g is not None]
         assert m["value/warmup"] == float(warm)
@@ -252,7 +254,7 @@ def _metrics_without_warmup():
     cfg = _cfg(*UPDATE)
     _, engines = _engines()
     acc = Accumulator()
-    update.ppo_update(_experience(cfg, engines), engines, cfg, 1, acc)
+    update.ppo_update(_experience(cfg, engines), engines, update.update_settings(cfg), 1, acc)
     return acc.reduce()
 
 

@@ -18,8 +18,8 @@ from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout, concat_rollouts
 from ds_ppo.data.sampler import PromptSampler
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo import dynamic
-from ds_ppo.ppo.dynamic import PromptDraw, choose_groups, position, refill, slot
+from ds_ppo.ppo.dynamic import (PromptDraw, choose_groups, position, refill, refill_settings,
+                               slot)
 from ds_ppo.ppo.scoring import RewardScores
 from support.rollouts import padded_rollout
 
@@ -45,7 +45,7 @@ def _rollout(indices: list[int]) -> Rollout:
                    responses=[f"r{i}.{k}" for i in indices for k in range(N)])
 
 
-def _scores(rollout, engines, cfg, reward_encode) -> RewardScores:
+def _scores(rollout) -> RewardScores:
     s = [1.0 if _flat(int(p[1:])) else float(k)
          for p, k in zip(rollout.prompts, [k for _ in range(len(rollout) // N)
                                            for k in range(N)])]
@@ -61,13 +61,8 @@ def _refill(rank: int, world: int, max_rounds: int = 4, start: int = 0) -> dict:
     draw = PromptDraw(sampler, start)
     acc = Accumulator()
     gen = types.SimpleNamespace(decode_stats=[])
-    original = dynamic.timed_reward_scores
-    dynamic.timed_reward_scores = _scores
-    try:
-        rollout, _, rewards = refill(cfg, draw, lambda idx: (_rollout(idx), gen), None, None,
-                                     PAD, acc)
-    finally:
-        dynamic.timed_reward_scores = original
+    rollout, _, rewards = refill(refill_settings(cfg), draw, lambda idx: (_rollout(idx), gen),
+                                 _scores, PAD, acc)
     # each row must still be its prompt's: ids, lengths and strings travel together
     for b in range(len(rollout)):
         i = int(rollout.prompts[b][1:])

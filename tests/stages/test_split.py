@@ -15,7 +15,7 @@ import torch
 
 from ds_ppo.engine import dist
 from ds_ppo.ppo import split
-from ds_ppo.ppo.schedule import RolloutWorker, WeightSyncError
+from ds_ppo.ppo.rollout_worker import RolloutWorker, WeightSyncError
 from support.tiny_models import small_llama
 
 

@@ -22,7 +22,8 @@ from support.rollouts import padded_rollout
 from ds_ppo.rewards.call import load_reward_function
 from ds_ppo.rewards.functions import positive_words
 from ds_ppo.ppo.scoring import reward_scores
-from ds_ppo.ppo.update import minibatch_rows, ppo_update
+from ds_ppo.ppo.update import minibatch_rows, ppo_update, update_settings
+from support.stage_calls import score_rollout
 from support.tiny_models import small_llama
 
 
@@ -463,7 +464,6 @@ def test_every_role_forward_goes_through_its_engine():
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
     from ds_ppo.engine.forward import LastTokenScorer
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score
 
     value = LlamaForTokenClassification(LlamaConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -477,13 +477,14 @@ def test_every_role_forward_goes_through_its_engine():
     rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
-    exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+    exp = score_rollout(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
     roles = ("policy", "reference", "value", "reward")
     assert {role: fakes[role].calls for role in roles} == dict.fromkeys(
         roles, 2)  # 3 rows in micro-batches of 2
     assert exp.scores.shape == (3,)
     # the update: one mini-batch of 2 rows, one micro-batch, one forward of policy and value
-    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, cfg, 1, Accumulator())
+    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, update_settings(cfg), 1,
+               Accumulator())
     assert {role: fakes[role].calls for role in roles} == {
         "policy": 3, "reference": 2, "value": 3, "reward": 2}
 
@@ -507,7 +508,6 @@ def test_scoring_and_the_update_use_only_the_role_methods():
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
     from ds_ppo.engine.forward import LastTokenScorer
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score
 
     value = LlamaForTokenClassification(LlamaConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -526,9 +526,10 @@ def test_scoring_and_the_update_use_only_the_role_methods():
     rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=1", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
-    exp = score(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
+    exp = score_rollout(rollout, engines, cfg, lambda r: rollout_for_reward(r, 64, None))
     acc = Accumulator()
-    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, cfg, 1, acc)
+    ppo_update(add_advantages(exp, advantage_settings(cfg, 0.1)), engines, update_settings(cfg), 1,
+               acc)
     assert steps == {"policy": 2, "value": 2}  # one mini-batch of 2 rows, micro-batches of 1
     assert math.isnan(engines.policy.lr())  # the stand-in engine has no optimizer
     assert "policy/grad_norm" not in acc.reduce()  # DeepSpeed computed none
@@ -561,10 +562,9 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
 
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.correction import rollout_correction
+    from ds_ppo.ppo.correction import correction_settings, rollout_correction
     from ds_ppo.algo.kl import FixedKLController
-    from ds_ppo.ppo.scoring import score
-    from ds_ppo.ppo.report import iteration_metrics
+    from ds_ppo.ppo.iteration_report import iteration_metrics
 
     rollout = padded_rollout([*PROMPTS, [7, 3]], [*RESPONSES, [20, 21, 22]], P=4, T=4)
     with torch.no_grad():
@@ -584,10 +584,11 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
         cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=4", "ppo.rollout_batch_size=4",
                    "ppo.ppo_epochs=2", "generation.temperature=0.7", f"ppo.old_logprobs={mode}")
         acc = Accumulator()
-        exp = rollout_correction(score(rollout, engines, cfg, None), cfg, acc)
+        exp = rollout_correction(score_rollout(rollout, engines, cfg), correction_settings(cfg),
+                                 acc)
         scoring_calls = policy.calls
         exp = add_advantages(exp, advantage_settings(cfg, 0.1))
-        ppo_update(exp, engines, cfg, 1, acc)
+        ppo_update(exp, engines, update_settings(cfg), 1, acc)
         for phase in ("generation", "scoring", "update"):
             acc.add_max(f"time/{phase}_s", 1.0)
         # what train() logs: the report's rollout statistics, then every rank's reduction
@@ -612,7 +613,7 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
     # a rollout without the sampler's log-probs (generation.loop=auto chose HF generate)
     rollout.rollout_logprobs = None
     with pytest.raises(ConfigError, match="ppo.old_logprobs = 'rollout' needs the rollout"):
-        score(rollout, engines, cfg, None)
+        score_rollout(rollout, engines, cfg)
 
 
 def test_param_chunks_bound_each_gather():
@@ -715,7 +716,7 @@ def test_minibatches_hold_the_same_samples_at_any_world_size(epoch):
 
 def test_divergence_check_losses_always_grad_norms_unless_fp16():
     from ds_ppo.errors import Diverged
-    from ds_ppo.ppo.job import GRAD_NORMS, LOSSES, PPOJob
+    from ds_ppo.ppo.train_job import GRAD_NORMS, LOSSES, PPOJob
     from ds_ppo.run.driver import stop_if_diverged
 
     def _stop_if_diverged(metrics, iteration, last, grad_norms=True):
@@ -736,7 +737,7 @@ def test_divergence_check_losses_always_grad_norms_unless_fp16():
 
 
 def test_samples_table_rows_carry_the_reward_columns():
-    from ds_ppo.ppo.report import sample_row as _sample_row
+    from ds_ppo.ppo.iteration_report import sample_row as _sample_row
 
     assert _sample_row("p", "r", 1, {"answer": "4", "score": 3}) == {
         "prompt": "p", "response": "r", "score": 1.0, "answer": "4", "data/score": 3}

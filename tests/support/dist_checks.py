@@ -262,17 +262,19 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     from ds_ppo.metrics import Accumulator
     from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score
-    from ds_ppo.ppo.update import ppo_update
+    from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores
+    from ds_ppo.ppo.update import ppo_update, update_settings
 
-    from ds_ppo.ppo.job import prompt_sampler as _sampler
+    from ds_ppo.ppo.train_job import prompt_sampler as _sampler
 
     prompts = load_prompts(cfg.data, tok)
     rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
                               engines, cfg, tok, mode, stop_token_ids(tok, cfg))
-    exp = add_advantages(score(rollout, engines, cfg, None),
+    scored = score(rollout, engines, scoring_settings(cfg),
+                   lambda: timed_reward_scores(rollout, engines, cfg, None))
+    exp = add_advantages(scored,
                          advantage_settings(cfg, cfg.ppo.kl_coef))
-    ppo_update(exp, engines, cfg, iteration, Accumulator())
+    ppo_update(exp, engines, update_settings(cfg), iteration, Accumulator())
     return rollout
 
 

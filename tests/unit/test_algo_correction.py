@@ -1,4 +1,4 @@
-"""Rollout correction math (ds_ppo.algo.correction) against hand computations."""
+"""Rollout correction math (ds_ppo.algo.importance_sampling) against hand computations."""
 from __future__ import annotations
 
 import math

@@ -146,18 +146,25 @@ def test_final_answer_match():
 
 
 def test_evaluation_takes_one_greedy_response_per_prompt(monkeypatch):
-    """n greedy samples of a prompt would be n copies: evaluation generates one."""
-    from ds_ppo.ppo import evaluate as ev
+    """n greedy samples of a prompt would be n copies: evaluation generates one, and the PPO
+    job's evaluation generates with that config."""
+    from ds_ppo.ppo import evaluate as ev, train_job as job
 
+    cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    greedy = ev.greedy_config(cfg)
+    assert (greedy.ppo.samples_per_prompt, greedy.generation.temperature) == (1, 0.0)
+    assert cfg.ppo.samples_per_prompt == 4 and cfg.generation.temperature == 1.0
     seen = {}
 
     def make_rollout(prompts, indices, engines, cfg, *args):
-        seen.update(n=cfg.ppo.samples_per_prompt, temperature=cfg.generation.temperature)
+        seen.update(n=cfg.ppo.samples_per_prompt, temperature=cfg.generation.temperature,
+                    indices=indices)
         raise StopIteration
 
-    monkeypatch.setattr(ev, "make_rollout", make_rollout)
-    cfg = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    monkeypatch.setattr(job, "make_rollout", make_rollout)
+    ppo = job.PPOJob(cfg)
+    ppo.eval_prompts = types.SimpleNamespace(input_ids=[[1]] * 8)
+    ppo.gen_mode, ppo.eos_ids, ppo.reward_encode = "gathered", [2], None
     with pytest.raises(StopIteration):
-        ev.evaluate(types.SimpleNamespace(input_ids=[[1]] * 8), None, cfg, None, "gathered",
-                    [2], None)
-    assert seen == {"n": 1, "temperature": 0.0}
+        ppo._evaluate(cfg, types.SimpleNamespace(policy=None), None)
+    assert seen == {"n": 1, "temperature": 0.0, "indices": list(range(8))}

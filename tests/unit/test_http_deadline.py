@@ -129,7 +129,7 @@ def test_an_answer_over_the_size_limit_is_refused(drip, announced):
     assert "over the limit of 1,000" in str(e.value) or "more than 1,000 bytes" in str(e.value)
     assert str(e.value).endswith("send fewer rows per request (lower reward.batch_size)")
     from ds_ppo.envs.base import EnvFailed
-    from ds_ppo.envs.service import EnvService
+    from ds_ppo.envs.http_env import EnvService
 
     env = EnvService(srv.url, timeout_s=5.0, retries=0, max_answer_bytes=1000)
     with pytest.raises(EnvFailed) as e:  # an environment is not told to return scores

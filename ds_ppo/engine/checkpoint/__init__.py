@@ -5,7 +5,7 @@
 - `manifest.py`: every file's size and CRC-32, written at save, checked at load (no torch);
 - `save_load.py`: writing a checkpoint from the engines and loading one into them (DeepSpeed's
   files, RNG states, EMA, the universal format for another world size);
-- `export.py`: a role's weights as a Hugging Face directory, inside a job or from a checkpoint;
+- `hf_export.py`: a role's weights as a Hugging Face directory, inside a job or from a checkpoint;
 - `hf_writer.py`: the streamed safetensors writer both use.
 
 The names callers need are found here, each in its home module, imported on first use so that

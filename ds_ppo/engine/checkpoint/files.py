@@ -38,7 +38,7 @@ from ds_ppo.errors import CheckpointError, ConfigError, UserError
 from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
-# marks a directory an export wrote (engine/checkpoint/export.py): the source, dtype, and for a run's own
+# marks a directory an export wrote (engine/checkpoint/hf_export.py): the source, dtype, and for a run's own
 # export at its end (output_dir/final) the iteration it holds
 EXPORT_MARKER = "ds_ppo_export.json"
 TAG = "ds"  # DeepSpeed tag inside each role's folder

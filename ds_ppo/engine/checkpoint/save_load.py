@@ -36,7 +36,7 @@ from ds_ppo.engine.checkpoint.files import (TAG, UNIVERSAL_TAG, TrainerState,
                                             latest_checkpoint, named_by_best, named_by_latest,
                                             read_state,
                                             resolve_checkpoint, unusable, verify_checkpoint)
-from ds_ppo.engine.checkpoint.export import disk_full_reason, export_engine
+from ds_ppo.engine.checkpoint.hf_export import disk_full_reason, export_engine
 from ds_ppo.engine.checkpoint.hf_writer import saved_config
 from ds_ppo.engine.lora import is_lora, save_adapters
 from ds_ppo.errors import CheckpointError, ConfigError

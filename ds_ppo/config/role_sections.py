@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 
 
 class ModelSource(Section):

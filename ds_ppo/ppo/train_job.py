@@ -23,9 +23,10 @@ from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.dynamic import PromptDraw
-from ds_ppo.ppo.evaluate import evaluate
+from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
-from ds_ppo.ppo.rollout import stop_token_ids
+from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
+from ds_ppo.ppo.scoring import reward_scores
 from ds_ppo.rewards.encode import reward_encoder
 from ds_ppo.role_names import TRAINED_ROLES
 
@@ -140,9 +141,9 @@ class PPOJob:
             self.inputs = replace(self.inputs, schedule=rollout_schedule(
                 self.inputs, lambda iteration: sampler.indices(iteration - 1),
                 self._saved_flight))
-        from ds_ppo.ppo.report import Reporter
+        from ds_ppo.ppo.iteration_report import Reporter, report_settings
 
-        self.reporter = Reporter(cfg, run.tracker, run.out, tokenizer)
+        self.reporter = Reporter(report_settings(cfg), run.tracker, run.out, tokenizer)
 
     def serve(self, cfg: Config, device: torch.device) -> None:
         """A generation rank of ppo.placement = split: its whole run (ppo/split.py)."""
@@ -152,7 +153,7 @@ class PPOJob:
 
     # ------------------------------------------------------------------- one iteration
     def step(self, run, iteration: int) -> dict[str, float]:
-        from ds_ppo.ppo.report import iteration_metrics
+        from ds_ppo.ppo.iteration_report import iteration_metrics
 
         cfg, engines, kl_ctl = run.cfg, run.engines, self.kl_ctl
         acc, t_iter = Accumulator(), time.perf_counter()
@@ -199,8 +200,16 @@ class PPOJob:
     def _evaluate(self, cfg: Config, engines: Engines, tokenizer) -> tuple[dict, list]:
         """The eval/* metrics and samples of the policy; with policy.ema_decay also eval_ema/*
         of its EMA (swapped into the policy's weights for the evaluation, then swapped back)."""
-        args = (self.eval_prompts, engines, cfg, tokenizer, self.gen_mode, self.eos_ids,
-                self.reward_encode)
+        prompts, greedy = self.eval_prompts, greedy_config(cfg)
+
+        def generate(indices):
+            return make_rollout(prompts, indices, engines, greedy, tokenizer, self.gen_mode,
+                                self.eos_ids)[0]
+
+        def reward(rollout):
+            return reward_scores(rollout, engines, cfg, self.reward_encode)[0]
+
+        args = (len(prompts.input_ids), eval_settings(cfg), generate, reward, tokenizer)
         metrics, samples = evaluate(*args)
         if engines.policy.ema is not None:
             with engines.policy.ema.swapped_in():

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ds_ppo.config.base import Section
+from ds_ppo.config.section_base import Section
 
 
 # ------------------------------------------------------------------------- generation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,13 +94,31 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     return m
 
 
+@dataclass(frozen=True)
+class ReportSettings:
+    """Everything the report reads from the config."""
+
+    iterations: int  # the run's total (the progress line's N/total, the ETA)
+    log_every: int  # a progress line every N iterations
+    log_samples_every: int  # tracking.log_samples_every: a samples table (0: never)
+    num_samples: int  # tracking.num_samples: rows of each samples table
+    schedule: str  # ppo.schedule (named in the progress line's staleness)
+    reward_max_len: int  # reward.max_len (named in the input-cut warning)
+
+
+def report_settings(cfg: Config) -> ReportSettings:
+    """The report's settings from the config."""
+    return ReportSettings(cfg.iterations, cfg.log_every, cfg.tracking.log_samples_every,
+                          cfg.tracking.num_samples, cfg.ppo.schedule, cfg.reward.max_len)
+
+
 class Reporter:
     """Rank 0's view of the run's progress: the ETA and the warnings given once per process.
     Created by `train()`; `report` is called once per iteration on every rank (the samples
     table is gathered from all ranks)."""
 
-    def __init__(self, cfg: Config, tracker, out: Path, tokenizer):
-        self.cfg, self.tracker, self.out = cfg, tracker, out
+    def __init__(self, s: ReportSettings, tracker, out: Path, tokenizer):
+        self.s, self.tracker, self.out = s, tracker, out
         self.tokenizer = tokenizer  # the policy's: the samples' response text
         self.eta = Eta()  # rank 0's time left, from the mean of recent iterations
         self.warned_cut = False  # the reward-input cut is reported once per process
@@ -108,11 +127,11 @@ class Reporter:
                eval_samples: list[tuple] | None = None) -> None:
         """Rank 0: progress line (and an eval line when this iteration evaluated),
         metrics.jsonl (always, independent of MLflow), samples.jsonl, MLflow."""
-        cfg, tracker = self.cfg, self.tracker
+        s, tracker = self.s, self.tracker
         tables = {}  # "samples" (training) / "eval_samples": rows of every rank, collective
-        every = cfg.tracking.log_samples_every
+        every = s.log_samples_every
         if every and iteration % every == 0:
-            k = cfg.tracking.num_samples
+            k = s.num_samples
             r = exp.rollout
             rows = [sample_row(p, resp, s, extra) for p, resp, s, extra in
                     zip(r.prompts[:k], readable_responses(self.tokenizer, r, k),
@@ -123,7 +142,7 @@ class Reporter:
             # collective: every rank; one list per data-parallel rank (an SP group shares rows)
             tables["samples"] = sum(dist.gather_objects(rows, data_parallel=True), [])[:k]
         if eval_samples is not None:
-            tables["eval_samples"] = _gather_rows(eval_samples, cfg.tracking.num_samples)
+            tables["eval_samples"] = _gather_rows(eval_samples, s.num_samples)
         if not dist.is_main():
             return
         self.eta.tick(iteration, metrics["time/iteration_s"])
@@ -132,7 +151,7 @@ class Reporter:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         tracker.log_metrics(metrics, step=iteration)
         self._log_samples(tables, iteration)
-        if iteration % cfg.log_every == 0 or iteration == cfg.iterations:
+        if iteration % s.log_every == 0 or iteration == s.iterations:
             print(self.progress_line(metrics, iteration), flush=True)
         if "eval/score_mean" in metrics:  # every evaluation, whatever log_every says
             print(self.eval_line(metrics, iteration), flush=True)
@@ -154,13 +173,13 @@ class Reporter:
     def eval_line(self, metrics: dict[str, float], iteration: int) -> str:
         """`eval iter   20/40 | score +0.1234 (std 0.0812) | len 11.2 | eos 0.25`: greedy
         responses to the evaluation prompts (data.eval_split)."""
-        return (f"eval {iteration:>4}/{self.cfg.iterations} "
+        return (f"eval {iteration:>4}/{self.s.iterations} "
                 f"| score {metrics['eval/score_mean']:+.4f} (std {metrics['eval/score_std']:.4f}) "
                 f"| len {metrics['eval/length_mean']:.1f} | eos {metrics['eval/eos_rate']:.2f}")
 
     def progress_line(self, metrics: dict[str, float], iteration: int) -> str:
-        cfg = self.cfg
-        return (f"iter {iteration:>4}/{cfg.iterations} | score {metrics['score/mean']:+.4f} "
+        s = self.s
+        return (f"iter {iteration:>4}/{s.iterations} | score {metrics['score/mean']:+.4f} "
                 f"| kl {metrics['kl/sequence_mean']:+.4f} "
                 f"| entropy {metrics['policy/entropy']:.3f} "
                 + (f"| pg {metrics['loss/policy']:+.4f} " if "loss/policy" in metrics
@@ -168,11 +187,11 @@ class Reporter:
                 (f"| ptx {metrics['loss/ptx']:.4f} " if "loss/ptx" in metrics else "")
                 + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
                 f"| len {metrics['response/length_mean']:.1f} "
-                + (f"| {cfg.ppo.schedule} stale {metrics['async/staleness_mean']:.1f} "
+                + (f"| {s.schedule} stale {metrics['async/staleness_mean']:.1f} "
                    if "async/staleness_mean" in metrics else "") +
                 f"| gen {metrics['time/generation_s']:.1f}s "
                 f"| iter {metrics['time/iteration_s']:.1f}s "
-                f"| eta {format_duration(self.eta.left(cfg.iterations - iteration))}")
+                f"| eta {format_duration(self.eta.left(s.iterations - iteration))}")
 
     def _warn_reward_cut(self, metrics: dict[str, float], iteration: int) -> None:
         if metrics.get("reward/input_cut_rate", 0.0) > 0 and not self.warned_cut:
@@ -181,7 +200,7 @@ class Reporter:
                         "reward.max_len = %d and lost the start of their prompt (metric "
                         "reward/input_cut_rate); raise reward.max_len if the reward model takes "
                         "longer inputs", iteration, 100 * metrics["reward/input_cut_rate"],
-                        self.cfg.reward.max_len)
+                        self.s.reward_max_len)
 
 
 def _gather_rows(samples, k: int) -> list[dict]:
