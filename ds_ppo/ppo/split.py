@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_ppo.algo.choices import max_lag
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
                                       weight_checksum)
@@ -54,8 +55,8 @@ class RemoteWorker:
         self.skeleton_sent = False
         if self.primary:  # what the generation rank decodes and scores with
             dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
-                              "eos_ids": run.eos_ids, "reward_fn": run.engines.reward_fn,
-                              "dtype": run.engines.dtype}, self.peer)
+                              "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
+                              "training_ranks": dist.world_size()}, self.peer)
 
     def sync(self, version: int) -> int:
         """Weight sync (collective over the training ranks): the policy's weights of `version`
@@ -133,8 +134,12 @@ def serve_generation(cfg, device: torch.device) -> None:
     first, others = served[0], served[1:]
     setup = dist.bridge_recv(first)
     assert setup["op"] == "setup", setup["op"]
+    from ds_ppo.engine.roles import reward_function
+
+    # the reward built here as the training ranks build theirs (a RewardService is not sent)
     worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,
-                           setup["reward_fn"], max(1, cfg.ppo.max_staleness))
+                           reward_function(cfg, setup["training_ranks"]),
+                           max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness))
     dtype = setup["dtype"]
     log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
     generator = torch.Generator(device=device)
