@@ -101,6 +101,34 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
 SCHEDULE_NAMES: tuple[str, ...] = get_args(Schedule)
 
 
+# ppo.placement: which ranks generate and which train (docs/ASYNC.md)
+Placement = Literal["colocated", "split"]
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """One placement (`ppo.placement`)."""
+
+    name: str
+    what: str  # what runs where, which process owns which weights
+
+
+PLACEMENTS: dict[str, PlacementSpec] = {s.name: s for s in (
+    PlacementSpec("colocated", "every rank trains (its ZeRO engines) and generates (a background "
+                  "worker on a 16-bit replica of its own, beside the training states)"),
+    PlacementSpec("split", "the last ppo.generation_ranks ranks only generate (a 16-bit replica, "
+                  "no ZeRO engine) and call the reward function; the others only train, their "
+                  "ZeRO states partitioned over the training ranks alone"),
+)}
+PLACEMENT_NAMES: tuple[str, ...] = get_args(Placement)
+
+
+def training_ranks(placement: str, world_size: int, generation_ranks: int) -> int:
+    """Ranks that hold the ZeRO engines and train: the world, or under `split` the world less
+    the generation ranks."""
+    return world_size - generation_ranks if placement == "split" else world_size
+
+
 def max_lag(schedule: str, max_staleness: int) -> int:
     """The most updates a sample's weights may lag the weights that train on it: 0 for sync,
     1 for one_step_off, ppo.max_staleness for async (also the rollouts generated per refresh)."""

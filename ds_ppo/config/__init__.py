@@ -15,7 +15,8 @@ it re-exports every public name.
 """
 from ds_ppo.config.batches import (grad_accum_steps, job_accum_steps, optimizer_steps,
                                    steps_per_iteration)
-from ds_ppo.config.checks import config_warnings, validate, validate_job
+from ds_ppo.config.checks import (config_warnings, placement_problems, validate,
+                                  validate_job)
 from ds_ppo.config.derived import (critic_warmup, job_config, lora_output_head, max_model_tokens,
                                    max_response_tokens, reference_from_policy_base,
                                    value_init_source, watchdog_limit_s, world_size_from_env)
@@ -35,7 +36,7 @@ __all__ = [
     "RMConfig", "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TrackingConfig",
     "ValueConfig", "apply_overrides", "config_warnings", "critic_warmup", "describe",
     "grad_accum_steps", "job_accum_steps", "job_config", "load_config", "lora_output_head", "max_model_tokens",
-    "max_response_tokens", "optimizer_steps", "preset_names", "preset_path",
+    "max_response_tokens", "optimizer_steps", "placement_problems", "preset_names", "preset_path",
     "reference_from_policy_base", "steps_per_iteration", "validate", "validate_job",
     "value_init_source", "watchdog_limit_s", "world_size_from_env", "yaml_value",
 ]

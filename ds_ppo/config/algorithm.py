@@ -7,7 +7,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
-                                 OldLogprobs, RolloutCorrection, Schedule, describe_estimators)
+                                 OldLogprobs, Placement, RolloutCorrection, Schedule,
+                                 describe_estimators, max_lag)
 from ds_ppo.config.section_base import Section
 
 
@@ -154,6 +155,18 @@ class PPOConfig(Section):
         "lag the weights it trains (0: generated after the previous update, the same updates as "
         "sync); a buffered sample older than this after a resume is regenerated "
         "(metric async/regenerated).")
+    placement: Placement = Field(
+        "colocated", description="Which ranks generate (docs/ASYNC.md): colocated = every rank "
+        "trains and, under an off-policy schedule, generates in a background worker on a 16-bit "
+        "replica beside its training states; split = the last generation_ranks ranks only "
+        "generate (a 16-bit replica and the reward function's calls, no ZeRO engine) and the "
+        "others only train, their ZeRO states partitioned over the training ranks alone (the "
+        "batch sizes then divide by the training ranks). split needs an off-policy schedule "
+        "(one_step_off, or async with max_staleness >= 1). `ds-ppo plan` sizes both.")
+    generation_ranks: int = Field(
+        1, ge=1, le=65536, description="placement=split: how many ranks only generate (the "
+        "last ones of the world; each serves whole training ranks, so at most the training "
+        "ranks' count). Ignored with placement=colocated.")
     loss_aggregation: LossAggregation = \
         Field("token_mean", description="Policy (and KL) loss over a mini-batch: token_mean = "
               "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "
@@ -238,4 +251,11 @@ class PPOConfig(Section):
                        "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
                        "'rollout' makes them the same (every weight 1): set "
                        "ppo.rollout_correction=none, or ppo.old_logprobs=training")
+        if p.placement == "split" and max_lag(p.schedule, p.max_staleness) == 0:
+            out.append(f"ppo.placement = 'split' generates on ranks of its own while the others "
+                       f"train, but ppo.schedule = {p.schedule!r}"
+                       + (" with ppo.max_staleness = 0" if p.schedule == "async" else "")
+                       + " makes each rollout wait for the previous update (the generation "
+                       "ranks would idle): set ppo.schedule=one_step_off (or async with "
+                       "ppo.max_staleness >= 1), or ppo.placement=colocated")
         return out

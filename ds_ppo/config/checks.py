@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_ppo.algo.choices import max_lag
+from ds_ppo.algo.choices import max_lag, training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.model_checks import (model_problems, sequence_parallel_problems,
@@ -23,13 +23,18 @@ def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks that need the world size; raises ConfigError listing every problem
     (one checker per part of the config, each returning its problems). The batch rules hold per
     data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
-    sequence-parallel group share their rows (world / N data-parallel ranks)."""
+    sequence-parallel group share their rows (world / N data-parallel ranks); under
+    ppo.placement = split only the training ranks hold rows."""
     problems = [p for section in cfg.sections() for p in section.problems()]
-    problems += batch_problems(cfg, data_parallel_size(cfg, world_size))
+    placement = placement_problems(cfg, world_size)
+    problems += placement
+    trainers = world_size if placement else training_ranks(
+        cfg.ppo.placement, world_size, cfg.ppo.generation_ranks)
+    problems += batch_problems(cfg, data_parallel_size(cfg, trainers))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
-                  _schedule_problems, _tracking_problems, _recipe_problems,
-                  sequence_parallel_problems):
+                  _schedule_problems, _tracking_problems, _recipe_problems):
         problems += check(cfg, world_size)
+    problems += sequence_parallel_problems(cfg, trainers)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -209,6 +214,10 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
                    f"{r.timeout_s:g} s, but the watchdog stops a rank after {limit:.0f} s "
                    "without progress: raise watchdog_minutes (and dist_timeout_minutes) or "
                    "lower reward.timeout_s")
+    if p.placement == "colocated" and "generation_ranks" in p.model_fields_set:
+        out.append(f"ppo.generation_ranks = {p.generation_ranks} is ignored: ppo.placement = "
+                   "'colocated' generates on every rank (set ppo.placement=split to give it "
+                   "ranks of its own)")
     if cfg.data.ptx_path is not None and p.ptx_coef == 0:
         out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
                    "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")
@@ -257,6 +266,32 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
                         "ppo.rollout_correction=tis (or mis), or ppo.old_logprobs=rollout, "
                         "or ppo.schedule=async with ppo.max_staleness=0")
     return problems
+
+
+def placement_problems(cfg: Config, world_size: int) -> list[str]:
+    """ppo.placement = split: the last ppo.generation_ranks ranks only generate, each one for
+    whole training ranks (their rows and random streams), so at least one rank trains and no
+    generation rank is left without a training rank to serve."""
+    p = cfg.ppo
+    if p.placement != "split":
+        return []
+    k, trainers = p.generation_ranks, world_size - p.generation_ranks
+    if trainers < 1:
+        return [f"ppo.placement = 'split' with ppo.generation_ranks = {k} leaves no training "
+                f"rank in a world of {world_size}: launch more ranks, set "
+                f"ppo.generation_ranks <= {max(world_size - 1, 1)}"
+                + (" (with at least 2 ranks)" if world_size < 2 else "")
+                + ", or ppo.placement=colocated"]
+    if k > trainers:
+        return [f"ppo.placement = 'split': ppo.generation_ranks = {k} exceeds the {trainers} "
+                f"training rank(s) of a world of {world_size} (each generation rank generates "
+                f"the rows of whole training ranks): set ppo.generation_ranks <= "
+                f"{world_size // 2}, or ppo.placement=colocated"]
+    if cfg.env.enabled:
+        return ["ppo.placement = 'split' with an env section: the generation ranks do not play "
+                "multi-turn episodes yet; set ppo.placement=colocated (episodes run in the "
+                "background worker of every rank)"]
+    return []
 
 
 def _old_logprob_problems(cfg: Config) -> list[str]:

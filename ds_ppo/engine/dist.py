@@ -29,6 +29,11 @@ _timeout_minutes = 30.0  # dist_timeout_minutes of this job (init_distributed se
 # deepspeed.sequence_parallel_size and this rank's groups (set_sequence_parallel)
 _SP: dict = {"size": 1, "sp_group": None, "dp_group": None}
 _GROUPS: dict[int, dict] = {}  # SP size -> this rank's {"sp_group", "dp_group"}
+# ppo.placement = split (`init_distributed(generation_ranks=K)`): the launcher's world of W
+# ranks is T = W - K training ranks, whose default process group (DeepSpeed's world, and every
+# collective of this module) holds them alone, and K generation ranks outside it; the bridge,
+# a gloo group of all W ranks on the same store, carries rollouts and weights between them
+_SPLIT: dict = {"bridge": None, "rank": 0, "world": 1, "generation_ranks": 0}
 
 
 def _free_port() -> int:
@@ -78,11 +83,14 @@ def import_deepspeed():
     return deepspeed
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
+def init_distributed(timeout_minutes: float = 30.0, generation_ranks: int = 0) -> torch.device:
     """Join (or, run without a launcher, create) the process group; return this rank's device.
 
     Without the `deepspeed` launcher (plain `ds-ppo train`) the run is a world of one; the
     launcher's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* variables are used when present.
+    `generation_ranks` K > 0 (ppo.placement = split): the last K ranks of the launcher's world
+    join no default group (`is_generation_rank`), the others form it alone, and all of them the
+    bridge (`bridge_send` / `bridge_recv`).
     """
     deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
@@ -101,20 +109,89 @@ def init_distributed(timeout_minutes: float = 30.0) -> torch.device:
     skip_cpu_shm_comm(acc.device_name())  # nothing to JIT-build on a CPU machine
     check_build_locks()  # a killed build's lock: a message, not a silent wait forever
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launched_world, launched_rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    generating = generation_ranks > 0 and launched_rank >= launched_world - generation_ranks
+    if generation_ranks > 0 and not generating:  # DeepSpeed's world: the training ranks
+        os.environ["WORLD_SIZE"] = str(launched_world - generation_ranks)
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)
     else:
         threads = cpu_threads_per_rank(os.environ, _cpu_count())
         if threads is not None:
             torch.set_num_threads(threads)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and not generating:
         try:
             deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
                                        timeout=timedelta(minutes=timeout_minutes))
         except dist.DistError as err:  # a hang at start-up, turned into a message and exit 2
             raise join_error(err, dict(os.environ), timeout_minutes) from None
+    if generation_ranks > 0:
+        _join_bridge(launched_rank, launched_world, generation_ranks, generating,
+                     timedelta(minutes=timeout_minutes))
     name = acc.device_name(local_rank) if acc.device_name() != "cpu" else "cpu"
     return torch.device(name)
+
+
+def _join_bridge(rank_: int, world: int, generation_ranks: int, generating: bool,
+                 timeout: timedelta) -> None:
+    """The bridge of a split placement: a gloo group of the launcher's whole world on the
+    training ranks' store (rank 0's TCPStore at MASTER_ADDR:MASTER_PORT)."""
+    if generating:
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=timeout)
+    else:
+        base = dist.distributed_c10d._get_default_store()
+        while isinstance(base, dist.PrefixStore):  # the default group's prefixes
+            base = base.underlying_store
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("ds_ppo_bridge", base), rank_, world, timeout)
+    _SPLIT.update(bridge=bridge, rank=rank_, world=world, generation_ranks=generation_ranks)
+
+
+def is_generation_rank() -> bool:
+    """A rank of a split placement that only generates (no default group, no engine)."""
+    s = _SPLIT
+    return s["bridge"] is not None and s["rank"] >= s["world"] - s["generation_ranks"]
+
+
+def generation_peer(training_rank: int) -> int:
+    """The bridge rank of the generation rank that serves `training_rank` (split placement):
+    training rank r is served by generation rank r mod K."""
+    s = _SPLIT
+    return s["world"] - s["generation_ranks"] + training_rank % s["generation_ranks"]
+
+
+def served_training_ranks(generation_rank: int) -> list[int]:
+    """The training ranks that bridge rank `generation_rank` serves, in rank order (the first
+    also sends it the weights)."""
+    s = _SPLIT
+    trainers = s["world"] - s["generation_ranks"]
+    return [r for r in range(trainers) if generation_peer(r) == generation_rank]
+
+
+def bridge_send(obj, dst: int) -> None:
+    """`obj` (tensors on any device, dataclasses of them, Python values) to bridge rank `dst`,
+    pickled: a length, then the bytes. Blocks until `dst` took it."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(_moved(obj, torch.device("cpu")), buf)
+    payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    bridge = _SPLIT["bridge"]
+    bridge.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait()
+    bridge.send([payload], dst, 1).wait()
+
+
+def bridge_recv(src: int, device: torch.device | None = None):
+    """The next object bridge rank `src` sent (`bridge_send`), its tensors on `device`."""
+    import io
+
+    bridge = _SPLIT["bridge"]
+    size = torch.zeros(1, dtype=torch.int64)
+    bridge.recv([size], src, 0).wait()
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    bridge.recv([payload], src, 1).wait()
+    obj = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    return obj if device is None else _moved(obj, device)
 
 
 def cpu_threads_per_rank(environ, cpu_count: int) -> int | None:
@@ -165,7 +242,8 @@ def set_zero3_leaf_modules(model: torch.nn.Module, classes: list[type]) -> None:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank in the default group (a split placement's generation rank: its bridge rank)."""
+    return dist.get_rank() if dist.is_initialized() else _SPLIT["rank"]
 
 
 def world_size() -> int:

@@ -357,12 +357,30 @@ def _init_reward(cfg: Config, world: int, dtype):
     return _initialize(LastTokenScorer(model).eval(), ds), ds
 
 
+def reward_function(cfg: Config, world: int):
+    """The callable reward of reward.url (a RewardService) or reward.function; None for a
+    reward model (an engine) or an env's turn rewards alone. A split placement's generation
+    ranks build theirs with it too (`world`: the training ranks, whose calls share the
+    deadline)."""
+    if cfg.reward.model is not None:
+        return None
+    if cfg.reward.url is not None:
+        from ds_ppo.http_deadline import call_deadline
+        from ds_ppo.rewards.service import RewardService
+
+        return RewardService.from_config(cfg.reward,
+                                         call_deadline(cfg.dist_timeout_minutes, world))
+    if cfg.reward.function is not None:  # else an env's turn rewards are the only ones
+        from ds_ppo.rewards.call import load_reward_function
+
+        return load_reward_function(cfg.reward.function, cfg.data.reward_keys)
+    return None
+
+
 def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
                  reward_shares_tokenizer: bool = True) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
     `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
-    from ds_ppo.rewards.call import load_reward_function
-
     # the SP groups of deepspeed.sequence_parallel_size consecutive ranks and the data-parallel
     # groups across them (engine/dist.py); size 1 resets them (a process that builds twice)
     sp_group = sequence_parallel.new_group(cfg.deepspeed.sequence_parallel_size)
@@ -404,17 +422,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         if dist.is_main():
             engine = policy if role == "policy" else value
             log.info("LoRA %s", lora.describe_trainable(role, engine.module))
-    reward, reward_fn = None, None
+    reward, reward_fn = None, reward_function(cfg, world)
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
-    elif cfg.reward.url is not None:
-        from ds_ppo.http_deadline import call_deadline
-        from ds_ppo.rewards.service import RewardService
-
-        reward_fn = RewardService.from_config(
-            cfg.reward, call_deadline(cfg.dist_timeout_minutes, world))
-    elif cfg.reward.function is not None:  # else an env's turn rewards are the only ones
-        reward_fn = load_reward_function(cfg.reward.function, cfg.data.reward_keys)
     ema = None
     if cfg.policy.ema_decay is not None:  # engine/ema.py: each rank its own partitions
         from ds_ppo.engine.ema import ParamEMA

@@ -33,8 +33,8 @@ The parts, in the order a plan is made:
 - levers.py: the greedy lever search and the node count that fits; `plan` puts it together
 - report.py: the table, the JSON and the `ds-ppo plan` command (`main`)
 
-Besides ds_ppo.config, ds_ppo.engine.generation.choice and ds_ppo.role_names it imports only torch and
-transformers (lazily), never deepspeed.
+Besides ds_ppo.config, ds_ppo.algo.choices, ds_ppo.engine.generation.choice and ds_ppo.role_names
+it imports only torch and transformers (lazily), never deepspeed.
 """
 from __future__ import annotations
 

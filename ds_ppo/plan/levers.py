@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from pydantic import ValidationError
 
+from ds_ppo.algo.choices import max_lag
 from ds_ppo.config import Config, apply_overrides, validate
 from ds_ppo.errors import ConfigError
 from ds_ppo.plan.phases import Cluster, Lever, LeverEffect, Plan, compute_plan
@@ -33,10 +34,13 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
     if cfg.ppo.tiled_logits is False:
         levers.append(Lever("tile the logits (the head 1024 positions at a time)",
                             ("ppo.tiled_logits=auto",)))
-    if plan.generation_mode == "gathered" and plan.tp_unsupported is None:
+    levers += _placement_levers(cfg, plan)
+    # an off-policy schedule's worker decodes on a whole replica of its own
+    whole = max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness) > 0
+    if plan.generation_mode == "gathered" and plan.tp_unsupported is None and not whole:
         levers.append(Lever("split the generation replica over the GPUs of a node",
                             ("generation.mode=tensor_parallel",)))
-    if plan.generation_mode in ("gathered", "tensor_parallel"):
+    if plan.generation_mode in ("gathered", "tensor_parallel") and not whole:
         levers.append(Lever("generate through ZeRO-3 layer gathering instead of a replica",
                             ("generation.mode=zero3",)))
     if plan.micro_batch_tokens is not None:  # packed: the budget sets the micro-batch's size
@@ -58,6 +62,23 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
     if decode_batch > 1:
         levers.append(Lever("halve the generation batch",
                             (f"generation.batch_size={decode_batch // 2}",)))
+    return levers
+
+
+def _placement_levers(cfg: Config, plan: Plan) -> list[Lever]:
+    """ppo.placement's levers: colocated with an off-policy schedule keeps the worker's replica
+    and decoding beside the training states, which ranks of their own would take away; under
+    split, more generation ranks share the rows to decode and fewer leave more ranks to share
+    the ZeRO partitions."""
+    p, levers = cfg.ppo, []
+    if p.placement == "colocated" and max_lag(p.schedule, p.max_staleness) > 0 \
+            and plan.cluster.world_size >= 2:
+        levers.append(Lever("generate on a rank of its own (the others train without the "
+                            "worker's replica)", ("ppo.placement=split", "ppo.generation_ranks=1")))
+    if p.placement == "split":
+        if p.generation_ranks > 1:
+            levers.append(Lever("one generation rank fewer (one more rank shares the ZeRO "
+                                "partitions)", (f"ppo.generation_ranks={p.generation_ranks - 1}",)))
     return levers
 
 

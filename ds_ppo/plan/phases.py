@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ds_ppo.config import (Config, lora_output_head, max_response_tokens,
+from ds_ppo.algo.choices import max_lag
+from ds_ppo.config import (Config, lora_output_head, max_response_tokens, placement_problems,
                            reference_from_policy_base, validate)
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.forward import tile_logits
@@ -53,9 +54,13 @@ class Phase:
 
     name: str
     transient: dict[str, int]  # term -> bytes per GPU
+    # ppo.placement = split: a phase of the generation ranks, which hold none of the roles'
+    # model states (only what `transient` names)
+    generation_ranks: bool = False
 
     def total(self, resident: int) -> int:
-        return resident + RUNTIME_OVERHEAD_BYTES + sum(self.transient.values())
+        return (0 if self.generation_ranks else resident) + RUNTIME_OVERHEAD_BYTES \
+            + sum(self.transient.values())
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ class Plan:
     generation_loop: str  # resolved: own | hf
     tp_size: int  # ranks per tensor-parallel group
     tp_unsupported: str | None  # why tensor_parallel cannot split the policy (None: it can)
-    resident_bytes: int
+    resident_bytes: int  # of every rank that trains (under split: the training ranks)
     phases: list[Phase]
     peak_gpu_bytes: int
     peak_phase: str
@@ -100,10 +105,38 @@ class Plan:
     lever_path: list[LeverEffect] = field(default_factory=list)  # greedy, biggest first
     min_nodes: int | None = None  # smallest node count that fits as configured
     stage_choice: StageChoice | None = None  # the ZeRO stages and why
+    placement: str = "colocated"  # ppo.placement
+    generation_ranks: int = 0  # ranks that only generate (split), 0 colocated
+    # the cluster the ZeRO states are partitioned over: the training ranks
+    training_cluster: Cluster | None = None
 
     @property
     def fits(self) -> bool:
         return self.fits_gpu and self.fits_cpu is not False
+
+    def rank_peak(self, generation_ranks: bool) -> int:
+        """The peak bytes per GPU of the generation ranks (ppo.placement = split; 0 without) or
+        of the ranks that train."""
+        totals = [ph.total(self.resident_bytes) for ph in self.phases
+                  if ph.generation_ranks == generation_ranks]
+        return max(totals, default=0)
+
+
+def training_cluster(cfg: Config, cluster: Cluster) -> Cluster:
+    """The ranks the trained roles' ZeRO states are partitioned over: the whole cluster, or under
+    ppo.placement = split the world less the ppo.generation_ranks (the last ranks). Exact on one
+    node and when the generation ranks fill whole nodes; otherwise the training ranks' whole
+    nodes only (fewer ranks share the partitions: a bound from above). ConfigError when no rank
+    is left to train."""
+    if cfg.ppo.placement != "split":
+        return cluster
+    problems = placement_problems(cfg, cluster.world_size)
+    if problems:
+        raise ConfigError(problems[0])
+    trainers = cluster.world_size - cfg.ppo.generation_ranks
+    if trainers <= cluster.gpus_per_node:
+        return replace(cluster, nodes=1, gpus_per_node=trainers)
+    return replace(cluster, nodes=trainers // cluster.gpus_per_node)
 
 
 def _lora_states(shape: ModelShape, adapters: int, cluster: Cluster, d) -> ModelStates:
@@ -229,30 +262,40 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
     if stages is None:
         stage_choice = choose_zero_stages(cfg, cluster, shapes)
         stages = stage_choice.stages
+    trainers = training_cluster(cfg, cluster)
+    split = trainers is not cluster
     # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
-    roles = {r: _role_plan(cfg, r, shapes.shapes[r], cluster,
-                           stages.get(r, getattr(cfg.deepspeed, r).stage(cluster.world_size)))
+    roles = {r: _role_plan(cfg, r, shapes.shapes[r], trainers,
+                           stages.get(r, getattr(cfg.deepspeed, r).stage(trainers.world_size)))
              for r in ROLES
              if r != "value" or cfg.ppo.uses_critic}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
     rows = _rows(cfg)
-    gen_batch = _generation_batch(cfg, cluster)
-    choice, generation = _generation_phase(cfg, shapes, cluster, roles["policy"], rows,
-                                           gen_batch, resident)
-    phases = [generation, *_scoring_phases(cfg, roles, rows), *_training_phases(cfg, roles, rows)]
+    gen_batch = _generation_batch(cfg, trainers)
+    choice, generation = _generation_phase(cfg, shapes, trainers, roles["policy"], rows,
+                                           gen_batch, 0 if split else resident)
+    scoring, training = _scoring_phases(cfg, roles, rows), _training_phases(cfg, roles, rows)
+    if split:  # the generation ranks decode; the training ranks score and train
+        generation = _split_generation_phase(generation, roles["policy"])
+    elif max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness) > 0:  # the worker decodes beside them
+        scoring, training = (_beside_worker(phases, generation) for phases in (scoring, training))
+    phases = [generation, *scoring, *training]
     peak = max(phases, key=lambda p: p.total(resident))
+    # CPU: the training ranks' nodes (a generation rank holds no optimizer state on CPU)
     cpu = sum(rp.states.cpu_bytes_per_node for rp in roles.values())
     return Plan(
         cluster=cluster, roles=roles, seq_prompt=rows.prompt, seq_response=rows.response,
         micro_batch=rows.micro, score_micro_batch=rows.score_micro,
-        micro_batch_tokens=rows.budget, gen_batch=gen_batch, generation_mode=choice.mode,
+        micro_batch_tokens=rows.budget, gen_batch=gen_batch,
+        generation_mode="gathered" if split else choice.mode,
         generation_loop=choice.loop, tp_size=choice.tp_size, tp_unsupported=choice.tp_unsupported,
         resident_bytes=resident, phases=phases, peak_gpu_bytes=peak.total(resident),
         peak_phase=peak.name, cpu_bytes_per_node=cpu,
         fits_gpu=peak.total(resident) <= cluster.gpu_mem_bytes,
         fits_cpu=None if cluster.cpu_mem_bytes is None else cpu <= cluster.cpu_mem_bytes,
         notes=_notes(cfg, shapes, cluster, roles, rows) if notes else [],
-        stage_choice=stage_choice)
+        stage_choice=stage_choice, placement=cfg.ppo.placement,
+        generation_ranks=cluster.world_size - trainers.world_size, training_cluster=trainers)
 
 
 @dataclass(frozen=True)
@@ -351,6 +394,29 @@ def _generation_phase(cfg: Config, shapes: RoleShapes, cluster: Cluster, pol: Ro
         "fp32 logits of one step": batch * ps.vocab * 4,
     }
     return choice, Phase(f"generation ({mode})", {**gen, **gen_common})
+
+
+# the decoding terms of a generation phase, which a background worker's decoding adds to the
+# phases it overlaps (ppo.placement = colocated, an off-policy schedule)
+_DECODING_TERMS = ("KV cache", "prefill activations (one layer)", "fp32 logits of one step")
+WORKER_REPLICA = "generation worker's 16-bit replica"
+
+
+def _beside_worker(phases: list[Phase], generation: Phase) -> list[Phase]:
+    """`phases` of the training thread with the background worker's replica (resident between
+    refreshes) and its decoding (running at the same time) added to each."""
+    worker = {WORKER_REPLICA: sum(v for k, v in generation.transient.items()
+                                  if k.startswith("16-bit policy replica"))}
+    worker.update({f"worker's {k}": generation.transient[k] for k in _DECODING_TERMS})
+    return [replace(ph, transient={**ph.transient, **worker}) for ph in phases]
+
+
+def _split_generation_phase(generation: Phase, pol: RolePlan) -> Phase:
+    """The generation ranks' phase under ppo.placement = split: a whole 16-bit replica (no ZeRO
+    engine, no layer gather) and the decoding of one training rank's rows at a time."""
+    terms = {"16-bit policy replica": 2 * pol.shape.params}
+    terms.update({k: generation.transient[k] for k in _DECODING_TERMS})
+    return Phase("generation ranks (split)", terms, generation_ranks=True)
 
 
 def _scoring_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> list[Phase]:

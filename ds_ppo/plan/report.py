@@ -46,6 +46,10 @@ def to_json(p: Plan) -> dict[str, Any]:
                            "micro_batch_tokens": p.micro_batch_tokens,
                            "generation": p.gen_batch},
         "generation_mode": p.generation_mode,
+        "placement": {"name": p.placement, "generation_ranks": p.generation_ranks,
+                      "training_ranks": c.world_size - p.generation_ranks,
+                      "peak_training_rank_bytes": p.rank_peak(False),
+                      "peak_generation_rank_bytes": p.rank_peak(True)},
         "zero_stages": None if p.stage_choice is None else {
             "stages": p.stage_choice.stages, "auto": sorted(p.stage_choice.auto),
             "reason": p.stage_choice.reason},
@@ -69,6 +73,24 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _placement_line(p: Plan) -> str:
+    """Where generation runs (ppo.placement) and each side's peak."""
+    c = p.cluster
+    if not p.generation_ranks:
+        worker = any(k.startswith("generation worker") for ph in p.phases for k in ph.transient)
+        return ("placement: colocated, every rank trains and generates"
+                + (" (the background worker's 16-bit replica and its decoding counted beside "
+                   "each scoring and training phase)" if worker else ""))
+    t = p.training_cluster
+    exact = t.world_size == c.world_size - p.generation_ranks
+    return (f"placement: split, {p.generation_ranks} generation rank(s) (16-bit replica, no ZeRO "
+            f"engine) peak {_gib(p.rank_peak(True))} GiB; {c.world_size - p.generation_ranks} "
+            f"training rank(s) (ZeRO states over "
+            + (f"{t.world_size} ranks" if exact else
+               f"{t.world_size} ranks of whole nodes, a bound from above")
+            + f") peak {_gib(p.rank_peak(False))} GiB")
+
+
 def format_plan(p: Plan, title: str) -> str:
     c = p.cluster
     out = [
@@ -83,9 +105,11 @@ def format_plan(p: Plan, title: str) -> str:
     ]
     if p.stage_choice is not None:
         out.append(f"ZeRO stages: {p.stage_choice.describe()} ({p.stage_choice.reason})")
+    out.append(_placement_line(p))
+    trainers = "every training rank" if p.generation_ranks else "every rank"
     out += [
         "",
-        "Model states (GiB; every rank holds the same: ZeRO data parallelism)",
+        f"Model states (GiB; {trainers} holds the same: ZeRO data parallelism)",
         f"{'role':<10} {'model':<31} {'params':>9} {'ZeRO':>4}  {'offload':<10} "
         f"{'GPU/rank':>8} {'resident':>8} {'gather':>7} {'CPU/node':>9}  shape from",
     ]
@@ -112,7 +136,8 @@ def format_plan(p: Plan, title: str) -> str:
         own = sum(ph.transient.values())
         terms = ", ".join(f"{k} {_gib(v)}" for k, v in ph.transient.items() if v)
         mark = "  <- peak" if ph.name == p.peak_phase else ""
-        out.append(f"{ph.name:<28} {_gib(p.resident_bytes):>8} "
+        resident = 0 if ph.generation_ranks else p.resident_bytes
+        out.append(f"{ph.name:<28} {_gib(resident):>8} "
                    f"{_gib(RUNTIME_OVERHEAD_BYTES):>8} {_gib(own):>7} "
                    f"{_gib(ph.total(p.resident_bytes)):>7}  {terms}{mark}")
     headroom = c.gpu_mem_bytes - p.peak_gpu_bytes
@@ -126,8 +151,12 @@ def format_plan(p: Plan, title: str) -> str:
         cpu += " (not checked: pass --cpu-mem-gib)"
     else:
         cpu += f" of {c.cpu_mem_bytes / GiB:.1f} GiB" + ("" if p.fits_cpu else " -- DOES NOT FIT")
-    out.append(f"Per node: GPU {c.gpus_per_node} x {_gib(p.peak_gpu_bytes)} = "
-               f"{_gib(p.peak_gpu_bytes * c.gpus_per_node)} GiB; {cpu}.")
+    if p.generation_ranks:  # the two sides' peaks differ
+        out.append(f"Per node: GPU at most {c.gpus_per_node} x {_gib(p.rank_peak(False))} GiB "
+                   f"(training ranks), {_gib(p.rank_peak(True))} GiB per generation rank; {cpu}.")
+    else:
+        out.append(f"Per node: GPU {c.gpus_per_node} x {_gib(p.peak_gpu_bytes)} = "
+                   f"{_gib(p.peak_gpu_bytes * c.gpus_per_node)} GiB; {cpu}.")
     if not p.fits:
         fits_word = "fits" if c.cpu_mem_bytes is not None else "fits the GPUs (CPU unchecked)"
         if p.biggest_lever:

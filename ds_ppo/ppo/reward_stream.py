@@ -42,7 +42,7 @@ def reward_stream(s: RewardCallSettings, fn) -> RewardStream | None:
     reward.stream off, no reward function or service (`fn`: `Engines.reward_fn`), a
     reward.function with reward.timeout_s null (it runs on the calling thread), or sequence
     parallelism (a group's first rank calls for all)."""
-    if not s.stream or fn is None or (s.unlimited and not s.service) or dist.sp_size() > 1:
+    if fn is None or not s.stream or (s.unlimited and not s.service) or dist.sp_size() > 1:
         return None
     return RewardStream(fn, s, _pool(s.concurrency))
 

@@ -2,7 +2,8 @@
 next iterations are generated, and their reward function called, in a background worker on a
 generation replica of its own, while this iteration scores and trains on the engines.
 
-What runs where (colocated placement, every rank alike):
+What runs where (ppo.placement = colocated, every rank alike; under split, ppo/split.py: a
+generation rank runs the worker's part, `RolloutWorker`, for the training ranks it serves):
 
 - the training thread: everything with a collective, in one order on every rank: the ZeRO
   gathers that refresh the replica (`build_replica`) and their checksum agreement, the
@@ -29,7 +30,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -38,45 +39,15 @@ from ds_ppo.algo.choices import max_lag, rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
-from ds_ppo.errors import UserError
 from ds_ppo.metrics import Accumulator
-from ds_ppo.envs.base import EnvFailed
-from ds_ppo.ppo.episodes import (EpisodeStats, add_episode_metrics, agree_on_episodes,
-                                 make_episodes)
-from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
-from ds_ppo.ppo.rollout import generation_metrics, replica_rollout, stamp_versions
-from ds_ppo.ppo.scoring import (RewardCall, RewardScores, call_reward, reward_call_settings,
-                                timed_reward_scores)
+from ds_ppo.ppo.episodes import add_episode_metrics, agree_on_episodes
+from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
+# Buffered also by this name: checkpoints' in-flight files pickled it from here
+from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,  # noqa: F401
+                                     sync_error)
+from ds_ppo.ppo.scoring import RewardScores, timed_reward_scores
 
 log = logging.getLogger("ds_ppo")
-
-
-class WeightSyncError(UserError):
-    """The generation replica's weights differ from the policy's after a weight sync."""
-
-
-@dataclass
-class Buffered:
-    """One rollout generated ahead of the iteration that trains on it (this rank's rows)."""
-
-    iteration: int  # the iteration (1-based) that trains on it
-    version: int  # policy version (optimizer updates applied) of the weights that generated it
-    rollout: Rollout | None  # None: its episodes' environment failed (env_error)
-    generated: Generated | None  # the decoding loop's output (no replica)
-    # the reward function's call on it (None: a reward model, or a failed call saved in a
-    # checkpoint: scoring calls the reward)
-    called: RewardCall | None
-    seconds: float  # worker time to generate it plus its reward call's
-    episodes: EpisodeStats | None = None  # env: its episodes' statistics (metrics env/*)
-    env_error: EnvFailed | None = None  # env: this rank's environment failure (agreed on take)
-
-
-@dataclass
-class Batch:
-    """What the worker gave back for one `rollout_batch`: its rollouts, in iteration order."""
-
-    rollouts: list[Buffered]
-    seconds: float  # the worker's wall-clock time for the whole batch
 
 
 class RolloutSchedule:
@@ -94,15 +65,20 @@ class RolloutSchedule:
         # max_staleness 0 the two sample the same tokens
         self.generator = torch.Generator(device=device).manual_seed(
             cfg.seed * 1000 + dist.dp_rank())
-        self.replica: torch.nn.Module | None = None
         self.replica_version: int | None = None
         self.buffer: dict[int, Buffered] = {}  # by the iteration that trains on it
         self.pending: Future | None = None  # a Batch
         self.deferred: int | None = None  # the next rollout is generated after the update
+        # colocated: a worker thread on this rank; split: a generation rank (`RemoteWorker`)
+        self.remote = None
+        if cfg.ppo.placement == "split":
+            from ds_ppo.ppo.split import RemoteWorker
+
+            self.remote = RemoteWorker(run)
+        self.worker = None if self.remote is not None else RolloutWorker(
+            cfg, run.prompts, run.tokenizer, run.eos_ids, device, run.engines.reward_fn,
+            self.lag, run.env)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ppo-rollout")
-        # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
-        self.reward_pool = ThreadPoolExecutor(max(1, min(self.lag, cfg.reward.concurrency)),
-                                              thread_name_prefix="ds_ppo-reward")
         self.busy_s = 0.0  # this iteration's worker time
         self.sync_s, self.sync_bytes = 0.0, 0
         self.t_start = 0.0
@@ -129,6 +105,11 @@ class RolloutSchedule:
         missing = 0.0 if usable or (got is None and iteration == 1) else 1.0
         regenerate = float(dist.all_reduce_max(torch.tensor([missing], dtype=torch.float64)))
         acc.add_sum("async/regenerated", regenerate)
+        if regenerate and dist.is_main():
+            log.info("iteration %d: no buffered rollout for it (a checkpoint of a sync run, of "
+                     "another number of training ranks, or of a larger max_staleness): its "
+                     "rollout is generated now from the current weights (async/regenerated)",
+                     iteration)
         if not usable or regenerate:
             self._sync(current)
             got = self._produce(iteration, current)
@@ -159,7 +140,12 @@ class RolloutSchedule:
         version = iteration - 1
         if version != self.replica_version:
             self._sync(version)
-        self.pending = self.pool.submit(self._produce_batch, todo, version)
+        work = [(j, self.prompts_of(j)) for j in todo]
+        if self.remote is not None:
+            self.pending = self.remote.submit_batch(work, version, self.generator)
+        else:
+            self.pending = self.pool.submit(self.worker.produce_batch, work, version,
+                                            self.generator)
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
         """After the update: the rollouts started beside this iteration finished and buffered,
@@ -178,6 +164,8 @@ class RolloutSchedule:
             self.busy_s += batch.seconds
         waited = time.perf_counter() - t0
         self.completed = iteration
+        if self.remote is not None and iteration == self.run.cfg.iterations:
+            self.remote.stop()
         total = max(time.perf_counter() - self.t_start, 1e-9)
         acc.add_max("async/training_wait_s", waited)
         acc.add_mean("async/training_idle_frac", min(waited, total), total)
@@ -208,63 +196,14 @@ class RolloutSchedule:
         acc.add_mean("async/off_policy_token_share", float((lag > 0).sum()), tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
-    def _decode(self, iteration: int, version: int) -> tuple[Buffered, RewardStream | None]:
-        """The rollout of `iteration` on the replica (weights of `version`) from the worker's
-        stream (no collective), with its seconds; and the reward stream its responses went to
-        as they finished (None: the reward is called on the whole rollout). With an env, its
-        episodes (their environment steps here too; a failure is kept for `take`)."""
-        run, t0 = self.run, time.perf_counter()
-        indices = self.prompts_of(iteration)
-        if run.env is not None:
-            try:
-                rollout, gen, stats = make_episodes(
-                    run.prompts, indices, run.engines, run.cfg, run.tokenizer, "gathered",
-                    run.eos_ids, run.env, on_replica=(self.replica, self.generator))
-            except EnvFailed as e:
-                return Buffered(iteration, version, None, None, None,
-                                time.perf_counter() - t0, env_error=e), None
-            return Buffered(iteration, version, stamp_versions(rollout, version),
-                            replace(gen, replica=None), None, time.perf_counter() - t0,
-                            episodes=stats), None
-        stream = reward_stream(reward_call_settings(run.cfg), run.engines.reward_fn)
-        rollout, gen = replica_rollout(run.prompts, indices, self.replica, run.cfg,
-                                       run.tokenizer, run.eos_ids, run.engines.device,
-                                       self.generator, stream)
-        return Buffered(iteration, version, stamp_versions(rollout, version),
-                        replace(gen, replica=None), None, time.perf_counter() - t0), stream
-
-    def _call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
-        """The reward function's call on `rollout`, or the outcome of its streamed calls
-        (None: a reward model scores it later, or no rollout: its environment failed)."""
-        fn = self.run.engines.reward_fn
-        if fn is None or rollout is None:
-            return None
-        if stream is not None:
-            return stream.result(rollout, in_worker=True)
-        return call_reward(rollout, fn, self.run.cfg, in_worker=True)
-
     def _produce(self, iteration: int, version: int) -> Buffered:
-        """The rollout of `iteration` on the replica (weights of `version`), its reward function
-        called, on the calling thread (the training thread, when it generates now)."""
-        got, stream = self._decode(iteration, version)
-        got.called = self._call(got.rollout, stream)
-        got.seconds += got.called.seconds if got.called is not None else 0.0
-        return got
-
-    def _produce_batch(self, iterations: list[int], version: int) -> Batch:
-        """The worker: the rollouts of `iterations` decoded one after another from the replica
-        (weights of `version`) and the worker's stream, so the tokens do not depend on timing;
-        each one's reward calls start as its responses finish (reward.stream), or its one call
-        in the reward pool as its decoding ends."""
-        t0 = time.perf_counter()
-        decoded = []
-        for j in iterations:
-            got, stream = self._decode(j, version)
-            decoded.append((got, self.reward_pool.submit(self._call, got.rollout, stream)))
-        for got, call in decoded:
-            got.called = call.result()
-            got.seconds += got.called.seconds if got.called is not None else 0.0
-        return Batch([got for got, _ in decoded], time.perf_counter() - t0)
+        """The rollout of `iteration` from the weights of `version`, generated now (the worker's
+        code on the training thread, or a generation rank while this rank waits)."""
+        if self.remote is not None:
+            return self.remote.produce(iteration, self.prompts_of(iteration), version,
+                                       self.generator)
+        return self.worker.produce(iteration, self.prompts_of(iteration), version,
+                                   self.generator)
 
     def _sync(self, version: int) -> None:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
@@ -272,20 +211,23 @@ class RolloutSchedule:
         the checksum of what was gathered and the whole agreed across ranks; a mismatch stops
         the run with one line."""
         engines, t0 = self.run.engines, time.perf_counter()
+        if self.remote is not None:
+            self.sync_bytes += self.remote.sync(version)
+            self.replica_version = version
+            self.sync_s += time.perf_counter() - t0
+            return
         sums: dict[str, int] = {}
-        self.replica = build_replica(engines.policy.module, engines.dtype, engines.device,
-                                     into=self.replica, own_config=True, sums=sums)
-        _fault_point(self.replica, version)
-        params = dict(self.replica.named_parameters())
+        w = self.worker
+        w.replica = build_replica(engines.policy.module, engines.dtype, engines.device,
+                                  into=w.replica, own_config=True, sums=sums)
+        _fault_point(w.replica, version)
+        params = dict(w.replica.named_parameters())
         bad = [name for name, s in sums.items() if weight_checksum(params[name]) != s]
         total = sum(sums.values()) % 2**52
         spread = dist.all_reduce_max(torch.tensor([float(total), -float(total), float(len(bad))],
                                                   dtype=torch.float64))
         if bad or float(spread[2]) or float(spread[0]) != -float(spread[1]):
-            raise WeightSyncError(
-                f"weight sync of policy version {version} into the generation replica failed its "
-                f"checksum ({bad[0] if bad else 'on another rank, or the ranks differ'}): stopped;"
-                " the engines' weights are intact, run the same command again to resume")
+            raise sync_error(version, bad[0] if bad else None)
         self.replica_version = version
         self.sync_s += time.perf_counter() - t0
         self.sync_bytes += sum(p.numel() * p.element_size() for p in params.values())
@@ -296,7 +238,7 @@ class RolloutSchedule:
         buffered rollout (with its version and reward call) and the worker's random stream.
         No replica weights: the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
-                "completed": self.completed,
+                "placement": self.run.cfg.ppo.placement, "completed": self.completed,
                 "buffer": [k for b in self.buffer.values() if (k := _kept(b)) is not None],
                 "generator": self.generator.get_state()}
 
@@ -312,6 +254,12 @@ class RolloutSchedule:
         moved = dist.moved(buffered, self.run.engines.device)
         self.buffer = {b.iteration: b for b in moved}
         self.completed = saved["completed"]
+        placement, now = saved.get("placement", "colocated"), self.run.cfg.ppo.placement
+        if placement != now and dist.is_main():  # the same training ranks: nothing is redone
+            log.info("resumed a checkpoint of ppo.placement = %s with ppo.placement = %s on the "
+                     "same %d training rank(s): its buffered rollouts (iterations %s) and random "
+                     "streams carry over, nothing is regenerated", placement, now,
+                     dist.world_size(), sorted(self.buffer) or "none")
 
 
 def _kept(buffered: Buffered) -> Buffered | None:

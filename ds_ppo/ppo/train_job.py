@@ -145,6 +145,12 @@ class PPOJob:
 
         self.reporter = Reporter(report_settings(cfg), run.tracker, run.out, tokenizer)
 
+    def serve(self, cfg: Config, device: torch.device) -> None:
+        """A generation rank of ppo.placement = split: its whole run (ppo/split.py)."""
+        from ds_ppo.ppo.split import serve_generation
+
+        serve_generation(cfg, device)
+
     # ------------------------------------------------------------------- one iteration
     def step(self, run, iteration: int) -> dict[str, float]:
         from ds_ppo.ppo.iteration_report import iteration_metrics

@@ -133,6 +133,9 @@ def run(cfg: Config, job: Job) -> TrainResult:
     if finished is not None:  # nothing to load, train or export
         return finished
     device, out = _start_process(cfg)
+    if dist.is_generation_rank():  # ppo.placement = split: this rank only generates
+        job.serve(cfg, device)
+        return TrainResult(output_dir=str(out))
     # step 0. data, then the models (a bad dataset fails before any model loads; an export of
     # ours that a model starts from is checked before its tokenizer loads)
     verify_model_paths({key: _setting(cfg, key) for key in job.model_keys},
@@ -199,11 +202,14 @@ def run(cfg: Config, job: Job) -> TrainResult:
 def _start_process(cfg: Config) -> tuple[torch.device, Path]:
     """This process's distributed group, logging, seeds and the output_dir's lock."""
     quiet_libraries(cfg.log_level)
-    device = init_distributed(cfg.dist_timeout_minutes)
+    split = cfg.ppo.placement == "split"
+    device = init_distributed(cfg.dist_timeout_minutes,
+                              cfg.ppo.generation_ranks if split else 0)
     setup_logging(cfg.log_level)
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
-    lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
+    if not dist.is_generation_rank():  # the training ranks' group takes the lock
+        lock_output_dir(out)  # one run per output_dir: a second one stops here (exit 2)
     return device, out
 
 

@@ -1,18 +1,22 @@
-"""ppo.schedule on 2 gloo ranks through the real `deepspeed` launcher (ZeRO-3: every weight sync
-into the background worker's replica is a collective gather): a run killed by SIGKILL and
+"""ppo.schedule on 2 gloo ranks through the real `deepspeed` launcher: a run killed by SIGKILL and
 started again with the same command gives the metrics and final weights of an uninterrupted
-run, bit for bit.
+run, bit for bit. async 3 runs colocated (ZeRO-3: every weight sync into the background
+worker's replica is a collective gather); one_step_off runs with ppo.placement = split (rank 1
+only generates, rank 0 only trains), and its runs equal a colocated run on the one training
+rank, from the start and resumed from the split run's checkpoint (the buffered rollout carries
+over: nothing is regenerated).
 
-The ten commands (per schedule: the uninterrupted run, the run killed in iteration 4's save and
-its rerun) run in three launched jobs (tests/support/chained_runs.py), each command in the
-order a user would run them:
-  1. full one_step_off, full async 3, one_step_off killed
-  2. one_step_off again (resumes), async 3 killed
+The six launched commands (per schedule: the uninterrupted run, the run killed in iteration 4's
+save and its rerun) run in three launched jobs (tests/support/chained_runs.py), in the order a
+user would run them:
+  1. full one_step_off split, full async 3, one_step_off split killed
+  2. one_step_off split again (resumes), async 3 killed
   3. async 3 again (resumes)
 """
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -22,15 +26,19 @@ from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, read_metr
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/training", "async/generation",
             "async/weight_sync_s")
-SCHEDULES = {"one_step_off": ["ppo.schedule=one_step_off"],
+SCHEDULES = {"one_step_off_split": ["ppo.schedule=one_step_off", "ppo.placement=split"],
              "async3": ["ppo.schedule=async", "ppo.max_staleness=3"]}
 KILL = "kill_during_save:4"
 pytestmark = pytest.mark.launcher
 
 
+def _extra(schedule: str) -> list[str]:
+    return [*SCHEDULES[schedule], "ppo.rollout_correction=tis"]
+
+
 def _argv(out, schedule: str) -> list[str]:
     return ["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
-            *SCHEDULES[schedule], "ppo.rollout_correction=tis"]
+            *_extra(schedule)]
 
 
 def _chain(work, name: str, runs: list[tuple[list[str], str | None]]):
@@ -41,28 +49,49 @@ def _chain(work, name: str, runs: list[tuple[list[str], str | None]]):
                           cwd=work, env=clean_env(), capture_output=True, text=True, timeout=900)
 
 
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def _weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
+
+
+def _same(wa: dict, wb: dict) -> bool:
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _colocated_on_one_rank(out, schedule: str) -> None:
+    """The same run in this process: one rank, ppo.placement = colocated."""
+    from ds_ppo.config import load_config
+    from ds_ppo.trainer import train
+
+    train(load_config(None, [*SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
+                             *[e for e in _extra(schedule) if not e.startswith("ppo.placement")]]))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("schedules")
     full = {s: work / f"full_{s}" for s in SCHEDULES}
     killed = {s: work / f"killed_{s}" for s in SCHEDULES}
     a, b = SCHEDULES
-    seen = {}
     first = _chain(work, "chain1", [(_argv(full[a], a), None), (_argv(full[b], b), None),
                                     (_argv(killed[a], a), KILL)])
-    seen["chain1"] = first
     latest = {a: (killed[a] / "checkpoints" / "latest").read_text().strip()}
+    # iteration 2's checkpoint of the split run, to continue colocated
+    shutil.copytree(killed[a], work / "other")
     second = _chain(work, "chain2", [(_argv(killed[a], a), None), (_argv(killed[b], b), KILL)])
     latest[b] = (killed[b] / "checkpoints" / "latest").read_text().strip()
     third = _chain(work, "chain3", [(_argv(killed[b], b), None)])
-    return full, killed, latest, (first, second, third)
+    return work, full, killed, latest, (first, second, third)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule):
-    from safetensors.torch import load_file
-
-    full, killed, latest, chains = runs
+def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule, capsys):
+    work, full, killed, latest, chains = runs
     index = list(SCHEDULES).index(schedule)
     killed_in, resumed_in = chains[index], chains[index + 1]
     # the killed command (its chain's last) never finished; the commands before it did
@@ -78,10 +107,24 @@ def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule):
     assert "resumed from" in resumed_in.stdout + resumed_in.stderr
     a, b = read_metrics(full[schedule]), read_metrics(killed[schedule])
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
-    assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if schedule == "one_step_off"
+    assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if index == 0
                                                          else [1.0, 2.0, 3.0])
-    comparable = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in a]
-    assert comparable == [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in b]
-    wa = load_file(full[schedule] / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-    wb = load_file(killed[schedule] / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _comparable(a) == _comparable(b)
+    assert _same(_weights(full[schedule]), _weights(killed[schedule]))
+    if "ppo.placement=split" not in SCHEDULES[schedule]:
+        return
+    # the split placement samples and trains what colocated does on its one training rank
+    _colocated_on_one_rank(work / "colocated", schedule)
+    assert _comparable(a) == _comparable(read_metrics(work / "colocated"))
+    assert _same(_weights(full[schedule]), _weights(work / "colocated"))
+    # resumed with the other placement at the same training world size: the checkpoint's
+    # buffered rollout (iteration 3's) is trained on, nothing regenerated
+    capsys.readouterr()
+    _colocated_on_one_rank(work / "other", schedule)
+    assert ("resumed a checkpoint of ppo.placement = split with ppo.placement = colocated on the "
+            "same 1 training rank(s): its buffered rollouts (iterations [3])"
+            in capsys.readouterr().out)
+    o = read_metrics(work / "other")
+    assert [r["async/regenerated"] for r in o] == [0.0] * 4
+    assert _comparable(a) == _comparable(o)
+    assert _same(_weights(full[schedule]), _weights(work / "other"))

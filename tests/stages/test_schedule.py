@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_ppo.algo.choices import (SCHEDULE_NAMES, SCHEDULES, rollout_batch,
-                                  rollout_version)
+from ds_ppo.algo.choices import (PLACEMENT_NAMES, PLACEMENTS, SCHEDULE_NAMES, SCHEDULES,
+                                  rollout_batch, rollout_version)
 from ds_ppo.config import load_config
 from ds_ppo.config.checks import validate
 from ds_ppo.errors import ConfigError
@@ -27,6 +27,7 @@ VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/")
 
 def test_registry_names_every_schedule():
     assert tuple(SCHEDULES) == SCHEDULE_NAMES
+    assert tuple(PLACEMENTS) == PLACEMENT_NAMES
 
 
 def test_rollout_version_by_hand():
@@ -84,6 +85,42 @@ def test_refusals_name_the_keys(overrides, names):
     ["ppo.schedule=async", "ppo.max_staleness=3", "ppo.rollout_correction=mis"]])
 def test_sound_settings_pass(overrides):
     validate(load_config(None, overrides), 1)
+
+
+SPLIT = [*OFF, "ppo.placement=split"]
+
+
+@pytest.mark.parametrize("overrides,world,names", [
+    # no rank left to train
+    (SPLIT, 1, ["ppo.generation_ranks = 1 leaves no training rank", "ppo.placement=colocated"]),
+    ([*SPLIT, "ppo.generation_ranks=4"], 4, ["leaves no training rank",
+                                             "ppo.generation_ranks <= 3"]),
+    # a generation rank serves whole training ranks
+    ([*SPLIT, "ppo.generation_ranks=3"], 4, ["exceeds the 1 training rank(s)",
+                                             "ppo.generation_ranks <= 2"]),
+    # a split placement with nothing to overlap
+    (["ppo.placement=split"], 2, ["ppo.schedule = 'sync'", "ppo.schedule=one_step_off",
+                                  "ppo.placement=colocated"]),
+    (["ppo.placement=split", "ppo.schedule=async", "ppo.max_staleness=0"], 2,
+     ["ppo.max_staleness = 0", "ppo.placement=colocated"]),
+    # episodes are played by the colocated worker only
+    ([*SPLIT, "env.function=ds_ppo.envs.calculator:Calculator"], 2,
+     ["with an env section", "ppo.placement=colocated"]),
+    # the batch sizes divide the training ranks: 8 prompts over 3 of 4 ranks
+    (SPLIT, 4, ["ppo.rollout_batch_size = 8 must be divisible by the data-parallel world size 3"]),
+])
+def test_split_refusals_name_the_keys(overrides, world, names):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*SMALL, *overrides]), world)
+    line = next(x for x in str(e.value).splitlines() if names[0] in x)
+    assert all(n in line for n in names), line
+
+
+def test_split_settings_pass():
+    """1 of 2 and 2 of 4 ranks generating; a colocated run ignores ppo.generation_ranks."""
+    validate(load_config(None, [*SMALL, *SPLIT]), 2)
+    validate(load_config(None, [*SMALL, *SPLIT, "ppo.generation_ranks=2"]), 4)
+    validate(load_config(None, [*SMALL, "ppo.generation_ranks=5"]), 2)
 
 
 def _train(out: Path, *overrides: str):
@@ -192,7 +229,7 @@ def test_corrupted_weight_sync_stops(tmp_path, monkeypatch):
     assert "\n" not in message and "policy version 1" in message and "checksum" in message
 
 
-def test_resume_with_other_settings_regenerates(tmp_path):
+def test_resume_with_other_settings_regenerates(tmp_path, capsys):
     def last(out: Path) -> dict:
         return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
@@ -204,7 +241,9 @@ def test_resume_with_other_settings_regenerates(tmp_path):
     assert (row["iteration"], row["async/regenerated"], row["async/staleness_max"]) == (3, 1, 0)
     # a sync run's checkpoint holds no rollout: one_step_off generates iteration 3's now
     _train(tmp_path / "b", "iterations=2")
+    capsys.readouterr()
     _train(tmp_path / "b", *OFF, "iterations=4")
+    assert "iteration 3: no buffered rollout for it" in capsys.readouterr().out  # says so
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["async/regenerated"], r["async/staleness_max"]) for r in rows[2:]] == [(1, 0),
                                                                                      (0, 1)]

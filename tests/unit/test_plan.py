@@ -639,3 +639,88 @@ def test_moe_presets_fit_and_count_total_and_active_params(name, nodes, total, a
 def test_router_replay_memory_is_noted():
     text = P.format_plan(P.plan(load_config("30b-a3b"), P.Cluster(1, 8, 80 * GiB)), "30b-a3b")
     assert "ppo.router_replay: the recorded expert choices take 768 bytes per token" in text
+
+
+# ------------------------------------------------------------------------------ placement
+OFF_POLICY = {"schedule": "one_step_off", "rollout_correction": "tis"}
+
+
+def _small_plan(tmp_path, gpus: int, **ppo) -> "P.Plan":
+    cfg = load_config(str(small_config(tmp_path, ppo={**OFF_POLICY, **ppo})))
+    return P.plan(cfg, P.Cluster(1, gpus, 80 * GiB))
+
+
+def test_split_placement_by_hand(tmp_path):
+    """4 GPUs, 2 of them generation ranks: the trained roles' ZeRO-3 states are partitioned over
+    the 2 training ranks; a generation rank holds a whole 16-bit replica and decodes one training
+    rank's 8 / 2 = 4 rows with their KV cache, and no model state."""
+    p = _small_plan(tmp_path, 4, placement="split", generation_ranks=2)
+    pol = p.roles["policy"]
+    n, largest = pol.shape.params, pol.shape.largest_layer_params
+    assert (p.placement, p.generation_ranks, p.training_cluster.world_size) == ("split", 2, 2)
+    assert pol.states.gpu_bytes_per_rank == 4 * largest + int(18 * n / 2)  # ZeRO-3 over 2
+    gen = p.phases[0]
+    assert gen.generation_ranks and p.gen_batch == 4 and p.generation_mode == "gathered"
+    # 2 (K, V) x 2 layers x 2 kv heads x 16 head dim x (32 + 16) tokens x 4 rows x 2 bytes
+    kv = 2 * 2 * 2 * 16 * 48 * 4 * 2
+    assert kv == 49_152
+    assert gen.transient == {
+        "16-bit policy replica": 2 * n, "KV cache": kv,
+        "prefill activations (one layer)": P.prefill_activation_bytes(pol.shape, 32, 4, False),
+        "fp32 logits of one step": 4 * 1000 * 4}
+    assert gen.total(p.resident_bytes) == 2 * GiB + sum(gen.transient.values())
+    assert p.rank_peak(True) == gen.total(p.resident_bytes)
+    trains = [ph for ph in p.phases if not ph.generation_ranks]
+    assert p.rank_peak(False) == max(ph.total(p.resident_bytes) for ph in trains)
+    assert p.peak_gpu_bytes == max(p.rank_peak(True), p.rank_peak(False))
+    # the training ranks' phases hold no replica and no decoding
+    assert not any("replica" in k or "KV" in k for ph in trains for k in ph.transient)
+    # split over 4 = colocated over 2 on the training side
+    two = _small_plan(tmp_path, 2)
+    assert p.resident_bytes == two.resident_bytes
+
+
+def test_colocated_off_policy_counts_the_worker_beside_training(tmp_path):
+    """An off-policy schedule keeps the worker's replica and its decoding (2 rows per rank of 4)
+    on every rank while scoring and training run; sync adds nothing to them."""
+    sync = load_config(str(small_config(tmp_path)))
+    base = P.plan(sync, P.Cluster(1, 4, 80 * GiB))
+    p = _small_plan(tmp_path, 4)
+    n = p.roles["policy"].shape.params
+    worker = {"generation worker's 16-bit replica": 2 * n,
+              "worker's KV cache": 2 * 2 * 2 * 16 * 48 * 2 * 2,
+              "worker's prefill activations (one layer)": P.prefill_activation_bytes(
+                  p.roles["policy"].shape, 32, 2, False),
+              "worker's fp32 logits of one step": 2 * 1000 * 4}
+    assert p.phases[0] == base.phases[0]  # the first rollout, generated on the spot
+    for ph, before in zip(p.phases[1:], base.phases[1:]):
+        assert ph.transient == {**before.transient, **worker}
+    assert p.peak_gpu_bytes == base.peak_gpu_bytes + sum(worker.values())
+    assert p.rank_peak(True) == 0
+
+
+def test_placement_levers(tmp_path):
+    """Colocated with an off-policy schedule may move generation to a rank of its own; split
+    may give a generation rank back to training; an off-policy worker needs a whole replica."""
+    p = _small_plan(tmp_path, 4)
+    cfg = load_config(str(small_config(tmp_path, ppo=OFF_POLICY)))
+    overrides = [lv.overrides for lv in P.candidate_levers(cfg, p)]
+    assert ("ppo.placement=split", "ppo.generation_ranks=1") in overrides
+    assert not any(o[0].startswith("generation.mode") for o in overrides)
+    cfg = load_config(str(small_config(tmp_path, ppo={**OFF_POLICY, "placement": "split",
+                                                      "generation_ranks": 2})))
+    overrides = [lv.overrides for lv in P.candidate_levers(cfg, P.plan(cfg, P.Cluster(1, 4,
+                                                                                     80 * GiB)))]
+    assert ("ppo.generation_ranks=1",) in overrides
+
+
+def test_split_plan_refuses_no_training_rank(tmp_path, capsys):
+    path = small_config(tmp_path, ppo={**OFF_POLICY, "placement": "split"})
+    with pytest.raises(ConfigError, match="ppo.generation_ranks = 1 leaves no training rank"):
+        P.main(plan_args(path, gpus=1))
+    assert P.main(plan_args(path, gpus=2)) == 0
+    out = capsys.readouterr().out
+    assert "placement: split, 1 generation rank(s)" in out and "generation ranks (split)" in out
+    assert P.main(plan_args(path, gpus=2, as_json=True)) == 0
+    js = json.loads(capsys.readouterr().out)["placement"]
+    assert (js["name"], js["generation_ranks"], js["training_ranks"]) == ("split", 1, 1)

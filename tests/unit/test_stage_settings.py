@@ -13,10 +13,11 @@ from conftest import REPO
 PPO = REPO / "ds_ppo" / "ppo"
 # the driver around the stages builds their settings from the config
 DRIVER = {"train_job.py", "iteration.py"}
-# stages that still read the config (generation, episodes, the rollout schedule; the reward
-# calls and the reward model's micro-batches of scoring.py)
+# stages that still read the config (generation, episodes, the rollout schedule with its worker
+# and its generation ranks; the reward calls and the reward model's micro-batches of scoring.py)
 STILL_CONFIG = {
-    "rollout.py": None, "episodes.py": None, "schedule.py": None,
+    "rollout.py": None, "episodes.py": None, "schedule.py": None, "rollout_worker.py": None,
+    "split.py": None,
     "scoring.py": {"_micro_batches", "call_reward", "_function_scores", "reward_scores",
                    "timed_reward_scores"},
 }

@@ -149,25 +149,12 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     reach the trained model's forwards). `sums`: filled with each copied weight's checksum
     (`weight_checksum` of the gathered weight in the replica's dtype), to verify the copy.
     """
-    import copy
-
     import deepspeed
 
     replica = into
     module = plain_model(module)  # a LoRA policy: the HF model inside, adapter layers and all
     if materialize and replica is None:
-        with torch.device("meta"):
-            replica = type(module)(copy.deepcopy(module.config) if own_config else module.config)
-        if tp is not None:
-            shard_modules(replica, tp)
-        replica.to_empty(device=device)
-        replica.to(dtype)
-        # to_empty gives every parameter its own storage: an output head tied to the embeddings
-        # (Llama-3.2-1B, Gemma, small Qwen2) would stay uninitialised, since named_parameters()
-        # below yields a tied weight once
-        replica.tie_weights()
-        if getattr(module, "generation_config", None) is not None:
-            replica.generation_config = module.generation_config
+        replica = empty_replica(replica_skeleton(module, own_config), dtype, device, tp)
     target = dict(replica.named_parameters()) if replica is not None else {}
     for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
@@ -187,6 +174,56 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     replica.config.use_cache = True
     replica.eval()
     return replica
+
+
+def replica_skeleton(module: torch.nn.Module, own_config: bool = True) -> dict:
+    """What a replica of `module` (a plain HF model) is built from, without its weights: its
+    class, config (a copy with `own_config`) and generation config; small and picklable, so a
+    generation rank of a split placement builds its replica from it."""
+    import copy
+
+    return {"cls": type(module),
+            "config": copy.deepcopy(module.config) if own_config else module.config,
+            "generation_config": getattr(module, "generation_config", None)}
+
+
+def empty_replica(skeleton: dict, dtype: torch.dtype, device: torch.device,
+                  tp: TPGroup | None = None) -> torch.nn.Module:
+    """A replica of `replica_skeleton`'s model on `device` in `dtype`, its weights not yet
+    copied (`build_replica` / a weight sync fills them)."""
+    with torch.device("meta"):
+        replica = skeleton["cls"](skeleton["config"])
+    if tp is not None:
+        shard_modules(replica, tp)
+    replica.to_empty(device=device)
+    replica.to(dtype)
+    # to_empty gives every parameter its own storage: an output head tied to the embeddings
+    # (Llama-3.2-1B, Gemma, small Qwen2) would stay uninitialised, since named_parameters()
+    # yields a tied weight once
+    replica.tie_weights()
+    if skeleton["generation_config"] is not None:
+        replica.generation_config = skeleton["generation_config"]
+    return replica
+
+
+def stream_weights(module: torch.nn.Module, dtype: torch.dtype, emit) -> int:
+    """The weights of a (possibly ZeRO-3-partitioned) HF model, gathered in chunks of up to
+    GATHER_CHUNK_NUMEL elements as `build_replica` gathers them (collective: every rank of the
+    engine's group calls it), handed to `emit(bucket)` one chunk at a time: `bucket` maps each
+    replica weight's name to its full tensor in `dtype` (valid only during the call), so at most
+    one chunk is whole on a rank at once. `emit` None: take part in the gathers only. Returns
+    the number of chunks."""
+    import deepspeed
+
+    module = plain_model(module)
+    chunks = 0
+    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
+        with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
+                                               modifier_rank=None):
+            if emit is not None:
+                emit({name: full().to(dtype) for name, _, full in chunk})
+        chunks += 1
+    return chunks
 
 
 def weight_checksum(w: torch.Tensor) -> int:

@@ -1,0 +1,137 @@
+"""What generates ppo.schedule's rollouts, with no collective (docs/ASYNC.md): `RolloutWorker`
+decodes on a replica from a random stream it is handed and calls the reward function; the
+colocated placement runs it in a background thread of every rank (ppo/schedule.py), the split
+placement on the generation ranks (ppo/split.py). Also the containers of what it gives back and
+the line a failed weight sync stops the run with."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from ds_ppo.containers import Rollout
+from ds_ppo.engine.generation import Generated
+from ds_ppo.envs.base import EnvFailed
+from ds_ppo.errors import UserError
+from ds_ppo.ppo.episodes import EpisodeStats, make_episodes
+from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
+from ds_ppo.ppo.rollout import replica_rollout, stamp_versions
+from ds_ppo.ppo.scoring import RewardCall, call_reward, reward_call_settings
+
+
+class WeightSyncError(UserError):
+    """The generation replica's weights differ from the policy's after a weight sync."""
+
+
+@dataclass
+class Buffered:
+    """One rollout generated ahead of the iteration that trains on it (this rank's rows)."""
+
+    iteration: int  # the iteration (1-based) that trains on it
+    version: int  # policy version (optimizer updates applied) of the weights that generated it
+    rollout: Rollout | None  # None: its episodes' environment failed (env_error)
+    generated: Generated | None  # the decoding loop's output (no replica)
+    # the reward function's call on it (None: a reward model, or a failed call saved in a
+    # checkpoint: scoring calls the reward)
+    called: RewardCall | None
+    seconds: float  # worker time to generate it plus its reward call's
+    episodes: EpisodeStats | None = None  # env: its episodes' statistics (metrics env/*)
+    env_error: EnvFailed | None = None  # env: this rank's environment failure (agreed on take)
+
+
+@dataclass
+class Batch:
+    """What the worker gave back for one `rollout_batch`: its rollouts, in iteration order."""
+
+    rollouts: list[Buffered]
+    seconds: float  # the worker's wall-clock time for the whole batch
+
+
+class RolloutWorker:
+    """What generates rollouts, with no collective: decoding on a replica from a random stream
+    it is handed (or playing multi-turn episodes with `env`), and the reward function's calls
+    on each rollout, streamed as its responses finish (reward.stream). The colocated
+    placement's background thread runs it on every rank; under ppo.placement = split a
+    generation rank's loop (`serve_generation`) does, for the training ranks it serves."""
+
+    def __init__(self, cfg, prompts, tokenizer, eos_ids: list[int], device: torch.device,
+                 reward_fn, lag: int, env=None) -> None:
+        self.cfg, self.prompts, self.tokenizer, self.eos_ids = cfg, prompts, tokenizer, eos_ids
+        self.device, self.reward_fn, self.env = device, reward_fn, env
+        self.rewards = None if reward_fn is None else reward_call_settings(cfg)
+        self.replica: torch.nn.Module | None = None
+        # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
+        self.reward_pool = ThreadPoolExecutor(max(1, min(lag, cfg.reward.concurrency)),
+                                              thread_name_prefix="ds_ppo-reward")
+
+    def decode(self, iteration: int, indices: list[int], version: int,
+               generator: torch.Generator) -> tuple[Buffered, RewardStream | None]:
+        """The rollout of `iteration` (prompts `indices`) on the replica (weights of `version`)
+        from `generator`, with its seconds; and the reward stream its responses went to as they
+        finished (None: the reward is called on the whole rollout). With an env, its episodes
+        (their environment steps here too; a failure is kept for the training thread)."""
+        t0 = time.perf_counter()
+        if self.env is not None:
+            try:  # on the replica, episodes read only the device of the engines
+                rollout, gen, stats = make_episodes(
+                    self.prompts, indices, SimpleNamespace(device=self.device), self.cfg,
+                    self.tokenizer, "gathered", self.eos_ids, self.env,
+                    on_replica=(self.replica, generator))
+            except EnvFailed as e:
+                return Buffered(iteration, version, None, None, None, time.perf_counter() - t0,
+                                env_error=e), None
+            return Buffered(iteration, version, stamp_versions(rollout, version),
+                            replace(gen, replica=None), None, time.perf_counter() - t0,
+                            episodes=stats), None
+        stream = reward_stream(self.rewards, self.reward_fn)
+        rollout, gen = replica_rollout(self.prompts, indices, self.replica, self.cfg,
+                                       self.tokenizer, self.eos_ids, self.device, generator,
+                                       stream)
+        return Buffered(iteration, version, stamp_versions(rollout, version),
+                        replace(gen, replica=None), None, time.perf_counter() - t0), stream
+
+    def call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
+        """The reward function's call on `rollout`, or the outcome of its streamed calls
+        (None: a reward model scores it later, or no rollout: its environment failed)."""
+        if self.reward_fn is None or rollout is None:
+            return None
+        if stream is not None:
+            return stream.result(rollout, in_worker=True)
+        return call_reward(rollout, self.reward_fn, self.cfg, in_worker=True)
+
+    def produce(self, iteration: int, indices: list[int], version: int,
+                generator: torch.Generator) -> Buffered:
+        """The rollout of `iteration` (prompts `indices`) on the replica (weights of `version`),
+        its reward function called, on the calling thread."""
+        got, stream = self.decode(iteration, indices, version, generator)
+        got.called = self.call(got.rollout, stream)
+        got.seconds += got.called.seconds if got.called is not None else 0.0
+        return got
+
+    def produce_batch(self, work: list[tuple[int, list[int]]], version: int,
+                      generator: torch.Generator) -> Batch:
+        """The rollouts of `work` ((iteration, prompt indices) pairs) decoded one after another
+        from the replica (weights of `version`) and `generator`, so the tokens do not depend on
+        timing; each one's reward calls start as its responses finish (reward.stream), or its
+        one call in the reward pool as its decoding ends."""
+        t0 = time.perf_counter()
+        decoded = []
+        for j, indices in work:
+            got, stream = self.decode(j, indices, version, generator)
+            decoded.append((got, self.reward_pool.submit(self.call, got.rollout, stream)))
+        for got, call in decoded:
+            got.called = call.result()
+            got.seconds += got.called.seconds if got.called is not None else 0.0
+        return Batch([got for got, _ in decoded], time.perf_counter() - t0)
+
+
+def sync_error(version: int, bad: str | None, where: str = "the generation replica"
+               ) -> WeightSyncError:
+    """The one line a failed weight sync stops the run with."""
+    return WeightSyncError(
+        f"weight sync of policy version {version} into {where} failed its checksum "
+        f"({bad or 'on another rank, or the ranks differ'}): stopped; the engines' weights are "
+        "intact, run the same command again to resume")

@@ -1,0 +1,222 @@
+"""ppo.placement = split (docs/ASYNC.md): the last ppo.generation_ranks ranks only generate, the
+others only train.
+
+What runs where:
+
+- a training rank: its DeepSpeed engines over the process group of the training ranks alone
+  (`dist.init_distributed(generation_ranks=K)`), and `RolloutSchedule` as under colocated, with
+  a `RemoteWorker` in place of the background thread: it hands the generation rank that serves
+  it (training rank r: generation rank r mod K) what the thread would get (the iterations, their
+  prompt indices, the policy version, the random stream's state) and takes back the buffered
+  rollouts and the stream's new state. The rollouts, the stream and everything a checkpoint
+  holds stay on the training rank, so a checkpoint is the colocated placement's;
+- a generation rank (`serve_generation`): a 16-bit replica and no ZeRO engine, the
+  `RolloutWorker` on it (decoding, the reward function's calls), for each training rank it
+  serves in turn, from that rank's stream: the samples are those colocated gives.
+
+A weight sync: every training rank takes part in the ZeRO gathers (`stream_weights`, one chunk of
+GATHER_CHUNK_NUMEL elements whole at a time); training rank g < K sends each chunk, with the
+checksum of every weight, to generation rank g, which copies it into its replica and checks it;
+the verdict comes back and the training ranks agree on it, so a corrupted bucket stops the run
+with one line on every rank.
+
+Every message goes over the bridge (`dist.bridge_send` / `bridge_recv`, gloo: CPU copies).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ds_ppo.algo.choices import max_lag
+from ds_ppo.engine import dist
+from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
+                                      weight_checksum)
+from ds_ppo.engine.lora import plain_model
+from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,
+                                     sync_error)
+
+log = logging.getLogger("ds_ppo")
+
+
+class RemoteWorker:
+    """A training rank's side of a split placement: the `RolloutWorker` calls of
+    `RolloutSchedule`, answered by the generation rank that serves this rank."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+        me = dist.rank()
+        self.peer = dist.generation_peer(me)
+        # the first training rank a generation rank serves sends it the weights
+        self.primary = dist.rank() == dist.served_training_ranks(self.peer)[0]
+        self.skeleton_sent = False
+        if self.primary:  # what the generation rank decodes and scores with
+            dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
+                              "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
+                              "training_ranks": dist.world_size()}, self.peer)
+
+    def sync(self, version: int) -> int:
+        """Weight sync (collective over the training ranks): the policy's weights of `version`
+        into the generation ranks' replicas, chunk by chunk, each checked there; a mismatch
+        anywhere stops every training rank with one line. Returns the bytes sent by this rank."""
+        engines = self.run.engines
+        module = plain_model(engines.policy.module)
+        sent = 0
+        if self.primary:
+            skeleton = None if self.skeleton_sent else replica_skeleton(module)
+            dist.bridge_send({"op": "sync", "version": version, "skeleton": skeleton},
+                             self.peer)
+            self.skeleton_sent = True
+
+        def emit(bucket: dict[str, torch.Tensor]) -> None:
+            nonlocal sent
+            sums = {name: weight_checksum(w) for name, w in bucket.items()}
+            dist.bridge_send({"weights": bucket, "sums": sums}, self.peer)
+            sent += sum(w.numel() * w.element_size() for w in bucket.values())
+
+        stream_weights(module, engines.dtype, emit if self.primary else None)
+        bad = None
+        if self.primary:
+            dist.bridge_send({"weights": None, "buffers": dict(module.named_buffers())},
+                             self.peer)
+            bad = dist.bridge_recv(self.peer)["bad"]
+        failed = dist.all_reduce_max(torch.tensor([1.0 if bad else 0.0], dtype=torch.float64))
+        if bad or float(failed[0]):
+            raise sync_error(version, bad, "the generation ranks' replicas")
+        return sent
+
+    def produce(self, iteration: int, indices: list[int], version: int,
+                generator: torch.Generator) -> Buffered:
+        """The rollout of `iteration`, generated now on the generation rank (this rank waits)."""
+        dist.bridge_send({"op": "produce", "work": [(iteration, indices)], "version": version,
+                          "generator": generator.get_state()}, self.peer)
+        return self._answer(generator).rollouts[0]
+
+    def submit_batch(self, work: list[tuple[int, list[int]]], version: int,
+                     generator: torch.Generator) -> _Pending:
+        """The rollouts of `work` started on the generation rank; `.result()` (after the
+        update) waits for them."""
+        dist.bridge_send({"op": "batch", "work": work, "version": version,
+                          "generator": generator.get_state()}, self.peer)
+        return _Pending(self, generator)
+
+    def stop(self) -> None:
+        """The run's last iteration is done: the generation rank may leave."""
+        dist.bridge_send({"op": "stop"}, self.peer)
+
+    def _answer(self, generator: torch.Generator) -> Batch:
+        """The generation rank's answer: the batch, and the random stream where it left it."""
+        got = dist.bridge_recv(self.peer, self.run.engines.device)
+        generator.set_state(got["generator"])
+        return got["batch"]
+
+
+@dataclass
+class _Pending:
+    """A batch being generated on a generation rank (what a Future is under colocated)."""
+
+    worker: RemoteWorker
+    generator: torch.Generator
+
+    def result(self) -> Batch:
+        return self.worker._answer(self.generator)
+
+
+def serve_generation(cfg, device: torch.device) -> None:
+    """A generation rank's whole run: the commands of the training ranks it serves, until the
+    first of them says stop. The first served rank drives the order (setup, sync, produce,
+    batch, stop); every served rank sends its own produce / batch / stop, which are answered in
+    rank order, each from that rank's own random stream."""
+    served = dist.served_training_ranks(dist.rank())
+    first, others = served[0], served[1:]
+    setup = dist.bridge_recv(first)
+    assert setup["op"] == "setup", setup["op"]
+    from ds_ppo.engine.roles import reward_function
+
+    # the reward built here as the training ranks build theirs (a RewardService is not sent)
+    worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,
+                           reward_function(cfg, setup["training_ranks"]),
+                           max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness))
+    dtype = setup["dtype"]
+    log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
+    generator = torch.Generator(device=device)
+    while True:
+        try:
+            cmd = dist.bridge_recv(first)
+        except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+            if not dist.is_collective_failure(e):
+                raise
+            # the training ranks left before the last iteration (a stop, an error: their exit
+            # code says which); nothing of this rank is kept
+            log.warning("generation rank %d: the training ranks left (%s); stopping",
+                        dist.rank(), (str(e).strip().splitlines() or [""])[0][:200])
+            return
+        if cmd["op"] == "sync":
+            _receive_weights(worker, cmd, first, dtype, device)
+            continue
+        commands = [(first, cmd)] + [(r, dist.bridge_recv(r)) for r in others]
+        if cmd["op"] == "stop":
+            return
+        answers = []
+        for r, c in commands:  # each training rank's rows from its own stream
+            generator.set_state(c["generator"])
+            if c["op"] == "produce":
+                t0 = time.perf_counter()
+                j, indices = c["work"][0]
+                batch = Batch([worker.produce(j, indices, c["version"], generator)],
+                              time.perf_counter() - t0)
+            else:
+                batch = worker.produce_batch(c["work"], c["version"], generator)
+            answers.append((r, {"batch": batch, "generator": generator.get_state()}))
+        for r, answer in answers:
+            dist.bridge_send(answer, r)
+
+
+def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """One weight sync into the replica (built on the first): each chunk copied and checked
+    against the sender's checksums; the verdict goes back to `src`. A mismatch stops this rank
+    too, with the training ranks' line."""
+    version = cmd["version"]
+    if worker.replica is None:
+        worker.replica = empty_replica(cmd["skeleton"], dtype, device)
+    params = dict(worker.replica.named_parameters())
+    bad = None
+    first_bucket = True
+    while True:
+        got = dist.bridge_recv(src, device)
+        if got["weights"] is None:
+            buffers = dict(worker.replica.named_buffers())
+            for name, b in got["buffers"].items():
+                if name in buffers:
+                    buffers[name].data.copy_(b)
+            break
+        for name, w in got["weights"].items():
+            if name in params:
+                params[name].data.copy_(w)
+        if first_bucket:
+            _fault_point(params, got["weights"], version)
+            first_bucket = False
+        for name, s in got["sums"].items():
+            if bad is None and name in params and weight_checksum(params[name]) != s:
+                bad = name
+    worker.replica.config.use_cache = True
+    worker.replica.eval()
+    dist.bridge_send({"bad": bad}, src)
+    if bad is not None:
+        raise sync_error(version, bad, "the generation ranks' replicas")
+
+
+def _fault_point(params: dict, bucket: dict, version: int) -> None:
+    """Fault injection for the tests: DS_PPO_FAULT=corrupt_sync:N changes one element of the
+    first received weight of policy version N on the generation rank (as a bad transfer
+    would)."""
+    if os.environ.get("DS_PPO_FAULT", "") == f"corrupt_sync:{version}":
+        with torch.no_grad():
+            params[next(iter(bucket))].view(-1)[0] += 1.0
+
+
+__all__ = ["RemoteWorker", "serve_generation", "WeightSyncError"]

@@ -1,0 +1,104 @@
+"""ppo.placement = split's weight sync (ppo/split.py) in one process: the training rank's side
+(`RemoteWorker.sync`) and the generation rank's (`_receive_weights`) in two threads joined by a
+bridge of queues that pickles every message as the real one does. The replica equals the policy
+after a sync; a corrupted bucket stops both sides with one line naming the weight. The whole
+placement through the real launcher: tests/dist/test_schedule_dist.py."""
+from __future__ import annotations
+
+import io
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ds_ppo.engine import dist
+from ds_ppo.ppo import split
+from ds_ppo.ppo.rollout_worker import RolloutWorker, WeightSyncError
+from support.tiny_models import small_llama
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    """Bridge rank 0 trains, rank 1 generates; each message pickled through torch.save."""
+    inbox = {0: queue.Queue(), 1: queue.Queue()}
+    monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 0, "world": 2,
+                                         "generation_ranks": 1})
+
+    def send(obj, dst):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        inbox[dst].put(buf.getvalue())
+
+    def recv(src, device=None):
+        return torch.load(io.BytesIO(inbox[1 - src].get(timeout=60)), weights_only=False)
+
+    monkeypatch.setattr(dist, "bridge_send", send)
+    monkeypatch.setattr(dist, "bridge_recv", recv)
+    return inbox
+
+
+def _sync(bridge, version: int):
+    """One weight sync of a small policy: (the policy, the generation side's replica, its error,
+    the training side's error)."""
+    model = small_llama()
+    engines = SimpleNamespace(policy=SimpleNamespace(module=model), dtype=torch.float32,
+                              reward_fn=None, device=torch.device("cpu"))
+    run = SimpleNamespace(engines=engines, prompts=None, tokenizer=None, eos_ids=[2])
+    remote = split.RemoteWorker(run)
+    setup = dist.bridge_recv(0)
+    assert setup["op"] == "setup" and setup["dtype"] == torch.float32
+    cfg = SimpleNamespace(reward=SimpleNamespace(concurrency=1))
+    worker = RolloutWorker(cfg, None, None, [2], torch.device("cpu"), None, 1)
+    errors = {}
+
+    def generation_rank():
+        try:
+            split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
+                                   torch.device("cpu"))
+        except WeightSyncError as e:
+            errors["generation"] = str(e)
+
+    thread = threading.Thread(target=generation_rank)
+    thread.start()
+    try:
+        remote.sync(version)
+    except WeightSyncError as e:
+        errors["training"] = str(e)
+    thread.join(60)
+    return model, worker.replica, errors
+
+
+def test_replica_equals_the_policy_after_a_sync(bridge, monkeypatch):
+    """Sent bucket by bucket (chunks of at most 500 elements here, or one larger weight)."""
+    import ds_ppo.engine.generation as generation
+
+    monkeypatch.setattr(generation, "GATHER_CHUNK_NUMEL", 500)
+    buckets, send = [], dist.bridge_send
+
+    def counting(obj, dst):
+        if isinstance(obj, dict) and obj.get("weights"):
+            buckets.append(sum(w.numel() for w in obj["weights"].values()))
+        send(obj, dst)
+
+    monkeypatch.setattr(dist, "bridge_send", counting)
+    model, replica, errors = _sync(bridge, 0)
+    assert not errors
+    largest = max(p.numel() for p in model.parameters())
+    assert len(buckets) > 2 and all(n <= max(500, largest) for n in buckets)
+    assert sum(buckets) == sum(p.numel() for p in model.parameters())
+    theirs = dict(replica.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in model.named_parameters())
+    buffers = dict(replica.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+
+
+def test_a_corrupted_bucket_stops_both_sides(bridge, monkeypatch):
+    monkeypatch.setenv("DS_PPO_FAULT", "corrupt_sync:3")
+    _, _, errors = _sync(bridge, 3)
+    first = next(iter(dict(small_llama().named_parameters())))
+    line = (f"weight sync of policy version 3 into the generation ranks' replicas failed its "
+            f"checksum ({first}): stopped; the engines' weights are intact, run the same command "
+            "again to resume")
+    assert errors == {"generation": line, "training": line}
