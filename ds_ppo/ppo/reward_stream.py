@@ -134,8 +134,8 @@ class RewardStream:
             if missing:
                 call = call_reward_rows([rollout.prompts[i] for i in missing],
                                         [rollout.responses[i] for i in missing],
-                                        [rollout.extras[i] for i in missing], self.fn, self.settings,
-                                        in_worker=True)
+                                        [rollout.extras[i] for i in missing], self.fn,
+                                        self.settings, in_worker=True)
                 error = call.error
                 self.scored.update((i, (rollout.prompts[i], rollout.responses[i], s))
                                    for i, s in zip(missing, call.scores))

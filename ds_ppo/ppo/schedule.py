@@ -43,8 +43,8 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, agree_on_episodes
 from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
 # Buffered also by this name: checkpoints' in-flight files pickled it from here
-from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,  # noqa: F401
-                                     sync_error)
+from ds_ppo.ppo.rollout_worker import (  # noqa: F401
+    Batch, Buffered, RolloutWorker, WeightSyncError, sync_error)
 from ds_ppo.ppo.scoring import RewardScores, timed_reward_scores
 
 log = logging.getLogger("ds_ppo")

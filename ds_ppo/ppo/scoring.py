@@ -64,8 +64,8 @@ def reward_call_settings(cfg: Config) -> RewardCallSettings:
     # a reward.url service applies reward.timeout_s per request (then retries) itself: no worker
     # thread around it; its answers are checked like a function's
     return RewardCallSettings(tuple(cfg.data.reward_keys), r.function or redact_url(r.url),
-                              r.url is not None, None if r.url is not None else r.timeout_s, r.timeout_s is None,
-                              r.concurrency, r.stream)
+                              r.url is not None, None if r.url is not None else r.timeout_s,
+                              r.timeout_s is None, r.concurrency, r.stream)
 
 
 def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict], fn,

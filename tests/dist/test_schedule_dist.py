@@ -7,11 +7,10 @@ rank, from the start and resumed from the split run's checkpoint (the buffered r
 over: nothing is regenerated).
 
 The six launched commands (per schedule: the uninterrupted run, the run killed in iteration 4's
-save and its rerun) run in three launched jobs (tests/support/chained_runs.py), in the order a
-user would run them:
-  1. full one_step_off split, full async 3, one_step_off split killed
-  2. one_step_off split again (resumes), async 3 killed
-  3. async 3 again (resumes)
+save and its rerun) run in five launched jobs (tests/support/chained_runs.py), in the order a
+user would run them: async 3 full then killed, async 3 again (resumes); one_step_off split
+full, killed, again, each alone in its job (a split run's process groups are set up once per
+process).
 """
 from __future__ import annotations
 
@@ -74,28 +73,33 @@ def _colocated_on_one_rank(out, schedule: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Per schedule: (the chain whose last command was killed, the chain that resumed it)."""
     work = tmp_path_factory.mktemp("schedules")
     full = {s: work / f"full_{s}" for s in SCHEDULES}
     killed = {s: work / f"killed_{s}" for s in SCHEDULES}
-    a, b = SCHEDULES
-    first = _chain(work, "chain1", [(_argv(full[a], a), None), (_argv(full[b], b), None),
-                                    (_argv(killed[a], a), KILL)])
-    latest = {a: (killed[a] / "checkpoints" / "latest").read_text().strip()}
+    split, colocated = SCHEDULES
+    chains, latest = {}, {}
+    killed_in = _chain(work, "async", [(_argv(full[colocated], colocated), None),
+                                       (_argv(killed[colocated], colocated), KILL)])
+    latest[colocated] = (killed[colocated] / "checkpoints" / "latest").read_text().strip()
+    chains[colocated] = (killed_in, 1, _chain(work, "async_again",
+                                              [(_argv(killed[colocated], colocated), None)]))
+    full_split = _chain(work, "split_full", [(_argv(full[split], split), None)])
+    assert full_split.returncode == 0, full_split.stdout[-3000:] + full_split.stderr[-6000:]
+    killed_in = _chain(work, "split_killed", [(_argv(killed[split], split), KILL)])
+    latest[split] = (killed[split] / "checkpoints" / "latest").read_text().strip()
     # iteration 2's checkpoint of the split run, to continue colocated
-    shutil.copytree(killed[a], work / "other")
-    second = _chain(work, "chain2", [(_argv(killed[a], a), None), (_argv(killed[b], b), KILL)])
-    latest[b] = (killed[b] / "checkpoints" / "latest").read_text().strip()
-    third = _chain(work, "chain3", [(_argv(killed[b], b), None)])
-    return work, full, killed, latest, (first, second, third)
+    shutil.copytree(killed[split], work / "other")
+    chains[split] = (killed_in, 0, _chain(work, "split_again",
+                                          [(_argv(killed[split], split), None)]))
+    return work, full, killed, latest, chains
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule, capsys):
     work, full, killed, latest, chains = runs
-    index = list(SCHEDULES).index(schedule)
-    killed_in, resumed_in = chains[index], chains[index + 1]
+    killed_in, kill_at, resumed_in = chains[schedule]
     # the killed command (its chain's last) never finished; the commands before it did
-    kill_at = 2 if index == 0 else 1
     assert killed_in.returncode != 0
     assert [f"[chained_runs] {i} exit 0" in killed_in.stdout for i in range(kill_at + 1)] == \
         [True] * kill_at + [False], killed_in.stdout[-3000:] + killed_in.stderr[-6000:]
@@ -107,8 +111,8 @@ def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule, capsys):
     assert "resumed from" in resumed_in.stdout + resumed_in.stderr
     a, b = read_metrics(full[schedule]), read_metrics(killed[schedule])
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
-    assert [r["async/staleness_max"] for r in b][1:] == ([1.0] * 3 if index == 0
-                                                         else [1.0, 2.0, 3.0])
+    stale = [1.0] * 3 if schedule == "one_step_off_split" else [1.0, 2.0, 3.0]
+    assert [r["async/staleness_max"] for r in b][1:] == stale
     assert _comparable(a) == _comparable(b)
     assert _same(_weights(full[schedule]), _weights(killed[schedule]))
     if "ppo.placement=split" not in SCHEDULES[schedule]:
