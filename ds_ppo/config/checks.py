@@ -12,8 +12,8 @@ from pathlib import Path
 from ds_ppo.algo.choices import max_lag
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
-from ds_ppo.config.model_checks import (model_problems, sequence_parallel_problems,
-                                        source_problems)
+from ds_ppo.config.model_checks import (expert_parallel_problems, model_problems,
+                                        sequence_parallel_problems, source_problems)
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
@@ -28,7 +28,7 @@ def validate(cfg: Config, world_size: int) -> None:
     problems += batch_problems(cfg, data_parallel_size(cfg, world_size))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
                   _schedule_problems, _tracking_problems, _recipe_problems,
-                  sequence_parallel_problems):
+                  sequence_parallel_problems, expert_parallel_problems):
         problems += check(cfg, world_size)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -167,6 +167,8 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
     problems += source_problems(cfg, ("policy",))
     problems += cfg.deepspeed.problems(roles=("policy",)) + _resume_problems(cfg)
+    problems += [p for p in expert_parallel_problems(cfg, world_size)
+                 if p.startswith("deepspeed.policy.")]
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 

@@ -43,6 +43,7 @@ MOE_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
 REPLAY_KEYS = LOSS_KEYS + ("rollout/route_flip_frac", "rollout/logprob_abs_diff_max")
 SUPERVISED = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss", "sft/moe_aux_loss"),
               "rm": ("loss/rm", "rm/accuracy", "rm/grad_norm", "eval/loss", "rm/moe_aux_loss")}
+EP = ["deepspeed.policy.expert_parallel_size=2", "deepspeed.value.expert_parallel_size=2"]
 RESUME_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
 
 
@@ -85,24 +86,51 @@ def supervised(work: Path, job: str, name: str, extra: list[str]) -> dict:
                                               f"{job}.micro_batch_size=4"] + extra)
 
 
-def resume_and_export(work: Path) -> dict:
+def resume_and_export(work: Path, prefix: str = "", extra: tuple[str, ...] = ()) -> dict:
     """Two iterations in one go, and one then a resume to two (checkpoints every iteration,
     aux loss on): the resumed iteration's metrics; rank 0 then loads the uninterrupted run's
     export with plain transformers and compares its logits with the policy's weights read
-    from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32)."""
+    from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32). With `extra`
+    (expert parallelism), runs `<prefix>whole` / `<prefix>split`, and the export's logits are
+    compared with those of the export of `whole` (the same run without `extra`, run first)."""
     base = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
-                   "checkpoint.keep_last=3"]
-    whole = train(cfg_for(work, "whole", base + [
+                   "checkpoint.keep_last=3", *extra]
+    whole = train(cfg_for(work, f"{prefix}whole", base + [
         "iterations=2", "checkpoint.export_at_end=true"])).history
-    train(cfg_for(work, "split", base + ["iterations=1"]))
-    resumed = train(cfg_for(work, "split", base + ["iterations=2", "resume=auto"])).history
+    train(cfg_for(work, f"{prefix}split", base + ["iterations=1"]))
+    resumed = train(cfg_for(work, f"{prefix}split", base + ["iterations=2", "resume=auto"])
+                    ).history
     out = {"whole": {k: whole[1][k] for k in RESUME_KEYS},
            "resumed": {k: resumed[0][k] for k in RESUME_KEYS},
            "resumed_iterations": len(resumed)}
     if dist.is_main():
-        out["export"] = _export_vs_checkpoint(work / "whole")
+        out["export"] = (_export_vs_export(work / f"{prefix}whole", work / "whole") if extra
+                         else _export_vs_checkpoint(work / "whole"))
     dist.barrier()
     return out
+
+
+def _export_vs_export(run: Path, other: Path) -> dict:
+    """Loads `run`'s export with plain transformers: its logits against `other`'s export's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a, b = (AutoModelForCausalLM.from_pretrained(r / "final", dtype=torch.float32).eval()
+            for r in (run, other))
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max()
+    names = json.loads((run / "final" / "config.json").read_text())
+    return {"max_abs_diff": float(diff), "architectures": names["architectures"],
+            "per_expert_keys": _per_expert_keys(run / "final"),
+            "keys_equal": _keys(run / "final") == _keys(other / "final")}
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return sorted(f.keys())
 
 
 def _export_vs_checkpoint(run: Path) -> dict:
@@ -170,6 +198,15 @@ def main() -> None:
         "resume_export": lambda: resume_and_export(work),
         "skipped_experts": lambda: skipped_experts(work),
     }
+    if dist.world_size() == 2:  # expert parallelism (DeepSpeed AutoEP): 2 experts per rank
+        scenarios.update({
+            "qwen_ep_aux": lambda: first_update(work, "qepaux", QWEN + z3 + EP + [
+                "policy.moe_aux_loss_coef=0.5", "value.moe_aux_loss_coef=0.5"], MOE_KEYS),
+            "qwen_ep_replay": lambda: first_update(work, "qeprep", QWEN + NO_AUX + z3 + EP + [
+                "ppo.router_replay=true"], REPLAY_KEYS),
+            # after resume_export (its `whole` export is the reference)
+            "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP[:1])),
+        })
     run_scenarios(scenarios, args, "moe_checks")
 
 

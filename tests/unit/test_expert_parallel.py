@@ -1,0 +1,72 @@
+"""Expert parallelism's config rules (deepspeed.<role>.expert_parallel_size, DeepSpeed AutoEP),
+checked up front with the key and the fix; the DeepSpeed config it fills; and the
+compatibility shim AutoEP needs with transformers' output-recorder registry. The multi-rank
+behaviour is tests/dist/test_moe_dist.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_ppo.config import load_config, validate
+from ds_ppo.errors import ConfigError
+
+QWEN = ("policy.arch={model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, num_experts: 4, "
+        "num_experts_per_tok: 2, moe_intermediate_size: 16, vocab_size: 64}")
+LLAMA = ("policy.arch={model_type: llama, hidden_size: 32, num_hidden_layers: 2, "
+         "num_attention_heads: 4, intermediate_size: 64, vocab_size: 64}")
+BATCH = ["ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.micro_batch_size=1"]
+
+
+def _problems(*overrides, world=4, arch=QWEN) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [arch, *BATCH, *overrides]), world)
+    return str(e.value)
+
+
+def test_expert_parallel_checks_name_the_key_and_the_fix():
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", world=3)
+    assert "deepspeed.policy.expert_parallel_size = 2 must divide the world size 3" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=3", world=3)
+    assert "must divide the policy model's 4 experts per layer; use one of [1, 2, 4]" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", arch=LLAMA)
+    assert "the policy model is 'llama'; expert parallelism runs on qwen3_moe, mixtral" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", "policy.lora.r=8",
+                    "deepspeed.value.expert_parallel_size=2", "value.lora.r=8")
+    assert "does not combine with policy.lora" in msg and "with value.lora" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", "generation.mode=zero3",
+                    "deepspeed.sequence_parallel_size=2")
+    assert "with generation.mode = zero3" in msg and "with deepspeed.sequence_parallel_size" in msg
+    msg = _problems("deepspeed.reference.expert_parallel_size=2")
+    assert "deepspeed.reference.expert_parallel_size = 2: expert parallelism is for the " \
+           "trained roles" in msg
+    # the value model starts from the MoE policy: its experts count
+    validate(load_config(None, [QWEN, *BATCH, "deepspeed.policy.expert_parallel_size=2",
+                                "deepspeed.value.expert_parallel_size=4"]), 4)
+
+
+def test_expert_parallel_fills_the_trained_roles_autoep_section():
+    from ds_ppo.engine.ds_config import build_ds_config
+
+    cfg = load_config(None, [QWEN, *BATCH, "deepspeed.policy.expert_parallel_size=2"])
+    ds = build_ds_config(cfg, "policy", 4, torch.float32, 32)
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    assert "expert_parallel" not in build_ds_config(cfg, "value", 4, torch.float32, 32)
+
+
+def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
+    """DeepSpeed AutoEP reads transformers' output-recorder registry with a class name and a
+    default (which transformers 5.25's lookup refuses); transformers' own lookup by model is
+    unchanged."""
+    from transformers.utils import output_capturing as oc
+
+    from ds_ppo.engine import moe
+    from support.tiny_models import small_moe
+
+    monkeypatch.setattr(oc._CanRecordRegistry, "get", oc._CanRecordRegistry.get)
+    registry, model = oc._CAN_RECORD_REGISTRY, small_moe()
+    own = registry.get(model.model)
+    moe.autoep_compat()
+    moe.autoep_compat()  # applied once
+    assert registry.get("no such class", "default") == "default"
+    assert registry.get(model.model) == own
