@@ -302,6 +302,11 @@ def ep_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if getattr(m, "_is_autoep_layer", False)}
 
 
+def ep_size(model: torch.nn.Module) -> int:
+    """The expert-parallel size a model's AutoEP layers run at (1: no expert parallelism)."""
+    return max((layer.ep_size for layer in ep_layers(model).values()), default=1)
+
+
 def ep_weights(prefix: str, layer: torch.nn.Module):
     """(name in the Hugging Face model, parameters to gather, the full tensor once gathered) of
     an AutoEP layer named `prefix`, in the layout of the Qwen3-MoE / Mixtral block it replaced:

@@ -100,9 +100,11 @@ def resume_and_export(work: Path, prefix: str = "", extra: tuple[str, ...] = ())
     train(cfg_for(work, f"{prefix}split", base + ["iterations=1"]))
     resumed = train(cfg_for(work, f"{prefix}split", base + ["iterations=2", "resume=auto"])
                     ).history
+    state = work / f"{prefix}split" / "checkpoints" / "iter_000002" / "trainer_state.json"
     out = {"whole": {k: whole[1][k] for k in RESUME_KEYS},
            "resumed": {k: resumed[0][k] for k in RESUME_KEYS},
-           "resumed_iterations": len(resumed)}
+           "resumed_iterations": len(resumed),
+           "expert_parallel": json.loads(state.read_text())["expert_parallel"]}
     if dist.is_main():
         out["export"] = (_export_vs_export(work / f"{prefix}whole", work / "whole") if extra
                          else _export_vs_checkpoint(work / "whole"))
@@ -200,12 +202,10 @@ def main() -> None:
     }
     if dist.world_size() == 2:  # expert parallelism (DeepSpeed AutoEP): 2 experts per rank
         scenarios.update({
-            "qwen_ep_aux": lambda: first_update(work, "qepaux", QWEN + z3 + EP + [
-                "policy.moe_aux_loss_coef=0.5", "value.moe_aux_loss_coef=0.5"], MOE_KEYS),
             "qwen_ep_replay": lambda: first_update(work, "qeprep", QWEN + NO_AUX + z3 + EP + [
                 "ppo.router_replay=true"], REPLAY_KEYS),
-            # after resume_export (its `whole` export is the reference)
-            "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP[:1])),
+            # after resume_export (its `whole` run is the reference); aux loss on
+            "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP)),
         })
     run_scenarios(scenarios, args, "moe_checks")
 

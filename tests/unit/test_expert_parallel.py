@@ -70,3 +70,28 @@ def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
     moe.autoep_compat()  # applied once
     assert registry.get("no such class", "default") == "default"
     assert registry.get(model.model) == own
+
+
+def test_a_checkpoint_resumes_only_at_its_expert_parallel_and_world_size(tmp_path):
+    """A checkpoint records its roles' expert-parallel sizes; a resume with another size, or
+    another world size while expert parallelism is on, stops with one line naming both."""
+    import json
+
+    from ds_ppo.engine.checkpoint import check_expert_parallel
+
+    def saved(ep: dict, world: int):
+        (tmp_path / "trainer_state.json").write_text(json.dumps(
+            {"world_size": world, "expert_parallel": ep}))
+        return tmp_path
+
+    check_expert_parallel(saved({}, 2), {})  # no expert parallelism: any world size
+    check_expert_parallel(saved({"policy": 2}, 1), {"policy": 2})  # this process: world size 1
+    with pytest.raises(ConfigError, match=r"saved with deepspeed.policy.expert_parallel_size = "
+                       r"2 on world size 2; this run has deepspeed.policy.expert_parallel_size "
+                       r"= 2 on world size 1: resume it with the world size and "
+                       r"expert_parallel_size it was saved with"):
+        check_expert_parallel(saved({"policy": 2}, 2), {"policy": 2})
+    with pytest.raises(ConfigError, match="this run has no expert parallelism"):
+        check_expert_parallel(saved({"policy": 2}, 1), {})
+    with pytest.raises(ConfigError, match="saved with no expert parallelism"):
+        check_expert_parallel(saved({}, 1), {"value": 2})
