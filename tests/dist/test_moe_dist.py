@@ -2,8 +2,9 @@
 top-2) through every job on one rank and on two (real `deepspeed` launcher, gloo, ZeRO-3 with
 each MoE block one leaf module): the same update at both world sizes, the load-balancing loss
 in the loss and the metrics, router replay, exact resume (also on another world size), and an
-export that plain transformers loads with the trained weights' logits. The expensive processes
-run once per world size (tests/support/moe_checks.py)."""
+export that plain transformers loads with the trained weights' logits; on two ranks also
+expert parallelism (DeepSpeed AutoEP, 2 experts per rank) against the same runs without it.
+The expensive processes run once per world size (tests/support/moe_checks.py)."""
 from __future__ import annotations
 
 import json

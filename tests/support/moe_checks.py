@@ -4,7 +4,8 @@ test_engine.py):
     python tests/support/moe_checks.py --out R.json --work DIR                   (one rank)
     deepspeed --num_gpus 2 tests/support/moe_checks.py --out R.json --work DIR   (two CPU ranks)
 Tiny random-init Qwen3-MoE and Mixtral policies (2 layers, 4 experts, top-2), ZeRO-3 on two
-ranks (each MoE block one ZeRO-3 leaf). Rank 0 writes one JSON object of results.
+ranks (each MoE block one ZeRO-3 leaf; the `ep` scenarios: expert parallelism, 2 experts per
+rank). Rank 0 writes one JSON object of results.
 """
 from __future__ import annotations
 
