@@ -205,6 +205,8 @@ def main() -> None:
         scenarios.update({
             "qwen_ep_replay": lambda: first_update(work, "qeprep", QWEN + NO_AUX + z3 + EP + [
                 "ppo.router_replay=true"], REPLAY_KEYS),
+            "qwen_sft_ep": lambda: supervised(work, "sft", "qsftep", QWEN + EP[:1] + [
+                "policy.moe_aux_loss_coef=0"]),
             # after resume_export (its `whole` run is the reference); aux loss on
             "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP)),
         })
