@@ -95,3 +95,19 @@ def test_a_checkpoint_resumes_only_at_its_expert_parallel_and_world_size(tmp_pat
         check_expert_parallel(saved({"policy": 2}, 1), {})
     with pytest.raises(ConfigError, match="saved with no expert parallelism"):
         check_expert_parallel(saved({}, 1), {"value": 2})
+
+
+def test_generation_without_a_replica_is_refused_for_an_expert_parallel_policy(monkeypatch):
+    """generation.mode auto falls back to generating through the ZeRO-3 hooks when no replica
+    fits; an expert-parallel policy (AutoEP layers) stops there with the levers instead."""
+    from ds_ppo.config import GenerationConfig
+    from ds_ppo.engine import generation
+    from support.tiny_models import small_moe
+
+    model, cfg = small_moe(), GenerationConfig(mode="auto")
+    monkeypatch.setattr(generation, "_least_free_bytes", lambda device: 1.0)
+    assert generation.choose_mode(cfg, model, torch.float32, torch.device("cpu")) == "zero3"
+    monkeypatch.setattr(generation, "ep_layers", lambda m: {"model.layers.0.mlp": m})
+    with pytest.raises(ConfigError, match="chose zero3 .* does not combine with "
+                       "deepspeed.policy.expert_parallel_size > 1"):
+        generation.choose_mode(cfg, model, torch.float32, torch.device("cpu"))

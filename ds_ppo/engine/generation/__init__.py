@@ -42,6 +42,8 @@ from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation.loop import DecodeStats, decode
 from ds_ppo.engine.lora import plain_model, replica_weights, weight_shape
+from ds_ppo.engine.moe import ep_layers
+from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group)
 from ds_ppo.engine.generation.choice import (REPLICA_MODES, choose_generation, choose_loop,
@@ -102,6 +104,13 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
         cfg, getattr(module, "config", None), cfg.tp_size or dist.local_world_size(),
         replica_bytes=lambda tp: _param_bytes(module, dtype, tp),
         free_bytes=lambda: _least_free_bytes(device), linears=decoder_linears(module))
+    if choice.mode not in REPLICA_MODES and ep_layers(plain_model(module)):
+        # AutoEP's all-to-all inside HF generate through the ZeRO-3 hooks is not supported
+        raise ConfigError(
+            f"generation.mode = {cfg.mode!r} chose {choice.mode} (no replica fits), which does "
+            "not combine with deepspeed.policy.expert_parallel_size > 1: free memory for a "
+            "gathered replica (ds-ppo plan names the levers), or set "
+            "deepspeed.policy.expert_parallel_size=1")
     if cfg.mode == "auto" and dist.is_main():
         log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
                  "fraction %.2f)", choice.mode, choice.replica_bytes / 2**30,
