@@ -146,11 +146,13 @@ def test_expert_parallel_gives_the_update_of_data_parallel(two_ranks):
     """Expert parallelism (DeepSpeed AutoEP, 2 experts per rank) for the policy and the MoE
     critic on two ranks, with router replay: the rollout (from the generation replica, its
     experts collected from both ranks), the routes replayed, the losses and the update equal
-    those of the same run with every expert on every rank (ZeRO-3 leaves); and ds-ppo sft's
-    two optimizer steps (with the load-balancing loss logged)."""
+    those of the same run with every expert on every rank (ZeRO-3 leaves); so do a Mixtral
+    policy's next to a dense critic, and ds-ppo sft's and ds-ppo rm's two optimizer steps
+    (with the load-balancing loss logged)."""
     res = two_ranks[0]
-    assert not _close(res["qwen_replay"], res["qwen_ep_replay"])
-    assert not _close(res["qwen_sft"], res["qwen_sft_ep"])
+    for plain in ("qwen_replay", "mixtral_dense_value", "qwen_sft", "qwen_rm"):
+        ep = plain.replace("_replay", "_ep_replay") if "replay" in plain else plain + "_ep"
+        assert not _close(res[plain], res[ep]), ep
 
 
 def test_expert_parallel_resume_is_exact_and_the_export_is_plain_hf(two_ranks):

@@ -207,6 +207,10 @@ def main() -> None:
                 "ppo.router_replay=true"], REPLAY_KEYS),
             "qwen_sft_ep": lambda: supervised(work, "sft", "qsftep", QWEN + EP[:1] + [
                 "policy.moe_aux_loss_coef=0"]),
+            "qwen_rm_ep": lambda: supervised(work, "rm", "qrmep", QWEN + EP[:1] + [
+                "policy.moe_aux_loss_coef=0"]),
+            "mixtral_dense_value_ep": lambda: first_update(work, "mixdep", MIXTRAL + DENSE_VALUE
+                                                           + NO_AUX + z3 + EP[:1]),
             # after resume_export (its `whole` run is the reference); aux loss on
             "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP)),
         })
