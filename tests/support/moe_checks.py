@@ -46,6 +46,8 @@ SUPERVISED = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss", "sft/moe_aux_los
               "rm": ("loss/rm", "rm/accuracy", "rm/grad_norm", "eval/loss", "rm/moe_aux_loss")}
 EP = ["deepspeed.policy.expert_parallel_size=2", "deepspeed.value.expert_parallel_size=2"]
 RESUME_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
+RESUME_BASE = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
+                      "checkpoint.keep_last=3"]
 
 
 def skipped_experts(work: Path) -> dict:
@@ -87,28 +89,39 @@ def supervised(work: Path, job: str, name: str, extra: list[str]) -> dict:
                                               f"{job}.micro_batch_size=4"] + extra)
 
 
-def resume_and_export(work: Path, prefix: str = "", extra: tuple[str, ...] = ()) -> dict:
+def resume_and_export(work: Path) -> dict:
     """Two iterations in one go, and one then a resume to two (checkpoints every iteration,
     aux loss on): the resumed iteration's metrics; rank 0 then loads the uninterrupted run's
     export with plain transformers and compares its logits with the policy's weights read
-    from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32). With `extra`
-    (expert parallelism), runs `<prefix>whole` / `<prefix>split`, and the export's logits are
-    compared with those of the export of `whole` (the same run without `extra`, run first)."""
-    base = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
-                   "checkpoint.keep_last=3", *extra]
-    whole = train(cfg_for(work, f"{prefix}whole", base + [
+    from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32)."""
+    whole = train(cfg_for(work, "whole", RESUME_BASE + [
         "iterations=2", "checkpoint.export_at_end=true"])).history
-    train(cfg_for(work, f"{prefix}split", base + ["iterations=1"]))
-    resumed = train(cfg_for(work, f"{prefix}split", base + ["iterations=2", "resume=auto"])
+    train(cfg_for(work, "split", RESUME_BASE + ["iterations=1"]))
+    resumed = train(cfg_for(work, "split", RESUME_BASE + ["iterations=2", "resume=auto"])
                     ).history
-    state = work / f"{prefix}split" / "checkpoints" / "iter_000002" / "trainer_state.json"
     out = {"whole": {k: whole[1][k] for k in RESUME_KEYS},
            "resumed": {k: resumed[0][k] for k in RESUME_KEYS},
+           "resumed_iterations": len(resumed)}
+    if dist.is_main():
+        out["export"] = _export_vs_checkpoint(work / "whole")
+    dist.barrier()
+    return out
+
+
+def ep_resume_and_export(work: Path) -> dict:
+    """`resume_and_export`'s split run with expert parallelism for both roles (after it: its
+    `whole` run is the reference): iteration 1, then a resume to 2 that exports at the end. The
+    resumed iteration's metrics, the EP sizes its checkpoint recorded, and (rank 0) the
+    export's logits against those of the `whole` run's export."""
+    train(cfg_for(work, "ep_split", RESUME_BASE + EP + ["iterations=1"]))
+    resumed = train(cfg_for(work, "ep_split", RESUME_BASE + EP + [
+        "iterations=2", "resume=auto", "checkpoint.export_at_end=true"])).history
+    state = work / "ep_split" / "checkpoints" / "iter_000002" / "trainer_state.json"
+    out = {"resumed": {k: resumed[0][k] for k in RESUME_KEYS},
            "resumed_iterations": len(resumed),
            "expert_parallel": json.loads(state.read_text())["expert_parallel"]}
     if dist.is_main():
-        out["export"] = (_export_vs_export(work / f"{prefix}whole", work / "whole") if extra
-                         else _export_vs_checkpoint(work / "whole"))
+        out["export"] = _export_vs_export(work / "ep_split", work / "whole")
     dist.barrier()
     return out
 
@@ -212,7 +225,7 @@ def main() -> None:
             "mixtral_dense_value_ep": lambda: first_update(work, "mixdep", MIXTRAL + DENSE_VALUE
                                                            + NO_AUX + z3 + EP[:1]),
             # after resume_export (its `whole` run is the reference); aux loss on
-            "ep_resume_export": lambda: resume_and_export(work, "ep_", tuple(EP)),
+            "ep_resume_export": lambda: ep_resume_and_export(work),
         })
     run_scenarios(scenarios, args, "moe_checks")
 
