@@ -44,6 +44,7 @@ class RolePlan:
     offload_optimizer: bool
     offload_param: bool
     states: ModelStates
+    expert_parallel_size: int = 1  # deepspeed.<role>.expert_parallel_size of a trained MoE role
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,9 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
                                   d.offload_param)
     if role == "policy" and cfg.policy.ema_decay is not None and shape is not None:
         states = _with_ema(states, shape.params, cluster, d)
+    ep = d.expert_parallel_size if trained and shape is not None and shape.experts else 1
     return RolePlan(role, shape, trained, d.zero_stage, d.offload_optimizer and trained,
-                    d.offload_param, states)
+                    d.offload_param, states, ep)
 
 
 def expert_parallel_states(shape: ModelShape, n: int, cluster: Cluster, d) -> ModelStates:
@@ -202,7 +204,7 @@ def _moe_notes(cfg: Config, roles: dict[str, RolePlan], world: int) -> list[str]
         gather = (f"; ZeRO-3 gathers each MoE block whole (one leaf module: every expert of "
                   f"the layer, {2 * s.layer_expert_params / GiB:.2f} GiB of 16-bit weights, "
                   "whichever experts the rank's tokens use)" if rp.zero_stage == 3 else "")
-        n = getattr(cfg.deepspeed, role).expert_parallel_size if rp.trained else 1
+        n = rp.expert_parallel_size
         if n > 1:
             gather = (f"; expert parallelism {n} (AutoEP): {s.experts // n} experts of each layer "
                       f"per rank, a token's hidden state sent to its experts' ranks and back "
@@ -433,8 +435,7 @@ def _training_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> li
              "activations" + (" (checkpointed)" if section.gradient_checkpointing else ""):
                  train_activation_bytes(rp.shape, tokens, seqs, section.gradient_checkpointing,
                                         section.attn_implementation == "eager")}
-        a2a = expert_all_to_all_bytes(rp.shape, getattr(cfg.deepspeed, role).expert_parallel_size,
-                                      tokens * seqs)
+        a2a = expert_all_to_all_bytes(rp.shape, rp.expert_parallel_size, tokens * seqs)
         if a2a:
             t["expert all-to-all (one layer)"] = a2a
         if role == "policy":

@@ -661,6 +661,7 @@ def test_expert_parallelism_in_the_plan():
     assert train["expert all-to-all (one layer)"] == 4 * tokens * s.top_k * s.hidden * 2
     assert "expert parallelism 8 (AutoEP): 16 experts of each layer per rank" in \
         P.format_plan(b, "30b-a3b")
+    assert P.to_json(b)["roles"]["policy"]["expert_parallel_size"] == 8
     # ZeRO-2: the experts' states of one rank's 16 experts over the 1 rank holding them, the
     # rest's over 8 (2 + 18 / ranks bytes per parameter)
     two = on.deepspeed.policy.model_copy(update={"zero_stage": 2, "offload_optimizer": False})
