@@ -111,3 +111,24 @@ def test_generation_without_a_replica_is_refused_for_an_expert_parallel_policy(m
     with pytest.raises(ConfigError, match="chose zero3 .* does not combine with "
                        "deepspeed.policy.expert_parallel_size > 1"):
         generation.choose_mode(cfg, model, torch.float32, torch.device("cpu"))
+
+
+def test_an_expert_parallel_checkpoint_without_hf_weights_is_not_exported(tmp_path):
+    """An offline export of a role that ran expert parallelism needs the checkpoint's
+    Hugging Face copy: DeepSpeed's shards hold AutoEP's layers, which ZeRO consolidation does
+    not turn back into the model's layout. Checked before any weight is read."""
+    import json
+
+    from ds_ppo.engine.checkpoint.export import source_problem
+    from ds_ppo.engine.checkpoint.files import TAG
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "policy" / TAG).mkdir(parents=True)
+    (tmp_path / "policy" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"expert_parallel": {}}))
+    assert source_problem(tmp_path, False, {}, False) is None
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"expert_parallel": {"policy": 2}}))
+    where, what = source_problem(tmp_path, False, {}, False)
+    assert where == tmp_path / "hf" and "ran expert parallelism" in what
+    assert "checkpoint.save_hf_weights=true" in what
