@@ -227,16 +227,19 @@ def _expert_parallel(engines) -> dict[str, int]:
 def check_expert_parallel(path: Path, sizes: dict[str, int]) -> None:
     """Refuse to resume a checkpoint across a change of expert parallelism: another
     deepspeed.<role>.expert_parallel_size (`sizes`: this run's, role -> size > 1) or, with
-    expert parallelism on either side, another world size. AutoEP's layers hold E / N experts
-    per rank under their own names, which neither DeepSpeed's plain load nor ds_ppo's universal
-    conversion maps between sizes."""
+    expert parallelism on either side, another world size. The checkpoint holds AutoEP's layers
+    (E / N experts per rank, under AutoEP's names), which a model built without AutoEP does not
+    take, and a change of N or world size would go through a universal checkpoint that no
+    expert-parallel run has been checked on."""
     state = read_state(path)
     saved = state.expert_parallel
     if saved == sizes and (not sizes or state.world_size == dist.world_size()):
         return
+
     def said(d):
         return (", ".join(f"deepspeed.{r}.expert_parallel_size = {n}" for r, n in d.items())
                 or "no expert parallelism")
+
     raise ConfigError(
         f"{path} was saved with {said(saved)} on world size {state.world_size}; this run has "
         f"{said(sizes)} on world size {dist.world_size()}: resume it with the world size and "
