@@ -156,7 +156,8 @@ def test_expert_parallel_gives_the_update_of_data_parallel(two_ranks):
 
 
 def test_expert_parallel_resume_and_the_export_is_plain_hf(two_ranks):
-    """Expert-parallel policy and critic (load-balancing loss on), resumed from iteration 1's
+    """Expert-parallel policy (its optimizer on CPU, as in the 30b-a3b preset) and critic
+    (load-balancing loss on), resumed from iteration 1's
     checkpoint at the same world size and EP size (which the checkpoint records): iteration 2
     equals that of the uninterrupted run without expert parallelism (float noise: the experts'
     arithmetic runs in another order), aux loss included; the streamed export (every expert,

@@ -109,12 +109,14 @@ def resume_and_export(work: Path) -> dict:
 
 
 def ep_resume_and_export(work: Path) -> dict:
-    """`resume_and_export`'s split run with expert parallelism for both roles (after it: its
-    `whole` run is the reference): iteration 1, then a resume to 2 that exports at the end. The
-    resumed iteration's metrics, the EP sizes its checkpoint recorded, and (rank 0) the
-    export's logits against those of the `whole` run's export."""
-    train(cfg_for(work, "ep_split", RESUME_BASE + EP + ["iterations=1"]))
-    resumed = train(cfg_for(work, "ep_split", RESUME_BASE + EP + [
+    """`resume_and_export`'s split run with expert parallelism for both roles, the policy's
+    optimizer offloaded to CPU (after `resume_and_export`: its `whole` run is the reference):
+    iteration 1, then a resume to 2 that exports at the end. The resumed iteration's metrics,
+    the EP sizes its checkpoint recorded, and (rank 0) the export's logits against those of
+    the `whole` run's export."""
+    ep = RESUME_BASE + EP + ["deepspeed.policy.offload_optimizer=true"]  # as the 30b-a3b preset
+    train(cfg_for(work, "ep_split", ep + ["iterations=1"]))
+    resumed = train(cfg_for(work, "ep_split", ep + [
         "iterations=2", "resume=auto", "checkpoint.export_at_end=true"])).history
     state = work / "ep_split" / "checkpoints" / "iter_000002" / "trainer_state.json"
     out = {"resumed": {k: resumed[0][k] for k in RESUME_KEYS},
