@@ -1,15 +1,16 @@
 """Whether DeepSpeed's AutoEP (expert parallelism, `expert_parallel` in a DeepSpeed config)
-runs on this machine: a tiny random-init Qwen3-MoE (4 experts, top-2) through
-deepspeed.initialize with expert_parallel.autoep_size = the world size, one forward (its logits
-against the model's own before replacement) and one optimizer step. Not wired into ds_ppo;
-a probe for whoever wires it.
+runs on this machine with the installed DeepSpeed and transformers, outside ds_ppo: a tiny
+random-init Qwen3-MoE (4 experts, top-2) through deepspeed.initialize with
+expert_parallel.autoep_size = the world size, one forward (its logits against the model's own
+before replacement) and one optimizer step. ds_ppo's own use of it is
+deepspeed.<role>.expert_parallel_size (docs/SCALING.md, Expert parallelism).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 tools/probe_autoep.py [--stage 3] [--shim]
 
---shim lets transformers' output-recorder registry take the default argument DeepSpeed 0.19.8
-passes (`_CanRecordRegistry.get(key, default)`); transformers 5.25 takes none, and AutoEP
-fails at engine start with "TypeError: _CanRecordRegistry.get() takes 2 positional arguments
-but 3 were given".
+--shim applies ds_ppo's compatibility shim first (`moe.autoep_compat`: transformers 5.25's
+output-recorder registry refuses the default argument DeepSpeed 0.19.8 passes, and AutoEP fails
+at engine start with "TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3
+were given"); without it, the probe shows whether a new release pair still needs it.
 """
 from __future__ import annotations
 
@@ -32,13 +33,9 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.shim:
-        from transformers.utils import output_capturing as oc
+        from ds_ppo.engine.moe import autoep_compat
 
-        plain = oc._CanRecordRegistry.get
-
-        def get(self, key, *default):
-            return dict.get(self, key, *default) if isinstance(key, str) else plain(self, key)
-        oc._CanRecordRegistry.get = get
+        autoep_compat()
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,

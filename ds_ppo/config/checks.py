@@ -12,8 +12,8 @@ from pathlib import Path
 from ds_ppo.algo.choices import max_lag, training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
-from ds_ppo.config.model_checks import (model_problems, sequence_parallel_problems,
-                                        source_problems)
+from ds_ppo.config.model_checks import (expert_parallel_problems, model_problems,
+                                        sequence_parallel_problems, source_problems)
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
@@ -35,6 +35,7 @@ def validate(cfg: Config, world_size: int) -> None:
                   _schedule_problems, _tracking_problems, _recipe_problems):
         problems += check(cfg, world_size)
     problems += sequence_parallel_problems(cfg, trainers)
+    problems += expert_parallel_problems(cfg, trainers)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -172,6 +173,8 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
         problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
     problems += source_problems(cfg, ("policy",))
     problems += cfg.deepspeed.problems(roles=("policy",)) + _resume_problems(cfg)
+    problems += [p for p in expert_parallel_problems(cfg, world_size)
+                 if p.startswith("deepspeed.policy.")]
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -287,6 +290,12 @@ def placement_problems(cfg: Config, world_size: int) -> list[str]:
                 f"training rank(s) of a world of {world_size} (each generation rank generates "
                 f"the rows of whole training ranks): set ppo.generation_ranks <= "
                 f"{world_size // 2}, or ppo.placement=colocated"]
+    ep = [r for r in ("policy", "value")
+          if getattr(cfg.deepspeed, r).expert_parallel_size > 1]
+    if ep:
+        return [f"ppo.placement = 'split' with deepspeed.{ep[0]}.expert_parallel_size > 1: the "
+                "generation ranks' weight sync does not gather expert-parallel experts yet; set "
+                "ppo.placement=colocated"]
     if cfg.env.enabled:
         return ["ppo.placement = 'split' with an env section: the generation ranks do not play "
                 "multi-turn episodes yet; set ppo.placement=colocated (episodes run in the "

@@ -53,6 +53,15 @@ class RoleDeepSpeed(Section):
     offload_param: bool = Field(False, description="Parameters on CPU (ZeRO-3 only).")
     zero3: ZeRO3Knobs = Field(default_factory=ZeRO3Knobs,
                               description="ZeRO-3's speed knobs, where the role runs ZeRO-3.")
+    expert_parallel_size: int = Field(
+        1, ge=1, description="Expert parallelism of a mixture-of-experts model (DeepSpeed "
+        "AutoEP, its `expert_parallel.autoep_size`): each MoE layer's experts are split over "
+        "groups of this many ranks, a token travels to its experts' ranks and back "
+        "(all-to-all), and each rank holds and trains 1/N of the experts; the rest of the "
+        "model is data-parallel over all ranks. 1: off. Trained roles (policy, value) of a "
+        "Qwen3-MoE or Mixtral model; N divides the world size and the experts per layer. Not "
+        "with LoRA, policy.ema_decay, sequence parallelism or generation.mode=zero3. Resumes at "
+        "the same world size and N (docs/SCALING.md, Expert parallelism).")
 
     def stage(self, world_size: int, load_universal: bool = False) -> int:
         """The ZeRO stage where no device memory is known (a CPU run, plan/stages.py); `auto`:
@@ -104,6 +113,10 @@ class DeepSpeedConfig(Section):
                 out.append(f"deepspeed.{role}.offload_param = True needs "
                            f"deepspeed.{role}.zero_stage = 3 (got {d.zero_stage}); or set "
                            f"deepspeed.{role}.offload_param=false")
+            if d.expert_parallel_size > 1 and role not in ("policy", "value"):
+                out.append(f"deepspeed.{role}.expert_parallel_size = {d.expert_parallel_size}: "
+                           "expert parallelism is for the trained roles (policy, value); set "
+                           f"deepspeed.{role}.expert_parallel_size=1")
             if d.config is not None and not Path(d.config).exists():
                 out.append(f"deepspeed.{role}.config = {d.config!r}: file does not exist")
         return out

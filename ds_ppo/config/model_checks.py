@@ -86,15 +86,22 @@ def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | Non
     return None
 
 
-def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
-    """(attention heads, KV heads) from an arch dict or a local config.json (plain json: the
-    dry run loads no transformers); None when neither says."""
+def _model_fields(path: str | None, arch: dict | None) -> dict:
+    """A model's config fields from an arch dict or a local config.json (plain json: the dry run
+    loads no transformers), a multimodal config's text part; {} when neither is readable."""
     import json
 
     fields = arch
     if fields is None and path is not None and (Path(path) / "config.json").is_file():
         fields = json.loads((Path(path) / "config.json").read_text())
-    fields = (fields or {}).get("text_config", fields) or {}
+    fields = fields or {}
+    return {"model_type": fields.get("model_type"), **(fields.get("text_config") or fields)}
+
+
+def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
+    """(attention heads, KV heads) from an arch dict or a local config.json; None when neither
+    says."""
+    fields = _model_fields(path, arch)
     heads = fields.get("num_attention_heads")
     if heads is None:
         return None
@@ -125,4 +132,51 @@ def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
         problem = heads and heads_problem(*heads, n, f"the {role} model")
         if problem:
             problems.append(problem)
+    return problems
+
+
+# the model types whose AutoEP layers ds_ppo maps back to Hugging Face weights (generation
+# replica, export: engine/moe.py, `ep_weights`): fused gate_up_proj / down_proj experts, a
+# top-k softmax router, no shared expert
+EP_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+
+def expert_parallel_problems(cfg: Config, world_size: int) -> list[str]:
+    """deepspeed.<role>.expert_parallel_size (DeepSpeed AutoEP) of the trained roles: divides
+    the world size and the experts of a layer, on a model type AutoEP and ds_ppo's weight
+    mapping cover, without the features it does not combine with."""
+    problems = []
+    roles = ["policy"] + (["value"] if cfg.ppo.uses_critic else [])
+    for role in roles:
+        n = getattr(cfg.deepspeed, role).expert_parallel_size
+        if n == 1:
+            continue
+        key = f"deepspeed.{role}.expert_parallel_size = {n}"
+        if world_size % n:
+            problems.append(f"{key} must divide the world size {world_size} (each group of {n} "
+                            f"ranks holds one copy of the experts); use a divisor of {world_size}")
+        path, arch = getattr(cfg, role).path, getattr(cfg, role).arch
+        if role == "value" and path is None and arch is None:  # it starts from another model
+            path, arch = ((cfg.reward.model, None) if cfg.value.init_from == "reward"
+                          else (cfg.policy.path, cfg.policy.arch))
+        fields = _model_fields(path, arch)
+        model_type = fields.get("model_type")
+        experts = fields.get("num_experts") or fields.get("num_local_experts")
+        if model_type is not None and model_type not in EP_MODEL_TYPES:
+            problems.append(f"{key}: the {role} model is {model_type!r}; expert parallelism "
+                            f"runs on {', '.join(EP_MODEL_TYPES)} mixture-of-experts models; "
+                            f"set deepspeed.{role}.expert_parallel_size=1")
+        elif experts and int(experts) % n:
+            problems.append(f"{key} must divide the {role} model's {experts} experts per "
+                            "layer; use one of "
+                            f"{[d for d in range(1, int(experts) + 1) if int(experts) % d == 0]}")
+        for what, on in ((f"{role}.lora", getattr(cfg, role).lora is not None),
+                         ("policy.ema_decay", role == "policy" and cfg.policy.ema_decay),
+                         ("deepspeed.sequence_parallel_size > 1",
+                          cfg.deepspeed.sequence_parallel_size > 1),
+                         ("generation.mode = zero3",
+                          role == "policy" and cfg.generation.mode == "zero3")):
+            if on:
+                problems.append(f"{key} does not combine with {what}: drop one (expert "
+                                f"parallelism: set deepspeed.{role}.expert_parallel_size=1)")
     return problems

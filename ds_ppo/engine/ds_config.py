@@ -93,6 +93,8 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     _resolve_auto(zero, hidden_size)
     if load_universal and role in TRAINED_ROLES:
         ds.setdefault("checkpoint", {})["load_universal"] = True
+    if d.expert_parallel_size > 1 and role in TRAINED_ROLES:  # DeepSpeed AutoEP (engine/moe.py)
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": d.expert_parallel_size}
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)

@@ -177,12 +177,22 @@ def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
     every weight of `module` in module order; adapted layers merged, tied weights once."""
     from peft.tuners.lora import LoraLayer
 
+    from ds_ppo.engine.moe import ep_layers, ep_weights
+
     base = plain_model(module)
     adapted = {f"{name}.base_layer.weight": m for name, m in base.named_modules()
                if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+    # expert parallelism: each AutoEP layer's weights in the layout of the block it replaced
+    experts, done = ep_layers(base), set()
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue  # merged into their base layer's weight
+        layer = next((k for k in experts if name.startswith(k + ".")), None)
+        if layer is not None:
+            if layer not in done:
+                done.add(layer)
+                yield from ep_weights(layer, experts[layer])
+            continue
         plain = name.replace(".base_layer.", ".")
         if name in adapted:
             layer = adapted[name]
@@ -190,6 +200,16 @@ def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
                 _merged(layer, p)
         else:
             yield plain, [p], (lambda p=p: p.data)
+
+
+def weight_shape(params: list[torch.nn.Parameter], full: Callable[[], torch.Tensor]
+                 ) -> tuple[int, ...]:
+    """The full shape of a `replica_weights` entry's tensor: its `full`'s own (an expert-parallel
+    weight collected from several ranks, `moe.ep_weights`), else its first parameter's
+    (ZeRO-3: `ds_shape`)."""
+    shape = getattr(full, "shape", None)
+    return tuple(shape) if shape is not None else tuple(getattr(params[0], "ds_shape",
+                                                                params[0].shape))
 
 
 # -------------------------------------------------------------------------- checkpoints

@@ -20,6 +20,13 @@ and a `(E, H)` weight whose forward takes the block's (N, H) tokens, flattened r
 Replayed routes (`RouterTap.routes`) stay set until the next forward of the model sets its own
 (`forward.response_logprobs` sets them for every forward), so the recomputation of a
 gradient-checkpointed layer in backward routes as its forward did.
+
+Expert parallelism (`deepspeed.<role>.expert_parallel_size`, DeepSpeed AutoEP) replaces each
+sparse MoE block by an `AutoEPMoELayer`: its router (`TokenChoiceTopKRouter`: a `gate` linear,
+forward (N, H) -> (top-k weights (N, k) fp32, top-k indices (N, k), tokens per expert (E,)))
+is tapped the same way (`_ep_hook`), and its experts, each rank holding E / N of them as
+`w1`/`w3`/`w2`, are gathered back into the Hugging Face layout for a generation replica or an
+export (`ep_weights`).
 """
 from __future__ import annotations
 
@@ -28,12 +35,24 @@ import torch
 ROUTE_DTYPE = torch.int16  # expert indices as stored in a Rollout (-1: not recorded)
 
 
+def _router_weight(m: torch.nn.Module) -> torch.Tensor | None:
+    """A router's (E, H) weight: its own (transformers), or its `gate` linear's (AutoEP)."""
+    w = getattr(m, "weight", None)
+    if w is None and isinstance(getattr(m, "gate", None), torch.nn.Linear):
+        w = m.gate.weight
+    return w if isinstance(w, torch.Tensor) else None
+
+
+def is_ep_router(m: torch.nn.Module) -> bool:
+    """An AutoEP layer's router (its logits come from its `gate` linear)."""
+    return getattr(m, "weight", None) is None and _router_weight(m) is not None
+
+
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's top-k routers in layer order (empty for a dense model)."""
     return [m for m in model.modules()
             if type(m).__name__.endswith("Router") and hasattr(m, "top_k")
-            and hasattr(m, "num_experts") and isinstance(getattr(m, "weight", None),
-                                                         torch.Tensor)]
+            and hasattr(m, "num_experts") and _router_weight(m) is not None]
 
 
 def moe_blocks(model: torch.nn.Module) -> list[type]:
@@ -115,8 +134,13 @@ class RouterTap:
         self.replay = False  # route as `routes` says (else only count the flips)
         self.flips: torch.Tensor | None = None  # (tokens flipped, tokens compared), device
         self._any: torch.Tensor | None = None  # this forward's flipped tokens so far
+        self._gate_logits: list[torch.Tensor | None] = [None] * self.layers  # AutoEP routers
         for layer, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(layer))
+            if is_ep_router(router):
+                router.gate.register_forward_hook(self._gate_hook(layer))
+                router.register_forward_hook(self._ep_hook(layer))
+            else:
+                router.register_forward_hook(self._hook(layer))
 
     def start_forward(self, attention_mask) -> None:
         """Called by the decoder's pre-hook: a new forward (its real tokens from a 2D mask;
@@ -124,6 +148,34 @@ class RouterTap:
         self.captured = []
         am = attention_mask
         self.token_mask = am.reshape(-1).bool() if am is not None and am.dim() == 2 else None
+
+    def _gate_hook(self, layer: int):
+        def hook(_module, _inputs, logits):
+            self._gate_logits[layer] = logits
+        return hook
+
+    def _ep_hook(self, layer: int):
+        """An AutoEP router's hook: the transformers router's (`_hook`) on its outputs, the
+        logits taken from its gate; a replayed route's weights as the router computes its own
+        (softmax at the chosen experts, renormalised with route_norm, times route_scale)."""
+        inner = self._hook(layer)
+
+        def hook(module, inputs, out):
+            weights, chosen, _counts = out
+            logits, self._gate_logits[layer] = self._gate_logits[layer], None
+            new = inner(module, inputs, (logits, weights, chosen))
+            if new is None:
+                return None
+            _, _, new_chosen = new
+            top = torch.softmax(logits.float(), dim=-1).gather(1, new_chosen)
+            if module.route_norm:
+                top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+            counts = torch.zeros(module.num_experts, dtype=torch.int32, device=chosen.device)
+            counts.scatter_add_(0, new_chosen.reshape(-1),
+                                torch.ones(new_chosen.numel(), dtype=torch.int32,
+                                           device=chosen.device))
+            return top * module.route_scale, new_chosen, counts
+        return hook
 
     def _hook(self, layer: int):
         def hook(module, _inputs, out):
@@ -216,3 +268,77 @@ def forward_routes(prompt_routes: torch.Tensor, response_routes: torch.Tensor,
     resp = response_routes if width is None else response_routes[:, :width]
     both = torch.cat([prompt_routes[:, lead:], resp], dim=1)
     return both.reshape(-1, *both.shape[2:]).long()
+
+
+# ------------------------------------------------------------------ expert parallelism (AutoEP)
+def autoep_compat() -> None:
+    """Let DeepSpeed AutoEP (0.19.8) read transformers' output-recorder registry: it calls
+    `_CAN_RECORD_REGISTRY.get(class_name, default)` as on a dict, and transformers 5.25's
+    `_CanRecordRegistry.get(model)` takes a model and no default, so every engine start with
+    expert parallelism fails with "get() takes 2 positional arguments but 3 were given". A string
+    key (AutoEP's) then reads the dict as a dict; transformers' own calls are unchanged. Applied
+    only where the installed registry's `get` lacks the default (a fixed release needs none)."""
+    import inspect
+
+    try:
+        from transformers.utils import output_capturing as oc
+    except ImportError:
+        return
+    registry = getattr(oc, "_CanRecordRegistry", None)
+    if registry is None or getattr(registry.get, "_ds_ppo_compat", False):
+        return
+    if len(inspect.signature(registry.get).parameters) > 2:
+        return
+    plain = registry.get
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else plain(self, key)
+    get._ds_ppo_compat = True
+    registry.get = get
+
+
+def ep_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's AutoEP layers by module name (empty without expert parallelism)."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "_is_autoep_layer", False)}
+
+
+def ep_size(model: torch.nn.Module) -> int:
+    """The expert-parallel size a model's AutoEP layers run at (1: no expert parallelism)."""
+    return max((layer.ep_size for layer in ep_layers(model).values()), default=1)
+
+
+def ep_weights(prefix: str, layer: torch.nn.Module):
+    """(name in the Hugging Face model, parameters to gather, the full tensor once gathered) of
+    an AutoEP layer named `prefix`, in the layout of the Qwen3-MoE / Mixtral block it replaced:
+    `gate.weight` (E, H) and the fused `experts.gate_up_proj` (E, 2F, H) (gate rows, then up)
+    and `experts.down_proj` (E, H, F). The experts' tensors are collected from the layer's
+    expert-parallel group (rank r holds experts [r E/N, (r+1) E/N)): their `full()` is a
+    collective every rank of the group must call (it carries `collective = True` and the full
+    `shape`)."""
+    ex = layer.experts
+
+    def gathered(local: torch.Tensor) -> torch.Tensor:
+        if layer.ep_size == 1:
+            return local
+        import torch.distributed as tdist
+
+        parts = [torch.empty_like(local) for _ in range(layer.ep_size)]
+        tdist.all_gather(parts, local.contiguous(), group=layer.ep_group)
+        return torch.cat(parts, dim=0)
+
+    def full_of(make, shape):
+        def full() -> torch.Tensor:
+            return gathered(make())
+        full.collective, full.shape = True, shape
+        return full
+
+    E = layer.num_experts
+    w1_shape = tuple(getattr(ex.w1, "ds_shape", ex.w1.shape))
+    w2_shape = tuple(getattr(ex.w2, "ds_shape", ex.w2.shape))
+    yield (f"{prefix}.gate.weight", [layer.router.gate.weight],
+           lambda: layer.router.gate.weight.data)
+    yield (f"{prefix}.experts.gate_up_proj", [ex.w1, ex.w3],
+           full_of(lambda: torch.cat([ex.w1.data, ex.w3.data], dim=1),
+                   (E, 2 * w1_shape[1], w1_shape[2])))
+    yield (f"{prefix}.experts.down_proj", [ex.w2],
+           full_of(lambda: ex.w2.data, (E, *w2_shape[1:])))

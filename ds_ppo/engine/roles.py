@@ -163,12 +163,20 @@ def _optimizer(params, section, device: torch.device, offload: bool):
 def _initialize(model, ds_config: dict, optimizer=None, scheduler=None):
     import deepspeed
 
-    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+    expert_parallel = ds_config.get("expert_parallel", {}).get("enabled", False)
+    if expert_parallel:  # AutoEP replaces each MoE block inside deepspeed.initialize
+        moe.autoep_compat()
+    elif ds_config.get("zero_optimization", {}).get("stage") == 3:
         # a mixture-of-experts block is one ZeRO-3 leaf: its parameters are gathered at its
         # entry, whichever experts this rank's tokens reach (no hang when a rank skips some)
         dist.set_zero3_leaf_modules(model, moe.moe_blocks(model))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config)
+    # AutoEP builds its layers from random-init modules before copying the weights in: with a
+    # stream of its own, the roles built after this one (the value head's init) draw what
+    # they draw without expert parallelism
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices) if expert_parallel else nullcontext():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                          lr_scheduler=scheduler, config=ds_config)
     return engine
 
 

@@ -43,7 +43,8 @@ from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, log
 from ds_ppo.plan.levers import (_with_overrides, candidate_levers, find_levers,
                                 min_nodes_that_fit, plan)
 from ds_ppo.plan.phases import (RUNTIME_OVERHEAD_BYTES, Cluster, Lever, LeverEffect, Phase, Plan,
-                                RolePlan, choose_zero_stages, compute_plan)
+                                RolePlan, choose_zero_stages, compute_plan,
+                                expert_all_to_all_bytes, expert_parallel_states)
 from ds_ppo.plan.report import format_plan, main, to_json
 from ds_ppo.plan.shapes import (ModelShape, RoleShapes, _hf_config, lora_params, model_shape,
                                 resolve_shapes, tp_shard_params)

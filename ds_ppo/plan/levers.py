@@ -82,11 +82,20 @@ def _placement_levers(cfg: Config, plan: Plan) -> list[Lever]:
     return levers
 
 
-def _with_overrides(cfg: Config, overrides: tuple[str, ...]) -> Config | None:
+def _with_overrides(cfg: Config, overrides: tuple[str, ...], world: int | None = None
+                    ) -> Config | None:
+    """`cfg` with a lever's overrides, None where they make it invalid; with `world`, also
+    where they break an expert-parallel rule that held (e.g. generation.mode=zero3)."""
+    from ds_ppo.config.model_checks import expert_parallel_problems
+
     try:
-        return Config.model_validate(apply_overrides(cfg.to_dict(), list(overrides)))
+        changed = Config.model_validate(apply_overrides(cfg.to_dict(), list(overrides)))
     except (ConfigError, ValidationError):  # a lever that makes the config invalid is none
         return None
+    if world is not None and len(expert_parallel_problems(changed, world)) > len(
+            expert_parallel_problems(cfg, world)):
+        return None
+    return changed
 
 
 def _excess(plan: Plan) -> int:
@@ -109,7 +118,7 @@ def find_levers(cfg: Config, shapes: RoleShapes, cluster: Cluster, plan: Plan,
             break
         best = None
         for lever in candidate_levers(current, current_plan):
-            changed = _with_overrides(current, lever.overrides)
+            changed = _with_overrides(current, lever.overrides, cluster.world_size)
             if changed is None:
                 continue
             after = compute_plan(changed, shapes, cluster)

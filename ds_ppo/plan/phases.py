@@ -45,6 +45,7 @@ class RolePlan:
     offload_optimizer: bool
     offload_param: bool
     states: ModelStates
+    expert_parallel_size: int = 1  # deepspeed.<role>.expert_parallel_size of a trained MoE role
 
 
 @dataclass(frozen=True)
@@ -172,19 +173,59 @@ def _role_plan(cfg: Config, role: str, shape: ModelShape | None, cluster: Cluste
         states = _lora_states(shape, lora_params(shape, lora, _adapted_head(cfg, role, shape))
                               + (shape.hidden if role == "value" else 0), cluster, d)
     elif trained:
-        states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
-                              cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
+        states = (expert_parallel_states(shape, d.expert_parallel_size, cluster, d)
+                  if d.expert_parallel_size > 1 and shape.experts else
+                  train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
+                               cluster.nodes, d.zero_stage, d.offload_optimizer,
+                               d.offload_param))
     else:
         states = inference_states(shape.params, shape.largest_layer_params,
                                   cluster.gpus_per_node, cluster.nodes, d.zero_stage,
                                   d.offload_param)
     if role == "policy" and cfg.policy.ema_decay is not None and shape is not None:
         states = _with_ema(states, shape.params, cluster, d)
+    ep = d.expert_parallel_size if trained and shape is not None and shape.experts else 1
     return RolePlan(role, shape, trained, d.zero_stage, d.offload_optimizer and trained,
-                    d.offload_param, states)
+                    d.offload_param, states, ep)
 
 
-def _moe_notes(cfg: Config, roles: dict[str, RolePlan]) -> list[str]:
+def expert_parallel_states(shape: ModelShape, n: int, cluster: Cluster, d) -> ModelStates:
+    """Model states of a trained role with deepspeed.<role>.expert_parallel_size `n` > 1
+    (AutoEP, `d` its deepspeed section with the stage resolved): each rank holds E / n experts
+    of every MoE layer, their ZeRO partitions over the world / n ranks that hold the same
+    experts; the rest of the model over the whole world.
+
+    Under ZeRO-3 that leaves a rank's share of the expert states as over the whole world, but
+    a layer's gather holds E / n experts (none at world = n): the largest gather is that or the
+    output head / embeddings (vocab x hidden). Under ZeRO 0-2 the experts' states are those of
+    a model of E / n experts' parameters on world / n GPUs (their CPU figure scaled to a node's
+    GPUs), added to the rest's."""
+    world = cluster.world_size
+    experts = shape.layer_expert_params // n if world > n else 0
+    largest = max(shape.vocab * shape.hidden, experts)
+    if d.zero_stage == 3:
+        return train_states(shape.params, largest, cluster.gpus_per_node, cluster.nodes, 3,
+                            d.offload_optimizer, d.offload_param)
+    dense = train_states(shape.params - shape.expert_params, largest, cluster.gpus_per_node,
+                         cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
+    group = max(1, world // n)
+    own = train_states(shape.expert_params // n, experts, group, 1, d.zero_stage,
+                       d.offload_optimizer, d.offload_param)
+    return ModelStates(dense.gpu_bytes_per_rank + own.gpu_bytes_per_rank, dense.gather_bytes,
+                       dense.cpu_bytes_per_node
+                       + own.cpu_bytes_per_node * cluster.gpus_per_node // group)
+
+
+def expert_all_to_all_bytes(shape: ModelShape, n: int, tokens: int) -> int:
+    """The all-to-all buffers of one AutoEP layer in a micro-batch's forward (backward alike):
+    each of the `tokens` tokens goes to top-k experts, as a 16-bit hidden-size row sent and one
+    received in the dispatch, and again in the combine. 0 without expert parallelism."""
+    if n <= 1 or not shape.experts:
+        return 0
+    return 4 * tokens * shape.top_k * shape.hidden * 2
+
+
+def _moe_notes(cfg: Config, roles: dict[str, RolePlan], world: int) -> list[str]:
     """What the plan says of a mixture-of-experts role: total against active parameters (states
     scale with the first, FLOPs per token with the second), the whole-block ZeRO-3 gather, and
     the sampler's recorded routes (ppo.router_replay)."""
@@ -196,6 +237,14 @@ def _moe_notes(cfg: Config, roles: dict[str, RolePlan]) -> list[str]:
         gather = (f"; ZeRO-3 gathers each MoE block whole (one leaf module: every expert of "
                   f"the layer, {2 * s.layer_expert_params / GiB:.2f} GiB of 16-bit weights, "
                   "whichever experts the rank's tokens use)" if rp.zero_stage == 3 else "")
+        n = rp.expert_parallel_size
+        if n > 1:
+            gather = (f"; expert parallelism {n} (AutoEP): {s.experts // n} experts of each layer "
+                      f"per rank, a token's hidden state sent to its experts' ranks and back "
+                      f"(all-to-all), " + (f"ZeRO-3 gathers a layer's {s.experts // n} experts "
+                      f"over {world // n} ranks ({2 * s.layer_expert_params / n / GiB:.2f} "
+                      "GiB of 16-bit weights)" if rp.zero_stage == 3 and world > n else
+                      "no expert weight gathered"))
         notes.append(f"{role}: mixture of experts, {s.experts} experts x {s.moe_layers} layers, "
                      f"top-{s.top_k}: {_params(s.params)} params held and (if trained) trained, "
                      f"{_params(s.active_params)} active per token (compute per token: "
@@ -452,6 +501,9 @@ def _training_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> li
              "activations" + (" (checkpointed)" if section.gradient_checkpointing else ""):
                  train_activation_bytes(rp.shape, tokens, seqs, section.gradient_checkpointing,
                                         section.attn_implementation == "eager")}
+        a2a = expert_all_to_all_bytes(rp.shape, rp.expert_parallel_size, tokens * seqs)
+        if a2a:
+            t["expert all-to-all (one layer)"] = a2a
         if role == "policy":
             name, size = rows.logits(rp.shape, tokens, seqs)
             t[name] = size
@@ -477,7 +529,7 @@ def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, R
             if sharded else f"rows of {seq} tokens stay whole (below "
             f"deepspeed.sequence_parallel_min_tokens = "
             f"{cfg.deepspeed.sequence_parallel_min_tokens})"))
-    notes += _moe_notes(cfg, roles)
+    notes += _moe_notes(cfg, roles, cluster.world_size)
     if "value" not in roles:
         notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator}: critic-free, "
                      "no value model (no weights, gradients or optimizer state for it)")

@@ -29,6 +29,7 @@ def to_json(p: Plan) -> dict[str, Any]:
             # a mixture-of-experts model: parameters a token uses, experts per layer, top-k
             "active_params": s.active_params if s else 0,
             "experts": s.experts if s else 0, "top_k": s.top_k if s else 0,
+            "expert_parallel_size": rp.expert_parallel_size,
             "trained": rp.trained, "zero_stage": rp.zero_stage,
             "offload_optimizer": rp.offload_optimizer, "offload_param": rp.offload_param,
             "gpu_bytes_per_rank": rp.states.gpu_bytes_per_rank,

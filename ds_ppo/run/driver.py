@@ -26,9 +26,9 @@ import torch
 from ds_ppo import watchdog
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, find_resume,
-                                      load_checkpoint, mark_best, read_in_flight, read_state,
-                                      rng_state, stage_changed)
+from ds_ppo.engine.checkpoint import (TrainerState, check_expert_parallel, ensure_universal,
+                                      find_resume, load_checkpoint, mark_best, read_in_flight,
+                                      read_state, rng_state, stage_changed)
 from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
@@ -253,6 +253,8 @@ def _find_resume(cfg: Config, job: Job, device: torch.device) -> tuple[Path | No
     if path is None:
         return None, False
     job.check_checkpoint(path)  # before any model loads
+    check_expert_parallel(path, {r: n for r in job.trained_roles()
+                                 if (n := getattr(cfg.deepspeed, r).expert_parallel_size) > 1})
     universal = read_state(path).world_size != dist.world_size()
     if not universal:
         changed = stage_changed(path, job.zero_stages(cfg, device))

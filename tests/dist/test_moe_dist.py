@@ -2,8 +2,9 @@
 top-2) through every job on one rank and on two (real `deepspeed` launcher, gloo, ZeRO-3 with
 each MoE block one leaf module): the same update at both world sizes, the load-balancing loss
 in the loss and the metrics, router replay, exact resume (also on another world size), and an
-export that plain transformers loads with the trained weights' logits. The expensive processes
-run once per world size (tests/support/moe_checks.py)."""
+export that plain transformers loads with the trained weights' logits; on two ranks also
+expert parallelism (DeepSpeed AutoEP, 2 experts per rank) against the same runs without it.
+The expensive processes run once per world size (tests/support/moe_checks.py)."""
 from __future__ import annotations
 
 import json
@@ -139,3 +140,34 @@ def test_a_rank_whose_tokens_skip_experts_does_not_hang(one_rank, two_ranks):
     assert r["leaf_classes"] == ["Qwen3MoeSparseMoeBlock"]
     assert all(v == v for v in r.values() if isinstance(v, float))  # finite, not NaN
     assert one_rank["skipped_experts"]["leaf_classes"] == []
+
+
+def test_expert_parallel_gives_the_update_of_data_parallel(two_ranks):
+    """Expert parallelism (DeepSpeed AutoEP, 2 experts per rank) for the policy and the MoE
+    critic on two ranks, with router replay: the rollout (from the generation replica, its
+    experts collected from both ranks), the routes replayed, the losses and the update equal
+    those of the same run with every expert on every rank (ZeRO-3 leaves); so do a Mixtral
+    policy's next to a dense critic, and ds-ppo sft's and ds-ppo rm's two optimizer steps
+    (with the load-balancing loss logged)."""
+    res = two_ranks[0]
+    for plain in ("qwen_replay", "mixtral_dense_value", "qwen_sft", "qwen_rm"):
+        ep = plain.replace("_replay", "_ep_replay") if "replay" in plain else plain + "_ep"
+        assert not _close(res[plain], res[ep]), ep
+
+
+def test_expert_parallel_resume_and_the_export_is_plain_hf(two_ranks):
+    """Expert-parallel policy (its optimizer on CPU, as in the 30b-a3b preset) and critic
+    (load-balancing loss on), resumed from iteration 1's
+    checkpoint at the same world size and EP size (which the checkpoint records): iteration 2
+    equals that of the uninterrupted run without expert parallelism (float noise: the experts'
+    arithmetic runs in another order), aux loss included; the streamed export (every expert,
+    collected from the ranks that hold them) loads with AutoModelForCausalLM under the names
+    of the run without expert parallelism, with its logits (up to the 16-bit export's rounding
+    of weights that differ by float noise)."""
+    r = two_ranks[0]["ep_resume_export"]
+    assert r["resumed_iterations"] == 1 and r["expert_parallel"] == {"policy": 2, "value": 2}
+    assert not _close(two_ranks[0]["resume_export"]["whole"], r["resumed"])
+    assert 1.5 < r["resumed"]["policy/moe_aux_loss"] < 4.0
+    e = r["export"]
+    assert e["architectures"] == ["Qwen3MoeForCausalLM"] and e["per_expert_keys"] == 6
+    assert e["keys_equal"] and e["max_abs_diff"] < 2e-3, e

@@ -103,6 +103,9 @@ SPLIT = [*OFF, "ppo.placement=split"]
                                   "ppo.placement=colocated"]),
     (["ppo.placement=split", "ppo.schedule=async", "ppo.max_staleness=0"], 2,
      ["ppo.max_staleness = 0", "ppo.placement=colocated"]),
+    # the generation ranks' weight sync gathers no expert-parallel experts
+    ([*SPLIT, "deepspeed.policy.expert_parallel_size=2"], 2,
+     ["deepspeed.policy.expert_parallel_size > 1", "ppo.placement=colocated"]),
     # episodes are played by the colocated worker only
     ([*SPLIT, "env.function=ds_ppo.envs.calculator:Calculator"], 2,
      ["with an env section", "ppo.placement=colocated"]),

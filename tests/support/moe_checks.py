@@ -4,7 +4,8 @@ test_engine.py):
     python tests/support/moe_checks.py --out R.json --work DIR                   (one rank)
     deepspeed --num_gpus 2 tests/support/moe_checks.py --out R.json --work DIR   (two CPU ranks)
 Tiny random-init Qwen3-MoE and Mixtral policies (2 layers, 4 experts, top-2), ZeRO-3 on two
-ranks (each MoE block one ZeRO-3 leaf). Rank 0 writes one JSON object of results.
+ranks (each MoE block one ZeRO-3 leaf; the `ep` scenarios: expert parallelism, 2 experts per
+rank). Rank 0 writes one JSON object of results.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ MOE_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
 REPLAY_KEYS = LOSS_KEYS + ("rollout/route_flip_frac", "rollout/logprob_abs_diff_max")
 SUPERVISED = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss", "sft/moe_aux_loss"),
               "rm": ("loss/rm", "rm/accuracy", "rm/grad_norm", "eval/loss", "rm/moe_aux_loss")}
+EP = ["deepspeed.policy.expert_parallel_size=2", "deepspeed.value.expert_parallel_size=2"]
 RESUME_KEYS = LOSS_KEYS + ("policy/moe_aux_loss", "value/moe_aux_loss")
+RESUME_BASE = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
+                      "checkpoint.keep_last=3"]
 
 
 def skipped_experts(work: Path) -> dict:
@@ -90,12 +94,11 @@ def resume_and_export(work: Path) -> dict:
     aux loss on): the resumed iteration's metrics; rank 0 then loads the uninterrupted run's
     export with plain transformers and compares its logits with the policy's weights read
     from the DeepSpeed checkpoint by DeepSpeed's own tools (zero_to_fp32)."""
-    base = QWEN + ["generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
-                   "checkpoint.keep_last=3"]
-    whole = train(cfg_for(work, "whole", base + [
+    whole = train(cfg_for(work, "whole", RESUME_BASE + [
         "iterations=2", "checkpoint.export_at_end=true"])).history
-    train(cfg_for(work, "split", base + ["iterations=1"]))
-    resumed = train(cfg_for(work, "split", base + ["iterations=2", "resume=auto"])).history
+    train(cfg_for(work, "split", RESUME_BASE + ["iterations=1"]))
+    resumed = train(cfg_for(work, "split", RESUME_BASE + ["iterations=2", "resume=auto"])
+                    ).history
     out = {"whole": {k: whole[1][k] for k in RESUME_KEYS},
            "resumed": {k: resumed[0][k] for k in RESUME_KEYS},
            "resumed_iterations": len(resumed)}
@@ -103,6 +106,49 @@ def resume_and_export(work: Path) -> dict:
         out["export"] = _export_vs_checkpoint(work / "whole")
     dist.barrier()
     return out
+
+
+def ep_resume_and_export(work: Path) -> dict:
+    """`resume_and_export`'s split run with expert parallelism for both roles, the policy's
+    optimizer offloaded to CPU (after `resume_and_export`: its `whole` run is the reference):
+    iteration 1, then a resume to 2 that exports at the end. The resumed iteration's metrics,
+    the EP sizes its checkpoint recorded, and (rank 0) the export's logits against those of
+    the `whole` run's export."""
+    ep = RESUME_BASE + EP + ["deepspeed.policy.offload_optimizer=true"]  # as the 30b-a3b preset
+    train(cfg_for(work, "ep_split", ep + ["iterations=1"]))
+    resumed = train(cfg_for(work, "ep_split", ep + [
+        "iterations=2", "resume=auto", "checkpoint.export_at_end=true"])).history
+    state = work / "ep_split" / "checkpoints" / "iter_000002" / "trainer_state.json"
+    out = {"resumed": {k: resumed[0][k] for k in RESUME_KEYS},
+           "resumed_iterations": len(resumed),
+           "expert_parallel": json.loads(state.read_text())["expert_parallel"]}
+    if dist.is_main():
+        out["export"] = _export_vs_export(work / "ep_split", work / "whole")
+    dist.barrier()
+    return out
+
+
+def _export_vs_export(run: Path, other: Path) -> dict:
+    """Loads `run`'s export with plain transformers: its logits against `other`'s export's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a, b = (AutoModelForCausalLM.from_pretrained(r / "final", dtype=torch.float32).eval()
+            for r in (run, other))
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max()
+    names = json.loads((run / "final" / "config.json").read_text())
+    return {"max_abs_diff": float(diff), "architectures": names["architectures"],
+            "per_expert_keys": _per_expert_keys(run / "final"),
+            "keys_equal": _keys(run / "final") == _keys(other / "final")}
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return sorted(f.keys())
 
 
 def _export_vs_checkpoint(run: Path) -> dict:
@@ -170,6 +216,19 @@ def main() -> None:
         "resume_export": lambda: resume_and_export(work),
         "skipped_experts": lambda: skipped_experts(work),
     }
+    if dist.world_size() == 2:  # expert parallelism (DeepSpeed AutoEP): 2 experts per rank
+        scenarios.update({
+            "qwen_ep_replay": lambda: first_update(work, "qeprep", QWEN + NO_AUX + z3 + EP + [
+                "ppo.router_replay=true"], REPLAY_KEYS),
+            "qwen_sft_ep": lambda: supervised(work, "sft", "qsftep", QWEN + EP[:1] + [
+                "policy.moe_aux_loss_coef=0"]),
+            "qwen_rm_ep": lambda: supervised(work, "rm", "qrmep", QWEN + EP[:1] + [
+                "policy.moe_aux_loss_coef=0"]),
+            "mixtral_dense_value_ep": lambda: first_update(work, "mixdep", MIXTRAL + DENSE_VALUE
+                                                           + NO_AUX + z3 + EP[:1]),
+            # after resume_export (its `whole` run is the reference); aux loss on
+            "ep_resume_export": lambda: ep_resume_and_export(work),
+        })
     run_scenarios(scenarios, args, "moe_checks")
 
 

@@ -724,3 +724,32 @@ def test_split_plan_refuses_no_training_rank(tmp_path, capsys):
     assert P.main(plan_args(path, gpus=2, as_json=True)) == 0
     js = json.loads(capsys.readouterr().out)["placement"]
     assert (js["name"], js["generation_ranks"], js["training_ranks"]) == ("split", 1, 1)
+
+
+def test_expert_parallelism_in_the_plan():
+    """deepspeed.policy.expert_parallel_size = N: under ZeRO-3 a rank's share of the states is
+    unchanged (E / N experts over world / N ranks), the training gather holds E / N experts of
+    a layer (none at world = N: the output head is then the largest), each layer's all-to-all
+    buffers join the training phase, and under ZeRO-2 a rank keeps only its experts' states.
+    The 30b-a3b preset runs it (8 GPUs, 16 experts each)."""
+    on = load_config("30b-a3b")
+    assert on.deepspeed.policy.expert_parallel_size == 8
+    off = load_config("30b-a3b", ["deepspeed.policy.expert_parallel_size=1"])
+    a, b = (P.plan(c, P.Cluster(1, 8, 80 * GiB)) for c in (off, on))
+    s = b.roles["policy"].shape
+    assert b.roles["policy"].states.resident_bytes == a.roles["policy"].states.resident_bytes
+    train = {p.name: p.transient for p in b.phases}["training: policy"]
+    assert train["layer gather (weights + grads)"] == 4 * s.vocab * s.hidden
+    assert {p.name: p.transient for p in a.phases}["training: policy"][
+        "layer gather (weights + grads)"] == 4 * s.layer_expert_params
+    tokens = b.micro_batch * (b.seq_prompt + b.seq_response)
+    assert train["expert all-to-all (one layer)"] == 4 * tokens * s.top_k * s.hidden * 2
+    assert "expert parallelism 8 (AutoEP): 16 experts of each layer per rank" in \
+        P.format_plan(b, "30b-a3b")
+    assert P.to_json(b)["roles"]["policy"]["expert_parallel_size"] == 8
+    # ZeRO-2: the experts' states of one rank's 16 experts over the 1 rank holding them, the
+    # rest's over 8 (2 + 18 / ranks bytes per parameter)
+    two = on.deepspeed.policy.model_copy(update={"zero_stage": 2, "offload_optimizer": False})
+    got = P.expert_parallel_states(s, 8, P.Cluster(1, 8, 80 * GiB), two).gpu_bytes_per_rank
+    e, rest = s.expert_params // 8, s.params - s.expert_params
+    assert got == (2 * rest + int(18 * rest / 8)) + (2 * e + 18 * e)

@@ -67,6 +67,8 @@ class TrainerState:
     prompts_drawn: int | None = None
     # checkpoint.keep_best: {"metric", "value", "iteration"} of the best save so far
     best: dict = field(default_factory=dict)
+    # the trained roles that ran expert parallelism: role -> deepspeed.<role>.expert_parallel_size
+    expert_parallel: dict = field(default_factory=dict)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

@@ -165,7 +165,20 @@ def source_problem(ckpt: Path, with_value: bool, lora_bases: dict,
                 return f, what
         if not lora and not weights and not any((ckpt / role / TAG).glob("*.pt")):
             return ckpt / role / TAG, "holds no weights (and there is no safetensors copy)"
+        if not lora and not weights and role in _expert_parallel_roles(ckpt):
+            return src, ("is missing: the role ran expert parallelism, whose DeepSpeed shards "
+                         "(AutoEP's layers, E / N experts per rank) do not consolidate into a "
+                         "Hugging Face model; export from a checkpoint saved with "
+                         "checkpoint.save_hf_weights=true, or from the run's final/")
     return None
+
+
+def _expert_parallel_roles(ckpt: Path) -> dict:
+    """The roles a checkpoint saved with expert parallelism (its trainer_state.json)."""
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text()).get("expert_parallel", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def _weight_files(src: Path) -> list[Path]:

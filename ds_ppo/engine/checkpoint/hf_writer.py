@@ -218,9 +218,11 @@ def saved_names(hf: torch.nn.Module, module: torch.nn.Module | None = None
 
     from ds_ppo.engine.generation import _param_chunks
 
-    shapes = {name: tuple(getattr(ps[0], "ds_shape", ps[0].shape))
+    from ds_ppo.engine.lora import weight_shape
+
+    shapes = {name: weight_shape(ps, full)
               for chunk in _param_chunks(module if module is not None else hf, 2**62)
-              for name, ps, _ in chunk}
+              for name, ps, full in chunk}
     meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
     try:
         whole = revert_weight_conversion(hf, dict(meta))
@@ -255,10 +257,12 @@ def write_module_weights(module: torch.nn.Module, out_dir: str | Path, dtype: to
     # names as save_pretrained writes them: a mixture-of-experts model's fused expert
     # tensors split per expert (`saved_names`), each tensor converted once gathered
     renamed = saved_names(hf, module) if _needs_conversion(hf) else None
+    from ds_ppo.engine.lora import weight_shape
+
     entries = [Entry(out, shape, _export_dtype(ps[0].dtype, dtype))
-               for chunk in chunks for name, ps, _ in chunk
+               for chunk in chunks for name, ps, full in chunk
                for out, shape in (renamed[name] if renamed is not None else
-                                  [(name, tuple(getattr(ps[0], "ds_shape", ps[0].shape)))])]
+                                  [(name, weight_shape(ps, full))])]
     entries += [Entry(n, tuple(b.shape), _export_dtype(b.dtype, dtype)) for n, b in buffers]
     writers = min(dist.local_world_size(), dist.world_size())
     writer = ShardedWriter(out_dir, entries, max_shard_size, dist.rank(), writers)

@@ -112,8 +112,8 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
             if engines.value is not None:
                 saved_config(engines.value.module).save_pretrained(tmp / "hf_value")
             # `manifest`: a load then requires manifest.json (deleting it switches nothing off)
-            (tmp / "trainer_state.json").write_text(
-                json.dumps(asdict(replace(state, manifest=verify)), indent=2))
+            (tmp / "trainer_state.json").write_text(json.dumps(asdict(replace(
+                state, manifest=verify, expert_parallel=_expert_parallel(engines))), indent=2))
         dist.barrier()  # every rank finished writing
         if verify:
             _write_manifest(tmp)
@@ -213,6 +213,38 @@ def stage_changed(path: Path, stages: dict[str, int]) -> list[str]:
     (this run's): DeepSpeed loads those only through the universal format."""
     return [role for role, zero3 in saved_zero3(path).items()
             if role in stages and zero3 != (stages[role] == 3)]
+
+
+def _expert_parallel(engines) -> dict[str, int]:
+    """The trained roles that run expert parallelism, with their size (TrainerState)."""
+    from ds_ppo.engine.moe import ep_size
+
+    sizes = {role: ep_size(getattr(engines, role).module) for role in TRAINED_ROLES
+             if getattr(engines, role, None) is not None}
+    return {role: n for role, n in sizes.items() if n > 1}
+
+
+def check_expert_parallel(path: Path, sizes: dict[str, int]) -> None:
+    """Refuse to resume a checkpoint across a change of expert parallelism: another
+    deepspeed.<role>.expert_parallel_size (`sizes`: this run's, role -> size > 1) or, with
+    expert parallelism on either side, another world size. The checkpoint holds AutoEP's layers
+    (E / N experts per rank, under AutoEP's names), which a model built without AutoEP does not
+    take, and a change of N or world size would go through a universal checkpoint that no
+    expert-parallel run has been checked on."""
+    state = read_state(path)
+    saved = state.expert_parallel
+    if saved == sizes and (not sizes or state.world_size == dist.world_size()):
+        return
+
+    def said(d):
+        return (", ".join(f"deepspeed.{r}.expert_parallel_size = {n}" for r, n in d.items())
+                or "no expert parallelism")
+
+    raise ConfigError(
+        f"{path} was saved with {said(saved)} on world size {state.world_size}; this run has "
+        f"{said(sizes)} on world size {dist.world_size()}: resume it with the world size and "
+        "expert_parallel_size it was saved with (another expert-parallel size or world size "
+        "is not supported), or start a new run from its export (the hf directory)")
 
 
 def mark_best(path: Path) -> None:

@@ -28,6 +28,7 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,7 +41,9 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation.loop import DecodeStats, decode
-from ds_ppo.engine.lora import plain_model, replica_weights
+from ds_ppo.engine.lora import plain_model, replica_weights, weight_shape
+from ds_ppo.engine.moe import ep_layers
+from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
                                            shard_modules, shard_of, split_dim, tp_group)
 from ds_ppo.engine.generation.choice import (REPLICA_MODES, choose_generation, choose_loop,
@@ -73,8 +76,8 @@ def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) 
     """Bytes of one rank's replica: all weights, or with tp_size > 1 the sharded layers' share
     plus the replicated rest (embeddings, norms, output head)."""
     n = 0
-    for name, params, _ in replica_weights(module):  # a LoRA layer's merged size is its base's
-        numel = getattr(params[0], "ds_numel", params[0].numel())
+    for name, params, full in replica_weights(module):  # a LoRA layer's merged size: its base's
+        numel = math.prod(weight_shape(params, full))
         n += numel if split_dim(name) is None else numel // tp_size
     return n * torch.finfo(dtype).bits // 8
 
@@ -101,6 +104,13 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
         cfg, getattr(module, "config", None), cfg.tp_size or dist.local_world_size(),
         replica_bytes=lambda tp: _param_bytes(module, dtype, tp),
         free_bytes=lambda: _least_free_bytes(device), linears=decoder_linears(module))
+    if choice.mode not in REPLICA_MODES and ep_layers(plain_model(module)):
+        # AutoEP's all-to-all inside HF generate through the ZeRO-3 hooks is not supported
+        raise ConfigError(
+            f"generation.mode = {cfg.mode!r} chose {choice.mode} (no replica fits), which does "
+            "not combine with deepspeed.policy.expert_parallel_size > 1: free memory for a "
+            "gathered replica (ds-ppo plan names the levers), or set "
+            "deepspeed.policy.expert_parallel_size=1")
     if cfg.mode == "auto" and dist.is_main():
         log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
                  "fraction %.2f)", choice.mode, choice.replica_bytes / 2**30,
@@ -119,6 +129,7 @@ def _param_chunks(module: torch.nn.Module, limit: int):
     chunk, size = [], 0
     for name, params, full in replica_weights(module):
         n = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+        n = max(n, math.prod(weight_shape(params, full)))  # expert-parallel: the whole tensor
         if chunk and size + n > limit:
             yield chunk
             chunk, size = [], 0
@@ -160,8 +171,11 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
                                                modifier_rank=None):
             for name, _, full in chunk:
-                if name in target:
+                # an expert-parallel weight's full() is a collective: every rank calls it
+                if name in target or getattr(full, "collective", False):
                     w = full()
+                    if name not in target:
+                        continue
                     target[name].data.copy_(w if tp is None else shard_of(name, w, tp))
                     if sums is not None:
                         sums[name] = weight_checksum(w.to(target[name].dtype))

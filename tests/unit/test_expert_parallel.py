@@ -1,0 +1,134 @@
+"""Expert parallelism's config rules (deepspeed.<role>.expert_parallel_size, DeepSpeed AutoEP),
+checked up front with the key and the fix; the DeepSpeed config it fills; and the
+compatibility shim AutoEP needs with transformers' output-recorder registry. The multi-rank
+behaviour is tests/dist/test_moe_dist.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_ppo.config import load_config, validate
+from ds_ppo.errors import ConfigError
+
+QWEN = ("policy.arch={model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, num_experts: 4, "
+        "num_experts_per_tok: 2, moe_intermediate_size: 16, vocab_size: 64}")
+LLAMA = ("policy.arch={model_type: llama, hidden_size: 32, num_hidden_layers: 2, "
+         "num_attention_heads: 4, intermediate_size: 64, vocab_size: 64}")
+BATCH = ["ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.micro_batch_size=1"]
+
+
+def _problems(*overrides, world=4, arch=QWEN) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [arch, *BATCH, *overrides]), world)
+    return str(e.value)
+
+
+def test_expert_parallel_checks_name_the_key_and_the_fix():
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", world=3)
+    assert "deepspeed.policy.expert_parallel_size = 2 must divide the world size 3" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=3", world=3)
+    assert "must divide the policy model's 4 experts per layer; use one of [1, 2, 4]" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", arch=LLAMA)
+    assert "the policy model is 'llama'; expert parallelism runs on qwen3_moe, mixtral" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", "policy.lora.r=8",
+                    "deepspeed.value.expert_parallel_size=2", "value.lora.r=8")
+    assert "does not combine with policy.lora" in msg and "with value.lora" in msg
+    msg = _problems("deepspeed.policy.expert_parallel_size=2", "generation.mode=zero3",
+                    "deepspeed.sequence_parallel_size=2")
+    assert "with generation.mode = zero3" in msg and "with deepspeed.sequence_parallel_size" in msg
+    msg = _problems("deepspeed.reference.expert_parallel_size=2")
+    assert "deepspeed.reference.expert_parallel_size = 2: expert parallelism is for the " \
+           "trained roles" in msg
+    # the value model starts from the MoE policy: its experts count
+    validate(load_config(None, [QWEN, *BATCH, "deepspeed.policy.expert_parallel_size=2",
+                                "deepspeed.value.expert_parallel_size=4"]), 4)
+
+
+def test_expert_parallel_fills_the_trained_roles_autoep_section():
+    from ds_ppo.engine.ds_config import build_ds_config
+
+    cfg = load_config(None, [QWEN, *BATCH, "deepspeed.policy.expert_parallel_size=2"])
+    ds = build_ds_config(cfg, "policy", 4, torch.float32, 32)
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    assert "expert_parallel" not in build_ds_config(cfg, "value", 4, torch.float32, 32)
+
+
+def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
+    """DeepSpeed AutoEP reads transformers' output-recorder registry with a class name and a
+    default (which transformers 5.25's lookup refuses); transformers' own lookup by model is
+    unchanged."""
+    from transformers.utils import output_capturing as oc
+
+    from ds_ppo.engine import moe
+    from support.tiny_models import small_moe
+
+    monkeypatch.setattr(oc._CanRecordRegistry, "get", oc._CanRecordRegistry.get)
+    registry, model = oc._CAN_RECORD_REGISTRY, small_moe()
+    own = registry.get(model.model)
+    moe.autoep_compat()
+    moe.autoep_compat()  # applied once
+    assert registry.get("no such class", "default") == "default"
+    assert registry.get(model.model) == own
+
+
+def test_a_checkpoint_resumes_only_at_its_expert_parallel_and_world_size(tmp_path):
+    """A checkpoint records its roles' expert-parallel sizes; a resume with another size, or
+    another world size while expert parallelism is on, stops with one line naming both."""
+    import json
+
+    from ds_ppo.engine.checkpoint import check_expert_parallel
+
+    def saved(ep: dict, world: int):
+        (tmp_path / "trainer_state.json").write_text(json.dumps(
+            {"world_size": world, "expert_parallel": ep}))
+        return tmp_path
+
+    check_expert_parallel(saved({}, 2), {})  # no expert parallelism: any world size
+    check_expert_parallel(saved({"policy": 2}, 1), {"policy": 2})  # this process: world size 1
+    with pytest.raises(ConfigError, match=r"saved with deepspeed.policy.expert_parallel_size = "
+                       r"2 on world size 2; this run has deepspeed.policy.expert_parallel_size "
+                       r"= 2 on world size 1: resume it with the world size and "
+                       r"expert_parallel_size it was saved with"):
+        check_expert_parallel(saved({"policy": 2}, 2), {"policy": 2})
+    with pytest.raises(ConfigError, match="this run has no expert parallelism"):
+        check_expert_parallel(saved({"policy": 2}, 1), {})
+    with pytest.raises(ConfigError, match="saved with no expert parallelism"):
+        check_expert_parallel(saved({}, 1), {"value": 2})
+
+
+def test_generation_without_a_replica_is_refused_for_an_expert_parallel_policy(monkeypatch):
+    """generation.mode auto falls back to generating through the ZeRO-3 hooks when no replica
+    fits; an expert-parallel policy (AutoEP layers) stops there with the levers instead."""
+    from ds_ppo.config import GenerationConfig
+    from ds_ppo.engine import generation
+    from support.tiny_models import small_moe
+
+    model, cfg = small_moe(), GenerationConfig(mode="auto")
+    monkeypatch.setattr(generation, "_least_free_bytes", lambda device: 1.0)
+    assert generation.choose_mode(cfg, model, torch.float32, torch.device("cpu")) == "zero3"
+    monkeypatch.setattr(generation, "ep_layers", lambda m: {"model.layers.0.mlp": m})
+    with pytest.raises(ConfigError, match="chose zero3 .* does not combine with "
+                       "deepspeed.policy.expert_parallel_size > 1"):
+        generation.choose_mode(cfg, model, torch.float32, torch.device("cpu"))
+
+
+def test_an_expert_parallel_checkpoint_without_hf_weights_is_not_exported(tmp_path):
+    """An offline export of a role that ran expert parallelism needs the checkpoint's
+    Hugging Face copy: DeepSpeed's shards hold AutoEP's layers, which ZeRO consolidation does
+    not turn back into the model's layout. Checked before any weight is read."""
+    import json
+
+    from ds_ppo.engine.checkpoint.export import source_problem
+    from ds_ppo.engine.checkpoint.files import TAG
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "policy" / TAG).mkdir(parents=True)
+    (tmp_path / "policy" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"expert_parallel": {}}))
+    assert source_problem(tmp_path, False, {}, False) is None
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"expert_parallel": {"policy": 2}}))
+    where, what = source_problem(tmp_path, False, {}, False)
+    assert where == tmp_path / "hf" and "ran expert parallelism" in what
+    assert "checkpoint.save_hf_weights=true" in what
