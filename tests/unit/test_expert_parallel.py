@@ -119,7 +119,7 @@ def test_an_expert_parallel_checkpoint_without_hf_weights_is_not_exported(tmp_pa
     not turn back into the model's layout. Checked before any weight is read."""
     import json
 
-    from ds_ppo.engine.checkpoint.export import source_problem
+    from ds_ppo.engine.checkpoint.hf_export import source_problem
     from ds_ppo.engine.checkpoint.files import TAG
 
     (tmp_path / "hf").mkdir()
