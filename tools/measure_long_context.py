@@ -41,8 +41,8 @@ def one(tokens: int, mode: str) -> dict:
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole
     from ds_ppo.metrics import Accumulator
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score
-    from ds_ppo.ppo.update import ppo_update
+    from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores
+    from ds_ppo.ppo.update import ppo_update, update_settings
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import FakeEngine
@@ -76,10 +76,11 @@ def one(tokens: int, mode: str) -> dict:
     base = _rss_mib()
     t0 = time.perf_counter()
     with torch.no_grad():
-        exp = add_advantages(score(rollout, engines, cfg, None),
+        exp = add_advantages(score(rollout, engines, scoring_settings(cfg),
+                                   lambda: timed_reward_scores(rollout, engines, cfg, None)),
                              advantage_settings(cfg, cfg.ppo.kl_coef))
     t1 = time.perf_counter()
-    ppo_update(exp, engines, cfg, 1, Accumulator())
+    ppo_update(exp, engines, update_settings(cfg), 1, Accumulator())
     t2 = time.perf_counter()
     return {"tokens": tokens, "mode": mode, "peak_rss_mib": round(_rss_mib()),
             "rss_before_mib": round(base), "score_s": round(t1 - t0, 2),

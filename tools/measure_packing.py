@@ -27,8 +27,8 @@ from ds_ppo.config import load_config  # noqa: E402
 from ds_ppo.containers import Rollout  # noqa: E402
 from ds_ppo.metrics import Accumulator  # noqa: E402
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings  # noqa: E402
-from ds_ppo.ppo.scoring import score  # noqa: E402
-from ds_ppo.ppo.update import ppo_update  # noqa: E402
+from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores  # noqa: E402
+from ds_ppo.ppo.update import ppo_update, update_settings  # noqa: E402
 
 
 def lognormal_lengths(n: int, median: float, cap: int, g: torch.Generator) -> list[int]:
@@ -91,11 +91,12 @@ def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
     sync(rollout)
     t0 = time.perf_counter()
     with torch.no_grad():
-        exp = add_advantages(score(rollout, engines, cfg, None), advantage_settings(cfg, 0.1))
+        exp = add_advantages(score(rollout, engines, scoring_settings(cfg),
+                                   lambda: timed_reward_scores(rollout, engines, cfg, None)), advantage_settings(cfg, 0.1))
     sync(rollout)
     scored = time.perf_counter() - t0
     acc = Accumulator()
-    ppo_update(exp, engines, cfg, 1, acc)
+    ppo_update(exp, engines, update_settings(cfg), 1, acc)
     sync(rollout)
     total = time.perf_counter() - t0
     metrics = acc.reduce()

@@ -208,8 +208,10 @@ def weight_shape(params: list[torch.nn.Parameter], full: Callable[[], torch.Tens
     weight collected from several ranks, `moe.ep_weights`), else its first parameter's
     (ZeRO-3: `ds_shape`)."""
     shape = getattr(full, "shape", None)
-    return tuple(shape) if shape is not None else tuple(getattr(params[0], "ds_shape",
-                                                                params[0].shape))
+    if shape is None:
+        p = params[0]
+        shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+    return tuple(shape)
 
 
 # -------------------------------------------------------------------------- checkpoints

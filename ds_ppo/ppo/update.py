@@ -157,7 +157,7 @@ def ppo_update(exp: Experience, engines, s: UpdateSettings, iteration: int, acc:
     lens = exp.rollout.counted_lens  # host: model-token counts without a device read
     kept = exp.train_rows or [True] * len(exp)  # ppo.filter_zero_std_groups
     pg_lens = exp.is_kept_lens or lens  # ppo.rollout_correction=mis drops tokens
-    train_policy = iteration > s.warmup_iterations  # config.critic_warmup
+    train_policy = s.warmup_iterations == 0 or iteration > s.warmup_iterations  # critic_warmup
     ptx = ptx if train_policy and s.ptx_coef > 0 else None
     if s.warmup_iterations:  # a run with a warm-up says which iterations are
         acc.add_replicated("value/warmup", 0.0 if train_policy else 1.0)

@@ -141,7 +141,7 @@ def test_auto_mode_chooses_by_memory():
     model = torch.nn.Linear(1000, 1000)  # 1M params: 2 MB in bf16
     g = _cfg("generation.mode=auto").generation
     assert choose_mode(g, model, torch.bfloat16, torch.device("cpu")) == "gathered"
-    huge = types.SimpleNamespace(ds_numel=10**15, numel=lambda: 0)  # a ZeRO-3 partitioned param
+    huge = types.SimpleNamespace(ds_numel=10**15, ds_shape=(10**15,), numel=lambda: 0)  # ZeRO-3
     big = types.SimpleNamespace(named_parameters=lambda: iter([("w", huge)]),
                                 named_modules=lambda: iter([]))
     assert choose_mode(g, big, torch.bfloat16, torch.device("cpu")) == "zero3"
