@@ -134,8 +134,7 @@ def _generate(run: IterationInputs, indices: list[int], acc: Accumulator, stream
     metrics into `acc`)."""
     if run.env is None:
         return make_rollout(run.prompts, indices, run.engines, rollout_settings(run.cfg),
-                            run.tokenizer,
-                            run.gen_mode, run.eos_ids, stream)
+                            run.tokenizer, run.gen_mode, run.eos_ids, stream)
     rollout, generated, stats = make_episodes(run.prompts, indices, run.engines,
                                               episode_settings(run.cfg), run.tokenizer,
                                               run.gen_mode, run.eos_ids, run.env)
