@@ -94,7 +94,8 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
                 refill_settings(cfg), indices, lambda idx: _generate(run, idx, acc), reward,
                 run.tokenizer.pad_token_id, acc)
         else:
-            stream = None if run.env is not None else reward_stream(reward_call_settings(cfg), engines.reward_fn)
+            stream = None if run.env is not None else reward_stream(
+                reward_call_settings(cfg), engines.reward_fn)
             rollout, generated = _generate(run, indices, acc, stream)
             generation_metrics(rollout, generated, acc)
         if rollout.token_versions is None:  # generated now, by the current weights
