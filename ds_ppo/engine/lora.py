@@ -160,23 +160,45 @@ class AdaptersOff:
 WeightSource = tuple[str, list[torch.nn.Parameter], Callable[[], torch.Tensor]]
 
 
+def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+               fan_in_fan_out: bool) -> torch.Tensor:
+    """W + scale x B A (Hu et al. 2021) in W's dtype, computed in fp32: W (out, in), or (in, out)
+    with `fan_in_fan_out` (GPT-2's Conv1D); A (r, in), B (out, r)."""
+    delta = (b.float() @ a.float()) * scale  # (out, in)
+    if fan_in_fan_out:
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
+
+
 def _merged(layer, weight: torch.nn.Parameter, base: torch.Tensor | None = None
             ) -> Callable[[], torch.Tensor]:
-    """W + scale x B A of a peft LoRA layer, in W's dtype (computed in fp32); read once the
-    parameters are gathered. `base`: a copy of W kept from an earlier sync (`adapter_weights`),
-    read in place of the parameter, which then need not be gathered. The function's `base`
-    attribute is the parameter W."""
+    """A peft LoRA layer's merged weight (`merge_lora`), read once the parameters are gathered.
+    `base`: a copy of W kept from an earlier sync (`adapter_weights`), read in place of the
+    parameter, which then need not be gathered. The function's `base` and `layer` attributes
+    are the parameter W and the layer (`lora_parts`)."""
     a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-    scale = layer.scaling[ADAPTER]
 
     def merge() -> torch.Tensor:
-        delta = (b.data.float() @ a.data.float()) * scale  # (out, in)
-        if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D stores (in, out)
-            delta = delta.T
         w = weight.data if base is None else base
-        return (w.float() + delta).to(weight.dtype)
-    merge.base = weight
+        return merge_lora(w.to(weight.dtype), a.data, b.data, layer.scaling[ADAPTER],
+                          bool(getattr(layer, "fan_in_fan_out", False)))
+    merge.base, merge.layer = weight, layer
     return merge
+
+
+def lora_parts(full: Callable[[], torch.Tensor], dtype: torch.dtype, with_base: bool) -> dict:
+    """What a generation rank of a split placement merges an adapted layer's weight from
+    (`merge_lora`): its adapters a, b in `dtype`, scale and fan_in_fan_out, and with `with_base`
+    its frozen weight W (sent at the first sync only); `full`: a `replica_weights` entry's merge
+    of an adapted layer, its parameters gathered."""
+    layer = full.layer
+    parts = {"a": layer.lora_A[ADAPTER].weight.data.to(dtype),
+             "b": layer.lora_B[ADAPTER].weight.data.to(dtype),
+             "scale": float(layer.scaling[ADAPTER]),
+             "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False))}
+    if with_base:
+        parts["base"] = full.base.data.to(dtype)
+    return parts
 
 
 def _adapted_layers(base: torch.nn.Module) -> dict:
@@ -213,13 +235,14 @@ def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
             yield plain, [p], (lambda p=p: p.data)
 
 
-def adapter_weights(module: torch.nn.Module, bases: dict[str, torch.Tensor]
+def adapter_weights(module: torch.nn.Module, bases: dict[str, torch.Tensor | None]
                     ) -> Iterator[WeightSource]:
     """The `replica_weights` entries a LoRA policy's training can have changed, for a weight
     sync after the first: each adapted layer merged from `bases` (its frozen weight W, copied
     at the first sync: see `keep_bases`) and its gathered adapters, so only A and B are
     gathered; a trained weight that is not adapted (requires_grad) gathered whole. Frozen
-    weights are left out: the replica holds them from the first sync."""
+    weights are left out: the replica holds them from the first sync. A None in `bases`: the
+    merge is done by the side that holds W (split placement: `lora_parts`)."""
     layers = {k.replace(".base_layer.", "."): m
               for k, m in _adapted_layers(plain_model(module)).items()}
     for name, params, full in replica_weights(module):

@@ -41,8 +41,8 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation.loop import DecodeStats, decode
-from ds_ppo.engine.lora import (adapter_weights, keep_bases, plain_model, replica_weights,
-                                weight_shape)
+from ds_ppo.engine.lora import (adapter_weights, keep_bases, lora_parts, plain_model,
+                                replica_weights, weight_shape)
 from ds_ppo.engine.moe import ep_layers
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
@@ -233,22 +233,36 @@ def empty_replica(skeleton: dict, dtype: torch.dtype, device: torch.device,
     return replica
 
 
-def stream_weights(module: torch.nn.Module, dtype: torch.dtype, emit) -> int:
+def stream_weights(module: torch.nn.Module, dtype: torch.dtype, emit,
+                   held: set[str] | None = None) -> int:
     """The weights of a (possibly ZeRO-3-partitioned) HF model, gathered in chunks of up to
     GATHER_CHUNK_NUMEL elements as `build_replica` gathers them (collective: every rank of the
     engine's group calls it), handed to `emit(bucket)` one chunk at a time: `bucket` maps each
     replica weight's name to its full tensor in `dtype` (valid only during the call), so at most
-    one chunk is whole on a rank at once. `emit` None: take part in the gathers only. Returns
-    the number of chunks."""
+    one chunk is whole on a rank at once. `emit` None: take part in the gathers only. `held`
+    (a LoRA policy's split placement): each adapted layer goes as its parts (`lora.lora_parts`,
+    a dict in place of the tensor), merged by the receiver, its frozen weight only when its
+    name is not in `held`, which then gets it; with `held` filled, only what training changes
+    (`lora.adapter_weights`). Returns the number of chunks."""
     import deepspeed
 
     module = plain_model(module)
     chunks = 0
-    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
+    bases = dict.fromkeys(held) if held else None
+    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL, bases):
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
                                                modifier_rank=None):
+            bucket = {}
+            for name, _, full in chunk:
+                if held is None or getattr(full, "layer", None) is None:
+                    if emit is not None:
+                        bucket[name] = full().to(dtype)
+                    continue
+                if emit is not None:
+                    bucket[name] = lora_parts(full, dtype, with_base=name not in held)
+                held.add(name)
             if emit is not None:
-                emit({name: full().to(dtype) for name, _, full in chunk})
+                emit(bucket)
         chunks += 1
     return chunks
 
