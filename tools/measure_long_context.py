@@ -41,7 +41,8 @@ def one(tokens: int, mode: str) -> dict:
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole
     from ds_ppo.metrics import Accumulator
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores
+    from ds_ppo.ppo.scoring import (reward_settings, score, scoring_settings,
+                                    timed_reward_scores)
     from ds_ppo.ppo.update import ppo_update, update_settings
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -75,9 +76,10 @@ def one(tokens: int, mode: str) -> dict:
         f"ppo.tiled_logits={'false' if mode == 'untiled' else 'true'}"])
     base = _rss_mib()
     t0 = time.perf_counter()
+    rewards = reward_settings(cfg)
     with torch.no_grad():
         exp = add_advantages(score(rollout, engines, scoring_settings(cfg),
-                                   lambda: timed_reward_scores(rollout, engines, cfg, None)),
+                                   lambda: timed_reward_scores(rollout, engines, rewards, None)),
                              advantage_settings(cfg, cfg.ppo.kl_coef))
     t1 = time.perf_counter()
     ppo_update(exp, engines, update_settings(cfg), 1, Accumulator())

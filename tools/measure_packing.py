@@ -27,7 +27,8 @@ from ds_ppo.config import load_config  # noqa: E402
 from ds_ppo.containers import Rollout  # noqa: E402
 from ds_ppo.metrics import Accumulator  # noqa: E402
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings  # noqa: E402
-from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores  # noqa: E402
+from ds_ppo.ppo.scoring import (reward_settings, score, scoring_settings,  # noqa: E402
+                                timed_reward_scores)
 from ds_ppo.ppo.update import ppo_update, update_settings  # noqa: E402
 
 
@@ -92,7 +93,9 @@ def run(rollout: Rollout, engines, overrides: list[str]) -> tuple[float, dict]:
     t0 = time.perf_counter()
     with torch.no_grad():
         exp = add_advantages(score(rollout, engines, scoring_settings(cfg),
-                                   lambda: timed_reward_scores(rollout, engines, cfg, None)), advantage_settings(cfg, 0.1))
+                                   lambda: timed_reward_scores(rollout, engines,
+                                                               reward_settings(cfg), None)),
+                             advantage_settings(cfg, 0.1))
     sync(rollout)
     scored = time.perf_counter() - t0
     acc = Accumulator()

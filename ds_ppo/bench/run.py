@@ -102,7 +102,7 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
     indices = list(range(len(prompts)))
     # one tokenizer for all roles: the reward model reads the rollout's own ids
     reward_encode = None if cfg.reward.model is None else reward_encoder(cfg, tok, tok)
-    inputs = IterationInputs(cfg, engines, tok, prompts, "gathered", stop_token_ids(tok, cfg),
+    inputs = IterationInputs(cfg, engines, tok, prompts, "gathered", stop_token_ids(tok, cfg.generation.stop_tokens),
                              reward_encode)
     if cfg.ppo.schedule != "sync":  # the trainer's own schedule, over the same prompts each time
         from dataclasses import replace
@@ -207,7 +207,7 @@ def _generation_compare(cfg, engines, tok, s: dict) -> dict:
     prompts = random_prompts(s["prompts"], s["prompt_len"], len(tok), s["seed"])
     ids, am = left_pad(prompts.input_ids, tok.pad_token_id)
     ids, am = ids.to(device), am.to(device).bool()
-    eos_ids = stop_token_ids(tok, cfg)
+    eos_ids = stop_token_ids(tok, cfg.generation.stop_tokens)
     greedy = cfg.generation.model_copy(update={"temperature": 0.0})
     plain = greedy.model_copy(update={"loop": "hf", "cache_implementation": "dynamic",
                                       "compile": False, "keep_replica": False})

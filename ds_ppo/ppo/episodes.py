@@ -26,13 +26,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_ppo.config import Config
+from ds_ppo.config import Config, GenerationConfig
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 from ds_ppo.envs.base import EnvFailed, Step
 from ds_ppo.rewards.encode import decode_responses
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What playing multi-turn episodes reads from the config."""
+
+    samples_per_prompt: int  # ppo.samples_per_prompt: episodes of each prompt
+    generation: GenerationConfig  # the generation section: each turn's generate() call
+    stop: tuple[str, ...]  # env.stop: strings that end a model turn (cut after them)
+    max_turns: int  # env.max_turns: model turns per episode at most
+    max_total_tokens: int  # env.max_total_tokens: an episode's response tokens at most
+    observation_role: str  # env.observation_role: a chat prompt's observation message role
+
+
+def episode_settings(cfg: Config) -> EpisodeSettings:
+    """`make_episodes`' settings from the config."""
+    e = cfg.env
+    return EpisodeSettings(cfg.ppo.samples_per_prompt, cfg.generation, tuple(e.stop),
+                           e.max_turns, e.max_total_tokens, e.observation_role)
 
 
 @dataclass
@@ -125,13 +144,13 @@ def _failure(error: EnvFailed | None) -> EnvFailed:
     return out
 
 
-def _action(tokenizer, cfg: Config, context: list[int], used: int, toks: list[int]
+def _action(tokenizer, s: EpisodeSettings, context: list[int], used: int, toks: list[int]
             ) -> tuple[list[int], bool, str]:
     """A model turn's tokens as the episode keeps them (cut after the first env.stop string,
     and to the env.max_total_tokens left after the `used` response tokens), whether that budget
     cut it, and its text (the action the environment gets)."""
-    toks = cut_at_stop(tokenizer, context, toks, cfg.env.stop)
-    room = cfg.env.max_total_tokens - used
+    toks = cut_at_stop(tokenizer, context, toks, list(s.stop))
+    room = s.max_total_tokens - used
     cut = len(toks) > room  # the turn would pass the episode's budget: it ends here
     if cut:
         toks = toks[:room]
@@ -200,7 +219,7 @@ class TurnSteps:
         return [got[i] for i in self.live]
 
 
-def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
+def _generate_turn(contexts: list[list[int]], engines, gen_cfg: GenerationConfig, mode: str,
                    eos_ids: list[int], pad_id: int, on_replica=None, on_done=None
                    ) -> tuple[list[list[int]], list[list[float]] | None, Generated]:
     """One generate() call over the contexts (left-padded): each row's counted tokens and
@@ -211,10 +230,9 @@ def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     if on_replica is not None:
         replica, generator = on_replica
-        gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, pad_id, generator,
-                                on_done)
+        gen = decode_on_replica(replica, ids, am, gen_cfg, eos_ids, pad_id, generator, on_done)
     else:
-        gen = generate(engines.policy, ids, am, cfg.generation, mode, eos_ids, pad_id,
+        gen = generate(engines.policy, ids, am, gen_cfg, mode, eos_ids, pad_id,
                        engines.dtype, kept_replica=engines.replica, on_done=on_done)
         engines.replica = gen.replica
     counted = [[t for t, m in zip(row, keep) if m]
@@ -225,8 +243,8 @@ def _generate_turn(contexts: list[list[int]], engines, cfg: Config, mode: str,
     return counted, logprobs, gen
 
 
-def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
-                  mode: str, eos_ids: list[int], env, on_replica=None
+def make_episodes(prompts: PromptSet, indices: list[int], engines, s: EpisodeSettings,
+                  tokenizer, mode: str, eos_ids: list[int], env, on_replica=None
                   ) -> tuple[Rollout, Generated, EpisodeStats]:
     """Episodes for the prompts at `indices` (this rank's shard; ppo.samples_per_prompt each,
     next to each other, as `make_rollout`), with `env` (an EnvRunner). Collective: every rank
@@ -238,7 +256,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     ended, and a failure is raised here as this rank's EnvFailed, which the training thread
     agrees on across ranks when the rollout is taken (`agree_on_episodes`)."""
     local = on_replica is not None
-    e, n = cfg.env, cfg.ppo.samples_per_prompt
+    n = s.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [list(prompts.input_ids[i]) for i in indices]
     chat = prompts.messages is not None
@@ -264,7 +282,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     live = list(range(B)) if error is None else []
     device = engines.device
     gens = []
-    for turn in range(e.max_turns):
+    for turn in range(s.max_turns):
         code = 2 if error is not None else 1 if live else 0
         worst = code if local else _any_rank(code, device)
         if worst == 2:
@@ -274,10 +292,10 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
         rows = live or [0]  # a rank with no live episode still takes part in the call
         # each episode's environment step starts as the decoding loop finishes its turn
         stepping = TurnSteps(env, episodes, turn, live, eos_ids, lambda i, toks: _action(
-            tokenizer, cfg, prompt_ids[i] + response[i], len(response[i]), toks)[2])
+            tokenizer, s, prompt_ids[i] + response[i], len(response[i]), toks)[2])
         counted, turn_lp, gen = _generate_turn([prompt_ids[i] + response[i] for i in rows],
-                                               engines, cfg, mode, eos_ids, pad, on_replica,
-                                               stepping.on_done if live else None)
+                                               engines, s.generation, mode, eos_ids, pad,
+                                               on_replica, stepping.on_done if live else None)
         if turn_lp is None:
             sampled = None
         gens.append(gen)
@@ -286,7 +304,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             continue
         actions = []
         for k, (toks, i) in enumerate(zip(counted, live)):
-            toks, cut, action = _action(tokenizer, cfg, prompt_ids[i] + response[i],
+            toks, cut, action = _action(tokenizer, s, prompt_ids[i] + response[i],
                                         len(response[i]), toks)
             truncated[i] = truncated[i] or cut
             actions.append(action)
@@ -307,7 +325,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
             continue
         live = _append_observations(live, steps, actions, turn, response, model, rewards,
                                     transcripts, done, truncated, tokenizer, chat, eos_ids,
-                                    cfg, stats)
+                                    s, stats)
         if sampled is not None:  # observations: 0, as every position outside the mask
             for i in range(B):
                 sampled[i] += [0.0] * (len(response[i]) - len(sampled[i]))
@@ -330,7 +348,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, cfg: Config, 
     generated = Generated(response_ids=rollout.response_ids, mask=rollout.mask,
                           ended=rollout.ended, replica=None if local else engines.replica,
                           loop=last.loop,
-                          decode_stats=[s for g in gens for s in g.decode_stats],
+                          decode_stats=[st for g in gens for st in g.decode_stats],
                           logprobs=rollout.rollout_logprobs, sampling=rollout.sampling)
     return rollout, generated, stats
 
@@ -359,10 +377,10 @@ def _pad_rows(rows: list[list[float]], T: int, device) -> torch.Tensor:
 
 
 def _append_observations(live, steps, actions, turn, response, model, rewards, transcripts,
-                         done, truncated, tokenizer, chat, eos_ids, cfg, stats) -> list[int]:
+                         done, truncated, tokenizer, chat, eos_ids, s: EpisodeSettings,
+                         stats) -> list[int]:
     """Record each live episode's turn (reward at its last model token, transcript), append
     the observations of those that go on; the episodes still live."""
-    e = cfg.env
     still = []
     for i, step, action in zip(live, steps, actions):
         if model[i]:
@@ -375,11 +393,11 @@ def _append_observations(live, steps, actions, turn, response, model, rewards, t
             stats.observations += 1
         if step.done:
             done[i] = True
-        if step.done or truncated[i] or turn == e.max_turns - 1:
+        if step.done or truncated[i] or turn == s.max_turns - 1:
             continue
         ended = bool(model[i]) and response[i][-1] in eos_ids
-        obs = observation_tokens(tokenizer, step, chat, e.observation_role, ended)
-        if len(response[i]) + len(obs) >= e.max_total_tokens:  # no room for another turn
+        obs = observation_tokens(tokenizer, step, chat, s.observation_role, ended)
+        if len(response[i]) + len(obs) >= s.max_total_tokens:  # no room for another turn
             truncated[i] = True
             continue
         response[i] += obs

@@ -20,14 +20,15 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.batch_invariant import batch_invariant
 from ds_ppo.engine.generation import Generated
 from ds_ppo.metrics import Accumulator
-from ds_ppo.ppo.episodes import add_episode_metrics, make_episodes
+from ds_ppo.ppo.episodes import add_episode_metrics, episode_settings, make_episodes
 from ds_ppo.ppo.reward_stream import reward_stream
-from ds_ppo.ppo.rollout import generation_metrics, make_rollout, stamp_versions
+from ds_ppo.ppo.rollout import (generation_metrics, make_rollout, rollout_settings,
+                                stamp_versions)
 from ds_ppo.ppo.advantages import add_advantages, advantage_settings
 from ds_ppo.ppo.correction import correction_settings, rollout_correction
 from ds_ppo.ppo.dynamic import PromptDraw, refill, refill_settings
-from ds_ppo.ppo.scoring import (RewardScores, reward_call_settings, score, scoring_settings,
-                                timed_reward_scores)
+from ds_ppo.ppo.scoring import (RewardScores, reward_call_settings, reward_settings, score,
+                                scoring_settings, timed_reward_scores)
 from ds_ppo.ppo.update import ppo_update, update_settings
 
 if TYPE_CHECKING:
@@ -118,9 +119,11 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
 def _reward_scorer(run: IterationInputs) -> Callable[..., RewardScores]:
     """(a rollout, the `RewardStream` whose calls started as its responses finished, or None)
     -> its reward scores, timed (`scoring.timed_reward_scores`)."""
+    settings = reward_settings(run.cfg)
+
     def reward(rollout: Rollout, stream=None) -> RewardScores:
         called = None if stream is None else stream.result(rollout)
-        return timed_reward_scores(rollout, run.engines, run.cfg, run.reward_encode, called)
+        return timed_reward_scores(rollout, run.engines, settings, run.reward_encode, called)
     return reward
 
 
@@ -130,10 +133,11 @@ def _generate(run: IterationInputs, indices: list[int], acc: Accumulator, stream
     the reward's `stream` as it finishes), or multi-turn episodes with the environment (their
     metrics into `acc`)."""
     if run.env is None:
-        return make_rollout(run.prompts, indices, run.engines, run.cfg, run.tokenizer,
-                            run.gen_mode, run.eos_ids, stream)
-    rollout, generated, stats = make_episodes(run.prompts, indices, run.engines, run.cfg,
-                                              run.tokenizer, run.gen_mode, run.eos_ids, run.env)
+        return make_rollout(run.prompts, indices, run.engines, rollout_settings(run.cfg),
+                            run.tokenizer, run.gen_mode, run.eos_ids, stream)
+    rollout, generated, stats = make_episodes(run.prompts, indices, run.engines,
+                                              episode_settings(run.cfg), run.tokenizer,
+                                              run.gen_mode, run.eos_ids, run.env)
     add_episode_metrics(acc, stats)
     # the ranks of a sequence-parallel group played the same episodes from the same stream: its
     # first rank's on all of them (as make_rollout does)

@@ -1,9 +1,12 @@
 """Rollout: this rank's prompts -> responses from the current policy (a `Rollout`)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from ds_ppo.config import Config
+from ds_ppo.config import Config, GenerationConfig
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
 from ds_ppo.rewards.encode import decode_responses
@@ -11,13 +14,27 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 
 
-def stop_token_ids(tokenizer, cfg: Config) -> list[int]:
-    """EOS plus every configured stop token (each must be one vocabulary entry)."""
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What generating a rollout reads from the config."""
+
+    samples_per_prompt: int  # ppo.samples_per_prompt: responses to each prompt
+    generation: GenerationConfig  # the generation section (sampling, decoding loop, limits)
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    """`make_rollout`'s settings from the config (the evaluation's: from `greedy_config`)."""
+    return RolloutSettings(cfg.ppo.samples_per_prompt, cfg.generation)
+
+
+def stop_token_ids(tokenizer, stop_tokens: Sequence[str]) -> list[int]:
+    """EOS plus every stop token of generation.stop_tokens (each must be one vocabulary
+    entry)."""
     from ds_ppo.errors import ConfigError
 
     ids = [tokenizer.eos_token_id]
     vocab = tokenizer.get_vocab()
-    for tok in cfg.generation.stop_tokens:
+    for tok in stop_tokens:
         if tok not in vocab:
             raise ConfigError(f"generation.stop_tokens: {tok!r} is not a single token of the "
                               "policy tokenizer's vocabulary")
@@ -58,8 +75,9 @@ def decodes_own_rows(gen_cfg, mode: str) -> bool:
     return tp % size != 0 or dist.is_sp_leader()
 
 
-def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, tokenizer,
-                 mode: str, eos_ids: list[int], stream=None) -> tuple[Rollout, Generated]:
+def make_rollout(prompts: PromptSet, indices: list[int], engines, s: RolloutSettings,
+                 tokenizer, mode: str, eos_ids: list[int], stream=None
+                 ) -> tuple[Rollout, Generated]:
     """Generate responses for the prompts at `indices` (this rank's shard of the batch):
     ppo.samples_per_prompt of each, next to each other (rows g*n .. g*n + n - 1 answer prompt
     indices[g]), sampled in one batch from this rank's stream, so independently. With
@@ -67,14 +85,14 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     group's first rank's rollout is returned on all of them (broadcast: a kernel's
     non-determinism can never give them different rows, and a split row must be one row).
     `stream`: a `RewardStream` the responses go to as they finish (ppo/reward_stream.py)."""
-    n = cfg.ppo.samples_per_prompt
+    n = s.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [prompts.input_ids[i] for i in indices]
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(engines.device), am.to(engines.device).bool()
     # no rows: this rank joins its tensor-parallel group's decoding of the others' rows
-    rows = len(indices) if decodes_own_rows(cfg.generation, mode) else 0
-    gen = generate(engines.policy, ids[:rows], am[:rows], cfg.generation, mode, eos_ids,
+    rows = len(indices) if decodes_own_rows(s.generation, mode) else 0
+    gen = generate(engines.policy, ids[:rows], am[:rows], s.generation, mode, eos_ids,
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica,
                    on_done=_watch(stream, prompts, indices, prompt_ids, tokenizer, eos_ids))
     engines.replica = gen.replica
@@ -82,17 +100,17 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, cfg: Config, t
     return dist.broadcast_in_sp_group(rollout, engines.device), gen
 
 
-def replica_rollout(prompts: PromptSet, indices: list[int], replica, cfg: Config, tokenizer,
-                    eos_ids: list[int], device, generator, stream=None
+def replica_rollout(prompts: PromptSet, indices: list[int], replica, s: RolloutSettings,
+                    tokenizer, eos_ids: list[int], device, generator, stream=None
                     ) -> tuple[Rollout, Generated]:
     """`make_rollout` on a replica built already (`decode_on_replica`), sampling from the random
     stream `generator`: no collective, for the background worker of ppo.schedule."""
-    n = cfg.ppo.samples_per_prompt
+    n = s.samples_per_prompt
     indices = [i for i in indices for _ in range(n)]
     prompt_ids = [prompts.input_ids[i] for i in indices]
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(device), am.to(device).bool()
-    gen = decode_on_replica(replica, ids, am, cfg.generation, eos_ids, tokenizer.pad_token_id,
+    gen = decode_on_replica(replica, ids, am, s.generation, eos_ids, tokenizer.pad_token_id,
                             generator, _watch(stream, prompts, indices, prompt_ids, tokenizer,
                                               eos_ids))
     return _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen

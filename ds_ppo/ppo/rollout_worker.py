@@ -16,9 +16,9 @@ from ds_ppo.containers import Rollout
 from ds_ppo.engine.generation import Generated
 from ds_ppo.envs.base import EnvFailed
 from ds_ppo.errors import UserError
-from ds_ppo.ppo.episodes import EpisodeStats, make_episodes
+from ds_ppo.ppo.episodes import EpisodeStats, episode_settings, make_episodes
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
-from ds_ppo.ppo.rollout import replica_rollout, stamp_versions
+from ds_ppo.ppo.rollout import replica_rollout, rollout_settings, stamp_versions
 from ds_ppo.ppo.scoring import RewardCall, call_reward, reward_call_settings
 
 
@@ -61,6 +61,8 @@ class RolloutWorker:
                  reward_fn, lag: int, env=None) -> None:
         self.cfg, self.prompts, self.tokenizer, self.eos_ids = cfg, prompts, tokenizer, eos_ids
         self.device, self.reward_fn, self.env = device, reward_fn, env
+        # the settings of what it runs, built once
+        self.rollout, self.episodes = rollout_settings(cfg), episode_settings(cfg)
         self.rewards = None if reward_fn is None else reward_call_settings(cfg)
         self.replica: torch.nn.Module | None = None
         # a LoRA policy's frozen base weights of the adapted layers, kept beside the replica at
@@ -80,7 +82,7 @@ class RolloutWorker:
         if self.env is not None:
             try:  # on the replica, episodes read only the device of the engines
                 rollout, gen, stats = make_episodes(
-                    self.prompts, indices, SimpleNamespace(device=self.device), self.cfg,
+                    self.prompts, indices, SimpleNamespace(device=self.device), self.episodes,
                     self.tokenizer, "gathered", self.eos_ids, self.env,
                     on_replica=(self.replica, generator))
             except EnvFailed as e:
@@ -90,7 +92,7 @@ class RolloutWorker:
                             replace(gen, replica=None), None, time.perf_counter() - t0,
                             episodes=stats), None
         stream = reward_stream(self.rewards, self.reward_fn)
-        rollout, gen = replica_rollout(self.prompts, indices, self.replica, self.cfg,
+        rollout, gen = replica_rollout(self.prompts, indices, self.replica, self.rollout,
                                        self.tokenizer, self.eos_ids, self.device, generator,
                                        stream)
         return Buffered(iteration, version, stamp_versions(rollout, version),
@@ -103,7 +105,7 @@ class RolloutWorker:
             return None
         if stream is not None:
             return stream.result(rollout, in_worker=True)
-        return call_reward(rollout, self.reward_fn, self.cfg, in_worker=True)
+        return call_reward(rollout, self.reward_fn, self.rewards, in_worker=True)
 
     def produce(self, iteration: int, indices: list[int], version: int,
                 generator: torch.Generator) -> Buffered:

@@ -46,7 +46,7 @@ from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
 # Buffered also by this name: checkpoints' in-flight files pickled it from here
 from ds_ppo.ppo.rollout_worker import (  # noqa: F401
     Batch, Buffered, RolloutWorker, WeightSyncError, sync_error)
-from ds_ppo.ppo.scoring import RewardScores, timed_reward_scores
+from ds_ppo.ppo.scoring import RewardScores, reward_settings, timed_reward_scores
 
 log = logging.getLogger("ds_ppo")
 
@@ -122,7 +122,8 @@ class RolloutSchedule:
         generation_metrics(got.rollout, got.generated, acc)
         rewards = None
         if got.called is not None:
-            rewards = timed_reward_scores(got.rollout, self.run.engines, self.run.cfg,
+            rewards = timed_reward_scores(got.rollout, self.run.engines,
+                                          reward_settings(self.run.cfg),
                                           self.run.reward_encode, got.called)
         return got.rollout, got.generated, rewards
 

@@ -20,10 +20,10 @@ from ds_ppo.redaction import redact_url
 from ds_ppo.rewards.call import call_reward_function
 
 
-def _micro_batches(rollout: Rollout, cfg: Config) -> tuple[list[list[int]], list[int]]:
-    """The scoring micro-batches of ppo.score_micro_batch_size rows (row indices, longest rows
-    first) and their rows one after another (for `in_row_order`)."""
-    batches = rollout.micro_batches(cfg.ppo.score_micro_batch_size or cfg.ppo.micro_batch_size)
+def _micro_batches(rollout: Rollout, size: int) -> tuple[list[list[int]], list[int]]:
+    """The scoring micro-batches of `size` rows (row indices, longest rows first) and their rows
+    one after another (for `in_row_order`)."""
+    batches = rollout.micro_batches(size)
     return batches, [i for rows in batches for i in rows]
 
 
@@ -38,12 +38,13 @@ class RewardCall:
     retries: int | None = None  # reward.url: requests retried (None: counted at scoring)
 
 
-def call_reward(rollout: Rollout, fn, cfg: Config, in_worker: bool = False) -> RewardCall:
+def call_reward(rollout: Rollout, fn, s: RewardCallSettings, in_worker: bool = False
+                ) -> RewardCall:
     """reward.function (or reward.url) on this rank's rows (`call_reward_function`: checked,
     with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
     worker, which must not touch the watchdog (the training thread reports its phases)."""
     return call_reward_rows(list(rollout.prompts), list(rollout.responses), rollout.extras, fn,
-                            reward_call_settings(cfg), in_worker)
+                            s, in_worker)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict
         return RewardCall([], e, time.perf_counter() - t0)
 
 
-def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True,
+def _function_scores(rollout: Rollout, fn, s: RewardCallSettings, call: bool = True,
                      called: RewardCall | None = None) -> list[float]:
     """reward.function on this rank's rows (`call_reward`, or what it gave already: `called`);
     [] without `call` (a sequence-parallel group's other ranks: its first rank's scores reach
@@ -90,7 +91,7 @@ def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True,
     rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
     error, scores = None, []
     if called is None and call:
-        called = call_reward(rollout, fn, cfg)
+        called = call_reward(rollout, fn, s)
     if called is not None:
         error, scores = called.error, called.scores
     code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
@@ -111,7 +112,24 @@ def _function_scores(rollout: Rollout, fn, cfg: Config, call: bool = True,
     return scores
 
 
-def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
+@dataclass(frozen=True)
+class RewardSettings:
+    """What a rollout's reward scores read from the config (`reward_scores`)."""
+
+    call: RewardCallSettings  # reward.function / reward.url
+    micro_batch_size: int  # a reward model's rows per forward (ppo.score_micro_batch_size)
+    missing_eos_penalty: float | None  # reward.missing_eos_penalty: off a response without EOS
+
+
+def reward_settings(cfg: Config) -> RewardSettings:
+    """`reward_scores`' settings from the config."""
+    p = cfg.ppo
+    return RewardSettings(reward_call_settings(cfg),
+                          p.score_micro_batch_size or p.micro_batch_size,
+                          cfg.reward.missing_eos_penalty)
+
+
+def reward_scores(rollout: Rollout, engines, s: RewardSettings, reward_encode,
                   called: RewardCall | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B,) float32 sequence scores from the reward function or model, with the missing-EOS
     penalty applied (clipping happens in shape_rewards); and, for a reward model, (B,) bool: the
@@ -122,11 +140,11 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
     if engines.reward_fn is None and engines.reward is None:  # an env's turn rewards are all
         scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
     elif engines.reward_fn is not None:  # called once per sequence-parallel group
-        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, cfg,
+        scores = torch.tensor(_function_scores(rollout, engines.reward_fn, s.call,
                                                call=dist.is_sp_leader(), called=called),
                               dtype=torch.float32, device=device)
     else:
-        batches, order = _micro_batches(rollout, cfg)
+        batches, order = _micro_batches(rollout, s.micro_batch_size)
         parts, cuts = [], []
         for k, rows in enumerate(batches):
             watchdog.progress(k)
@@ -137,8 +155,8 @@ def reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
         cut = in_row_order(torch.cat(cuts), order)
     # a sequence-parallel group's ranks hold the same rows: its first rank's scores on all
     scores = dist.broadcast_in_sp_group(scores, device)
-    if cfg.reward.missing_eos_penalty is not None:
-        scores = scores - cfg.reward.missing_eos_penalty * (~rollout.ended).float()
+    if s.missing_eos_penalty is not None:
+        scores = scores - s.missing_eos_penalty * (~rollout.ended).float()
     return scores, cut
 
 
@@ -152,13 +170,13 @@ class RewardScores:
     retries: int | None  # reward.url: requests retried for them
 
 
-def timed_reward_scores(rollout: Rollout, engines, cfg: Config, reward_encode,
+def timed_reward_scores(rollout: Rollout, engines, s: RewardSettings, reward_encode,
                         called: RewardCall | None = None) -> RewardScores:
     """`reward_scores`, timed, with the reward service's retries counted. `called`: the reward
     function's call made already (its time counts, the agreement's adds to it)."""
     retries = getattr(engines.reward_fn, "retries", None)  # a RewardService counts them
     t0 = time.perf_counter() - (called.seconds if called is not None else 0.0)
-    scores, cut = reward_scores(rollout, engines, cfg, reward_encode, called)
+    scores, cut = reward_scores(rollout, engines, s, reward_encode, called)
     if scores.is_cuda:
         torch.cuda.synchronize()  # the reward model's forwards run asynchronously
     seconds = time.perf_counter() - t0
@@ -181,7 +199,7 @@ class ScoringSettings:
 
 
 def scoring_settings(cfg: Config) -> ScoringSettings:
-    """Step 2's settings from the config (the reward's are `reward_scores`')."""
+    """Step 2's settings from the config (the reward's are `reward_settings`')."""
     p = cfg.ppo
     return ScoringSettings(cfg.generation.temperature, p.old_logprobs == "rollout", batching(cfg),
                            p.tiled_logits, p.logits_tile_tokens)

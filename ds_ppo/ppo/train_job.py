@@ -25,8 +25,8 @@ from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.dynamic import PromptDraw
 from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
-from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
-from ds_ppo.ppo.scoring import reward_scores
+from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
+from ds_ppo.ppo.scoring import reward_scores, reward_settings
 from ds_ppo.rewards.encode import reward_encoder
 from ds_ppo.role_names import TRAINED_ROLES
 
@@ -127,7 +127,7 @@ class PPOJob:
         cfg, engines, tokenizer = run.cfg, run.engines, run.tokenizer
         if engines.dtype == torch.float16:  # the loss scaler skips non-finite steps itself
             self.watched = LOSSES
-        self.eos_ids = stop_token_ids(tokenizer, cfg)
+        self.eos_ids = stop_token_ids(tokenizer, cfg.generation.stop_tokens)
         self.gen_mode = choose_mode(cfg.generation, engines.policy.module, engines.dtype,
                                     run.device)
         log.info("generation: mode %s, decoding loop %s", self.gen_mode,
@@ -200,14 +200,15 @@ class PPOJob:
     def _evaluate(self, cfg: Config, engines: Engines, tokenizer) -> tuple[dict, list]:
         """The eval/* metrics and samples of the policy; with policy.ema_decay also eval_ema/*
         of its EMA (swapped into the policy's weights for the evaluation, then swapped back)."""
-        prompts, greedy = self.eval_prompts, greedy_config(cfg)
+        prompts, greedy = self.eval_prompts, rollout_settings(greedy_config(cfg))
+        rewards = reward_settings(cfg)
 
         def generate(indices):
             return make_rollout(prompts, indices, engines, greedy, tokenizer, self.gen_mode,
                                 self.eos_ids)[0]
 
         def reward(rollout):
-            return reward_scores(rollout, engines, cfg, self.reward_encode)[0]
+            return reward_scores(rollout, engines, rewards, self.reward_encode)[0]
 
         args = (len(prompts.input_ids), eval_settings(cfg), generate, reward, tokenizer)
         metrics, samples = evaluate(*args)

@@ -24,7 +24,7 @@ from ds_ppo.envs.calculator import Calculator, evaluate
 from ds_ppo.envs.runner import EnvRunner
 from ds_ppo.errors import ConfigError, RewardTimeout
 from ds_ppo.ppo import episodes as episodes_module
-from ds_ppo.ppo.episodes import cut_at_stop, make_episodes
+from ds_ppo.ppo.episodes import cut_at_stop, episode_settings, make_episodes
 from support.tiny_models import small_llama
 
 # env.function=episode_envs:... finds this module
@@ -87,8 +87,8 @@ def _episodes(tok, monkeypatch, cfg, prompts_text, answers, script):
     engines = SimpleNamespace(policy=None, device=torch.device("cpu"), dtype=torch.float32,
                               replica=None)
     env = EnvRunner(cfg.env, cfg.data.reward_keys)
-    out = make_episodes(prompts, list(range(len(prompts_text))), engines, cfg, tok, "gathered",
-                        [tok.eos_token_id], env)
+    out = make_episodes(prompts, list(range(len(prompts_text))), engines, episode_settings(cfg),
+                        tok, "gathered", [tok.eos_token_id], env)
     return (*out, prompt_ids, policy)
 
 

@@ -107,7 +107,7 @@ def test_episode_logprobs_equal_the_trainers(chat, exact, tmp_path):
     from ds_ppo.data.prompts import PromptSet
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.envs.runner import EnvRunner
-    from ds_ppo.ppo.episodes import make_episodes
+    from ds_ppo.ppo.episodes import episode_settings, make_episodes
     from support.tiny_models import small_llama
 
     tok = load_tokenizer("builtin:tiny", tmp_path)
@@ -130,8 +130,8 @@ def test_episode_logprobs_equal_the_trainers(chat, exact, tmp_path):
         device=torch.device("cpu"), dtype=torch.float32, replica=None)
     torch.manual_seed(0)
     with batch_invariant(exact):
-        rollout, generated, stats = make_episodes(prompts, [0, 1, 2], engines, cfg, tok,
-                                                  "gathered", [tok.eos_token_id],
+        rollout, generated, stats = make_episodes(prompts, [0, 1, 2], engines,
+                                                  episode_settings(cfg), tok, "gathered", [tok.eos_token_id],
                                                   EnvRunner(cfg.env, []))
         with torch.no_grad():
             for packed in (False, True):

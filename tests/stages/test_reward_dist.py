@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
 from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
-from ds_ppo.ppo.scoring import reward_scores
+from ds_ppo.ppo.scoring import reward_scores, reward_settings
 
 
 def _rollout() -> Rollout:
@@ -44,7 +44,7 @@ def stops(prompts, responses):  # e.g. a reward service's own clear stop (a User
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        cfg = load_config(None, ["reward.timeout_s=1"])
+        settings = reward_settings(load_config(None, ["reward.timeout_s=1"]))
         # (rank 0's function, rank 1's function) -> what every rank raises; the rank that did
         # not fail names the one that did and says why (not "see another rank's log")
         for fns, expected, on_rank0 in [
@@ -53,10 +53,12 @@ def _worker(rank: int, init_file: str) -> None:
                 ((raises, hangs), RewardTimeout, "on rank 1: .*did not return within"),
                 ((fine, stops), UserError, "on rank 1: the service said no")]:
             with pytest.raises(expected) as e:
-                reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fns[rank]), cfg, None)
+                reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fns[rank]), settings,
+                              None)
             if rank == 0:
                 assert re.search(on_rank0, str(e.value)), str(e.value)
-        scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), cfg, None)
+        scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), settings,
+                                  None)
         assert scores.tolist() == [1.0]  # the ranks are still in step
         # an environment that failed on rank 1 only: rank 0 stops with its message and advice
         from ds_ppo.envs.base import EnvFailed

@@ -112,7 +112,7 @@ def test_failing_streamed_call_fails_as_one_call():
     called = stream.result(rollout)
     assert called.scores == [] and isinstance(called.error, RewardFunctionError)
     with pytest.raises(RewardFunctionError, match="raised ValueError: cannot score 'bad'"):
-        _function_scores(rollout, fn, _cfg(), called=called)
+        _function_scores(rollout, fn, reward_call_settings(_cfg()), called=called)
 
 
 # the tiny default, with responses of many lengths: 64 byte pieces of its tokenizer end them

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_ppo.config import load_config
 from ds_ppo.engine import dist
 from ds_ppo.ppo import split
 from ds_ppo.ppo.rollout_worker import RolloutWorker, WeightSyncError
@@ -49,8 +50,7 @@ def _sync(bridge, version: int):
     remote = split.RemoteWorker(run)
     setup = dist.bridge_recv(0)
     assert setup["op"] == "setup" and setup["dtype"] == torch.float32
-    cfg = SimpleNamespace(reward=SimpleNamespace(concurrency=1))
-    worker = RolloutWorker(cfg, None, None, [2], torch.device("cpu"), None, 1)
+    worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
     errors = {}
 
     def generation_rank():

@@ -21,7 +21,7 @@ from ds_ppo.metrics import Accumulator, std_from_moments
 from support.rollouts import padded_rollout
 from ds_ppo.rewards.call import load_reward_function
 from ds_ppo.rewards.functions import positive_words
-from ds_ppo.ppo.scoring import reward_scores
+from ds_ppo.ppo.scoring import reward_scores, reward_settings
 from ds_ppo.ppo.update import minibatch_rows, ppo_update, update_settings
 from support.stage_calls import score_rollout
 from support.tiny_models import small_llama
@@ -162,8 +162,8 @@ def _rollout(responses, ended):
 def test_reward_function_scores_and_missing_eos_penalty():
     cfg = _cfg("reward.missing_eos_penalty=0.5")
     engines = types.SimpleNamespace(reward_fn=positive_words)
-    scores, cut = reward_scores(_rollout([" good day", " a bad day"], [True, False]), engines, cfg,
-                                None)
+    scores, cut = reward_scores(_rollout([" good day", " a bad day"], [True, False]), engines,
+                                reward_settings(cfg), None)
     assert cut is None
     assert scores.tolist() == pytest.approx([0.5, 0.0 - 0.5])
 
@@ -185,7 +185,7 @@ def test_reward_function_must_return_one_finite_score_each():
     ]:
         with pytest.raises(RewardFunctionError, match=r"reward.function = 'ds_ppo.rewards:"
                            r"positive_words' (returned|raised)") as info:
-            reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+            reward_scores(two, types.SimpleNamespace(reward_fn=fn), reward_settings(cfg), None)
         assert re.search(message, str(info.value)), (message, str(info.value))
         assert info.value.exit_code == 2
     import numpy as np
@@ -193,7 +193,7 @@ def test_reward_function_must_return_one_finite_score_each():
     ok = [lambda p, r: (1, 0.5), lambda p, r: [True, np.float32(0.5)],
           lambda p, r: torch.tensor([1.0, 0.5]), lambda p, r: [torch.tensor(1.0), 0.5]]
     for fn in ok:
-        scores, _ = reward_scores(two, types.SimpleNamespace(reward_fn=fn), cfg, None)
+        scores, _ = reward_scores(two, types.SimpleNamespace(reward_fn=fn), reward_settings(cfg), None)
         assert scores.tolist() == [1.0, 0.5]
 
 
@@ -215,7 +215,7 @@ def test_reward_function_that_hangs_is_stopped_after_timeout():
     t0 = time.perf_counter()
     with pytest.raises(RewardTimeout, match=r"did not return within reward.timeout_s = 0.5 s"):
         reward_scores(_rollout(["a", "b"], [True, True]), types.SimpleNamespace(reward_fn=hangs),
-                      cfg, None)
+                      reward_settings(cfg), None)
     assert time.perf_counter() - t0 < 10
     hung = [t for t in threading.enumerate() if t.name.startswith("reward.function")]
     assert hung and all(t.daemon for t in hung)
@@ -224,7 +224,8 @@ def test_reward_function_that_hangs_is_stopped_after_timeout():
     where = []
     cfg = _cfg("reward.timeout_s=null")
     reward_scores(_rollout(["a"], [True]), types.SimpleNamespace(
-        reward_fn=lambda p, r: where.append(threading.current_thread()) or [1.0]), cfg, None)
+        reward_fn=lambda p, r: where.append(threading.current_thread()) or [1.0]),
+        reward_settings(cfg), None)
     assert where == [threading.main_thread()]
 
 
@@ -251,8 +252,10 @@ def test_reward_function_worker_has_the_callers_grad_mode_and_cuda_device(monkey
 
     engines = types.SimpleNamespace(reward_fn=records)
     with torch.no_grad():
-        reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
-    reward_scores(_rollout(["a"], [True]), engines, _cfg("reward.timeout_s=5"), None)
+        reward_scores(_rollout(["a"], [True]), engines, reward_settings(_cfg("reward.timeout_s=5")),
+                      None)
+    reward_scores(_rollout(["a"], [True]), engines, reward_settings(_cfg("reward.timeout_s=5")),
+                      None)
     assert seen == [(False, False, 3), (False, True, 3)]
 
 
@@ -268,7 +271,8 @@ def test_reward_function_gets_the_dataset_columns():
     cfg = _cfg("data.path=p.jsonl", "data.reward_keys=[answer]")
     rollout = _rollout([" 4", " 5"], [True, True])
     rollout.extras = [{"answer": "4"}, {"answer": "6"}]
-    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=exact_match), cfg, None)
+    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=exact_match),
+                              reward_settings(cfg), None)
     assert scores.tolist() == [1.0, 0.0]
     from ds_ppo.errors import ConfigError
 
@@ -419,7 +423,8 @@ def test_scoring_returns_rows_in_rollout_order():
     engines = types.SimpleNamespace(reward_fn=None, reward=RewardRole(LastTokenScorer(rm)))
     cfg = _cfg("ppo.micro_batch_size=1")
     with torch.no_grad():
-        got, cut = reward_scores(rollout, engines, cfg, lambda r: rollout_for_reward(r, 6, None))
+        got, cut = reward_scores(rollout, engines, reward_settings(cfg),
+                                 lambda r: rollout_for_reward(r, 6, None))
         assert cut.tolist() == [True, False, False]  # 7, 3 and 6 tokens; max_len 6
         for b, (pr, rs) in enumerate(zip(PROMPTS, RESPONSES)):
             hidden = rm.model(torch.tensor([(pr + rs)[-6:]])).last_hidden_state[0, -1]

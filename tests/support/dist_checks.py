@@ -260,18 +260,20 @@ def _stages(cfg, engines, tok, iteration: int, mode: str):
     """One iteration through the public stage functions, on this rank's shard."""
     from ds_ppo.data.prompts import load_prompts
     from ds_ppo.metrics import Accumulator
-    from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
+    from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
     from ds_ppo.ppo.advantages import add_advantages, advantage_settings
-    from ds_ppo.ppo.scoring import score, scoring_settings, timed_reward_scores
+    from ds_ppo.ppo.scoring import (reward_settings, score, scoring_settings,
+                                    timed_reward_scores)
     from ds_ppo.ppo.update import ppo_update, update_settings
 
     from ds_ppo.ppo.train_job import prompt_sampler as _sampler
 
     prompts = load_prompts(cfg.data, tok)
     rollout, _ = make_rollout(prompts, _sampler(cfg, len(prompts.input_ids)).indices(iteration),
-                              engines, cfg, tok, mode, stop_token_ids(tok, cfg))
+                              engines, rollout_settings(cfg), tok, mode,
+                              stop_token_ids(tok, cfg.generation.stop_tokens))
     scored = score(rollout, engines, scoring_settings(cfg),
-                   lambda: timed_reward_scores(rollout, engines, cfg, None))
+                   lambda: timed_reward_scores(rollout, engines, reward_settings(cfg), None))
     exp = add_advantages(scored,
                          advantage_settings(cfg, cfg.ppo.kl_coef))
     ppo_update(exp, engines, update_settings(cfg), iteration, Accumulator())
@@ -306,7 +308,7 @@ def replica_and_roles(work: Path) -> dict:
     from ds_ppo.engine.roles import init_engines
 
     from ds_ppo.data.prompts import load_prompts
-    from ds_ppo.ppo.rollout import make_rollout, stop_token_ids
+    from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 
     cfg = cfg_for(work, "replica", ["iterations=1", "generation.keep_replica=true"])
     tok = load_tokenizer("builtin:tiny", work / "replica")
@@ -317,7 +319,8 @@ def replica_and_roles(work: Path) -> dict:
     ref1, pol1 = gathered(engines.reference.module), gathered(engines.policy.module)
     # the next rollout refreshes the kept replica in place with the updated weights
     prompts = load_prompts(cfg.data, tok)
-    make_rollout(prompts, [0, 1], engines, cfg, tok, "gathered", stop_token_ids(tok, cfg))
+    make_rollout(prompts, [0, 1], engines, rollout_settings(cfg), tok, "gathered",
+                 stop_token_ids(tok, cfg.generation.stop_tokens))
     kept_ok = engines.replica is kept and all(
         torch.equal(p.detach().float(), pol1[n]) for n, p in kept.named_parameters())
 
@@ -403,7 +406,7 @@ def tensor_parallel(work: Path) -> dict:
     mine = [prompts.input_ids[i][:6 + 3 * rank] for i in range(5 * rank, 5 * rank + 3 + rank)]
     ids, am = left_pad(mine, tok.pad_token_id)
     am = am.bool()
-    eos, pad = stop_token_ids(tok, cfg), tok.pad_token_id
+    eos, pad = stop_token_ids(tok, cfg.generation.stop_tokens), tok.pad_token_id
     greedy = cfg.generation.model_copy(update={"temperature": 0.0})
     tp_ids = gen.generate(engines.policy, ids, am, greedy, "tensor_parallel", eos, pad,
                           torch.float32).response_ids

@@ -156,8 +156,8 @@ def test_evaluation_takes_one_greedy_response_per_prompt(monkeypatch):
     assert cfg.ppo.samples_per_prompt == 4 and cfg.generation.temperature == 1.0
     seen = {}
 
-    def make_rollout(prompts, indices, engines, cfg, *args):
-        seen.update(n=cfg.ppo.samples_per_prompt, temperature=cfg.generation.temperature,
+    def make_rollout(prompts, indices, engines, s, *args):
+        seen.update(n=s.samples_per_prompt, temperature=s.generation.temperature,
                     indices=indices)
         raise StopIteration
 

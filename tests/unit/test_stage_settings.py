@@ -11,16 +11,12 @@ import re
 from conftest import REPO
 
 PPO = REPO / "ds_ppo" / "ppo"
-# the driver around the stages builds their settings from the config
-DRIVER = {"train_job.py", "iteration.py"}
-# stages that still read the config (generation, episodes, the rollout schedule with its worker
-# and its generation ranks; the reward calls and the reward model's micro-batches of scoring.py)
-STILL_CONFIG = {
-    "rollout.py": None, "episodes.py": None, "schedule.py": None, "rollout_worker.py": None,
-    "split.py": None,
-    "scoring.py": {"_micro_batches", "call_reward", "_function_scores", "reward_scores",
-                   "timed_reward_scores"},
-}
+# the driver around the stages builds their settings from the config; so do ppo.schedule's
+# rollout worker (rollout_worker.py, once when it starts) and the generation ranks of the split
+# placement (split.py), which run the generation stages beside the training loop
+DRIVER = {"train_job.py", "iteration.py", "rollout_worker.py", "split.py"}
+# stages that still read the config (file -> its functions that do; None: all of them)
+STILL_CONFIG: dict[str, set[str] | None] = {}
 # Config -> what one stage reads, besides the `<stage>_settings` functions
 BUILDERS = {"batching", "greedy_config"}
 
@@ -67,7 +63,9 @@ def test_each_settings_builder_returns_a_frozen_dataclass():
             assert dataclasses.is_dataclass(returned), (name, fn)
             assert returned.__dataclass_params__.frozen, (name, fn)
             seen += 1
-    assert seen >= 7  # advantages, batching, correction, dynamic, evaluate, report, scoring, update
+    # advantages, batching, correction, dynamic, episodes, evaluate, report, rollout, scoring (with
+    # the reward's and the reward call's), update
+    assert seen >= 12
 
 
 def test_the_check_sees_a_function_that_takes_the_config(tmp_path, monkeypatch):
