@@ -116,8 +116,7 @@ def _lora_syncs(versions, output_head: bool = True):
     remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
                                                 eos_ids=[2]))
     dist.bridge_recv(0)  # setup
-    worker = RolloutWorker(SimpleNamespace(reward=SimpleNamespace(concurrency=1)), None, None,
-                           [2], torch.device("cpu"), None, 1)
+    worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
     sent, errors = [], {}
     for k, version in enumerate(versions):
         if k:  # as an optimizer step would: every trained parameter moves
