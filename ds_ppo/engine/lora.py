@@ -8,7 +8,9 @@
 - `AdaptersOff`: the reference role read from the policy engine with its adapters switched off:
   the untouched base, no second copy of it.
 - `replica_weights`: the weights of the plain HF model a generation replica or an export holds,
-  with every adapted layer merged (W + alpha / r x B A), so decoding runs on a hook-free model.
+  with every adapted layer merged (W + alpha / r x B A), so decoding runs on a hook-free model;
+  `adapter_weights`: those a weight sync after the first refreshes, merged from a copy of the
+  frozen base the replica keeps (`keep_bases`), so only the adapters are gathered.
 - `save_adapters`: a checkpoint's PEFT directory (adapter_config.json + safetensors), which
   `ds-ppo export` merges into the base or copies as it is (`--adapter-only`).
 - `base_fingerprint`: config and weight-file headers of a base model, recorded in the trainer
@@ -158,30 +160,61 @@ class AdaptersOff:
 WeightSource = tuple[str, list[torch.nn.Parameter], Callable[[], torch.Tensor]]
 
 
-def _merged(layer, weight: torch.nn.Parameter) -> Callable[[], torch.Tensor]:
-    """W + scale x B A of a peft LoRA layer, in W's dtype (computed in fp32); read once the
-    three parameters are gathered."""
+def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+               fan_in_fan_out: bool) -> torch.Tensor:
+    """W + scale x B A (Hu et al. 2021) in W's dtype, computed in fp32: W (out, in), or (in, out)
+    with `fan_in_fan_out` (GPT-2's Conv1D); A (r, in), B (out, r)."""
+    delta = (b.float() @ a.float()) * scale  # (out, in)
+    if fan_in_fan_out:
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def _merged(layer, weight: torch.nn.Parameter, base: torch.Tensor | None = None
+            ) -> Callable[[], torch.Tensor]:
+    """A peft LoRA layer's merged weight (`merge_lora`), read once the parameters are gathered.
+    `base`: a copy of W kept from an earlier sync (`adapter_weights`), read in place of the
+    parameter, which then need not be gathered. The function's `base` and `layer` attributes
+    are the parameter W and the layer (`lora_parts`)."""
     a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-    scale = layer.scaling[ADAPTER]
 
     def merge() -> torch.Tensor:
-        delta = (b.data.float() @ a.data.float()) * scale  # (out, in)
-        if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D stores (in, out)
-            delta = delta.T
-        return (weight.data.float() + delta).to(weight.dtype)
+        w = weight.data if base is None else base
+        return merge_lora(w.to(weight.dtype), a.data, b.data, layer.scaling[ADAPTER],
+                          bool(getattr(layer, "fan_in_fan_out", False)))
+    merge.base, merge.layer = weight, layer
     return merge
+
+
+def lora_parts(full: Callable[[], torch.Tensor], dtype: torch.dtype, with_base: bool) -> dict:
+    """What a generation rank of a split placement merges an adapted layer's weight from
+    (`merge_lora`): its adapters a, b in `dtype`, scale and fan_in_fan_out, and with `with_base`
+    its frozen weight W (sent at the first sync only); `full`: a `replica_weights` entry's merge
+    of an adapted layer, its parameters gathered."""
+    layer = full.layer
+    parts = {"a": layer.lora_A[ADAPTER].weight.data.to(dtype),
+             "b": layer.lora_B[ADAPTER].weight.data.to(dtype),
+             "scale": float(layer.scaling[ADAPTER]),
+             "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False))}
+    if with_base:
+        parts["base"] = full.base.data.to(dtype)
+    return parts
+
+
+def _adapted_layers(base: torch.nn.Module) -> dict:
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.base_layer.weight": m for name, m in base.named_modules()
+            if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
 
 
 def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
     """(name in the plain HF model, parameters to gather, the full tensor once gathered) for
     every weight of `module` in module order; adapted layers merged, tied weights once."""
-    from peft.tuners.lora import LoraLayer
-
     from ds_ppo.engine.moe import ep_layers, ep_weights
 
     base = plain_model(module)
-    adapted = {f"{name}.base_layer.weight": m for name, m in base.named_modules()
-               if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+    adapted = _adapted_layers(base)
     # expert parallelism: each AutoEP layer's weights in the layout of the block it replaced
     experts, done = ep_layers(base), set()
     for name, p in base.named_parameters():
@@ -200,6 +233,40 @@ def replica_weights(module: torch.nn.Module) -> Iterator[WeightSource]:
                 _merged(layer, p)
         else:
             yield plain, [p], (lambda p=p: p.data)
+
+
+def adapter_weights(module: torch.nn.Module, bases: dict[str, torch.Tensor | None]
+                    ) -> Iterator[WeightSource]:
+    """The `replica_weights` entries a LoRA policy's training can have changed, for a weight
+    sync after the first: each adapted layer merged from `bases` (its frozen weight W, copied
+    at the first sync: see `keep_bases`) and its gathered adapters, so only A and B are
+    gathered; a trained weight that is not adapted (requires_grad) gathered whole. Frozen
+    weights are left out: the replica holds them from the first sync. A None in `bases`: the
+    merge is done by the side that holds W (split placement: `lora_parts`)."""
+    layers = {k.replace(".base_layer.", "."): m
+              for k, m in _adapted_layers(plain_model(module)).items()}
+    for name, params, full in replica_weights(module):
+        weight = getattr(full, "base", None)
+        if weight is not None and name in bases:
+            yield name, params[1:], _merged(layers[name], weight, bases[name])
+        elif any(p.requires_grad for p in params):
+            yield name, params, full
+
+
+def keep_bases(chunk: list[WeightSource], bases: dict[str, torch.Tensor]) -> None:
+    """At a LoRA policy's first weight sync, with `chunk`'s parameters gathered: a copy of each
+    adapted layer's frozen weight W into `bases` (by replica name), for `adapter_weights`."""
+    for name, _, full in chunk:
+        weight = getattr(full, "base", None)
+        if weight is not None:
+            bases[name] = weight.data.clone()
+
+
+def trained_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's trained parameters (full sizes, their dtype): what a weight sync
+    after the first gathers for a LoRA policy (`adapter_weights`)."""
+    return int(sum(getattr(p, "ds_numel", p.numel()) * p.element_size()
+                   for p in trainable(module)))
 
 
 def weight_shape(params: list[torch.nn.Parameter], full: Callable[[], torch.Tensor]

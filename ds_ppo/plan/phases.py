@@ -14,7 +14,8 @@ from ds_ppo.engine.generation.choice import choose_generation
 from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, logits_bytes,
                                      prefill_activation_bytes, tiled_logits_bytes,
                                      train_activation_bytes)
-from ds_ppo.plan.shapes import ModelShape, RoleShapes, _params, lora_params, tp_shard_params
+from ds_ppo.plan.shapes import (ModelShape, RoleShapes, _params, lora_base_params, lora_params,
+                               tp_shard_params)
 from ds_ppo.plan.stages import StageChoice, resolve_stages
 from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
@@ -324,10 +325,12 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
     choice, generation = _generation_phase(cfg, shapes, trainers, roles["policy"], rows,
                                            gen_batch, 0 if split else resident)
     scoring, training = _scoring_phases(cfg, roles, rows), _training_phases(cfg, roles, rows)
+    kept = _lora_base_copy(cfg, shapes.shapes["policy"])
     if split:  # the generation ranks decode; the training ranks score and train
-        generation = _split_generation_phase(generation, roles["policy"])
+        generation = _split_generation_phase(generation, roles["policy"], kept)
     elif max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness) > 0:  # the worker decodes beside them
-        scoring, training = (_beside_worker(phases, generation) for phases in (scoring, training))
+        scoring, training = (_beside_worker(phases, generation, kept)
+                             for phases in (scoring, training))
     phases = [generation, *scoring, *training]
     peak = max(phases, key=lambda p: p.total(resident))
     # CPU: the training ranks' nodes (a generation rank holds no optimizer state on CPU)
@@ -451,19 +454,35 @@ _DECODING_TERMS = ("KV cache", "prefill activations (one layer)", "fp32 logits o
 WORKER_REPLICA = "generation worker's 16-bit replica"
 
 
-def _beside_worker(phases: list[Phase], generation: Phase) -> list[Phase]:
+LORA_BASE_COPY = "LoRA base kept beside the replica"
+
+
+def _lora_base_copy(cfg: Config, shape: ModelShape | None) -> dict[str, int]:
+    """The 16-bit copy of the adapted layers' frozen weights that a LoRA policy's schedule
+    replica keeps (the weight syncs after the first merge new adapters into it), or nothing."""
+    lora = cfg.policy.lora
+    if lora is None or shape is None:
+        return {}
+    return {LORA_BASE_COPY: 2 * lora_base_params(shape, lora,
+                                                 _adapted_head(cfg, "policy", shape))}
+
+
+def _beside_worker(phases: list[Phase], generation: Phase, kept: dict[str, int]
+                   ) -> list[Phase]:
     """`phases` of the training thread with the background worker's replica (resident between
-    refreshes) and its decoding (running at the same time) added to each."""
+    refreshes, with `kept`: `_lora_base_copy`) and its decoding (running at the same time)
+    added to each."""
     worker = {WORKER_REPLICA: sum(v for k, v in generation.transient.items()
-                                  if k.startswith("16-bit policy replica"))}
+                                  if k.startswith("16-bit policy replica")), **kept}
     worker.update({f"worker's {k}": generation.transient[k] for k in _DECODING_TERMS})
     return [replace(ph, transient={**ph.transient, **worker}) for ph in phases]
 
 
-def _split_generation_phase(generation: Phase, pol: RolePlan) -> Phase:
+def _split_generation_phase(generation: Phase, pol: RolePlan, kept: dict[str, int]) -> Phase:
     """The generation ranks' phase under ppo.placement = split: a whole 16-bit replica (no ZeRO
-    engine, no layer gather) and the decoding of one training rank's rows at a time."""
-    terms = {"16-bit policy replica": 2 * pol.shape.params}
+    engine, no layer gather), with `kept` (`_lora_base_copy`), and the decoding of one training
+    rank's rows at a time."""
+    terms = {"16-bit policy replica": 2 * pol.shape.params, **kept}
     terms.update({k: generation.transient[k] for k in _DECODING_TERMS})
     return Phase("generation ranks (split)", terms, generation_ranks=True)
 

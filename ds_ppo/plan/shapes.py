@@ -204,6 +204,21 @@ def lora_params(shape: ModelShape, lora, output_head: bool = False) -> int:
     return shape.layers * lora.r * sum(sizes.get(n, 0) for n in names) + head
 
 
+def lora_base_params(shape: ModelShape, lora, output_head: bool = False) -> int:
+    """Frozen weights (in x out) of the layers `lora_params` adapts: what a LoRA policy's
+    generation replica keeps a second copy of, so that a weight sync after the first merges
+    the new adapters without gathering the base again."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
+        shape.intermediate
+    sizes = {"q_proj": h * q, "k_proj": h * kv, "v_proj": h * kv, "o_proj": q * h,
+             "gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    names = sizes if lora.target_modules == "all-linear" else lora.target_modules
+    if shape.experts and shape.decoder_linears:
+        names = [n for n in names if n in shape.decoder_linears]
+    head = h * shape.vocab if output_head else 0
+    return shape.layers * sum(sizes.get(n, 0) for n in names) + head
+
+
 def tp_shard_params(shape: ModelShape, tp: int) -> int:
     """Parameters of one rank's tensor-parallel replica: the attention and MLP projections of
     every layer split tp ways (Llama layout: q, k, v, o and gate, up, down), the rest whole."""

@@ -65,6 +65,9 @@ class RolloutWorker:
         self.rollout, self.episodes = rollout_settings(cfg), episode_settings(cfg)
         self.rewards = None if reward_fn is None else reward_call_settings(cfg)
         self.replica: torch.nn.Module | None = None
+        # a LoRA policy's frozen base weights of the adapted layers, kept beside the replica at
+        # its first weight sync (`build_replica`'s bases); later syncs gather the adapters only
+        self.bases: dict[str, torch.Tensor] = {}
         # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
         self.reward_pool = ThreadPoolExecutor(max(1, min(lag, cfg.reward.concurrency)),
                                               thread_name_prefix="ds_ppo-reward")

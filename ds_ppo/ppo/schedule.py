@@ -39,6 +39,7 @@ from ds_ppo.algo.choices import max_lag, rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
+from ds_ppo.engine.lora import trained_bytes
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, agree_on_episodes
 from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
@@ -210,7 +211,8 @@ class RolloutSchedule:
         """Weight sync: the replica takes the policy's current weights (`version`), gathered
         bucket by bucket (collective, training thread only), each copied weight checked against
         the checksum of what was gathered and the whole agreed across ranks; a mismatch stops
-        the run with one line."""
+        the run with one line. A LoRA policy's syncs after the first gather the adapters only
+        and merge them into the replica's copy of the frozen base (`build_replica`'s bases)."""
         engines, t0 = self.run.engines, time.perf_counter()
         if self.remote is not None:
             self.sync_bytes += self.remote.sync(version)
@@ -219,10 +221,11 @@ class RolloutSchedule:
             return
         sums: dict[str, int] = {}
         w = self.worker
+        adapters_only = bool(w.bases)  # a LoRA policy after the first sync
         w.replica = build_replica(engines.policy.module, engines.dtype, engines.device,
-                                  into=w.replica, own_config=True, sums=sums)
-        _fault_point(w.replica, version)
+                                  into=w.replica, own_config=True, sums=sums, bases=w.bases)
         params = dict(w.replica.named_parameters())
+        _fault_point(params, sums, version)
         bad = [name for name, s in sums.items() if weight_checksum(params[name]) != s]
         total = sum(sums.values()) % 2**52
         spread = dist.all_reduce_max(torch.tensor([float(total), -float(total), float(len(bad))],
@@ -231,7 +234,8 @@ class RolloutSchedule:
             raise sync_error(version, bad[0] if bad else None)
         self.replica_version = version
         self.sync_s += time.perf_counter() - t0
-        self.sync_bytes += sum(p.numel() * p.element_size() for p in params.values())
+        self.sync_bytes += (trained_bytes(engines.policy.module) if adapters_only else
+                            sum(p.numel() * p.element_size() for p in params.values()))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -273,10 +277,10 @@ def _kept(buffered: Buffered) -> Buffered | None:
     return buffered
 
 
-def _fault_point(replica: torch.nn.Module, version: int) -> None:
+def _fault_point(params: dict[str, torch.Tensor], sums: dict[str, int], version: int) -> None:
     """Fault injection for the tests: DS_PPO_FAULT=corrupt_sync:N changes one element of the
-    replica's first weight after the copy of policy version N (as a bad transfer would)."""
+    first weight the sync of policy version N copied into the replica (`params`; a LoRA
+    policy's first merged layer after the first sync), as a bad transfer would."""
     if os.environ.get("DS_PPO_FAULT", "") == f"corrupt_sync:{version}":
         with torch.no_grad():
-            p = next(replica.parameters())
-            p.view(-1)[0] += 1.0
+            params[next(iter(sums))].view(-1)[0] += 1.0

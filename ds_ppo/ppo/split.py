@@ -16,7 +16,9 @@ What runs where:
 
 A weight sync: every training rank takes part in the ZeRO gathers (`stream_weights`, one chunk of
 GATHER_CHUNK_NUMEL elements whole at a time); training rank g < K sends each chunk, with the
-checksum of every weight, to generation rank g, which copies it into its replica and checks it;
+checksum of every weight, to generation rank g, which copies it into its replica and checks it
+(a LoRA policy: each adapted layer as its adapters, plus its frozen weight at the first sync
+only, merged on the generation rank from the copy it keeps, so later syncs send the adapters);
 the verdict comes back and the training ranks agree on it, so a corrupted bucket stops the run
 with one line on every rank.
 
@@ -35,7 +37,7 @@ from ds_ppo.algo.choices import max_lag
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
                                       weight_checksum)
-from ds_ppo.engine.lora import plain_model
+from ds_ppo.engine.lora import merge_lora, plain_model
 from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,
                                      sync_error)
 
@@ -53,6 +55,9 @@ class RemoteWorker:
         # the first training rank a generation rank serves sends it the weights
         self.primary = dist.rank() == dist.served_training_ranks(self.peer)[0]
         self.skeleton_sent = False
+        # a LoRA policy: the adapted layers whose frozen weight the generation rank holds (sent
+        # at the first sync); later syncs send their adapters only
+        self.held: set[str] = set()
         if self.primary:  # what the generation rank decodes and scores with
             dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
                               "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
@@ -71,13 +76,14 @@ class RemoteWorker:
                              self.peer)
             self.skeleton_sent = True
 
-        def emit(bucket: dict[str, torch.Tensor]) -> None:
+        def emit(bucket: dict[str, torch.Tensor | dict]) -> None:
             nonlocal sent
-            sums = {name: weight_checksum(w) for name, w in bucket.items()}
+            tensors = dict(_tensors(bucket))
+            sums = {name: weight_checksum(w) for name, w in tensors.items()}
             dist.bridge_send({"weights": bucket, "sums": sums}, self.peer)
-            sent += sum(w.numel() * w.element_size() for w in bucket.values())
+            sent += sum(w.numel() * w.element_size() for w in tensors.values())
 
-        stream_weights(module, engines.dtype, emit if self.primary else None)
+        stream_weights(module, engines.dtype, emit if self.primary else None, held=self.held)
         bad = None
         if self.primary:
             dist.bridge_send({"weights": None, "buffers": dict(module.named_buffers())},
@@ -175,11 +181,23 @@ def serve_generation(cfg, device: torch.device) -> None:
             dist.bridge_send(answer, r)
 
 
+def _tensors(bucket: dict):
+    """(checksum name, tensor) of every tensor a bucket sends: a weight by its name, a LoRA
+    layer's parts (`lora.lora_parts`) as name/a, name/b, name/base."""
+    for name, w in bucket.items():
+        if isinstance(w, dict):
+            yield from ((f"{name}/{k}", v) for k, v in w.items() if isinstance(v, torch.Tensor))
+        else:
+            yield name, w
+
+
 def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dtype,
                      device: torch.device) -> None:
     """One weight sync into the replica (built on the first): each chunk copied and checked
-    against the sender's checksums; the verdict goes back to `src`. A mismatch stops this rank
-    too, with the training ranks' line."""
+    against the sender's checksums; a LoRA layer merged here from its adapters and the frozen
+    weight the first sync sent (kept in `worker.bases`), and the merged copy checked against
+    the merge. The verdict goes back to `src`. A mismatch stops this rank too, with the
+    training ranks' line."""
     version = cmd["version"]
     if worker.replica is None:
         worker.replica = empty_replica(cmd["skeleton"], dtype, device)
@@ -194,14 +212,25 @@ def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dt
                 if name in buffers:
                     buffers[name].data.copy_(b)
             break
-        for name, w in got["weights"].items():
+        bucket, sums = got["weights"], dict(got["sums"])
+        received = dict(_tensors(bucket))
+        for name, s in list(sums.items()):  # what was received, before it is used
+            if bad is None and weight_checksum(received[name]) != s:
+                bad = name.split("/")[0]
+        for name, w in bucket.items():
+            if isinstance(w, dict):  # a LoRA layer: merged here
+                if "base" in w:
+                    worker.bases[name] = w["base"]
+                w = merge_lora(worker.bases[name], w["a"], w["b"], w["scale"],
+                               w["fan_in_fan_out"])
+                sums[name] = weight_checksum(w.to(params[name].dtype))
             if name in params:
                 params[name].data.copy_(w)
-        if first_bucket:
-            _fault_point(params, got["weights"], version)
+        if first_bucket and bucket:
+            _fault_point(params, bucket, version)
             first_bucket = False
-        for name, s in got["sums"].items():
-            if bad is None and name in params and weight_checksum(params[name]) != s:
+        for name in bucket:
+            if bad is None and name in params and weight_checksum(params[name]) != sums[name]:
                 bad = name
     worker.replica.config.use_cache = True
     worker.replica.eval()

@@ -238,6 +238,9 @@ def test_lora_trains_adapters_and_head_only_and_reference_stays_the_base(one_ran
         # the replica holds W + alpha/r B A: the adapted policy's log-probs (fp32 rounding)
         assert res["merged_replica_vs_policy_max"] < 1e-5
         assert res["replica_out"] == res["zero3_out"]  # zero3 mode decodes through the adapters
+        # the adapters-only sync of a schedule's replica (ZeRO-3 gathers of A and B alone)
+        assert res["adapter_sync_equals_full"]
+        assert res["adapter_sync_weights"] == res["adapted_layers"] > 0
 
 
 # ------------------------------------------------------------------ the RLHF recipe's extras

@@ -102,3 +102,64 @@ def test_a_corrupted_bucket_stops_both_sides(bridge, monkeypatch):
             f"checksum ({first}): stopped; the engines' weights are intact, run the same command "
             "again to resume")
     assert errors == {"generation": line, "training": line}
+
+
+def _lora_syncs(versions, output_head: bool = True):
+    """Weight syncs of `versions` of a small LoRA policy, its trained parameters moved before
+    each after the first: (policy, replica, bytes sent per sync, errors)."""
+    from ds_ppo.config.role_sections import LoraConfig
+    from ds_ppo.engine.lora import add_adapters
+
+    model = add_adapters(small_llama(), LoraConfig(r=4), seed=1, output_head=output_head)
+    engines = SimpleNamespace(policy=SimpleNamespace(module=model), dtype=torch.float32,
+                              reward_fn=None, device=torch.device("cpu"))
+    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
+                                                eos_ids=[2]))
+    dist.bridge_recv(0)  # setup
+    worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
+    sent, errors = [], {}
+    for k, version in enumerate(versions):
+        if k:  # as an optimizer step would: every trained parameter moves
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+
+        def generation_rank():
+            try:
+                split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
+                                       torch.device("cpu"))
+            except WeightSyncError as e:
+                errors["generation"] = str(e)
+
+        thread = threading.Thread(target=generation_rank)
+        thread.start()
+        try:
+            sent.append(remote.sync(version))
+        except WeightSyncError as e:
+            errors["training"] = str(e)
+        thread.join(60)
+    return model, worker.replica, sent, errors
+
+
+def test_lora_syncs_after_the_first_send_the_adapters_only(bridge):
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.lora import trained_bytes
+
+    model, replica, sent, errors = _lora_syncs([0, 1, 2])
+    assert not errors
+    # bit for bit what a full rebuild of the policy gives (fp32 on CPU: the same merge)
+    full = build_replica(model, torch.float32, torch.device("cpu"))
+    ours = replica.state_dict()
+    assert all(torch.equal(w, ours[n]) for n, w in full.state_dict().items())
+    whole = sum(p.numel() * 4 for p in full.parameters())
+    assert sent[0] == whole + trained_bytes(model)  # the base once, with the adapters
+    assert sent[1:] == [trained_bytes(model)] * 2
+
+
+def test_a_corrupted_adapter_sync_stops_both_sides(bridge, monkeypatch):
+    monkeypatch.setenv("DS_PPO_FAULT", "corrupt_sync:1")  # the sync after the first
+    *_, errors = _lora_syncs([0, 1], output_head=False)
+    assert errors["generation"] == errors["training"]
+    line = errors["training"]
+    assert "\n" not in line and "policy version 1" in line and "_proj.weight" in line

@@ -342,7 +342,8 @@ def lora_roles(work: Path) -> dict:
     """LoRA policy and value on ZeRO-3, one iteration through the stages. Then: only adapters and
     the value head changed; the reference (the policy engine, adapters off) still gives the
     untouched base model's log-probs; the merged replica computes what the adapted policy does
-    and decodes as zero3 mode does through the adapters."""
+    and decodes as zero3 mode does through the adapters; a replica synced with the adapters only
+    after the update (`build_replica`'s bases) equals one rebuilt whole."""
     from transformers import AutoModelForCausalLM
 
     from ds_ppo.data.tokenizer import load_tokenizer
@@ -357,13 +358,21 @@ def lora_roles(work: Path) -> dict:
     trained = {r: sorted(n for n, p in m.named_parameters() if p.requires_grad)
                for r, m in roles.items()}
     before = {r: gathered(m) for r, m in roles.items()}
+    # a schedule's replica: the whole model at the first sync, the adapters only after it
+    bases: dict = {}
+    synced = build_replica(engines.policy.module, torch.float32, torch.device("cpu"),
+                           own_config=True, bases=bases)
     rollout = _stages(cfg, engines, tok, 0, "gathered")
     after = {r: gathered(m) for r, m in roles.items()}
+    sums: dict = {}
+    build_replica(engines.policy.module, torch.float32, torch.device("cpu"), into=synced,
+                  sums=sums, bases=bases)
     changed = {r: sorted(n for n in before[r] if not torch.equal(before[r][n], after[r][n]))
                for r in roles}
     temp, mask = cfg.generation.temperature, rollout.mask
     base = AutoModelForCausalLM.from_pretrained(engines.policy_path, dtype=torch.float32)
     replica = build_replica(engines.policy.module, torch.float32, torch.device("cpu"))
+    full = replica.state_dict()
 
     def diff(a, b) -> float:
         return float((a - b).abs().masked_fill(~mask, 0).max())
@@ -382,6 +391,9 @@ def lora_roles(work: Path) -> dict:
         "reference_vs_base_max": diff(ref, plain),
         "policy_vs_base_max": diff(policy, plain),
         "merged_replica_vs_policy_max": diff(merged, policy),
+        "adapter_sync_equals_full": all(torch.equal(w, full[n])
+                                        for n, w in synced.state_dict().items()),
+        "adapter_sync_weights": len(sums), "adapted_layers": len(bases),
         "replica_out": replica_out, "zero3_out": zero3_out,
     }
 

@@ -555,6 +555,38 @@ def test_lora_adapter_count_matches_peft():
     assert any("and the output head" in n for n in plan.notes)
 
 
+def test_lora_base_copy_is_what_the_schedule_replica_keeps():
+    """An off-policy schedule's replica of a LoRA policy keeps the adapted layers' frozen
+    weights (engine/generation build_replica's bases); the plan counts them beside it, on the
+    ranks that hold the replica."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.lora import add_adapters
+    from ds_ppo.plan.phases import LORA_BASE_COPY
+    from ds_ppo.plan.shapes import lora_base_params
+
+    off = ["policy.lora.r=8", "ppo.schedule=one_step_off", "ppo.rollout_correction=tis"]
+    tiny = load_config(None, off)
+    model = add_adapters(LlamaForCausalLM(P._hf_config(None, tiny.policy.arch)),
+                         tiny.policy.lora, 0, output_head=True)
+    bases: dict = {}
+    build_replica(model, torch.float32, torch.device("cpu"), bases=bases)
+    shape = P.model_shape(P._hf_config(None, tiny.policy.arch), "causal", "arch")
+    kept = lora_base_params(shape, tiny.policy.lora, output_head=True)
+    assert kept == sum(w.numel() for w in bases.values())
+    colocated = P.compute_plan(tiny, P.resolve_shapes(tiny), P.Cluster(1, 1, 80 * GiB))
+    assert all(ph.transient[LORA_BASE_COPY] == 2 * kept for ph in colocated.phases[1:])
+    split = load_config(None, [*off, "ppo.placement=split", "ppo.generation_ranks=1"])
+    p = P.compute_plan(split, P.resolve_shapes(split), P.Cluster(1, 2, 80 * GiB))
+    assert [LORA_BASE_COPY in ph.transient for ph in p.phases] == \
+        [ph.generation_ranks for ph in p.phases]
+    sync = load_config(None, ["policy.lora.r=8"])
+    assert not any(LORA_BASE_COPY in ph.transient for ph in
+                   P.compute_plan(sync, P.resolve_shapes(sync), P.Cluster(1, 1, 80 * GiB)).phases)
+
+
 def test_70b_lora_fits_one_node_where_full_70b_does_not():
     one_node = P.Cluster(1, 8, 80 * GiB)
     lora = P.plan(load_config("70b-lora"), one_node)

@@ -41,7 +41,8 @@ from ds_ppo.config import GenerationConfig
 from ds_ppo.containers import in_row_order, longest_first
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation.loop import DecodeStats, decode
-from ds_ppo.engine.lora import plain_model, replica_weights, weight_shape
+from ds_ppo.engine.lora import (adapter_weights, keep_bases, lora_parts, plain_model,
+                                replica_weights, weight_shape)
 from ds_ppo.engine.moe import ep_layers
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
@@ -122,12 +123,14 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
 GATHER_CHUNK_NUMEL = 2**27  # elements per all-gather while copying weights (256 MiB in 16-bit)
 
 
-def _param_chunks(module: torch.nn.Module, limit: int):
+def _param_chunks(module: torch.nn.Module, limit: int, bases: dict | None = None):
     """Consecutive groups of `lora.replica_weights` entries (name in the plain model, parameters,
     full tensor) whose parameters' full sizes add up to at most `limit` elements (a single larger
-    weight forms its own group). Tied parameters appear once."""
+    weight forms its own group). Tied parameters appear once. `bases` not empty: only the
+    entries a LoRA policy's training changes (`lora.adapter_weights`)."""
     chunk, size = [], 0
-    for name, params, full in replica_weights(module):
+    entries = adapter_weights(module, bases) if bases else replica_weights(module)
+    for name, params, full in entries:
         n = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         n = max(n, math.prod(weight_shape(params, full)))  # expert-parallel: the whole tensor
         if chunk and size + n > limit:
@@ -142,7 +145,8 @@ def _param_chunks(module: torch.nn.Module, limit: int):
 def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                   materialize: bool = True, into: torch.nn.Module | None = None,
                   tp: TPGroup | None = None, own_config: bool = False,
-                  sums: dict[str, int] | None = None) -> torch.nn.Module | None:
+                  sums: dict[str, int] | None = None,
+                  bases: dict[str, torch.Tensor] | None = None) -> torch.nn.Module | None:
     """A hook-free copy of a (possibly ZeRO-3-partitioned) HF model holding the current weights.
 
     Parameters are gathered in chunks of up to GATHER_CHUNK_NUMEL elements (one coalesced
@@ -159,6 +163,10 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     replica decoding in a background worker switches its attention setting, which must not
     reach the trained model's forwards). `sums`: filled with each copied weight's checksum
     (`weight_checksum` of the gathered weight in the replica's dtype), to verify the copy.
+    `bases`: a LoRA policy's replica refreshed with its adapters only. Empty (the first sync):
+    every weight is copied and the adapted layers' frozen weights are kept in it; filled (a sync
+    of `into`, the same replica, after that): only the adapted layers, merged from it and the
+    gathered adapters (bit for bit what a full copy gives), and any other trained weight.
     """
     import deepspeed
 
@@ -166,10 +174,15 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     module = plain_model(module)  # a LoRA policy: the HF model inside, adapter layers and all
     if materialize and replica is None:
         replica = empty_replica(replica_skeleton(module, own_config), dtype, device, tp)
+        if bases:  # a new replica holds no frozen weight yet
+            bases.clear()
     target = dict(replica.named_parameters()) if replica is not None else {}
-    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
+    first = bases is not None and not bases
+    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL, None if first else bases):
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
                                                modifier_rank=None):
+            if first:
+                keep_bases(chunk, bases)
             for name, _, full in chunk:
                 # an expert-parallel weight's full() is a collective: every rank calls it
                 if name in target or getattr(full, "collective", False):
@@ -220,22 +233,36 @@ def empty_replica(skeleton: dict, dtype: torch.dtype, device: torch.device,
     return replica
 
 
-def stream_weights(module: torch.nn.Module, dtype: torch.dtype, emit) -> int:
+def stream_weights(module: torch.nn.Module, dtype: torch.dtype, emit,
+                   held: set[str] | None = None) -> int:
     """The weights of a (possibly ZeRO-3-partitioned) HF model, gathered in chunks of up to
     GATHER_CHUNK_NUMEL elements as `build_replica` gathers them (collective: every rank of the
     engine's group calls it), handed to `emit(bucket)` one chunk at a time: `bucket` maps each
     replica weight's name to its full tensor in `dtype` (valid only during the call), so at most
-    one chunk is whole on a rank at once. `emit` None: take part in the gathers only. Returns
-    the number of chunks."""
+    one chunk is whole on a rank at once. `emit` None: take part in the gathers only. `held`
+    (a LoRA policy's split placement): each adapted layer goes as its parts (`lora.lora_parts`,
+    a dict in place of the tensor), merged by the receiver, its frozen weight only when its
+    name is not in `held`, which then gets it; with `held` filled, only what training changes
+    (`lora.adapter_weights`). Returns the number of chunks."""
     import deepspeed
 
     module = plain_model(module)
     chunks = 0
-    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL):
+    bases = dict.fromkeys(held) if held else None
+    for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL, bases):
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
                                                modifier_rank=None):
+            bucket = {}
+            for name, _, full in chunk:
+                if held is None or getattr(full, "layer", None) is None:
+                    if emit is not None:
+                        bucket[name] = full().to(dtype)
+                    continue
+                if emit is not None:
+                    bucket[name] = lora_parts(full, dtype, with_base=name not in held)
+                held.add(name)
             if emit is not None:
-                emit({name: full().to(dtype) for name, _, full in chunk})
+                emit(bucket)
         chunks += 1
     return chunks
 
