@@ -394,9 +394,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
                  reward_shares_tokenizer: bool = True,
                  autoep: frozenset[str] = frozenset()) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
-    `load_universal`: the trained roles will load a universal checkpoint (world size changed);
-    `autoep`: trained roles built with AutoEP's layers even at expert_parallel_size 1 (they
-    resume a checkpoint that holds them so)."""
+    `load_universal`: the trained roles will load a universal checkpoint (world size, ZeRO
+    stage or expert-parallel size changed); `autoep`: trained roles built with AutoEP's layers
+    even at expert_parallel_size 1 (they resume a checkpoint that holds them so)."""
     # the SP groups of deepspeed.sequence_parallel_size consecutive ranks and the data-parallel
     # groups across them (engine/dist.py); size 1 resets them (a process that builds twice)
     sp_group = sequence_parallel.new_group(cfg.deepspeed.sequence_parallel_size)

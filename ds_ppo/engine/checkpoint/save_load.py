@@ -277,7 +277,7 @@ def ensure_universal(path: Path) -> None:
             target = path / role / UNIVERSAL_TAG
             if target.exists():
                 continue
-            log.info("converting %s to a universal checkpoint (world size changed)", path / role)
+            log.info("converting %s to a universal checkpoint", path / role)
             tmp = path / role / (UNIVERSAL_TAG + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             start = time.perf_counter()
