@@ -25,13 +25,14 @@ import torch
 
 from ds_ppo import watchdog
 from ds_ppo.config import Config
+from ds_ppo.config.model_checks import expert_parallel_problems
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, expert_parallel_resume,
                                       find_resume, load_checkpoint, mark_best, read_in_flight,
                                       read_state, rng_state, stage_changed)
 from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
-from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
+from ds_ppo.errors import AlarmStop, ConfigError, Diverged, RegistrationError, RewardError
 from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
 from ds_ppo.run.preemption import Preempted, StopRequests
@@ -260,6 +261,8 @@ def _find_resume(cfg: Config, job: Job, device: torch.device
     autoep, ep_changed = expert_parallel_resume(path, {
         r: n for r in job.trained_roles()
         if (n := getattr(cfg.deepspeed, r).expert_parallel_size) > 1})
+    if problems := expert_parallel_problems(cfg, dist.world_size(), autoep):
+        raise ConfigError("; ".join(problems))
     universal = read_state(path).world_size != dist.world_size() or ep_changed
     if ep_changed and dist.is_main():
         log.info("the expert-parallel size changed since %s was saved: loading it through a "

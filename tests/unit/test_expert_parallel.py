@@ -98,6 +98,14 @@ def test_an_expert_parallel_checkpoint_resumes_at_any_expert_parallel_size(tmp_p
                        r"deepspeed.<role>.expert_parallel_size=1"):
         expert_parallel_resume(saved({"policy": 2}), {"policy": 2, "value": 2})
     cfg = load_config(None, [QWEN, *BATCH])  # expert_parallel_size 1
+    from ds_ppo.config.model_checks import expert_parallel_problems
+
+    sp = load_config(None, [QWEN, *BATCH, "deepspeed.sequence_parallel_size=2"])
+    assert expert_parallel_problems(sp, 4) == []
+    assert expert_parallel_problems(sp, 4, frozenset({"policy"})) == [
+        "the policy resumed from an expert-parallel checkpoint (AutoEP's layers, N = 1) does "
+        "not combine with deepspeed.sequence_parallel_size > 1: drop one (expert parallelism: "
+        "start a new run from the checkpoint's export, its hf directory)"]
     assert "expert_parallel" not in build_ds_config(cfg, "policy", 1, torch.float32, 32)
     assert build_ds_config(cfg, "policy", 1, torch.float32, 32, True, autoep=True)[
         "expert_parallel"] == {"enabled": True, "autoep_size": 1}
