@@ -60,8 +60,9 @@ class RoleDeepSpeed(Section):
         "(all-to-all), and each rank holds and trains 1/N of the experts; the rest of the "
         "model is data-parallel over all ranks. 1: off. Trained roles (policy, value) of a "
         "Qwen3-MoE or Mixtral model; N divides the world size and the experts per layer. Not "
-        "with LoRA, policy.ema_decay, sequence parallelism or generation.mode=zero3. Resumes at "
-        "the same world size and N (docs/SCALING.md, Expert parallelism).")
+        "with LoRA, policy.ema_decay, sequence parallelism or generation.mode=zero3. A "
+        "checkpoint saved with it resumes at any world size and N, 1 included (through the "
+        "universal checkpoint; docs/SCALING.md, Expert parallelism).")
 
     def stage(self, world_size: int, load_universal: bool = False) -> int:
         """The ZeRO stage where no device memory is known (a CPU run, plan/stages.py); `auto`:

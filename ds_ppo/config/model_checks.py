@@ -141,17 +141,22 @@ def sequence_parallel_problems(cfg: Config, world_size: int) -> list[str]:
 EP_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
-def expert_parallel_problems(cfg: Config, world_size: int) -> list[str]:
+def expert_parallel_problems(cfg: Config, world_size: int,
+                             resumed: frozenset[str] = frozenset()) -> list[str]:
     """deepspeed.<role>.expert_parallel_size (DeepSpeed AutoEP) of the trained roles: divides
     the world size and the experts of a layer, on a model type AutoEP and ds_ppo's weight
-    mapping cover, without the features it does not combine with."""
+    mapping cover, without the features it does not combine with. `resumed`: roles that keep
+    AutoEP's layers at size 1 too (they resume a checkpoint saved with them)."""
     problems = []
     roles = ["policy"] + (["value"] if cfg.ppo.uses_critic else [])
     for role in roles:
         n = getattr(cfg.deepspeed, role).expert_parallel_size
-        if n == 1:
+        if n == 1 and role not in resumed:
             continue
-        key = f"deepspeed.{role}.expert_parallel_size = {n}"
+        key = (f"deepspeed.{role}.expert_parallel_size = {n}" if n > 1 else
+               f"the {role} resumed from an expert-parallel checkpoint (AutoEP's layers, N = 1)")
+        fix = (f"set deepspeed.{role}.expert_parallel_size=1" if n > 1 else
+               "start a new run from the checkpoint's export, its hf directory")
         if world_size % n:
             problems.append(f"{key} must divide the world size {world_size} (each group of {n} "
                             f"ranks holds one copy of the experts); use a divisor of {world_size}")
@@ -178,5 +183,5 @@ def expert_parallel_problems(cfg: Config, world_size: int) -> list[str]:
                           role == "policy" and cfg.generation.mode == "zero3")):
             if on:
                 problems.append(f"{key} does not combine with {what}: drop one (expert "
-                                f"parallelism: set deepspeed.{role}.expert_parallel_size=1)")
+                                f"parallelism: {fix})")
     return problems

@@ -53,10 +53,12 @@ def template_path(cfg: Config, role: Role, world_size: int = 1, load_universal: 
 
 def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype,
                     hidden_size: int, load_universal: bool = False,
-                    batch: tuple[int, int] | None = None) -> dict[str, Any]:
+                    batch: tuple[int, int] | None = None, autoep: bool = False) -> dict[str, Any]:
     """The filled DeepSpeed config dict for `role` (train roles get optimizer-step batch sizes,
     inference roles the scoring micro-batch). `batch`: (micro-batch size, accumulation steps)
-    of a trained role that is not PPO's (`ds-ppo sft` / `ds-ppo rm`: their section's)."""
+    of a trained role that is not PPO's (`ds-ppo sft` / `ds-ppo rm`: their section's).
+    `autoep`: a trained role gets AutoEP's layers even at expert_parallel_size 1 (it resumes a
+    checkpoint saved with them: their parameter names are not the Hugging Face model's)."""
     path = template_path(cfg, role, world_size, load_universal)
     try:
         ds = json.loads(path.read_text())
@@ -93,7 +95,7 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     _resolve_auto(zero, hidden_size)
     if load_universal and role in TRAINED_ROLES:
         ds.setdefault("checkpoint", {})["load_universal"] = True
-    if d.expert_parallel_size > 1 and role in TRAINED_ROLES:  # DeepSpeed AutoEP (engine/moe.py)
+    if (d.expert_parallel_size > 1 or autoep) and role in TRAINED_ROLES:  # AutoEP (engine/moe.py)
         ds["expert_parallel"] = {"enabled": True, "autoep_size": d.expert_parallel_size}
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)

@@ -246,12 +246,15 @@ def materialize_arch(arch: dict, tokenizer, out_dir: Path, seed: int, key: str =
 
 # ------------------------------------------------------------------------ the roles
 def _init_policy(cfg: Config, path: str, world: int, device, dtype, universal: bool,
-                 batch: tuple[int, int] | None = None, total_steps: int | None = None):
+                 batch: tuple[int, int] | None = None, total_steps: int | None = None,
+                 autoep: bool = False):
     """The policy's engine; `batch` (micro-batch, accumulation) and `total_steps` (of the LR
-    schedule) for a job other than PPO (`ds-ppo sft`), else from the ppo section."""
+    schedule) for a job other than PPO (`ds-ppo sft`), else from the ppo section; `autoep`:
+    AutoEP's layers even at expert_parallel_size 1 (`build_ds_config`)."""
     from transformers import AutoModelForCausalLM
 
-    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal, batch)
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), universal, batch,
+                         autoep)
     config, dropped = _model_config(path, cfg.policy.disable_dropout)
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
@@ -319,14 +322,16 @@ def load_value_model(source: str, config, ds_config: dict | None = None, **kwarg
         return AutoModelForTokenClassification.from_pretrained(source, config=config, **kwargs)
 
 
-def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool):
+def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: bool,
+                autoep: bool = False):
     config, dropped = _model_config(source, cfg.value.disable_dropout, num_labels=1)
     dropped.pop("classifier_dropout", None)  # the value head stays deterministic
     # A value model must be deterministic (no dropout) and match the reward model's head (no bias)
     # so that initialising from a reward model copies its score head exactly.
     config.classifier_dropout = 0.0
     config.token_classification_bias = False
-    ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source), universal)
+    ds = build_ds_config(cfg, "value", world, dtype, _hidden_size(source), universal,
+                         autoep=autoep)
     model = load_value_model(source, config, ds,
                              **_load_kwargs(dtype, cfg.value.attn_implementation))
     model = _ready_to_train(model, dropped, cfg.value)
@@ -386,9 +391,12 @@ def reward_function(cfg: Config, world: int):
 
 
 def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
-                 reward_shares_tokenizer: bool = True) -> Engines:
+                 reward_shares_tokenizer: bool = True,
+                 autoep: frozenset[str] = frozenset()) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
-    `load_universal`: the trained roles will load a universal checkpoint (world size changed)."""
+    `load_universal`: the trained roles will load a universal checkpoint (world size, ZeRO
+    stage or expert-parallel size changed); `autoep`: trained roles built with AutoEP's layers
+    even at expert_parallel_size 1 (they resume a checkpoint that holds them so)."""
     # the SP groups of deepspeed.sequence_parallel_size consecutive ranks and the data-parallel
     # groups across them (engine/dist.py); size 1 resets them (a process that builds twice)
     sp_group = sequence_parallel.new_group(cfg.deepspeed.sequence_parallel_size)
@@ -410,14 +418,15 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
     cfg = stages.apply(cfg)
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
-                                                load_universal)
+                                                load_universal, autoep="policy" in autoep)
     value, value_src = None, None  # a critic-free estimator has no value model at all
     if cfg.ppo.uses_critic:
         value_src = _value_source(cfg, policy_path, value_arch, reward_shares_tokenizer)
         if dist.is_main():
             log.info("value model starts from %s", value_src)
         value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
-                                                 resolve_dtype(cfg.value.dtype), load_universal)
+                                                 resolve_dtype(cfg.value.dtype), load_universal,
+                                                 "value" in autoep)
     if reference_from_policy_base(cfg):  # no reference engine: the policy without adapters
         reference = lora.AdaptersOff(policy)
     else:

@@ -44,10 +44,12 @@ class JobEngines:
 
 
 def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
-                     total_steps: int, load_universal: bool = False) -> JobEngines:
+                     total_steps: int, load_universal: bool = False,
+                     autoep: bool = False) -> JobEngines:
     """Build the job's model (`job`: sft or rm) with an LR schedule of `total_steps` optimizer
     steps; a random-init policy.arch is materialised on rank 0 first (under output_dir).
-    `load_universal`: it will load a checkpoint saved at another world size."""
+    `load_universal`: it will load a checkpoint saved at another world size; `autoep`: with
+    AutoEP's layers even at expert_parallel_size 1 (`build_ds_config`)."""
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     stage = zero_stages(cfg, device, load_universal, job)  # auto by fit, as `ds-ppo plan --job`
@@ -64,11 +66,11 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
     batch = (section.micro_batch_size, job_accum_steps(cfg, job, world))
     if job == "sft":
         engine, ds = _init_policy(cfg, path, world, device, dtype, load_universal, batch,
-                                  total_steps)
+                                  total_steps, autoep)
         role = PolicyRole(engine)
     else:
         engine, ds = _init_scorer(cfg, path, world, device, dtype, batch, total_steps,
-                                  load_universal)
+                                  load_universal, autoep)
         role = ScorerRole(engine)
     role.aux_coef = moe.aux_coef(role.module.config, cfg.policy.moe_aux_loss_coef)
     lora_bases = {"policy": path} if cfg.policy.lora is not None else {}
@@ -79,7 +81,7 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
 
 
 def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple[int, int],
-                 total_steps: int, load_universal: bool = False):
+                 total_steps: int, load_universal: bool = False, autoep: bool = False):
     """A sequence-classification model (one label, no bias, as a reward model and the value
     head built from it are) from `path`'s backbone, inside a `LastTokenScorer`, trained."""
     from transformers import AutoModelForSequenceClassification
@@ -87,7 +89,8 @@ def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple
     from ds_ppo.engine.forward import LastTokenScorer
 
     config, dropped = _model_config(path, cfg.policy.disable_dropout, num_labels=1)
-    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), load_universal, batch)
+    ds = build_ds_config(cfg, "policy", world, dtype, _hidden_size(path), load_universal, batch,
+                         autoep)
     with _zero_init_for(ds):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, **_load_kwargs(dtype, cfg.policy.attn_implementation))

@@ -91,8 +91,9 @@ class PPOJob:
     def check_checkpoint(self, path: Path) -> None:
         check_estimator_family(path, self.cfg.ppo.advantage_estimator)
 
-    def build(self, cfg: Config, device: torch.device, universal: bool) -> Engines:
-        return init_engines(cfg, self.tokenizer, device, load_universal=universal,
+    def build(self, cfg: Config, device: torch.device, universal: bool,
+              autoep: frozenset[str] = frozenset()) -> Engines:
+        return init_engines(cfg, self.tokenizer, device, load_universal=universal, autoep=autoep,
                             reward_shares_tokenizer=self.reward_encode is None
                             or self.reward_encode.same)
 

@@ -25,13 +25,14 @@ import torch
 
 from ds_ppo import watchdog
 from ds_ppo.config import Config
+from ds_ppo.config.model_checks import expert_parallel_problems
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.checkpoint import (TrainerState, check_expert_parallel, ensure_universal,
+from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, expert_parallel_resume,
                                       find_resume, load_checkpoint, mark_best, read_in_flight,
                                       read_state, rng_state, stage_changed)
 from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
-from ds_ppo.errors import AlarmStop, Diverged, RegistrationError, RewardError
+from ds_ppo.errors import AlarmStop, ConfigError, Diverged, RegistrationError, RewardError
 from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
 from ds_ppo.run.preemption import Preempted, StopRequests
@@ -92,8 +93,10 @@ class Job(Protocol):
     def check_checkpoint(self, path: Path) -> None:
         """Refuse a checkpoint this job cannot continue (another job's, another estimator's)."""
 
-    def build(self, cfg: Config, device: torch.device, universal: bool):
-        """The engines (`universal`: they will load a checkpoint of another world size)."""
+    def build(self, cfg: Config, device: torch.device, universal: bool,
+              autoep: frozenset[str] = frozenset()):
+        """The engines (`universal`: they will load a checkpoint of another world size; `autoep`:
+        trained roles built with AutoEP's layers even at expert_parallel_size 1)."""
 
     def trained_roles(self) -> tuple[str, ...]:
         """The roles whose optimizer settings a resume takes from the config."""
@@ -143,9 +146,9 @@ def run(cfg: Config, job: Job) -> TrainResult:
     tokenizer, total = job.load_data(cfg, out)
     if job.known_total(cfg) is None and (done := _already_finished(cfg, job, total)) is not None:
         return done
-    resume_from, universal = _find_resume(cfg, job, device)
+    resume_from, universal, autoep = _find_resume(cfg, job, device)
     tracker = _open_tracker(cfg, resume_from)  # an unreachable server fails before models load
-    engines = job.build(cfg, device, universal)
+    engines = job.build(cfg, device, universal, autoep)
     _log_ds_configs(tracker, engines, resumed=resume_from is not None)
     tracker.log_params(lora.trainable_counts(engines))
     state = _start_or_resume(cfg, job, engines, resume_from, universal, total)
@@ -244,18 +247,26 @@ def _already_finished(cfg: Config, job: Job, total: int | None) -> TrainResult |
                        mlflow_run_id=state.mlflow_run_id)
 
 
-def _find_resume(cfg: Config, job: Job, device: torch.device) -> tuple[Path | None, bool]:
-    """The checkpoint to continue from (None: fresh start), and whether it must be loaded in
-    DeepSpeed's universal format: the data-parallel world size changed, or a trained role's
-    ZeRO stage moved to or from 3 (zero_stage auto on another GPU or config, or an explicit
-    change)."""
+def _find_resume(cfg: Config, job: Job, device: torch.device
+                 ) -> tuple[Path | None, bool, frozenset[str]]:
+    """The checkpoint to continue from (None: fresh start); whether it must be loaded in
+    DeepSpeed's universal format: the data-parallel world size changed, a trained role's
+    expert-parallel size changed, or its ZeRO stage moved to or from 3 (zero_stage auto on
+    another GPU or config, or an explicit change); and the trained roles to build with AutoEP's
+    layers whatever their expert-parallel size (the checkpoint holds them so)."""
     path = find_resume(cfg.output_dir, cfg.resume, cfg.checkpoint.verify)
     if path is None:
-        return None, False
+        return None, False, frozenset()
     job.check_checkpoint(path)  # before any model loads
-    check_expert_parallel(path, {r: n for r in job.trained_roles()
-                                 if (n := getattr(cfg.deepspeed, r).expert_parallel_size) > 1})
-    universal = read_state(path).world_size != dist.world_size()
+    autoep, ep_changed = expert_parallel_resume(path, {
+        r: n for r in job.trained_roles()
+        if (n := getattr(cfg.deepspeed, r).expert_parallel_size) > 1})
+    if problems := expert_parallel_problems(cfg, dist.world_size(), autoep):
+        raise ConfigError("; ".join(problems))
+    universal = read_state(path).world_size != dist.world_size() or ep_changed
+    if ep_changed and dist.is_main():
+        log.info("the expert-parallel size changed since %s was saved: loading it through a "
+                 "universal checkpoint", path)
     if not universal:
         changed = stage_changed(path, job.zero_stages(cfg, device))
         if changed and dist.is_main():
@@ -264,7 +275,7 @@ def _find_resume(cfg: Config, job: Job, device: torch.device) -> tuple[Path | No
         universal = bool(changed)
     if universal:
         ensure_universal(path)
-    return path, universal
+    return path, universal, autoep
 
 
 def _start_or_resume(cfg: Config, job: Job, engines, path: Path | None, universal: bool,

@@ -124,10 +124,12 @@ class SupervisedJob:
                               f"{'train' if saved.job == 'ppo' else saved.job}`, not of `ds-ppo "
                               f"{self.name}`; use another output_dir")
 
-    def build(self, cfg: Config, device: torch.device, universal: bool):
+    def build(self, cfg: Config, device: torch.device, universal: bool,
+              autoep: frozenset[str] = frozenset()):
         from ds_ppo.engine.supervised import init_job_engines
 
-        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total, universal)
+        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total, universal,
+                                autoep="policy" in autoep)
 
     def trained_roles(self) -> tuple[str, ...]:
         return ("policy",)

@@ -107,29 +107,53 @@ def test_moe_resume_is_exact_and_the_export_loads_in_plain_transformers(one_rank
         assert e["architectures"] == ["Qwen3MoeForCausalLM"] and e["per_expert_keys"] == 6
 
 
+def _resume_on_one_rank(work, name: str, extra: list[str], tmp_path) -> tuple[dict, object]:
+    """The two-rank run `name`'s iteration-1 checkpoint (ZeRO-3) resumed by one rank (DeepSpeed's
+    universal checkpoint) to iteration 2, its RESUME_BASE settings and `extra`: (iteration 2's
+    metrics, the run directory)."""
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    from dist_checks import BASE
+    from moe_checks import RESUME_BASE
+
+    run = tmp_path / name
+    shutil.copytree(work / name, run)
+    shutil.rmtree(run / "checkpoints" / "iter_000002")
+    shutil.rmtree(run / "final", ignore_errors=True)
+    (run / "checkpoints" / "latest").write_text("iter_000001\n")
+    rows = [r for r in read_metrics(run) if r["iteration"] == 1]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_cli(["train", *BASE, *RESUME_BASE, *extra, f"output_dir={run}", "iterations=2",
+             "resume=auto"], cwd=tmp_path)
+    return [r for r in read_metrics(run) if r["iteration"] == 2][-1], run
+
+
 def test_moe_two_rank_checkpoint_resumes_on_one_rank(one_rank, two_ranks, tmp_path):
     """The two-rank run's iteration-1 checkpoint (ZeRO-3) resumed by one rank (DeepSpeed's
     universal checkpoint): its iteration 2 equals the uninterrupted two-rank run's. Within
     5e-3: the load-balancing loss (on here, coefficient 0.001) of a micro-batch depends on
     which rows share it, which the world size changes (measured 1.2e-3 on loss/policy; a lost
     or doubled state would move the losses by tens of percent)."""
-    sys.path.insert(0, str(REPO / "tests" / "support"))
-    from dist_checks import BASE
-    from moe_checks import QWEN
-
     res, work = two_ranks
-    run = tmp_path / "split"
-    shutil.copytree(work / "split", run)
-    shutil.rmtree(run / "checkpoints" / "iter_000002")
-    (run / "checkpoints" / "latest").write_text("iter_000001\n")
-    rows = [r for r in read_metrics(run) if r["iteration"] == 1]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_cli(["train", *BASE, *QWEN, f"output_dir={run}",
-            "generation.temperature=0", "ppo.micro_batch_size=4", "checkpoint.every=1",
-            "checkpoint.keep_last=3", "iterations=2", "resume=auto"], cwd=tmp_path)
-    second = [r for r in read_metrics(run) if r["iteration"] == 2][-1]
+    second, _ = _resume_on_one_rank(work, "split", [], tmp_path)
     whole = res["resume_export"]["whole"]
     assert not _close(whole, {k: second[k] for k in whole}, rel=5e-3)
+
+
+def test_expert_parallel_checkpoint_resumes_on_one_rank_at_expert_parallel_size_1(
+        two_ranks, tmp_path):
+    """The expert-parallel run's iteration-1 checkpoint (2 ranks, EP 2 for policy and critic)
+    resumed by one rank without expert parallelism: the roles are built with AutoEP's layers at
+    size 1 (the checkpoint's parameter names are AutoEP's) and load through the universal
+    checkpoint, which gathers each layer's experts; iteration 2 equals the uninterrupted EP 2
+    run's within the world-size tolerance above (measured 1.2e-3 on loss/policy), and the new
+    checkpoint records EP size 1, so it resumes again with AutoEP's layers."""
+    res, work = two_ranks
+    second, run = _resume_on_one_rank(work, "ep_split", ["deepspeed.policy.offload_optimizer=true"],
+                                      tmp_path)
+    ep = res["ep_resume_export"]["resumed"]
+    assert not _close(ep, {k: second[k] for k in ep}, rel=5e-3)
+    state = json.loads((run / "checkpoints" / "iter_000002" / "trainer_state.json").read_text())
+    assert state["expert_parallel"] == {"policy": 1, "value": 1} and state["world_size"] == 1
 
 
 def test_a_rank_whose_tokens_skip_experts_does_not_hang(one_rank, two_ranks):

@@ -72,29 +72,43 @@ def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
     assert registry.get(model.model) == own
 
 
-def test_a_checkpoint_resumes_only_at_its_expert_parallel_and_world_size(tmp_path):
-    """A checkpoint records its roles' expert-parallel sizes; a resume with another size, or
-    another world size while expert parallelism is on, stops with one line naming both."""
+def test_an_expert_parallel_checkpoint_resumes_at_any_expert_parallel_size(tmp_path):
+    """A checkpoint records its roles built with AutoEP's layers and their sizes: a resume
+    builds those roles with AutoEP whatever its size (1 included: the checkpoint's parameter
+    names are AutoEP's), through the universal checkpoint where a size changed; a role saved
+    without expert parallelism cannot resume with it (one line naming the key and the fix)."""
     import json
 
-    from ds_ppo.engine.checkpoint import check_expert_parallel
+    from ds_ppo.engine.checkpoint import expert_parallel_resume
+    from ds_ppo.engine.ds_config import build_ds_config
 
-    def saved(ep: dict, world: int):
+    def saved(ep: dict):
         (tmp_path / "trainer_state.json").write_text(json.dumps(
-            {"world_size": world, "expert_parallel": ep}))
+            {"world_size": 2, "expert_parallel": ep}))
         return tmp_path
 
-    check_expert_parallel(saved({}, 2), {})  # no expert parallelism: any world size
-    check_expert_parallel(saved({"policy": 2}, 1), {"policy": 2})  # this process: world size 1
-    with pytest.raises(ConfigError, match=r"saved with deepspeed.policy.expert_parallel_size = "
-                       r"2 on world size 2; this run has deepspeed.policy.expert_parallel_size "
-                       r"= 2 on world size 1: resume it with the world size and "
-                       r"expert_parallel_size it was saved with"):
-        check_expert_parallel(saved({"policy": 2}, 2), {"policy": 2})
-    with pytest.raises(ConfigError, match="this run has no expert parallelism"):
-        check_expert_parallel(saved({"policy": 2}, 1), {})
-    with pytest.raises(ConfigError, match="saved with no expert parallelism"):
-        check_expert_parallel(saved({}, 1), {"value": 2})
+    assert expert_parallel_resume(saved({}), {}) == (frozenset(), False)
+    assert expert_parallel_resume(saved({"policy": 2}), {"policy": 2}) == ({"policy"}, False)
+    assert expert_parallel_resume(saved({"policy": 2, "value": 2}), {}) == (
+        {"policy", "value"}, True)
+    assert expert_parallel_resume(saved({"policy": 1}), {"policy": 4}) == ({"policy"}, True)
+    assert expert_parallel_resume(saved({"policy": 1}), {}) == ({"policy"}, False)
+    with pytest.raises(ConfigError, match=r"saved without expert parallelism for value; this "
+                       r"run has deepspeed.value.expert_parallel_size = 2: resume it with "
+                       r"deepspeed.<role>.expert_parallel_size=1"):
+        expert_parallel_resume(saved({"policy": 2}), {"policy": 2, "value": 2})
+    cfg = load_config(None, [QWEN, *BATCH])  # expert_parallel_size 1
+    from ds_ppo.config.model_checks import expert_parallel_problems
+
+    sp = load_config(None, [QWEN, *BATCH, "deepspeed.sequence_parallel_size=2"])
+    assert expert_parallel_problems(sp, 4) == []
+    assert expert_parallel_problems(sp, 4, frozenset({"policy"})) == [
+        "the policy resumed from an expert-parallel checkpoint (AutoEP's layers, N = 1) does "
+        "not combine with deepspeed.sequence_parallel_size > 1: drop one (expert parallelism: "
+        "start a new run from the checkpoint's export, its hf directory)"]
+    assert "expert_parallel" not in build_ds_config(cfg, "policy", 1, torch.float32, 32)
+    assert build_ds_config(cfg, "policy", 1, torch.float32, 32, True, autoep=True)[
+        "expert_parallel"] == {"enabled": True, "autoep_size": 1}
 
 
 def test_generation_without_a_replica_is_refused_for_an_expert_parallel_policy(monkeypatch):

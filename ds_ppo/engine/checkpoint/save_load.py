@@ -216,35 +216,36 @@ def stage_changed(path: Path, stages: dict[str, int]) -> list[str]:
 
 
 def _expert_parallel(engines) -> dict[str, int]:
-    """The trained roles that run expert parallelism, with their size (TrainerState)."""
-    from ds_ppo.engine.moe import ep_size
+    """The trained roles built with AutoEP's layers, with their expert-parallel size (1 included:
+    a role resumed at size 1 from an expert-parallel checkpoint keeps AutoEP's parameter names)
+    (TrainerState)."""
+    from ds_ppo.engine.moe import ep_layers, ep_size
 
-    sizes = {role: ep_size(getattr(engines, role).module) for role in TRAINED_ROLES
-             if getattr(engines, role, None) is not None}
-    return {role: n for role, n in sizes.items() if n > 1}
+    return {role: ep_size(engine.module) for role in TRAINED_ROLES
+            if (engine := getattr(engines, role, None)) is not None and ep_layers(engine.module)}
 
 
-def check_expert_parallel(path: Path, sizes: dict[str, int]) -> None:
-    """Refuse to resume a checkpoint across a change of expert parallelism: another
-    deepspeed.<role>.expert_parallel_size (`sizes`: this run's, role -> size > 1) or, with
-    expert parallelism on either side, another world size. The checkpoint holds AutoEP's layers
-    (E / N experts per rank, under AutoEP's names), which a model built without AutoEP does not
-    take, and a change of N or world size would go through a universal checkpoint that no
-    expert-parallel run has been checked on."""
-    state = read_state(path)
-    saved = state.expert_parallel
-    if saved == sizes and (not sizes or state.world_size == dist.world_size()):
-        return
+def expert_parallel_resume(path: Path, sizes: dict[str, int]) -> tuple[frozenset[str], bool]:
+    """How checkpoint `path` resumes under this run's deepspeed.<role>.expert_parallel_size
+    (`sizes`: role -> size > 1): (the trained roles to build with AutoEP's layers, at their
+    configured size, 1 included: those the checkpoint holds as AutoEP layers, whose parameter
+    names a model without them does not take; whether the load must go through DeepSpeed's
+    universal checkpoint, which re-slices the experts: a role's expert-parallel size changed).
 
-    def said(d):
-        return (", ".join(f"deepspeed.{r}.expert_parallel_size = {n}" for r, n in d.items())
-                or "no expert parallelism")
-
-    raise ConfigError(
-        f"{path} was saved with {said(saved)} on world size {state.world_size}; this run has "
-        f"{said(sizes)} on world size {dist.world_size()}: resume it with the world size and "
-        "expert_parallel_size it was saved with (another expert-parallel size or world size "
-        "is not supported), or start a new run from its export (the hf directory)")
+    Raises:
+        ConfigError: a role runs expert parallelism here but was saved without it (the
+            checkpoint holds the Hugging Face names, which AutoEP's layers do not take).
+    """
+    saved = read_state(path).expert_parallel
+    missing = {r: n for r, n in sizes.items() if r not in saved}
+    if missing:
+        keys = ", ".join(f"deepspeed.{r}.expert_parallel_size = {n}" for r, n in missing.items())
+        raise ConfigError(
+            f"{path} was saved without expert parallelism for {', '.join(missing)}; this run "
+            f"has {keys}: resume it with deepspeed.<role>.expert_parallel_size=1, or start a new "
+            "run from its export (the hf directory) with expert parallelism")
+    changed = any(sizes.get(r, 1) != n for r, n in saved.items())
+    return frozenset(saved), changed
 
 
 def mark_best(path: Path) -> None:
@@ -276,7 +277,7 @@ def ensure_universal(path: Path) -> None:
             target = path / role / UNIVERSAL_TAG
             if target.exists():
                 continue
-            log.info("converting %s to a universal checkpoint (world size changed)", path / role)
+            log.info("converting %s to a universal checkpoint", path / role)
             tmp = path / role / (UNIVERSAL_TAG + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             start = time.perf_counter()
