@@ -37,6 +37,15 @@ def response_mask(tokens: torch.Tensor, eos_token_ids: int | Sequence[int]) -> t
     return eos_before == 0
 
 
+def counted_tokens(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
+    """One response's tokens that count, as a list (`response_mask` of one row): up to and
+    including the first EOS; all of them without one."""
+    for k, t in enumerate(tokens):
+        if t in eos_token_ids:
+            return tokens[:k + 1]
+    return tokens
+
+
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """(B, T) mask -> (B,) long index of the last True position of each row; -1 for empty rows.
 

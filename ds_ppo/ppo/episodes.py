@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_ppo.algo.masks import counted_tokens
 from ds_ppo.config import Config, GenerationConfig
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet, left_pad
@@ -185,9 +186,8 @@ class TurnSteps:
         ids, actions = [], []
         for k, toks in zip(rows, tokens):
             i = self.live[k]
-            end = next((n + 1 for n, t in enumerate(toks) if t in self.eos), len(toks))
             ids.append(i)
-            actions.append(self.action_of(i, toks[:end]))
+            actions.append(self.action_of(i, counted_tokens(toks, self.eos)))
         call = self.pool.submit(self.env.step, self.episodes, ids, actions, self.turn)
         self.started.update((i, (a, call, n)) for n, (i, a) in enumerate(zip(ids, actions)))
 

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 from ds_ppo import watchdog
+from ds_ppo.algo.masks import counted_tokens
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.errors import UserError
@@ -71,7 +72,7 @@ class RewardStream:
         eos = set(eos_ids)
 
         def on_done(rows: list[int], tokens: list[list[int]]) -> None:
-            counted = [_counted(t, eos) for t in tokens]
+            counted = [counted_tokens(t, eos) for t in tokens]
             prompts, responses = decode_responses(tokenizer, [prompt_ids[i] for i in rows],
                                                   counted)
             self.add(rows, prompts, responses, [extras[i] for i in rows])
@@ -145,11 +146,3 @@ class RewardStream:
             return RewardCall([], error, seconds, retries)
         return RewardCall([self.scored[i][2] for i in range(len(rollout))], None, seconds,
                           retries)
-
-
-def _counted(tokens: list[int], eos: set[int]) -> list[int]:
-    """A response's counted tokens: up to and including its first EOS (`response_mask`)."""
-    for k, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:k + 1]
-    return tokens

@@ -80,6 +80,11 @@ def test_response_mask_first_eos_inclusive_any_eos_id():
     assert torch.equal(response_mask(tokens, 2)[0], expected[0])
     with pytest.raises(ValueError):
         response_mask(tokens, [])
+    # the list form, for one response at a time: each row's tokens that the mask keeps
+    from ds_ppo.algo.masks import counted_tokens
+
+    assert [counted_tokens(row, set(eos_ids)) for row in tokens.tolist()] == [
+        row[:int(m.sum())] for row, m in zip(tokens.tolist(), expected)]
 
 
 def test_mask_from_lengths_and_last_valid_index():
