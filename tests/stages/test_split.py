@@ -40,19 +40,22 @@ def bridge(monkeypatch):
     return inbox
 
 
-def _sync(bridge, version: int):
-    """One weight sync of a small policy: (the policy, the generation side's replica, its error,
-    the training side's error)."""
-    model = small_llama()
+def _pair(model):
+    """A training rank's side of a split placement for the policy `model` (its setup message
+    taken) and a generation rank's worker, over the test's bridge."""
     engines = SimpleNamespace(policy=SimpleNamespace(module=model), dtype=torch.float32,
                               reward_fn=None, device=torch.device("cpu"))
-    run = SimpleNamespace(engines=engines, prompts=None, tokenizer=None, eos_ids=[2])
-    remote = split.RemoteWorker(run)
+    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
+                                                eos_ids=[2]))
     setup = dist.bridge_recv(0)
     assert setup["op"] == "setup" and setup["dtype"] == torch.float32
     worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
-    errors = {}
+    return remote, worker
 
+
+def _sync_once(remote, worker, version: int, errors: dict) -> int | None:
+    """One weight sync of `version`, the generation rank's side on a thread: the bytes the
+    training side sent (None when it stopped); each side's WeightSyncError into `errors`."""
     def generation_rank():
         try:
             split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
@@ -62,11 +65,22 @@ def _sync(bridge, version: int):
 
     thread = threading.Thread(target=generation_rank)
     thread.start()
+    sent = None
     try:
-        remote.sync(version)
+        sent = remote.sync(version)
     except WeightSyncError as e:
         errors["training"] = str(e)
     thread.join(60)
+    return sent
+
+
+def _sync(bridge, version: int):
+    """One weight sync of a small policy: (the policy, the generation side's replica, each
+    side's error)."""
+    model = small_llama()
+    remote, worker = _pair(model)
+    errors = {}
+    _sync_once(remote, worker, version, errors)
     return model, worker.replica, errors
 
 
@@ -111,12 +125,7 @@ def _lora_syncs(versions, output_head: bool = True):
     from ds_ppo.engine.lora import add_adapters
 
     model = add_adapters(small_llama(), LoraConfig(r=4), seed=1, output_head=output_head)
-    engines = SimpleNamespace(policy=SimpleNamespace(module=model), dtype=torch.float32,
-                              reward_fn=None, device=torch.device("cpu"))
-    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
-                                                eos_ids=[2]))
-    dist.bridge_recv(0)  # setup
-    worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
+    remote, worker = _pair(model)
     sent, errors = [], {}
     for k, version in enumerate(versions):
         if k:  # as an optimizer step would: every trained parameter moves
@@ -124,21 +133,9 @@ def _lora_syncs(versions, output_head: bool = True):
                 for p in model.parameters():
                     if p.requires_grad:
                         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
-
-        def generation_rank():
-            try:
-                split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
-                                       torch.device("cpu"))
-            except WeightSyncError as e:
-                errors["generation"] = str(e)
-
-        thread = threading.Thread(target=generation_rank)
-        thread.start()
-        try:
-            sent.append(remote.sync(version))
-        except WeightSyncError as e:
-            errors["training"] = str(e)
-        thread.join(60)
+        got = _sync_once(remote, worker, version, errors)
+        if got is not None:
+            sent.append(got)
     return model, worker.replica, sent, errors
 
 
