@@ -599,15 +599,21 @@ def run_scenarios(scenarios: dict, args, tag: str) -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-def main() -> None:
+def scenario_args() -> tuple[argparse.Namespace, Path]:
+    """A scenario script's arguments (--out, --work, --only; the launcher's --local_rank) and
+    its work directory, with the process group started."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--local_rank", type=int, default=None)
     parser.add_argument("--only", default=None, help="comma-separated scenarios (development)")
     args = parser.parse_args()
-    work = Path(args.work)
     init_distributed()
+    return args, Path(args.work)
+
+
+def main() -> None:
+    args, work = scenario_args()
     grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
                          "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean"]
     rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",

@@ -9,7 +9,6 @@ rank). Rank 0 writes one JSON object of results.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,10 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_checks import (GROUP_BASE, GROUP_KEYS, LOSS_KEYS, cfg_for, first_update,  # noqa: E402
-                         group_update, run_scenarios, supervised_steps)
+                         group_update, run_scenarios, scenario_args, supervised_steps)
 
 from ds_ppo.engine import dist  # noqa: E402
-from ds_ppo.engine.dist import init_distributed  # noqa: E402
 from ds_ppo.trainer import train  # noqa: E402
 
 sys.modules.setdefault("moe_checks", sys.modules[__name__])
@@ -186,14 +184,7 @@ def _per_expert_keys(path: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--local_rank", type=int, default=None)
-    parser.add_argument("--only", default=None, help="comma-separated scenarios (development)")
-    args = parser.parse_args()
-    work = Path(args.work)
-    init_distributed()
+    args, work = scenario_args()
     z3 = ["ppo.micro_batch_size=4"]
     grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
                          "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean",
