@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, decode_on_replica, generate
 from ds_ppo.envs.base import EnvFailed, Step
 from ds_ppo.rewards.encode import decode_responses
+from ds_ppo.thread_pools import shared_pool
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,6 @@ def _action(tokenizer, s: EpisodeSettings, context: list[int], used: int, toks: 
     return toks, cut, decode_responses(tokenizer, [context], [toks])[1][0]
 
 
-_STEP_POOLS: dict[int, ThreadPoolExecutor] = {}  # by env.concurrency: environment-step threads
-
-
 class TurnSteps:
     """The environment steps of one turn: the episodes whose turns the decoding loop finds
     ended at one check are stepped together as soon as it hands them in (`on_done`, each action
@@ -176,10 +174,7 @@ class TurnSteps:
         self.eos, self.action_of = set(eos_ids), action_of
         # episode -> (action, the call stepping it, its place in that call)
         self.started: dict[int, tuple[str, Future, int]] = {}
-        size = env.cfg.concurrency
-        if size not in _STEP_POOLS:
-            _STEP_POOLS[size] = ThreadPoolExecutor(size, thread_name_prefix="ds_ppo-env-step")
-        self.pool = _STEP_POOLS[size]
+        self.pool = shared_pool("env-step", env.cfg.concurrency)
 
     def on_done(self, rows: list[int], tokens: list[list[int]]) -> None:
         """The decoding loop's hand-in: rows (indices into `live`) whose turn has ended."""

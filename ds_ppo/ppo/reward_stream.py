@@ -28,14 +28,12 @@ from ds_ppo.engine import dist
 from ds_ppo.errors import UserError
 from ds_ppo.ppo.scoring import RewardCall, RewardCallSettings, call_reward_rows
 from ds_ppo.rewards.encode import decode_responses
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # by size: the process's reward-call threads
+from ds_ppo.thread_pools import shared_pool
 
 
 def _pool(size: int) -> ThreadPoolExecutor:
-    if size not in _POOLS:
-        _POOLS[size] = ThreadPoolExecutor(size, thread_name_prefix="ds_ppo-reward-stream")
-    return _POOLS[size]
+    """The process's reward-call threads."""
+    return shared_pool("reward-stream", size)
 
 
 def reward_stream(s: RewardCallSettings, fn) -> RewardStream | None:
