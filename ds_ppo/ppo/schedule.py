@@ -40,6 +40,7 @@ from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
 from ds_ppo.engine.lora import trained_bytes
+from ds_ppo.engine.side_stream import SideStream
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, agree_on_episodes
 from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
@@ -80,6 +81,7 @@ class RolloutSchedule:
             cfg, run.prompts, run.tokenizer, run.eos_ids, device, run.engines.reward_fn,
             self.lag, run.env)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ds_ppo-rollout")
+        self.side = SideStream(device)  # the worker's CUDA stream (colocated, on a GPU)
         self.busy_s = 0.0  # this iteration's worker time
         self.sync_s, self.sync_bytes = 0.0, 0
         self.t_start = 0.0
@@ -96,6 +98,7 @@ class RolloutSchedule:
         current = iteration - 1
         acc.add_mean("async/queue_depth", float(len(self.buffer)), 1)
         got = self.buffer.pop(iteration, None)
+        self.side.adopt(got)  # decoded on the worker's stream, used on this one from now on
         # a rollout for an earlier iteration is never used (only after a resume with a
         # checkpoint of other settings)
         self.buffer = {j: b for j, b in self.buffer.items() if j > iteration}
@@ -146,8 +149,9 @@ class RolloutSchedule:
         if self.remote is not None:
             self.pending = self.remote.submit_batch(work, version, self.generator)
         else:
-            self.pending = self.pool.submit(self.worker.produce_batch, work, version,
-                                            self.generator)
+            self.side.handoff()
+            self.pending = self.pool.submit(self.side.run, self.worker.produce_batch, work,
+                                            version, self.generator)
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
         """After the update: the rollouts started beside this iteration finished and buffered,

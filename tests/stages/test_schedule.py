@@ -291,3 +291,38 @@ def test_calculator_episodes_resume_exactly(tmp_path):
     assert _column(split, "async/staleness_mean") == [0.0, 1.0, 1.0]
     assert _column(split, "async/regenerated") == [0.0] * 3
     assert all(r["env/calls"] > 0 for r in b)
+
+
+def test_colocated_worker_decodes_on_its_side_stream(tmp_path, monkeypatch):
+    """The worker's batches run through the side stream's `run`, each after a `handoff` on the
+    training thread, and every buffered rollout taken is adopted by the training stream."""
+    import threading
+
+    from ds_ppo.engine import side_stream
+    from ds_ppo.ppo import schedule
+
+    calls = []
+
+    class Spy(side_stream.SideStream):
+        def handoff(self):
+            calls.append(("handoff", threading.current_thread() is threading.main_thread()))
+            super().handoff()
+
+        def run(self, fn, *args):
+            calls.append(("run", threading.current_thread() is threading.main_thread(),
+                          fn.__name__))
+            return super().run(fn, *args)
+
+        def adopt(self, *values):
+            if values[0] is not None:
+                calls.append(("adopt", values[0].iteration))
+            super().adopt(*values)
+
+    monkeypatch.setattr(schedule, "SideStream", Spy)
+    _train(tmp_path, "iterations=3", *ASYNC2)
+    runs = [c for c in calls if c[0] == "run"]
+    assert runs and all(c == ("run", False, "produce_batch") for c in runs)  # worker thread
+    for k, c in enumerate(calls):  # every run follows a handoff made on the training thread
+        if c[0] == "run":
+            assert calls[k - 1] == ("handoff", True)
+    assert [c[1] for c in calls if c[0] == "adopt"] == [2, 3]  # iteration 1 is made on take
