@@ -23,6 +23,12 @@ running: what is in flight is up to max_staleness finished rollouts (each with i
 its reward call) and the worker's random stream. `state_dict` is that; a checkpoint holds it
 (per rank), so a resumed run generates and trains on exactly what the uninterrupted one would.
 The replica is always refreshed before it generates, so a checkpoint needs none of its weights.
+
+With ppo.partial_rollouts (async, max_staleness N >= 2) every iteration refreshes the replica and
+the worker decodes the next segment of each of the N rollouts in flight (`algo.choices.
+partial_plan`, ppo/partial.py): a sequence keeps its tokens across a weight update and continues
+with the new weights. What is in flight then also holds the rollouts decoded in part (`Partial`:
+tokens, sampler log-probs and versions so far), saved with the rest.
 """
 from __future__ import annotations
 
@@ -198,11 +204,12 @@ class RolloutSchedule:
                 self.partial[j] = part
                 continue
             work.append((j, self.prompts_of(j), part, segments))
-        if not work:
-            return
+        # collective, so on every rank alike: a rank whose rows all ended early may have no work
         version = iteration - 1
         if version != self.replica_version:
             self._sync(version)
+        if not work:
+            return
         self.pending = self.pool.submit(self.worker.advance, work, version, self.max_staleness,
                                         self.generator)
 
@@ -273,8 +280,9 @@ class RolloutSchedule:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What a checkpoint after the last finished iteration holds for this rank: every
-        buffered rollout (with its version and reward call) and the worker's random stream.
-        No replica weights: the replica is refreshed before it generates again."""
+        buffered rollout (with its version and reward call), the rollouts decoded in part
+        (ppo.partial_rollouts) and the worker's random stream. No replica weights (nor KV
+        cache): the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "placement": self.run.cfg.ppo.placement, "completed": self.completed,
                 "buffer": [k for b in self.buffer.values() if (k := _kept(b)) is not None],
