@@ -108,7 +108,7 @@ def partial_rollout(part: Partial, prompts: PromptSet, gen_cfg, tokenizer, eos_i
     eos = torch.tensor(eos_ids, device=response.device)
     gen = Generated(response_ids=response, mask=mask,
                     ended=(mask & torch.isin(response, eos)).any(dim=1), loop="own",
-                    decode_stats=list(part.stats),
+                    decode_stats=[_joined(part.stats, len(part.indices))],
                     logprobs=part.logprobs[:, :width].masked_fill(~mask, 0.0),
                     sampling=sampling_shape(gen_cfg, eos_ids, pad_id))
     prompt_ids = [prompts.input_ids[i] for i in part.indices]
@@ -118,3 +118,14 @@ def partial_rollout(part: Partial, prompts: PromptSet, gen_cfg, tokenizer, eos_i
                                am.to(device).bool(), gen, tokenizer)
     rollout.token_versions = part.versions[:, :width].masked_fill(~mask, -1)
     return rollout, gen
+
+
+def _joined(stats: list[DecodeStats], rows: int) -> DecodeStats:
+    """The decoding calls of a rollout's segments as one call over its `rows` (each row counted
+    once, its token positions in every segment: generation/slot_utilisation)."""
+    return DecodeStats(steps=sum(st.steps for st in stats),
+                       graph=bool(stats) and all(st.graph for st in stats),
+                       graph_error=next((st.graph_error for st in stats if st.graph_error), None),
+                       slots=max((st.slots for st in stats), default=0), rows=rows,
+                       slot_steps=sum(st.slot_steps for st in stats),
+                       refills=sum(st.refills for st in stats))

@@ -130,6 +130,8 @@ def test_partial_resume_continues_exactly(tmp_path):
     assert all(0 < x <= 0.5 for x in _column(split, "async/continued_token_share")[2:])
     assert all(1 < x < 2 for x in _column(split, "async/token_staleness_mean")[2:])
     assert _column(split, "async/regenerated") == [0.0] * 5
+    # a rollout's segments count as one decoding of its rows
+    assert all(0 < x <= 1 for x in _column(split, "generation/slot_utilisation"))
 
 
 @pytest.mark.parametrize("overrides,names", [
