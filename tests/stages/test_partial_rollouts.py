@@ -134,6 +134,23 @@ def test_partial_resume_continues_exactly(tmp_path):
     assert all(0 < x <= 1 for x in _column(split, "generation/slot_utilisation"))
 
 
+def test_every_iteration_syncs_on_every_rank():
+    """The weight sync is collective: every rank takes part in it beside every iteration,
+    whatever it has left to decode (here nothing: the rollouts of the plan are buffered
+    already, ended early or held by a checkpoint)."""
+    from ds_ppo.ppo.schedule import RolloutSchedule
+
+    s = RolloutSchedule.__new__(RolloutSchedule)
+    s.max_staleness = s.lag = 2
+    s.replica_version, s.pending, s.partial = 0, None, {}
+    s.buffer = {3: SimpleNamespace(version=0), 4: SimpleNamespace(version=1)}
+    s.prompts_of = lambda j: [j]
+    synced: list[int] = []
+    s._sync = synced.append
+    s._start_segments(2)
+    assert synced == [1] and s.pending is None
+
+
 @pytest.mark.parametrize("overrides,names", [
     (["ppo.partial_rollouts=true"], ["ppo.schedule = 'sync'", "ppo.schedule=async",
                                      "ppo.max_staleness >= 2", "ppo.partial_rollouts=false"]),
