@@ -98,6 +98,46 @@ def test_two_segments_equal_one_decoding_call():
     assert (part.versions[ended] <= 0).all() and (part.versions[~ended][:, K] == 1).all()
 
 
+class _Tokens:
+    """A tokenizer's decode for the tiny model's ids (pad and EOS skipped as special)."""
+
+    pad_token_id = PAD
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(t) for t in ids if t not in (PAD, EOS))
+
+
+def test_a_partial_rollout_is_the_rollout_of_one_decoding_call():
+    """Same weights and stream: the `Rollout` assembled from three segments equals the one
+    `replica_rollout` decodes in one go (ids, masks, log-probs, texts, lengths), two samples
+    per prompt; its `token_versions` say which segment sampled each token."""
+    from ds_ppo.data.prompts import PromptSet
+    from ds_ppo.ppo.partial import partial_rollout
+    from ds_ppo.ppo.rollout import RolloutSettings, replica_rollout
+
+    model = tiny_llama()
+    ids, mask = _prompts(3, 5)
+    prompts = PromptSet([ids[b][mask[b]].tolist() for b in range(3)], ["", "", ""])
+    stops = list(range(1, 30))
+    cfg = GenerationConfig(max_new_tokens=9, temperature=1.0, min_new_tokens=6)
+    one, _ = replica_rollout(prompts, [2, 0, 1], model, RolloutSettings(2, cfg), _Tokens(),
+                             stops, ids.device, torch.Generator().manual_seed(5))
+    part = start_partial(4, [2, 0, 1], 2, 9, PAD, ids.device)
+    g = torch.Generator().manual_seed(5)
+    for s in (1, 2, 3):
+        continue_partial(part, s, 3, model, prompts, cfg, stops, PAD, s, g)
+    got, _ = partial_rollout(part, prompts, cfg, _Tokens(), stops)
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "mask", "ended",
+                "rollout_logprobs"):
+        assert torch.equal(getattr(got, key), getattr(one, key)), key
+    assert (got.responses, got.response_lens, got.prompts) == (one.responses, one.response_lens,
+                                                               one.prompts)
+    assert got.sampling == one.sampling and len(set(got.response_lens)) > 1
+    by_segment = (torch.arange(got.mask.shape[1]) // 3 + 1).expand_as(got.mask)
+    assert torch.equal(got.token_versions[got.mask], by_segment[got.mask].int())
+    assert (got.token_versions[~got.mask] == -1).all()
+
+
 def test_partial_resume_continues_exactly(tmp_path):
     """async 2 with partial rollouts: the checkpoint after iteration 3 holds iteration 4's
     rollout (first half from version 1, second from version 2) and iteration 5's first half
