@@ -163,3 +163,23 @@ def rollout_batch(schedule: str, max_staleness: int, iteration: int) -> range:
     if every == 0 or (iteration - 1) % every:
         return range(0)
     return range(iteration + 1, iteration + every + 1)
+
+
+def partial_plan(max_staleness: int, iteration: int) -> list[tuple[int, int]]:
+    """ppo.partial_rollouts (async, N = max_staleness >= 2): beside `iteration` j, from the
+    weights j started from (version j - 1), the worker decodes the next segments of the
+    rollouts of iterations j + 1 .. j + N. Returns (rollout iteration t, segments of it decoded
+    once j's part is done) pairs in iteration order: min(N, j + N + 1 - t). A rollout's N
+    segments are therefore decoded beside iterations t - N .. t - 1 (at iteration 1, the
+    segments of earlier ones too), each from the weights of that iteration, so a token is 1 to
+    N updates old when it trains and its version rises along the response. Fixed by the
+    schedule, never by timing."""
+    n = max_staleness
+    return [(t, min(n, iteration + n + 1 - t)) for t in range(iteration + 1, iteration + n + 1)]
+
+
+def segment_end(max_new_tokens: int, max_staleness: int, segments: int) -> int:
+    """Response tokens decoded once `segments` of a partial rollout's max_staleness segments are
+    (ppo.partial_rollouts): the first ceil(s * max_new_tokens / max_staleness) tokens, so the
+    segments differ in length by at most one token and the last ends at max_new_tokens."""
+    return -(-segments * max_new_tokens // max_staleness)

@@ -214,10 +214,12 @@ def _schedule_table(result: dict) -> str:
              f"{s['new_tokens']} new tokens, reward {s['reward']}"
              + (f" answering after {s['reward_latency']:g} s" if s.get("reward_latency") else "")
              + f", {s['iterations']} timed iteration(s) after {s['warmup']} warm-up", "",
-             "| schedule | iterations/hour | vs first | step 1 wait s | scoring s | update s |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| schedule | iterations/hour | vs first | step 1 wait s | scoring s | update s "
+             "| token staleness |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["schedules"]:
         lines.append(f"| {r['schedule']} | {r['iterations_per_hour']:.0f} | "
                      f"{r['vs_first']:.2f}x | {r['generation_s']:.2f} | "
-                     f"{r.get('scoring_s', float('nan')):.2f} | {r['training_s']:.2f} |")
+                     f"{r.get('scoring_s', float('nan')):.2f} | {r['training_s']:.2f} | "
+                     f"{r.get('token_staleness', float('nan')):.2f} |")
     return "\n".join(lines)

@@ -118,8 +118,11 @@ def _ppo_iterations(cfg, engines, tok, s: dict) -> list[dict]:
             return measured(engines.device, rec.setdefault(_RECORD[phase], {}))
 
         t0 = time.perf_counter()
-        exp, gen = run_iteration(inputs, it + 1, indices, cfg.ppo.kl_coef, Accumulator(), timed)
+        acc = Accumulator()
+        exp, gen = run_iteration(inputs, it + 1, indices, cfg.ppo.kl_coef, acc, timed)
         rec["seconds"] = time.perf_counter() - t0
+        if cfg.ppo.schedule != "sync":  # every rank reduces (the same metrics on each)
+            rec["token_staleness"] = acc.reduce().get("async/token_staleness_mean", 0.0)
         rec["generation"].update(_loop_info(gen))
         rec["generation"]["new_tokens"] = int(exp.rollout.mask.sum())
         rec["generation"]["width"] = int(exp.rollout.response_ids.shape[1])
@@ -164,7 +167,10 @@ def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict
                      "scoring_s": sum(r["scoring"]["seconds"] for r in records
                                       if not r["warmup"]) / len(timed),
                      "training_s": sum(r["training"]["seconds"] for r in records
-                                       if not r["warmup"]) / len(timed)})
+                                       if not r["warmup"]) / len(timed),
+                     # response tokens' mean staleness over the timed iterations (sync: 0)
+                     "token_staleness": sum(r.get("token_staleness", 0.0) for r in records
+                                            if not r["warmup"]) / len(timed)})
         del engines
     for r in rows:
         r["vs_first"] = r["iterations_per_hour"] / rows[0]["iterations_per_hour"]

@@ -155,6 +155,15 @@ class PPOConfig(Section):
         "lag the weights it trains (0: generated after the previous update, the same updates as "
         "sync); a buffered sample older than this after a resume is regenerated "
         "(metric async/regenerated).")
+    partial_rollouts: bool = Field(
+        False, description="schedule=async with max_staleness N >= 2: every iteration refreshes "
+        "the replica and the worker decodes the next segment (max_new_tokens / N tokens) of "
+        "each of the N rollouts in flight, so a sequence keeps its tokens across a weight update "
+        "and continues with the new weights (its KV cache rebuilt by a prefill of prompt and "
+        "tokens so far). Each token records the version that sampled it and its sampler "
+        "log-prob, which ppo.rollout_correction uses per token; tokens are 1 to N updates old, "
+        "later tokens newer. Not with placement=split, an env section or ppo.router_replay "
+        "(docs/ASYNC.md, Partial rollouts).")
     placement: Placement = Field(
         "colocated", description="Which ranks generate (docs/ASYNC.md): colocated = every rank "
         "trains and, under an off-policy schedule, generates in a background worker on a 16-bit "
@@ -258,4 +267,21 @@ class PPOConfig(Section):
                        + " makes each rollout wait for the previous update (the generation "
                        "ranks would idle): set ppo.schedule=one_step_off (or async with "
                        "ppo.max_staleness >= 1), or ppo.placement=colocated")
+        if p.partial_rollouts and (p.schedule != "async" or p.max_staleness < 2):
+            out.append(f"ppo.partial_rollouts = true continues sequences across the weight "
+                       f"updates of ppo.schedule=async, but ppo.schedule = {p.schedule!r}"
+                       + (f" with ppo.max_staleness = {p.max_staleness}"
+                          if p.schedule == "async" else "")
+                       + " decodes every rollout with one version's weights: set "
+                       "ppo.schedule=async with ppo.max_staleness >= 2 (e.g. 2), or "
+                       "ppo.partial_rollouts=false")
+        for key, on, why in (
+                ("ppo.placement = 'split'", p.placement == "split",
+                 "the generation ranks decode whole rollouts only"),
+                ("ppo.router_replay = true", p.router_replay,
+                 "a continued sequence's expert choices are not joined across segments")):
+            if p.partial_rollouts and on:
+                out.append(f"ppo.partial_rollouts = true with {key}: {why} (not supported "
+                           f"yet); set ppo.partial_rollouts=false"
+                           + (", or ppo.placement=colocated" if "split" in key else ""))
         return out

@@ -260,6 +260,15 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
     if cfg.deepspeed.sequence_parallel_size > 1:
         problems.append(f"{where}, which deepspeed.sequence_parallel_size > 1 does not support "
                         f"yet: set deepspeed.sequence_parallel_size=1, {fix}")
+    if p.partial_rollouts and cfg.env.enabled:
+        problems.append("ppo.partial_rollouts = true with an env section: multi-turn episodes "
+                        "are played whole (not supported yet); set ppo.partial_rollouts=false")
+    if p.partial_rollouts and g.max_new_tokens < p.max_staleness:
+        problems.append(f"ppo.partial_rollouts = true decodes each response in "
+                        f"ppo.max_staleness = {p.max_staleness} segments, but "
+                        f"generation.max_new_tokens = {g.max_new_tokens} leaves some empty: set "
+                        f"generation.max_new_tokens >= {p.max_staleness}, or a smaller "
+                        "ppo.max_staleness")
     lag = max_lag(p.schedule, p.max_staleness)
     if lag > 0 and p.rollout_correction == "none" and p.old_logprobs == "training":
         problems.append(f"{where} from weights up to {lag} update(s) old, but "

@@ -187,8 +187,9 @@ class Reporter:
                 (f"| ptx {metrics['loss/ptx']:.4f} " if "loss/ptx" in metrics else "")
                 + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
                 f"| len {metrics['response/length_mean']:.1f} "
-                + (f"| {s.schedule} stale {metrics['async/staleness_mean']:.1f} "
-                   if "async/staleness_mean" in metrics else "") +
+                # by token: with partial rollouts a sequence's tokens differ in staleness
+                + (f"| {s.schedule} stale {metrics['async/token_staleness_mean']:.1f} "
+                   if "async/token_staleness_mean" in metrics else "") +
                 f"| gen {metrics['time/generation_s']:.1f}s "
                 f"| iter {metrics['time/iteration_s']:.1f}s "
                 f"| eta {format_duration(self.eta.left(s.iterations - iteration))}")

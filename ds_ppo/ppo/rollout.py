@@ -96,7 +96,8 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, s: RolloutSett
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica,
                    on_done=_watch(stream, prompts, indices, prompt_ids, tokenizer, eos_ids))
     engines.replica = gen.replica
-    rollout = _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer) if rows else None
+    rollout = (assemble_rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer)
+               if rows else None)
     return dist.broadcast_in_sp_group(rollout, engines.device), gen
 
 
@@ -113,7 +114,7 @@ def replica_rollout(prompts: PromptSet, indices: list[int], replica, s: RolloutS
     gen = decode_on_replica(replica, ids, am, s.generation, eos_ids, tokenizer.pad_token_id,
                             generator, _watch(stream, prompts, indices, prompt_ids, tokenizer,
                                               eos_ids))
-    return _rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen
+    return assemble_rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen
 
 
 def _watch(stream, prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
@@ -124,9 +125,9 @@ def _watch(stream, prompts: PromptSet, indices: list[int], prompt_ids: list[list
     return stream.watch(tokenizer, prompt_ids, [prompts.extra(i) for i in indices], eos_ids)
 
 
-def _rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
-             ids, am, gen: Generated, tokenizer) -> Rollout:
-    """The Rollout of the generated rows (`make_rollout`)."""
+def assemble_rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
+                     ids, am, gen: Generated, tokenizer) -> Rollout:
+    """The Rollout of the generated rows (`make_rollout`; a partial rollout's, ppo/partial.py)."""
     # decoded together with their prompts, so a response keeps the space of its first word
     # the counted tokens of each row, on the host (two device reads for the whole batch)
     counted = [[t for t, m in zip(row, keep) if m]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from ds_ppo.engine.generation import Generated
 from ds_ppo.envs.base import EnvFailed
 from ds_ppo.errors import UserError
 from ds_ppo.ppo.episodes import EpisodeStats, episode_settings, make_episodes
+from ds_ppo.ppo.partial import Partial, continue_partial, partial_rollout, start_partial
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
 from ds_ppo.ppo.rollout import replica_rollout, rollout_settings, stamp_versions
 from ds_ppo.ppo.scoring import RewardCall, call_reward, reward_call_settings
@@ -48,6 +49,8 @@ class Batch:
 
     rollouts: list[Buffered]
     seconds: float  # the worker's wall-clock time for the whole batch
+    # ppo.partial_rollouts: the rollouts still decoding after this batch's segments
+    partial: list[Partial] = field(default_factory=list)
 
 
 class RolloutWorker:
@@ -131,6 +134,36 @@ class RolloutWorker:
             got.called = call.result()
             got.seconds += got.called.seconds if got.called is not None else 0.0
         return Batch([got for got, _ in decoded], time.perf_counter() - t0)
+
+    def advance(self, work: list[tuple[int, list[int], Partial | None, int]], version: int,
+                segments_of: int, generator: torch.Generator) -> Batch:
+        """ppo.partial_rollouts: for each (iteration, prompt indices, its `Partial` so far or
+        None, the segments of `segments_of` to have decoded) in `work`, in iteration order, the
+        next segments decoded on the replica (weights of `version`) from `generator`; a rollout
+        whose rows have all ended goes to its reward call (the reward pool) and comes back
+        buffered, version = that of its first segment; the others come back as `Batch.partial`.
+        """
+        t0 = time.perf_counter()
+        g, pad_id = self.rollout.generation, self.tokenizer.pad_token_id
+        decoded, partial = [], []
+        for j, indices, part, segments in work:
+            t1 = time.perf_counter()
+            if part is None:
+                part = start_partial(j, indices, self.rollout.samples_per_prompt,
+                                     g.max_new_tokens, pad_id, self.device)
+            continue_partial(part, segments, segments_of, self.replica, self.prompts, g,
+                             self.eos_ids, pad_id, version, generator)
+            part.seconds += time.perf_counter() - t1
+            if not part.finished:
+                partial.append(part)
+                continue
+            rollout, gen = partial_rollout(part, self.prompts, g, self.tokenizer, self.eos_ids)
+            got = Buffered(j, part.first_version, rollout, gen, None, part.seconds)
+            decoded.append((got, self.reward_pool.submit(self.call, rollout, None)))
+        for got, call in decoded:
+            got.called = call.result()
+            got.seconds += got.called.seconds if got.called is not None else 0.0
+        return Batch([got for got, _ in decoded], time.perf_counter() - t0, partial)
 
 
 def sync_error(version: int, bad: str | None, where: str = "the generation replica"

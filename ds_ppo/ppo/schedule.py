@@ -23,6 +23,12 @@ running: what is in flight is up to max_staleness finished rollouts (each with i
 its reward call) and the worker's random stream. `state_dict` is that; a checkpoint holds it
 (per rank), so a resumed run generates and trains on exactly what the uninterrupted one would.
 The replica is always refreshed before it generates, so a checkpoint needs none of its weights.
+
+With ppo.partial_rollouts (async, max_staleness N >= 2) every iteration refreshes the replica and
+the worker decodes the next segment of each of the N rollouts in flight (`algo.choices.
+partial_plan`, ppo/partial.py): a sequence keeps its tokens across a weight update and continues
+with the new weights. What is in flight then also holds the rollouts decoded in part (`Partial`:
+tokens, sampler log-probs and versions so far), saved with the rest.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from ds_ppo.algo.choices import max_lag, rollout_batch, rollout_version
+from ds_ppo.algo.choices import max_lag, partial_plan, rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
@@ -43,6 +49,7 @@ from ds_ppo.engine.lora import trained_bytes
 from ds_ppo.engine.side_stream import SideStream
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.episodes import add_episode_metrics, agree_on_episodes
+from ds_ppo.ppo.partial import Partial
 from ds_ppo.ppo.rollout import generation_metrics, stamp_versions
 # Buffered also by this name: checkpoints' in-flight files pickled it from here
 from ds_ppo.ppo.rollout_worker import (  # noqa: F401
@@ -69,6 +76,9 @@ class RolloutSchedule:
             cfg.seed * 1000 + dist.dp_rank())
         self.replica_version: int | None = None
         self.buffer: dict[int, Buffered] = {}  # by the iteration that trains on it
+        # ppo.partial_rollouts: the rollouts decoded in part, by the iteration that trains on it
+        self.partial_rollouts = cfg.ppo.partial_rollouts
+        self.partial: dict[int, Partial] = {}
         self.pending: Future | None = None  # a Batch
         self.deferred: int | None = None  # the next rollout is generated after the update
         # colocated: a worker thread on this rank; split: a generation rank (`RemoteWorker`)
@@ -102,6 +112,7 @@ class RolloutSchedule:
         # a rollout for an earlier iteration is never used (only after a resume with a
         # checkpoint of other settings)
         self.buffer = {j: b for j, b in self.buffer.items() if j > iteration}
+        self.partial = {j: p for j, p in self.partial.items() if j > iteration}
         usable = self._usable(got, iteration)
         # regenerated: a buffered rollout too old for max_staleness, or none after a resume
         # (a checkpoint of a sync run, or of another world size, holds none); every rank alike
@@ -138,6 +149,9 @@ class RolloutSchedule:
         if rollout_version(self.schedule, self.max_staleness, iteration + 1) == iteration:
             self.deferred = iteration  # after this iteration's update
             return
+        if self.partial_rollouts:
+            self._start_segments(iteration)
+            return
         todo = [j for j in rollout_batch(self.schedule, self.max_staleness, iteration)
                 if not self._usable(self.buffer.get(j), j)]
         if not todo:
@@ -167,6 +181,7 @@ class RolloutSchedule:
             batch: Batch = self.pending.result()
             self.pending = None
             self.buffer.update((b.iteration, b) for b in batch.rollouts)
+            self.partial.update((p.iteration, p) for p in batch.partial)
             self.busy_s += batch.seconds
         waited = time.perf_counter() - t0
         self.completed = iteration
@@ -180,6 +195,29 @@ class RolloutSchedule:
         acc.add_max("async/weight_sync_bytes", float(self.sync_bytes))
 
     # ------------------------------------------------------------------ the parts
+    def _start_segments(self, iteration: int) -> None:
+        """ppo.partial_rollouts: refresh the replica with the current weights (version
+        iteration - 1) and start the worker on the next segments of the rollouts in flight
+        (`partial_plan`): the last of the next iteration's, the first of iteration + N's."""
+        work = []
+        for j, segments in partial_plan(self.max_staleness, iteration):
+            if self._usable(self.buffer.get(j), j):  # ended early, or from a checkpoint
+                continue
+            part = self.partial.pop(j, None)
+            if part is not None and part.segments >= segments:
+                self.partial[j] = part
+                continue
+            work.append((j, self.prompts_of(j), part, segments))
+        # collective, so on every rank alike: a rank whose rows all ended early may have no work
+        version = iteration - 1
+        if version != self.replica_version:
+            self._sync(version)
+        if not work:
+            return
+        self.side.handoff()
+        self.pending = self.pool.submit(self.side.run, self.worker.advance, work, version,
+                                        self.max_staleness, self.generator)
+
     def _usable(self, buffered: Buffered | None, iteration: int) -> bool:
         """Whether `buffered` can train `iteration`: at most max_staleness updates old then
         (older only after a resume with a smaller max_staleness)."""
@@ -200,6 +238,9 @@ class RolloutSchedule:
         acc.add_mean("async/token_staleness_mean", float(lag.sum()), tokens)
         acc.add_max("async/token_staleness_max", float(lag.max()) if tokens else 0.0)
         acc.add_mean("async/off_policy_token_share", float((lag > 0).sum()), tokens)
+        # tokens sampled after a weight update their sequence had begun under (partial rollouts)
+        later = (rollout.token_versions != got.version)[rollout.mask]
+        acc.add_mean("async/continued_token_share", float(later.sum()), tokens)
         acc.add_sum("async/dropped", 0.0)  # too-old samples are regenerated, never dropped
 
     def _produce(self, iteration: int, version: int) -> Buffered:
@@ -244,11 +285,13 @@ class RolloutSchedule:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What a checkpoint after the last finished iteration holds for this rank: every
-        buffered rollout (with its version and reward call) and the worker's random stream.
-        No replica weights: the replica is refreshed before it generates again."""
+        buffered rollout (with its version and reward call), the rollouts decoded in part
+        (ppo.partial_rollouts) and the worker's random stream. No replica weights (nor KV
+        cache): the replica is refreshed before it generates again."""
         return {"schedule": self.schedule, "max_staleness": self.max_staleness,
                 "placement": self.run.cfg.ppo.placement, "completed": self.completed,
                 "buffer": [k for b in self.buffer.values() if (k := _kept(b)) is not None],
+                "partial": list(self.partial.values()),
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, saved: dict | None) -> None:
@@ -263,6 +306,14 @@ class RolloutSchedule:
         moved = dist.moved(buffered, self.run.engines.device)
         self.buffer = {b.iteration: b for b in moved}
         self.completed = saved["completed"]
+        partial = saved.get("partial") or []
+        # a sequence's segments end where max_staleness puts them: another one starts them over
+        if partial and self.partial_rollouts and saved["max_staleness"] == self.max_staleness:
+            self.partial = {p.iteration: p for p in dist.moved(partial, self.run.engines.device)}
+        elif partial and dist.is_main():
+            log.info("resumed a checkpoint with partial rollouts in flight (iterations %s) "
+                     "without ppo.partial_rollouts at the same ppo.max_staleness: they are "
+                     "decoded again from the start", sorted(p.iteration for p in partial))
         placement, now = saved.get("placement", "colocated"), self.run.cfg.ppo.placement
         if placement != now and dist.is_main():  # the same training ranks: nothing is redone
             log.info("resumed a checkpoint of ppo.placement = %s with ppo.placement = %s on the "
