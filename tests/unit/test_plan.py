@@ -289,7 +289,7 @@ def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
     # = 12,288), gate/up/down 3x64x128 = 24,576; 2 layers = 73,728 split parameters
     assert shape.params - P.tp_shard_params(shape, 2) == 73_728 // 2
     hf = P._hf_config(None, SMALL_ARCH)
-    assert unshardable(hf, 2) is None and "tp_size=4" in unshardable(hf, 4)  # 2 KV heads
+    assert unshardable(hf, 2) is None and "tp_size=8" in unshardable(hf, 8)  # 4 heads
     replica, shard = 2 * shape.params, 2 * P.tp_shard_params(shape, 2)
 
     def mode_at(gpu_bytes, gpus=2, *extra):
