@@ -5,7 +5,8 @@ test_engine.py):
     deepspeed --num_gpus 2 tests/support/moe_checks.py --out R.json --work DIR   (two CPU ranks)
 Tiny random-init Qwen3-MoE and Mixtral policies (2 layers, 4 experts, top-2), ZeRO-3 on two
 ranks (each MoE block one ZeRO-3 leaf; the `ep` scenarios: expert parallelism, 2 experts per
-rank). Rank 0 writes one JSON object of results.
+rank; `qwen_ep_tp_replay`: its generation replica split over the two ranks). Rank 0 writes one
+JSON object of results.
 """
 from __future__ import annotations
 
@@ -126,6 +127,30 @@ def ep_resume_and_export(work: Path) -> dict:
     return out
 
 
+def ep_grow_resume(work: Path) -> dict:
+    """A checkpoint saved with AutoEP's layers at EP 1 resumed at EP 2 (after
+    `ep_resume_and_export`, from its EP 2 run's iteration 2): a copy of that run goes on to
+    iteration 3 at EP 1 (its checkpoint records EP 1), then to 4 at EP 2 (the universal
+    checkpoint hands each rank its experts again); the run itself goes on to 4 at EP 2
+    uninterrupted. Both runs' iterations 3 and 4, and the EP sizes the grown run's checkpoint
+    recorded."""
+    import shutil
+
+    ep = RESUME_BASE + EP + ["deepspeed.policy.offload_optimizer=true"]
+    one = RESUME_BASE + ["deepspeed.policy.offload_optimizer=true"]  # expert_parallel_size 1
+    if dist.is_main():
+        shutil.copytree(work / "ep_split", work / "ep_grow")
+    dist.barrier()
+    shrunk = train(cfg_for(work, "ep_grow", one + ["iterations=3", "resume=auto"])).history
+    grown = train(cfg_for(work, "ep_grow", ep + ["iterations=4", "resume=auto"])).history
+    whole = train(cfg_for(work, "ep_split", ep + ["iterations=4", "resume=auto"])).history
+    states = [json.loads((work / "ep_grow" / "checkpoints" / f"iter_00000{i}" /
+                          "trainer_state.json").read_text())["expert_parallel"] for i in (3, 4)]
+    return {"grown": [{k: h[k] for k in RESUME_KEYS} for h in shrunk + grown],
+            "whole": [{k: h[k] for k in RESUME_KEYS} for h in whole],
+            "expert_parallel": states}
+
+
 def _export_vs_export(run: Path, other: Path) -> dict:
     """Loads `run`'s export with plain transformers: its logits against `other`'s export's."""
     import torch
@@ -219,6 +244,12 @@ def main() -> None:
                                                            + NO_AUX + z3 + EP[:1]),
             # after resume_export (its `whole` run is the reference); aux loss on
             "ep_resume_export": lambda: ep_resume_and_export(work),
+            "ep_grow_resume": lambda: ep_grow_resume(work),  # after ep_resume_export
+            # the generation replica split over the two ranks (tensor_parallel), each holding
+            # the experts AutoEP gave it, recording the expert choices router replay replays
+            "qwen_ep_tp_replay": lambda: first_update(work, "qeptp", QWEN + NO_AUX + z3 + EP + [
+                "ppo.router_replay=true", "generation.mode=tensor_parallel",
+                "generation.tp_size=2"], REPLAY_KEYS),
         })
     run_scenarios(scenarios, args, "moe_checks")
 

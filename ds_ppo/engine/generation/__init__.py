@@ -113,8 +113,10 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
             f"generation.mode = {cfg.mode!r} chose {choice.mode} (no replica fits), which does "
             "not combine with an expert-parallel policy (AutoEP's layers: "
             "deepspeed.policy.expert_parallel_size > 1, or a resumed checkpoint saved with it): "
-            "free memory for a gathered replica (ds-ppo plan names the levers), or start from "
-            "the checkpoint's export (checkpoints/<iteration>/hf) without expert parallelism")
+            "set generation.mode=tensor_parallel (the experts split over generation.tp_size "
+            "ranks) or free memory for a gathered replica (ds-ppo plan names the levers), or "
+            "start from the checkpoint's export (checkpoints/<iteration>/hf) without expert "
+            "parallelism")
     if cfg.mode == "auto" and dist.is_main():
         log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
                  "fraction %.2f)", choice.mode, choice.replica_bytes / 2**30,

@@ -53,13 +53,17 @@ def own_loop_unsupported(config) -> str | None:
 
 def decoder_linears(model) -> frozenset[str]:
     """Names (last path component) of the linear layers inside a model's decoder layers; a LoRA
-    layer (engine/lora.py) counts as its base layer, since the replica holds it merged."""
+    layer (engine/lora.py) counts as its base layer, since the replica holds it merged; an
+    expert-parallel (AutoEP) layer's router and experts do not count: the replica holds the
+    Hugging Face MoE block it replaced (engine/moe.py)."""
     import torch
 
+    ep = tuple(f"{name}." for name, m in model.named_modules()
+               if getattr(m, "_is_autoep_layer", False))
     return frozenset(name.removesuffix(".base_layer").rsplit(".", 1)[-1]
                      for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
-                     and ".lora_" not in name)
+                     and ".lora_" not in name and not (ep and name.startswith(ep)))
 
 
 def unshardable(config, size: int, linears: Collection[str] | None = None) -> str | None:
@@ -80,12 +84,13 @@ def unshardable(config, size: int, linears: Collection[str] | None = None) -> st
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     width = getattr(config, "intermediate_size", None)
-    if heads is None or width is None:
-        return f"{type(config).__name__} has no num_attention_heads / intermediate_size"
     experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
                if model_type in ("qwen3_moe", "mixtral") else None)
+    dense = not experts or _dense_mlp_layers(config)  # the MLP width is split
+    if heads is None or (dense and width is None):
+        return f"{type(config).__name__} has no num_attention_heads / intermediate_size"
     split = [("num_attention_heads", heads)]
-    if not experts or _dense_mlp_layers(config):
+    if dense:
         split.append(("intermediate_size", width))
     if experts:
         split.append(("num_experts" if model_type == "qwen3_moe" else "num_local_experts",
