@@ -192,15 +192,14 @@ def test_expert_parallel_policy_decodes_on_a_tensor_parallel_replica(two_ranks):
 
 
 def test_expert_parallel_checkpoint_at_size_1_resumes_at_size_2(two_ranks):
-    """A checkpoint saved with AutoEP's layers at EP 1 (two ranks each holding every expert)
-    resumed at EP 2: iterations 3 (at EP 1, from the EP 2 run's iteration 2) and 4 (grown back
-    to EP 2, through the universal checkpoint) equal the uninterrupted EP 2 run's (float noise:
-    the experts' arithmetic runs in another order at EP 1), and the checkpoints record EP 1,
-    then EP 2."""
+    """A checkpoint saved with AutoEP's layers at EP 1 (two ranks each holding every expert,
+    from the EP 2 run's iteration 2) resumed at EP 2 through the universal checkpoint: its
+    iteration equals that of the same checkpoint resumed at EP 1 (float noise: the experts'
+    arithmetic runs in another order at EP 2; measured 5e-5 relative on loss/policy), and the
+    checkpoints record EP 1, then EP 2."""
     r = two_ranks[0]["ep_grow_resume"]
-    assert len(r["grown"]) == len(r["whole"]) == 2
-    for grown, whole in zip(r["grown"], r["whole"]):
-        assert not _close(whole, grown)
+    assert len(r["grown"]) == len(r["stay"]) == 1
+    assert not _close(r["stay"][0], r["grown"][0])
     assert r["expert_parallel"] == [{"policy": 1, "value": 1}, {"policy": 2, "value": 2}]
 
 

@@ -129,26 +129,31 @@ def ep_resume_and_export(work: Path) -> dict:
 
 def ep_grow_resume(work: Path) -> dict:
     """A checkpoint saved with AutoEP's layers at EP 1 resumed at EP 2 (after
-    `ep_resume_and_export`, from its EP 2 run's iteration 2): a copy of that run goes on to
-    iteration 3 at EP 1 (its checkpoint records EP 1), then to 4 at EP 2 (the universal
-    checkpoint hands each rank its experts again); the run itself goes on to 4 at EP 2
-    uninterrupted. Both runs' iterations 3 and 4, and the EP sizes the grown run's checkpoint
-    recorded."""
+    `ep_resume_and_export`): a copy of its EP 2 run goes on to iteration 3 at EP 1 (its
+    checkpoint records EP 1); that checkpoint is then resumed to iteration 4 at EP 2 (the
+    universal checkpoint hands each rank its experts again) and, in a copy, at EP 1 (a
+    same-size resume, exact: the reference). Both iterations 4 and the EP sizes the grown
+    run's checkpoints recorded. (The reference runs at EP 1 because EP 1 and EP 2 differ in
+    float noise, which Adam turns into updates of its full step size where a gradient is near
+    0: after iterations at different sizes the losses differ by percents.)"""
     import shutil
 
     ep = RESUME_BASE + EP + ["deepspeed.policy.offload_optimizer=true"]
     one = RESUME_BASE + ["deepspeed.policy.offload_optimizer=true"]  # expert_parallel_size 1
-    if dist.is_main():
-        shutil.copytree(work / "ep_split", work / "ep_grow")
-    dist.barrier()
-    shrunk = train(cfg_for(work, "ep_grow", one + ["iterations=3", "resume=auto"])).history
+
+    def copy(src: str, dst: str) -> None:
+        if dist.is_main():
+            shutil.copytree(work / src, work / dst)
+        dist.barrier()
+    copy("ep_split", "ep_grow")
+    train(cfg_for(work, "ep_grow", one + ["iterations=3", "resume=auto"]))
+    copy("ep_grow", "ep_stay")
     grown = train(cfg_for(work, "ep_grow", ep + ["iterations=4", "resume=auto"])).history
-    whole = train(cfg_for(work, "ep_split", ep + ["iterations=4", "resume=auto"])).history
+    stay = train(cfg_for(work, "ep_stay", one + ["iterations=4", "resume=auto"])).history
     states = [json.loads((work / "ep_grow" / "checkpoints" / f"iter_00000{i}" /
                           "trainer_state.json").read_text())["expert_parallel"] for i in (3, 4)]
-    return {"grown": [{k: h[k] for k in RESUME_KEYS} for h in shrunk + grown],
-            "whole": [{k: h[k] for k in RESUME_KEYS} for h in whole],
-            "expert_parallel": states}
+    return {"grown": [{k: h[k] for k in RESUME_KEYS} for h in grown],
+            "stay": [{k: h[k] for k in RESUME_KEYS} for h in stay], "expert_parallel": states}
 
 
 def _export_vs_export(run: Path, other: Path) -> dict:
