@@ -16,8 +16,9 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
   No collective runs during decoding, so ranks whose responses end at different lengths never wait
   on each other.
 - mode `tensor_parallel`: `generation.tp_size` ranks (a node's GPUs by default) hold one replica
-  between them (`engine/generation/tensor_parallel.py`) and decode their prompts together. For models whose
-  16-bit copy does not fit one device but whose 1/tp_size shard does.
+  between them (`engine/generation/tensor_parallel.py`: attention and MLP split, a
+  mixture-of-experts layer's experts split by expert) and decode their prompts together. For
+  models whose 16-bit copy does not fit one device but whose 1/tp_size shard does.
 - mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
   stepping until all are done, so the per-layer all-gathers stay matched). Every token gathers
   every layer: the last resort.
