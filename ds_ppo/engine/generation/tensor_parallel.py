@@ -92,7 +92,7 @@ class RowParallelLinear(torch.nn.Module):
 
 def heads_of(model: torch.nn.Module) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) of a model's config (None where it does not say)."""
-    config = model.config
+    config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
     return heads, getattr(config, "num_key_value_heads", None) or heads
