@@ -430,8 +430,8 @@ def _generation_phase(cfg: Config, shapes: RoleShapes, cluster: Cluster, pol: Ro
     shard = 2 * tp_shard_params(ps, tp)
     gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
     if mode == "tensor_parallel" and ps.experts and pol.expert_parallel_size == tp and gather:
-        # each rank copies the experts AutoEP gave it (its expert-parallel group is its
-        # tensor-parallel group): a layer's gather holds E / tp experts, not the whole block
+        # each rank copies the experts AutoEP gave it (both groups are tp consecutive ranks:
+        # the same ranks): a layer's gather holds E / tp experts, not the whole block
         gather = 2 * max(ps.vocab * ps.hidden, ps.layer_expert_params // tp)
     batch, kv_share = gen_batch, 1
     if mode == "gathered":
