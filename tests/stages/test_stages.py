@@ -117,6 +117,14 @@ def test_tensor_parallel_refuses_unchecked_layouts(monkeypatch):
                        mlp_only_layers=[0]), 4)
     assert unshardable(MixtralConfig(num_attention_heads=4, num_key_value_heads=2,
                                      num_local_experts=8, intermediate_size=6), 4) is None
+    # an expert-parallel (AutoEP) layer's router linear is not in the replica: not counted
+    ep_layer = torch.nn.Module()
+    ep_layer._is_autoep_layer, ep_layer.gate = True, torch.nn.Linear(2, 2)
+    layer = torch.nn.Module()
+    layer.mlp, layer.q_proj = ep_layer, torch.nn.Linear(2, 2)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    assert decoder_linears(model) == {"q_proj"}
     assert "olmo2" in unshardable(Olmo2Config(), 2)  # normalises q across all heads
     phi3 = Phi3Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
