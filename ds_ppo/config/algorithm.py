@@ -135,8 +135,8 @@ class PPOConfig(Section):
         "al. 2025); the gate weights stay differentiable (the router's softmax at the chosen "
         "experts). Without it, a token the trainer routes elsewhere than the sampler did gets "
         "a ratio between two different computations. Metric rollout/route_flip_frac: the share "
-        "of tokens whose own routing would differ. Needs generation.loop=own, a gathered "
-        "replica (generation.mode), deepspeed.sequence_parallel_size 1.")
+        "of tokens whose own routing would differ. Needs generation.loop=own, a replica "
+        "(generation.mode gathered or tensor_parallel), deepspeed.sequence_parallel_size 1.")
     rollout_is_cap: float = Field(
         2.0, gt=1, description="ppo.rollout_correction: the cap C of the importance weights "
         "(tis: min(r, C); mis: the band [1/C, C]).")

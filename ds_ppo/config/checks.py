@@ -12,7 +12,7 @@ from pathlib import Path
 from ds_ppo.algo.choices import max_lag, training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
-from ds_ppo.config.model_checks import (expert_parallel_problems, model_problems,
+from ds_ppo.config.model_checks import (expert_parallel_problems, model_fields, model_problems,
                                         sequence_parallel_problems, source_problems)
 from ds_ppo.config.sections import Config
 from ds_ppo.errors import ConfigError
@@ -65,6 +65,22 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
+def _tensor_parallel_problems(cfg: Config) -> list[str]:
+    """generation.mode = tensor_parallel with a generation.tp_size the policy's shape (read
+    without loading it) does not split by: the engine's rule (`choice.unshardable`)."""
+    import types
+
+    from ds_ppo.engine.generation.choice import unshardable  # lazily: it imports ds_ppo.config
+
+    g = cfg.generation
+    fields = model_fields(cfg.policy.path, cfg.policy.arch)
+    if g.mode != "tensor_parallel" or g.tp_size is None or fields.get("model_type") is None:
+        return []
+    why = unshardable(types.SimpleNamespace(**fields), g.tp_size)
+    return [f"generation.mode = 'tensor_parallel' with generation.tp_size = {g.tp_size}: {why}; "
+            "set generation.tp_size to a divisor of them, or generation.mode=auto"] if why else []
+
+
 def _generation_problems(cfg: Config, world_size: int) -> list[str]:
     """Generation lengths, tensor parallelism and the decoding loop's options."""
     problems = []
@@ -87,14 +103,15 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         "records for a prompt and its response, but env.enabled = true builds "
                         "episodes whose observations the sampler never routed: set "
                         "ppo.router_replay=false")
-    if cfg.ppo.router_replay and (g.loop == "hf" or g.mode != "gathered"
+    if cfg.ppo.router_replay and (g.loop == "hf" or g.mode not in ("gathered", "tensor_parallel")
                                   or cfg.deepspeed.sequence_parallel_size > 1):
         problems.append(f"ppo.router_replay = true replays the experts our decoding loop "
-                        f"records on a gathered replica, but generation.loop = {g.loop!r} / "
+                        f"records on a replica, but generation.loop = {g.loop!r} / "
                         f"generation.mode = {g.mode!r} / deepspeed.sequence_parallel_size = "
                         f"{cfg.deepspeed.sequence_parallel_size}: set generation.loop=own, "
-                        "generation.mode=gathered and deepspeed.sequence_parallel_size=1, or "
-                        "ppo.router_replay=false")
+                        "generation.mode=gathered (or tensor_parallel) and "
+                        "deepspeed.sequence_parallel_size=1, or ppo.router_replay=false")
+    problems += _tensor_parallel_problems(cfg)
     if g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
                               or cfg.policy.attn_implementation not in ("sdpa", "eager")):
         problems.append(f"generation.batch_invariant = true replaces the sdpa / eager attention "

@@ -86,7 +86,7 @@ def heads_problem(heads: int, kv_heads: int, size: int, where: str) -> str | Non
     return None
 
 
-def _model_fields(path: str | None, arch: dict | None) -> dict:
+def model_fields(path: str | None, arch: dict | None) -> dict:
     """A model's config fields from an arch dict or a local config.json (plain json: the dry run
     loads no transformers), a multimodal config's text part; {} when neither is readable."""
     import json
@@ -101,7 +101,7 @@ def _model_fields(path: str | None, arch: dict | None) -> dict:
 def _model_heads(path: str | None, arch: dict | None) -> tuple[int, int] | None:
     """(attention heads, KV heads) from an arch dict or a local config.json; None when neither
     says."""
-    fields = _model_fields(path, arch)
+    fields = model_fields(path, arch)
     heads = fields.get("num_attention_heads")
     if heads is None:
         return None
@@ -164,7 +164,7 @@ def expert_parallel_problems(cfg: Config, world_size: int,
         if role == "value" and path is None and arch is None:  # it starts from another model
             path, arch = ((cfg.reward.model, None) if cfg.value.init_from == "reward"
                           else (cfg.policy.path, cfg.policy.arch))
-        fields = _model_fields(path, arch)
+        fields = model_fields(path, arch)
         model_type = fields.get("model_type")
         experts = fields.get("num_experts") or fields.get("num_local_experts")
         if model_type is not None and model_type not in EP_MODEL_TYPES:

@@ -15,8 +15,8 @@ class GenerationConfig(Section):
         "auto",
         description="gathered: copy the policy's 16-bit weights once per rollout into a hook-free "
         "replica on each rank (fast); tensor_parallel: generation.tp_size ranks hold one replica "
-        "between them (attention heads and MLP columns split, for policies whose 16-bit copy does "
-        "not fit one device); zero3: generate through the ZeRO-3 hooks, gathering layer by layer "
+        "between them (attention heads and MLP columns split, a mixture-of-experts layer's experts "
+        "split by expert; for policies whose 16-bit copy does not fit one device); zero3: generate through the ZeRO-3 hooks, gathering layer by layer "
         "for every token (slow; the last resort); auto: gathered when the replica fits in "
         "generation.replica_memory_fraction of free device memory, else tensor_parallel when a "
         "1/tp_size shard does, else zero3.")
@@ -26,7 +26,8 @@ class GenerationConfig(Section):
     tp_size: int | None = Field(
         None, gt=0, description="tensor_parallel mode: consecutive ranks sharing one replica; "
         "default: the ranks of one node. Must divide the world size and the policy's attention "
-        "heads, KV heads and MLP width.")
+        "heads, MLP width and experts per layer, and divide its KV heads or be a multiple of "
+        "them (then each rank holds one KV head).")
     max_new_tokens: int = Field(128, gt=0, description="Longest response in tokens.")
     min_new_tokens: int = Field(0, ge=0, description="EOS (and every stop token) is "
                                 "suppressed before this many tokens of a turn; the trainer's "

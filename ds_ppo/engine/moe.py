@@ -313,23 +313,27 @@ def ep_weights(prefix: str, layer: torch.nn.Module):
     `gate.weight` (E, H) and the fused `experts.gate_up_proj` (E, 2F, H) (gate rows, then up)
     and `experts.down_proj` (E, H, F). The experts' tensors are collected from the layer's
     expert-parallel group (rank r holds experts [r E/N, (r+1) E/N)): their `full()` is a
-    collective every rank of the group must call (it carries `collective = True` and the full
-    `shape`)."""
+    collective every rank of the group must call (it carries `collective = True`, the full
+    `shape`, `local()` this rank's experts and `ep_ranks` the group's global ranks in order,
+    None at N = 1)."""
     ex = layer.experts
 
     def gathered(local: torch.Tensor) -> torch.Tensor:
         if layer.ep_size == 1:
             return local
-        import torch.distributed as tdist
-
         parts = [torch.empty_like(local) for _ in range(layer.ep_size)]
         tdist.all_gather(parts, local.contiguous(), group=layer.ep_group)
         return torch.cat(parts, dim=0)
+
+    import torch.distributed as tdist
+
+    ranks = tuple(tdist.get_process_group_ranks(layer.ep_group)) if layer.ep_size > 1 else None
 
     def full_of(make, shape):
         def full() -> torch.Tensor:
             return gathered(make())
         full.collective, full.shape = True, shape
+        full.local, full.ep_ranks = make, ranks  # this rank's experts, the group holding all
         return full
 
     E = layer.num_experts

@@ -15,7 +15,7 @@ from ds_ppo.plan.activations import (kv_cache_bytes, layer_activation_bytes, log
                                      prefill_activation_bytes, tiled_logits_bytes,
                                      train_activation_bytes)
 from ds_ppo.plan.shapes import (ModelShape, RoleShapes, _params, lora_base_params, lora_params,
-                               tp_shard_params)
+                               kv_shards, tp_shard_params)
 from ds_ppo.plan.stages import StageChoice, resolve_stages
 from ds_ppo.plan.states import GiB, ModelStates, inference_states, train_states
 from ds_ppo.role_names import ROLES, TRAINED_ROLES
@@ -429,20 +429,27 @@ def _generation_phase(cfg: Config, shapes: RoleShapes, cluster: Cluster, pol: Ro
     mode, tp = choice.mode, choice.tp_size
     shard = 2 * tp_shard_params(ps, tp)
     gather = _forward_gather(pol)  # 0 unless ZeRO-3 partitions the policy
+    if mode == "tensor_parallel" and ps.experts and pol.expert_parallel_size == tp and gather:
+        # each rank copies the experts AutoEP gave it (both groups are tp consecutive ranks:
+        # the same ranks): a layer's gather holds E / tp experts, not the whole block
+        gather = 2 * max(ps.vocab * ps.hidden, ps.layer_expert_params // tp)
     batch, kv_share = gen_batch, 1
     if mode == "gathered":
         gen = {"16-bit policy replica": replica, "layer gather while copying": gather}
     elif mode == "tensor_parallel":  # the group decodes its ranks' prompts together
         batch = min(cfg.generation.batch_size or tp * gen_batch, tp * gen_batch)
-        kv_share = tp
-        gen = {f"16-bit policy replica shard (1/{tp} of each layer)": shard,
+        kv_share = kv_shards(ps, tp)
+        gen = {f"16-bit policy replica shard (1/{tp} of each layer"
+               + (f", {ps.experts // tp} of {ps.experts} experts" if ps.experts else "")
+               + ")": shard,
                "layer gather while copying": gather}
     else:
         gen = {"layer gather (ZeRO-3 hooks)": gather}
     gen_common = {
         "KV cache": kv_cache_bytes(ps, rows.seq, batch) // kv_share,
         "prefill activations (one layer)": prefill_activation_bytes(
-            ps, rows.prefill, batch, cfg.policy.attn_implementation == "eager", kv_share),
+            ps, rows.prefill, batch, cfg.policy.attn_implementation == "eager",
+            tp if mode == "tensor_parallel" else 1),
         "fp32 logits of one step": batch * ps.vocab * 4,
     }
     return choice, Phase(f"generation ({mode})", {**gen, **gen_common})

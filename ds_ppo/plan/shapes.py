@@ -220,12 +220,22 @@ def lora_base_params(shape: ModelShape, lora, output_head: bool = False) -> int:
 
 
 def tp_shard_params(shape: ModelShape, tp: int) -> int:
-    """Parameters of one rank's tensor-parallel replica: the attention and MLP projections of
-    every layer split tp ways (Llama layout: q, k, v, o and gate, up, down), the rest whole."""
-    attn = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
-    mlp = 3 * shape.hidden * shape.intermediate
-    split = shape.layers * (attn + mlp)
-    return shape.params - split + split // tp
+    """Parameters of one rank's tensor-parallel replica (engine/generation/tensor_parallel.py):
+    of every layer the query and output projections split tp ways, the key and value
+    projections min(tp, KV heads) ways (with fewer KV heads than ranks each rank keeps one),
+    a dense MLP's gate, up and down projections tp ways, a MoE layer's routed experts tp ways
+    (E / tp experts per rank); the rest whole (embeddings, output head, norms, routers)."""
+    qo = 2 * shape.hidden * shape.head_dim * shape.heads
+    kv = 2 * shape.hidden * shape.head_dim * shape.kv_heads
+    dense_mlp = (shape.layers - shape.moe_layers) * 3 * shape.hidden * shape.intermediate
+    split = shape.layers * qo + dense_mlp + shape.expert_params
+    whole = shape.params - split - shape.layers * kv
+    return whole + split // tp + shape.layers * kv // min(tp, shape.kv_heads)
+
+
+def kv_shards(shape: ModelShape, tp: int) -> int:
+    """Into how many parts a tensor-parallel group splits the KV cache: its KV heads'."""
+    return min(tp, shape.kv_heads)
 
 
 def _params(n: int) -> str:

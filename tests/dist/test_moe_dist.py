@@ -179,6 +179,30 @@ def test_expert_parallel_gives_the_update_of_data_parallel(two_ranks):
         assert not _close(res[plain], res[ep]), ep
 
 
+def test_expert_parallel_policy_decodes_on_a_tensor_parallel_replica(two_ranks):
+    """The expert-parallel policy's generation replica split over the two ranks
+    (generation.mode=tensor_parallel: each rank keeps the 2 experts AutoEP gave it, attention
+    split by heads), with router replay: the recorded expert choices are those the trainer
+    routes (no flip, the sampler's log-probs are the trainer's), and the greedy rollout, losses
+    and update equal those of the gathered replica's run."""
+    res = two_ranks[0]
+    tp = res["qwen_ep_tp_replay"]
+    assert tp["rollout/route_flip_frac"] == 0.0 and tp["rollout/logprob_abs_diff_max"] < 1e-5
+    assert not _close(res["qwen_ep_replay"], tp)
+
+
+def test_expert_parallel_checkpoint_at_size_1_resumes_at_size_2(two_ranks):
+    """A checkpoint saved with AutoEP's layers at EP 1 (two ranks each holding every expert,
+    from the EP 2 run's iteration 2) resumed at EP 2 through the universal checkpoint: its
+    iteration equals that of the same checkpoint resumed at EP 1 (float noise: the experts'
+    arithmetic runs in another order at EP 2; measured 1e-5 relative on loss/policy), and the
+    checkpoints record EP 1, then EP 2."""
+    r = two_ranks[0]["ep_grow_resume"]
+    assert len(r["grown"]) == len(r["stay"]) == 1
+    assert not _close(r["stay"][0], r["grown"][0])
+    assert r["expert_parallel"] == [{"policy": 1, "value": 1}, {"policy": 2, "value": 2}]
+
+
 def test_expert_parallel_resume_and_the_export_is_plain_hf(two_ranks):
     """Expert-parallel policy (its optimizer on CPU, as in the 30b-a3b preset) and critic
     (load-balancing loss on), resumed from iteration 1's

@@ -87,8 +87,11 @@ def test_auto_mode_falls_back_to_tensor_parallel_then_zero3(monkeypatch):
     assert mode(between) == "tensor_parallel"
     assert mode(between, "generation.tp_size=1") == "zero3"
     assert mode(shard / 4 / free) == "zero3"
-    with pytest.raises(ConfigError, match="num_key_value_heads=2 not divisible by tp_size=4"):
-        choose_mode(_cfg("generation.mode=tensor_parallel", "generation.tp_size=4").generation,
+    # with 4 ranks each keeps one of the 2 KV heads: k and v halved, q, o and the MLP quartered
+    assert _param_bytes(model, torch.float32, tp_size=4) == 4 * (
+        2 * (2 * 64 * 64 // 4 + 2 * 32 * 64 // 2 + 3 * 128 * 64 // 4) + 320 + 6_400)
+    with pytest.raises(ConfigError, match="num_attention_heads=4 not divisible by tp_size=8"):
+        choose_mode(_cfg("generation.mode=tensor_parallel", "generation.tp_size=8").generation,
                     model, torch.float32, torch.device("cpu"))
 
 
@@ -99,7 +102,29 @@ def test_tensor_parallel_refuses_unchecked_layouts(monkeypatch):
 
     llama = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     assert unshardable(llama, 2) is None
-    assert "num_key_value_heads=2 not divisible by tp_size=4" in unshardable(llama, 4)
+    assert unshardable(llama, 4) is None  # 2 KV heads over 4 ranks: one KV head per rank
+    assert "num_attention_heads=4 not divisible by tp_size=8" in unshardable(llama, 8)
+    assert "num_key_value_heads=2" in unshardable(LlamaConfig(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=96), 3)
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                         intermediate_size=96, moe_intermediate_size=32)
+    assert unshardable(moe, 2) is None
+    assert unshardable(moe, 4) == "num_experts=6 not divisible by tp_size=4"
+    assert "intermediate_size=6 " in unshardable(  # a dense MLP layer beside the MoE ones
+        Qwen3MoeConfig(num_attention_heads=4, num_experts=8, intermediate_size=6,
+                       mlp_only_layers=[0]), 4)
+    assert unshardable(MixtralConfig(num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=8, intermediate_size=6), 4) is None
+    # an expert-parallel (AutoEP) layer's router linear is not in the replica: not counted
+    ep_layer = torch.nn.Module()
+    ep_layer._is_autoep_layer, ep_layer.gate = True, torch.nn.Linear(2, 2)
+    layer = torch.nn.Module()
+    layer.mlp, layer.q_proj = ep_layer, torch.nn.Linear(2, 2)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    assert decoder_linears(model) == {"q_proj"}
     assert "olmo2" in unshardable(Olmo2Config(), 2)  # normalises q across all heads
     phi3 = Phi3Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
@@ -134,6 +159,34 @@ def test_tensor_parallel_shards_by_hand():
     assert attn.q_proj.weight.shape == (2 * 16, 64) and attn.k_proj.weight.shape == (16, 64)
     assert isinstance(attn.o_proj, RowParallelLinear) and attn.o_proj.weight.shape == (64, 32)
     assert mlp.gate_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
+    # fewer KV heads than ranks: 4 ranks, 2 KV heads of 16, ranks 2 and 3 hold the second
+    tp4 = TPGroup(group=None, size=4, rank=3, first=0)
+    kw = torch.arange(32.0)[:, None]
+    assert torch.equal(shard_of("model.layers.0.self_attn.v_proj.weight", kw, tp4, 2), kw[16:])
+    assert torch.equal(shard_of("model.layers.0.self_attn.q_proj.weight", kw, tp4, 2), kw[24:])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64,
+                                             intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    shard_modules(model, tp4)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (16, 64) and attn.k_proj.weight.shape == (16, 64)
+    assert attn.num_key_value_groups == 1  # one query head per rank, on its one KV head
+    # a mixture-of-experts layer: experts split by expert, the router whole
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    ew = torch.arange(4.0)[:, None, None].expand(4, 6, 3)
+    assert torch.equal(shard_of("model.layers.0.mlp.experts.gate_up_proj", ew, tp), ew[2:])
+    assert torch.equal(shard_of("model.layers.0.mlp.experts.down_proj", ew, tp), ew[2:])
+    assert torch.equal(shard_of("model.layers.0.mlp.gate.weight", w, tp), w)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=50, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, moe_intermediate_size=8))
+    shard_modules(model, tp)
+    block = model.model.layers[0].mlp
+    assert block.experts.gate_up_proj.shape == (2, 16, 64) and block.experts.num_experts == 2
+    assert block.gate.weight.shape == (4, 64) and block.gate.num_experts == 4
     assert model.lm_head.weight.shape == (50, 64)
 
 

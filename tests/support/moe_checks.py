@@ -5,7 +5,8 @@ test_engine.py):
     deepspeed --num_gpus 2 tests/support/moe_checks.py --out R.json --work DIR   (two CPU ranks)
 Tiny random-init Qwen3-MoE and Mixtral policies (2 layers, 4 experts, top-2), ZeRO-3 on two
 ranks (each MoE block one ZeRO-3 leaf; the `ep` scenarios: expert parallelism, 2 experts per
-rank). Rank 0 writes one JSON object of results.
+rank; `qwen_ep_tp_replay`: its generation replica split over the two ranks). Rank 0 writes one
+JSON object of results.
 """
 from __future__ import annotations
 
@@ -126,6 +127,35 @@ def ep_resume_and_export(work: Path) -> dict:
     return out
 
 
+def ep_grow_resume(work: Path) -> dict:
+    """A checkpoint saved with AutoEP's layers at EP 1 resumed at EP 2 (after
+    `ep_resume_and_export`): a copy of its EP 2 run goes on to iteration 3 at EP 1 (its
+    checkpoint records EP 1); that checkpoint is then resumed to iteration 4 at EP 2 (the
+    universal checkpoint hands each rank its experts again) and, in a copy, at EP 1 (a
+    same-size resume, exact: the reference). Both iterations 4 and the EP sizes the grown
+    run's checkpoints recorded. (The reference runs at EP 1 because EP 1 and EP 2 differ in
+    float noise, which Adam turns into updates of its full step size where a gradient is near
+    0: after iterations at different sizes the losses differ by percents.)"""
+    import shutil
+
+    ep = RESUME_BASE + EP + ["deepspeed.policy.offload_optimizer=true"]
+    one = RESUME_BASE + ["deepspeed.policy.offload_optimizer=true"]  # expert_parallel_size 1
+
+    def copy(src: str, dst: str) -> None:
+        if dist.is_main():
+            shutil.copytree(work / src, work / dst)
+        dist.barrier()
+    copy("ep_split", "ep_grow")
+    train(cfg_for(work, "ep_grow", one + ["iterations=3", "resume=auto"]))
+    copy("ep_grow", "ep_stay")
+    grown = train(cfg_for(work, "ep_grow", ep + ["iterations=4", "resume=auto"])).history
+    stay = train(cfg_for(work, "ep_stay", one + ["iterations=4", "resume=auto"])).history
+    states = [json.loads((work / "ep_grow" / "checkpoints" / f"iter_00000{i}" /
+                          "trainer_state.json").read_text())["expert_parallel"] for i in (3, 4)]
+    return {"grown": [{k: h[k] for k in RESUME_KEYS} for h in grown],
+            "stay": [{k: h[k] for k in RESUME_KEYS} for h in stay], "expert_parallel": states}
+
+
 def _export_vs_export(run: Path, other: Path) -> dict:
     """Loads `run`'s export with plain transformers: its logits against `other`'s export's."""
     import torch
@@ -219,6 +249,12 @@ def main() -> None:
                                                            + NO_AUX + z3 + EP[:1]),
             # after resume_export (its `whole` run is the reference); aux loss on
             "ep_resume_export": lambda: ep_resume_and_export(work),
+            "ep_grow_resume": lambda: ep_grow_resume(work),  # after ep_resume_export
+            # the generation replica split over the two ranks (tensor_parallel), each holding
+            # the experts AutoEP gave it, recording the expert choices router replay replays
+            "qwen_ep_tp_replay": lambda: first_update(work, "qeptp", QWEN + NO_AUX + z3 + EP + [
+                "ppo.router_replay=true", "generation.mode=tensor_parallel",
+                "generation.tp_size=2"], REPLAY_KEYS),
         })
     run_scenarios(scenarios, args, "moe_checks")
 

@@ -45,6 +45,22 @@ def test_expert_parallel_checks_name_the_key_and_the_fix():
                                 "deepspeed.value.expert_parallel_size=4"]), 4)
 
 
+def test_tensor_parallel_generation_of_an_moe_policy_is_checked_up_front():
+    """generation.mode=tensor_parallel splits a MoE policy's experts over the group: refused at
+    --dry-run in one line when tp_size does not divide them (or the heads); with expert
+    parallelism and router replay it is accepted (its replica records the expert choices)."""
+    msg = _problems("generation.mode=tensor_parallel", "generation.tp_size=4", world=4,
+                    arch=QWEN.replace("num_experts: 4", "num_experts: 6"))
+    assert ("generation.mode = 'tensor_parallel' with generation.tp_size = 4: num_experts=6 not "
+            "divisible by tp_size=4; set generation.tp_size to a divisor") in msg
+    assert len(msg.splitlines()) == 2  # the header and one line
+    validate(load_config(None, [QWEN, *BATCH, "generation.mode=tensor_parallel",
+                                "generation.tp_size=4", "ppo.router_replay=true",
+                                "deepspeed.policy.expert_parallel_size=4"]), 4)
+    msg = _problems("ppo.router_replay=true", "generation.mode=zero3")
+    assert "generation.mode=gathered (or tensor_parallel)" in msg
+
+
 def test_expert_parallel_fills_the_trained_roles_autoep_section():
     from ds_ppo.engine.ds_config import build_ds_config
 

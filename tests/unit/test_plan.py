@@ -289,7 +289,7 @@ def test_tensor_parallel_shard_by_hand_and_auto_order(tmp_path):
     # = 12,288), gate/up/down 3x64x128 = 24,576; 2 layers = 73,728 split parameters
     assert shape.params - P.tp_shard_params(shape, 2) == 73_728 // 2
     hf = P._hf_config(None, SMALL_ARCH)
-    assert unshardable(hf, 2) is None and "tp_size=4" in unshardable(hf, 4)  # 2 KV heads
+    assert unshardable(hf, 2) is None and "tp_size=8" in unshardable(hf, 8)  # 4 heads
     replica, shard = 2 * shape.params, 2 * P.tp_shard_params(shape, 2)
 
     def mode_at(gpu_bytes, gpus=2, *extra):
@@ -666,6 +666,32 @@ def test_moe_presets_fit_and_count_total_and_active_params(name, nodes, total, a
     q = P.plan(unoffloaded, P.Cluster(nodes, 8, 80 * GiB))
     if not q.fits:
         assert "deepspeed.policy.offload_optimizer=true" in q.biggest_lever.lever.overrides
+
+
+def test_235b_decodes_on_a_tensor_parallel_replica_with_its_experts_split():
+    """235b-a22b: a node's 8 GPUs hold one replica, attention split by heads (one of the 4 KV
+    heads per GPU), each layer's 128 experts 16 per GPU (those expert parallelism 8 gives it,
+    so the copy's largest gather is the output head's); by hand: per rank the experts / 8,
+    q and o / 8, k and v / 4, embeddings, head, norms and routers whole; the KV cache / 4."""
+    cfg = load_config("235b-a22b")
+    p = P.plan(cfg, P.Cluster(8, 8, 80 * GiB))
+    assert p.fits and p.generation_mode == "tensor_parallel" and p.tp_size == 8
+    s = p.roles["policy"].shape
+    assert (s.layers, s.moe_layers, s.heads, s.kv_heads) == (94, 94, 64, 4)
+    qo, kv = 2 * 4096 * 128 * 64, 2 * 4096 * 128 * 4
+    assert s.expert_params == 94 * 128 * 3 * 4096 * 1536
+    whole = s.params - s.expert_params - 94 * (qo + kv)
+    assert P.tp_shard_params(s, 8) == whole + (s.expert_params + 94 * qo) // 8 + 94 * kv // 4
+    gen = {ph.name: ph.transient for ph in p.phases}["generation (tensor_parallel)"]
+    name = "16-bit policy replica shard (1/8 of each layer, 16 of 128 experts)"
+    assert gen[name] == 2 * P.tp_shard_params(s, 8)
+    assert gen["layer gather while copying"] == 2 * s.vocab * s.hidden
+    assert gen["KV cache"] == P.kv_cache_bytes(s, 512 + 1024, 64) // 4
+    # without expert parallelism the copy gathers each MoE block whole
+    q = P.plan(load_config("235b-a22b", ["deepspeed.policy.expert_parallel_size=1"]),
+               P.Cluster(8, 8, 80 * GiB))
+    assert {ph.name: ph.transient for ph in q.phases}["generation (tensor_parallel)"][
+        "layer gather while copying"] == 2 * s.layer_expert_params
 
 
 def test_router_replay_memory_is_noted():

@@ -16,8 +16,9 @@ HF `generate` through the ZeRO-3 hooks re-gathers every layer for every new toke
   No collective runs during decoding, so ranks whose responses end at different lengths never wait
   on each other.
 - mode `tensor_parallel`: `generation.tp_size` ranks (a node's GPUs by default) hold one replica
-  between them (`engine/generation/tensor_parallel.py`) and decode their prompts together. For models whose
-  16-bit copy does not fit one device but whose 1/tp_size shard does.
+  between them (`engine/generation/tensor_parallel.py`: attention and MLP split, a
+  mixture-of-experts layer's experts split by expert) and decode their prompts together. For
+  models whose 16-bit copy does not fit one device but whose 1/tp_size shard does.
 - mode `zero3`: generate through the ZeRO-3 hooks with `synced_gpus=True` (every rank keeps
   stepping until all are done, so the per-layer all-gathers stay matched). Every token gathers
   every layer: the last resort.
@@ -46,7 +47,8 @@ from ds_ppo.engine.lora import (adapter_weights, keep_bases, lora_parts, plain_m
 from ds_ppo.engine.moe import ep_layers
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.generation.tensor_parallel import (TPGroup, gather_group_prompts, group_seed,
-                                           shard_modules, shard_of, split_dim, tp_group)
+                                                      heads_of, pieces, shard_modules, shard_of,
+                                                      split_dim, tp_group)
 from ds_ppo.engine.generation.choice import (REPLICA_MODES, choose_generation, choose_loop,
                                              decoder_linears, use_continuous)
 
@@ -77,9 +79,10 @@ def _param_bytes(module: torch.nn.Module, dtype: torch.dtype, tp_size: int = 1) 
     """Bytes of one rank's replica: all weights, or with tp_size > 1 the sharded layers' share
     plus the replicated rest (embeddings, norms, output head)."""
     n = 0
+    kv_heads = heads_of(plain_model(module))[1]
     for name, params, full in replica_weights(module):  # a LoRA layer's merged size: its base's
         numel = math.prod(weight_shape(params, full))
-        n += numel if split_dim(name) is None else numel // tp_size
+        n += numel if split_dim(name) is None else numel // pieces(name, tp_size, kv_heads)
     return n * torch.finfo(dtype).bits // 8
 
 
@@ -111,8 +114,10 @@ def choose_mode(cfg: GenerationConfig, module: torch.nn.Module, dtype: torch.dty
             f"generation.mode = {cfg.mode!r} chose {choice.mode} (no replica fits), which does "
             "not combine with an expert-parallel policy (AutoEP's layers: "
             "deepspeed.policy.expert_parallel_size > 1, or a resumed checkpoint saved with it): "
-            "free memory for a gathered replica (ds-ppo plan names the levers), or start from "
-            "the checkpoint's export (checkpoints/<iteration>/hf) without expert parallelism")
+            "set generation.mode=tensor_parallel (the experts split over generation.tp_size "
+            "ranks) or free memory for a gathered replica (ds-ppo plan names the levers), or "
+            "start from the checkpoint's export (checkpoints/<iteration>/hf) without expert "
+            "parallelism")
     if cfg.mode == "auto" and dist.is_main():
         log.info("generation.mode=auto -> %s (replica %.2f GiB%s, least free %.2f GiB, "
                  "fraction %.2f)", choice.mode, choice.replica_bytes / 2**30,
@@ -178,6 +183,7 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         if bases:  # a new replica holds no frozen weight yet
             bases.clear()
     target = dict(replica.named_parameters()) if replica is not None else {}
+    kv_heads = heads_of(module)[1]
     first = bases is not None and not bases
     for chunk in _param_chunks(module, GATHER_CHUNK_NUMEL, None if first else bases):
         with deepspeed.zero.GatheredParameters([p for _, ps, _ in chunk for p in ps],
@@ -185,12 +191,19 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
             if first:
                 keep_bases(chunk, bases)
             for name, _, full in chunk:
+                if (tp is not None and sums is None and name in target
+                        and _held_locally(full, tp)):
+                    # an expert-parallel group that is the tensor-parallel group: this rank
+                    # already holds its shard's experts, no gather
+                    target[name].data.copy_(full.local())
+                    continue
                 # an expert-parallel weight's full() is a collective: every rank calls it
                 if name in target or getattr(full, "collective", False):
                     w = full()
                     if name not in target:
                         continue
-                    target[name].data.copy_(w if tp is None else shard_of(name, w, tp))
+                    target[name].data.copy_(w if tp is None else shard_of(name, w, tp,
+                                                                          kv_heads))
                     if sums is not None:
                         sums[name] = weight_checksum(w.to(target[name].dtype))
     if replica is None:
@@ -202,6 +215,14 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     replica.config.use_cache = True
     replica.eval()
     return replica
+
+
+def _held_locally(full, tp: TPGroup) -> bool:
+    """Whether an expert-parallel weight (`moe.ep_weights`: its `local` experts, held by the
+    ranks `ep_ranks` in order) is on each rank of `tp` exactly that rank's tensor-parallel
+    shard: the two groups are the same ranks. The same answer on every rank of the group."""
+    ranks = getattr(full, "ep_ranks", None)
+    return ranks is not None and tuple(ranks) == tuple(range(tp.first, tp.first + tp.size))
 
 
 def replica_skeleton(module: torch.nn.Module, own_config: bool = True) -> dict:
@@ -345,7 +366,7 @@ def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, g
                      suppress_ids=shape.suppress_ids, cuda_graph=cfg.cuda_graph,
                      stop_check_every=cfg.stop_check_every, group=group, slots=slots,
                      compile_step=cfg.compile_step, generator=generator,
-                     routes=group is None, on_done=done)
+                     routes=True, on_done=done)
         routes = None if out.prompt_routes is None else (out.prompt_routes, out.response_routes)
         return out.response_ids, out.logprobs, out.stats, routes
     return run
@@ -490,7 +511,8 @@ def _generated(outs: list, logprobs: list, stats: list, routes: list, chunks: li
         prompt_routes = in_row_order(torch.cat([torch.nn.functional.pad(
             p, (0, 0, 0, 0, P - p.shape[1], 0), value=-1) for p, _ in routes]), order)
         response_routes = in_row_order(_stack_chunks([r for _, r in routes], -1), order)
-        response_routes = response_routes[:, :response.shape[1]]
+        prompt_routes = prompt_routes[offset:offset + n]
+        response_routes = response_routes[offset:offset + n, :response.shape[1]]
     return Generated(response_ids=response, mask=mask, ended=ended, replica=kept, loop=loop,
                      decode_stats=[st for st in stats if st is not None], logprobs=rollout_lp,
                      sampling=sampling_shape(cfg, eos_ids, pad_id),
