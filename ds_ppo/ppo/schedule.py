@@ -27,8 +27,11 @@ The replica is always refreshed before it generates, so a checkpoint needs none 
 With ppo.partial_rollouts (async, max_staleness N >= 2) every iteration refreshes the replica and
 the worker decodes the next segment of each of the N rollouts in flight (`algo.choices.
 partial_plan`, ppo/partial.py): a sequence keeps its tokens across a weight update and continues
-with the new weights. What is in flight then also holds the rollouts decoded in part (`Partial`:
-tokens, sampler log-probs and versions so far), saved with the rest.
+with the new weights. A row's reward call starts in the segment its response ends (the calls of
+rows that end early run on beside later iterations), so an iteration waits only for the calls of
+the rows that ended in its last segment. What is in flight then also holds the rollouts decoded
+in part (`Partial`: tokens, sampler log-probs and versions so far), saved with the rest; their
+reward calls are not saved: a resumed run calls its ended rows again, as it does a failed call.
 """
 from __future__ import annotations
 
