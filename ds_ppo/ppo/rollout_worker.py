@@ -146,9 +146,9 @@ class RolloutWorker:
         None, the segments of `segments_of` to have decoded) in `work`, in iteration order, the
         next segments decoded on the replica (weights of `version`) from `generator`. Each row's
         reward call starts as its response ends (reward.stream: in whichever segment it ends, so
-        the calls of rows that end early overlap the later segments); a rollout whose rows have
-        all ended comes back buffered once its calls have returned, version = that of its first
-        segment; the others come back as `Batch.partial`."""
+        the calls of rows that end early overlap the later segments); a rollout at its last
+        segment comes back buffered once its calls have returned, version = that of its first
+        segment; the others (rows all ended or not) come back as `Batch.partial`."""
         t0 = time.perf_counter()
         g, pad_id = self.rollout.generation, self.tokenizer.pad_token_id
         streams, self.streams = self.streams, {}
@@ -166,7 +166,9 @@ class RolloutWorker:
                              self.eos_ids, pad_id, version, generator,
                              None if stream is None else self._watch(stream, part))
             part.seconds += time.perf_counter() - t1
-            if not part.finished:
+            # one whose rows have all ended before its last segment waits for it: its calls run
+            # on beside the iterations in between
+            if not part.finished or segments < segments_of:
                 partial.append(part)
                 self.streams[j] = stream
                 continue

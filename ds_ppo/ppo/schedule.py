@@ -204,7 +204,7 @@ class RolloutSchedule:
         (`partial_plan`): the last of the next iteration's, the first of iteration + N's."""
         work = []
         for j, segments in partial_plan(self.max_staleness, iteration):
-            if self._usable(self.buffer.get(j), j):  # ended early, or from a checkpoint
+            if self._usable(self.buffer.get(j), j):  # buffered already (from a checkpoint)
                 continue
             part = self.partial.pop(j, None)
             if part is not None and part.segments >= segments:

@@ -199,6 +199,25 @@ def test_partial_rows_stream_their_rewards_in_the_segment_they_end(monkeypatch):
     assert again.called.scores == got.called.scores
 
 
+def test_a_rollout_ended_early_stays_in_flight_until_its_last_segment():
+    """A rollout whose rows all end in its first segment comes back as a `Partial` (its
+    reward calls run on beside the next iteration, which does not wait for them), buffered
+    at its last segment with no more decoding: the same tokens, versions and scores."""
+    from ds_ppo.ppo.scoring import call_reward
+
+    worker = _reward_worker(_scored)
+    worker.eos_ids = list(range(1, 90))  # every row ends within 4 tokens
+    g = torch.Generator().manual_seed(5)
+    first = worker.advance([(4, [2, 0, 1], None, 1)], 1, 2, g)
+    (part,) = first.partial
+    assert part.finished and not first.rollouts and part.segments == 1
+    state = g.get_state()
+    (got,) = worker.advance([(4, [2, 0, 1], part, 2)], 2, 2, g).rollouts
+    assert torch.equal(g.get_state(), state)  # nothing decoded at the last segment
+    assert got.version == 1 and (got.rollout.token_versions[got.rollout.mask] == 1).all()
+    assert got.called.scores == call_reward(got.rollout, _scored, worker.rewards).scores
+
+
 def test_failing_partial_reward_fails_as_one_call():
     """A reward call failing beside an early segment fails the rollout's reward as the call on
     the whole rollout does (scoring then raises the agreed error on the training thread)."""
@@ -258,7 +277,7 @@ def test_partial_resume_continues_exactly(tmp_path):
 def test_every_iteration_syncs_on_every_rank():
     """The weight sync is collective: every rank takes part in it beside every iteration,
     whatever it has left to decode (here nothing: the rollouts of the plan are buffered
-    already, ended early or held by a checkpoint)."""
+    already, held by a checkpoint)."""
     from ds_ppo.ppo.schedule import RolloutSchedule
 
     s = RolloutSchedule.__new__(RolloutSchedule)
