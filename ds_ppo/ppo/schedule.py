@@ -172,8 +172,8 @@ class RolloutSchedule:
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
         """After the update: the rollouts started beside this iteration finished and buffered,
-        so nothing is running at the iteration's end (what a checkpoint then holds:
-        `state_dict`)."""
+        so nothing decodes at the iteration's end (what a checkpoint then holds: `state_dict`;
+        with partial rollouts, reward calls of ended rows may run on, not saved)."""
         t0 = time.perf_counter()
         if self.deferred is not None:
             self._sync(self.deferred)
