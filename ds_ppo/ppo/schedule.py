@@ -211,10 +211,14 @@ class RolloutSchedule:
                 self.partial[j] = part
                 continue
             work.append((j, self.prompts_of(j), part, segments))
-        # collective, so on every rank alike: a rank whose rows all ended early may have no work
+        # collective, so on every rank alike, whatever a rank has left to decode
         version = iteration - 1
         if version != self.replica_version:
             self._sync(version)
+        if self.remote is not None:  # every served rank answers in each round, work or none
+            self.pending = self.remote.submit_segments(work, version, self.max_staleness,
+                                                       self.generator)
+            return
         if not work:
             return
         self.side.handoff()

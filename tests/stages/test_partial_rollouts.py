@@ -282,7 +282,7 @@ def test_every_iteration_syncs_on_every_rank():
 
     s = RolloutSchedule.__new__(RolloutSchedule)
     s.max_staleness = s.lag = 2
-    s.replica_version, s.pending, s.partial = 0, None, {}
+    s.replica_version, s.pending, s.partial, s.remote = 0, None, {}, None
     s.buffer = {3: SimpleNamespace(version=0), 4: SimpleNamespace(version=1)}
     s.prompts_of = lambda j: [j]
     synced: list[int] = []
@@ -296,8 +296,6 @@ def test_every_iteration_syncs_on_every_rank():
                                      "ppo.max_staleness >= 2", "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "ppo.max_staleness=1"], ["ppo.max_staleness = 1", "ppo.max_staleness >= 2"]),
     ([*PARTIAL, "ppo.max_staleness=0"], ["ppo.max_staleness = 0", "ppo.max_staleness >= 2"]),
-    ([*PARTIAL, "ppo.placement=split"], ["ppo.placement = 'split'", "ppo.placement=colocated",
-                                          "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "ppo.router_replay=true"], ["ppo.router_replay = true",
                                             "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "env.function=ds_ppo.envs.calculator:Calculator"],
@@ -314,5 +312,6 @@ def test_partial_refusals_name_the_keys(overrides, names):
 
 def test_partial_settings_pass():
     validate(load_config(None, [*SMALL, *PARTIAL]), 1)
+    validate(load_config(None, [*SMALL, *PARTIAL, "ppo.placement=split"]), 2)
     validate(load_config(None, [*SMALL, *PARTIAL, "ppo.max_staleness=6",
                                 "ppo.rollout_correction=mis"]), 1)
