@@ -1,8 +1,9 @@
 """ppo.placement = split's weight sync (ppo/split.py) in one process: the training rank's side
 (`RemoteWorker.sync`) and the generation rank's (`_receive_weights`) in two threads joined by a
 bridge of queues that pickles every message as the real one does. The replica equals the policy
-after a sync; a corrupted bucket stops both sides with one line naming the weight. The whole
-placement through the real launcher: tests/dist/test_schedule_dist.py."""
+after a sync; a corrupted bucket stops both sides with one line naming the weight; partial
+rollouts advance on the generation rank as on a colocated worker. The whole placement through
+the real launcher: tests/dist/test_schedule_dist.py."""
 from __future__ import annotations
 
 import io
