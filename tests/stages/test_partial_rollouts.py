@@ -239,7 +239,8 @@ def test_partial_resume_continues_exactly(tmp_path):
     """async 2 with partial rollouts: the checkpoint after iteration 3 holds iteration 4's
     rollout (first half from version 1, second from version 2) and iteration 5's first half
     (version 2) in flight, some of its rows ended (their streamed reward calls are not saved:
-    the resumed run calls them again); the resumed run equals the uninterrupted one."""
+    the resumed run calls them again); the resumed run equals the uninterrupted one, and so
+    does a run with reward.stream off."""
     full, split = tmp_path / "full", tmp_path / "split"
     stops = f"generation.stop_tokens=[{STOPS}]"  # rows end in either segment
     _train(full, *PARTIAL, stops, "iterations=5", "checkpoint.every=3")
@@ -260,6 +261,10 @@ def test_partial_resume_continues_exactly(tmp_path):
     _train(split, *PARTIAL, stops, "iterations=5", "checkpoint.every=3")
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5] and a == b
+    # the streamed calls give the scores of one call per rollout, metric for metric
+    _train(tmp_path / "whole", *PARTIAL, stops, "reward.stream=false", "iterations=5",
+           "checkpoint.every=0", "checkpoint.save_at_end=false")
+    assert _rows(tmp_path / "whole") == a
     assert _same_weights(_weights(full, 5), _weights(split, 5))
     for key in ("async/token_staleness_mean", "async/continued_token_share",
                 "async/token_staleness_max", "async/staleness_max"):
