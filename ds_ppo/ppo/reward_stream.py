@@ -4,10 +4,11 @@ forwards run, instead of one call after generation.
 
 The loop hands in the rows it finds ended at each of its checks (`engine/generation/loop.py`'s
 `on_done`); a partial rollout's (ppo.partial_rollouts) in the segment they end, so one stream
-may run beside several iterations. Up to reward.concurrency calls run at once on this rank; rows handed in while all
-of them are busy go together into the next call. Scoring takes the outcome (`result`) after its
-forwards, on the training thread, then agrees on it across ranks as for one call
-(`scoring._function_scores`). A reward model's forwards are collective: it never streams.
+may run beside several iterations. Up to reward.concurrency calls run at once on this rank;
+rows handed in while all of them are busy go together into the next call. Scoring takes the
+outcome (`result`) after its forwards, on the training thread, then agrees on it across ranks
+as for one call (`scoring._function_scores`). A reward model's forwards are collective: it
+never streams.
 
 The scores are those of one call on the whole rollout, in row order, for any function that
 scores each response on its own: `result` checks every row's texts against the rollout's and

@@ -183,16 +183,15 @@ def test_partial_rollouts_advance_on_the_generation_rank(bridge):
     colocated = _reward_worker(_scored)
     streams: dict[int, dict] = {}
     mine, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    part = None
+    part = colocated_part = None  # the training rank's, the colocated worker's
     for segments, version in ((1, 1), (2, 2)):
-        work = [(4, [2, 0, 1], part, segments)]
-        pending = remote.submit_segments(work, version, 2, mine)
+        pending = remote.submit_segments([(4, [2, 0, 1], part, segments)], version, 2, mine)
         for r, answer in split._answers(serving, [(0, dist.bridge_recv(0))], torch.Generator(),
                                         streams, cpu):
             dist.bridge_send(answer, r)
         got = pending.result()
-        expected = colocated.advance([(4, [2, 0, 1], None if part is None else
-                                       colocated_part, segments)], version, 2, theirs)
+        expected = colocated.advance([(4, [2, 0, 1], colocated_part, segments)], version, 2,
+                                     theirs)
         assert torch.equal(mine.get_state(), theirs.get_state())
         if segments == 1:
             (part,), (colocated_part,) = got.partial, expected.partial
