@@ -44,7 +44,10 @@ class BenchTokenizer:
         return self.vocab_size
 
     def get_vocab(self) -> dict[str, int]:
-        return {"<pad>": 0, "<s>": 1, "</s>": 2}
+        """The special ids by name, the others as `decode` spells them (`t<id>`), so
+        generation.stop_tokens can name ordinary ids (responses of many lengths)."""
+        return {"<pad>": 0, "<s>": 1, "</s>": 2,
+                **{f"t{i}": i for i in range(self.FIRST_ORDINARY_ID, self.vocab_size)}}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids

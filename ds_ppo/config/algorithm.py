@@ -162,8 +162,8 @@ class PPOConfig(Section):
         "and continues with the new weights (its KV cache rebuilt by a prefill of prompt and "
         "tokens so far). Each token records the version that sampled it and its sampler "
         "log-prob, which ppo.rollout_correction uses per token; tokens are 1 to N updates old, "
-        "later tokens newer. Not with placement=split, an env section or ppo.router_replay "
-        "(docs/ASYNC.md, Partial rollouts).")
+        "later tokens newer. Not with an env section or ppo.router_replay (docs/ASYNC.md, "
+        "Partial rollouts).")
     placement: Placement = Field(
         "colocated", description="Which ranks generate (docs/ASYNC.md): colocated = every rank "
         "trains and, under an off-policy schedule, generates in a background worker on a 16-bit "
@@ -275,13 +275,8 @@ class PPOConfig(Section):
                        + " decodes every rollout with one version's weights: set "
                        "ppo.schedule=async with ppo.max_staleness >= 2 (e.g. 2), or "
                        "ppo.partial_rollouts=false")
-        for key, on, why in (
-                ("ppo.placement = 'split'", p.placement == "split",
-                 "the generation ranks decode whole rollouts only"),
-                ("ppo.router_replay = true", p.router_replay,
-                 "a continued sequence's expert choices are not joined across segments")):
-            if p.partial_rollouts and on:
-                out.append(f"ppo.partial_rollouts = true with {key}: {why} (not supported "
-                           f"yet); set ppo.partial_rollouts=false"
-                           + (", or ppo.placement=colocated" if "split" in key else ""))
+        if p.partial_rollouts and p.router_replay:
+            out.append("ppo.partial_rollouts = true with ppo.router_replay = true: a continued "
+                       "sequence's expert choices are not joined across segments (not supported "
+                       "yet); set ppo.partial_rollouts=false")
         return out

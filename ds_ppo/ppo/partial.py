@@ -57,27 +57,31 @@ def start_partial(iteration: int, indices: list[int], samples_per_prompt: int, T
 
 def continue_partial(part: Partial, segments: int, segments_of: int, replica, prompts: PromptSet,
                      gen_cfg, eos_ids: list[int], pad_id: int, version: int,
-                     generator: torch.Generator) -> Partial:
+                     generator: torch.Generator, on_done=None) -> Partial:
     """Decode `part`'s live rows on `replica` (weights of `version`) from `generator` until
     `segments` of its `segments_of` are done (`segment_end` tokens; several segments at once
     with the same weights are one decoding call). Each live row's prompt for the call is its
     prompt followed by its tokens so far (left-padded), so the prefill rebuilds its KV cache
-    with these weights; EOS stays blocked until generation.min_new_tokens tokens in all. In
-    place; returns `part`."""
+    with these weights; EOS stays blocked until generation.min_new_tokens tokens in all.
+    `on_done(rows, tokens)`: the rows of `part` whose responses are final, as the decoding loop
+    finds them ended (a stop token; in the last segment every row), each with all its tokens so
+    far: what streams a partial rollout's reward calls (reward.stream). In place; returns
+    `part`."""
     T = part.response_ids.shape[1]
     end = min(T, segment_end(T, segments_of, segments))
     span = end - part.tokens
     rows = part.live.nonzero().flatten().tolist()
     if span > 0 and rows:
-        prompt_ids = [prompts.input_ids[part.indices[r]]
-                      + part.response_ids[r, :part.tokens].tolist() for r in rows]
+        before = [part.response_ids[r, :part.tokens].tolist() for r in rows]
+        prompt_ids = [prompts.input_ids[part.indices[r]] + b for r, b in zip(rows, before)]
         ids, am = left_pad(prompt_ids, pad_id)
         device = part.response_ids.device
         cfg = gen_cfg.model_copy(update={
             "max_new_tokens": span,
             "min_new_tokens": max(0, gen_cfg.min_new_tokens - part.tokens)})
         gen = decode_on_replica(replica, ids.to(device), am.to(device).bool(), cfg, eos_ids,
-                                pad_id, generator)
+                                pad_id, generator,
+                                _final_rows(on_done, rows, before, end >= T, set(eos_ids)))
         at = torch.tensor(rows, device=device)
         width = gen.response_ids.shape[1]
         cols = slice(part.tokens, part.tokens + width)
@@ -94,6 +98,22 @@ def continue_partial(part: Partial, segments: int, segments_of: int, replica, pr
     if end >= T:
         part.live.zero_()
     return part
+
+
+def _final_rows(on_done, rows: list[int], before: list[list[int]], last: bool, eos: set[int]):
+    """The decoding call's `on_done` (rows of the call, the segment's tokens) as `on_done` of
+    the partial's rows that are final (a stop token among their tokens: EOS is blocked until
+    min_new_tokens, so one never comes early; in the `last` segment every row), each with its
+    tokens `before` the segment and the segment's. None: no `on_done`."""
+    if on_done is None:
+        return None
+
+    def done(local: list[int], tokens: list[list[int]]) -> None:
+        final = [(rows[i], before[i] + t) for i, t in zip(local, tokens)
+                 if last or not eos.isdisjoint(t)]
+        if final:
+            on_done(*(list(x) for x in zip(*final)))
+    return done
 
 
 def partial_rollout(part: Partial, prompts: PromptSet, gen_cfg, tokenizer, eos_ids: list[int]

@@ -3,10 +3,12 @@ decoding loop finishes its responses, while the other rows still decode and whil
 forwards run, instead of one call after generation.
 
 The loop hands in the rows it finds ended at each of its checks (`engine/generation/loop.py`'s
-`on_done`). Up to reward.concurrency calls run at once on this rank; rows handed in while all
-of them are busy go together into the next call. Scoring takes the outcome (`result`) after its
-forwards, on the training thread, then agrees on it across ranks as for one call
-(`scoring._function_scores`). A reward model's forwards are collective: it never streams.
+`on_done`); a partial rollout's (ppo.partial_rollouts) in the segment they end, so one stream
+may run beside several iterations. Up to reward.concurrency calls run at once on this rank;
+rows handed in while all of them are busy go together into the next call. Scoring takes the
+outcome (`result`) after its forwards, on the training thread, then agrees on it across ranks
+as for one call (`scoring._function_scores`). A reward model's forwards are collective: it
+never streams.
 
 The scores are those of one call on the whole rollout, in row order, for any function that
 scores each response on its own: `result` checks every row's texts against the rollout's and
@@ -115,16 +117,20 @@ class RewardStream:
                 self.cond.notify_all()
 
     # ------------------------------------------------------------------ the scoring side
-    def result(self, rollout: Rollout, in_worker: bool = False) -> RewardCall:
+    def result(self, rollout: Rollout, in_worker: bool = False,
+               since: float | None = None) -> RewardCall:
         """The reward call's outcome on the whole `rollout` (this rank's rows), once the calls
         in flight have returned; rows not handed in, or handed in with other texts, are called
-        now. `in_worker`: on ppo.schedule's background worker (no watchdog phase)."""
+        now. `in_worker`: on ppo.schedule's background worker (no watchdog phase). Its seconds
+        count from the first call's start, or from `since` (perf_counter) when that is later (a
+        partial rollout's calls may have started beside an earlier iteration)."""
         exempt = {"limit_s": None} if self.settings.unlimited else {}
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
             with self.cond:
                 while self.running:
                     self.cond.wait()
             t_first = self.start if self.start is not None else time.perf_counter()
+            t_first = t_first if since is None else max(t_first, since)
             if self.crash is not None:
                 raise self.crash
             error = min(self.errors, key=lambda e: e[0])[1] if self.errors else None

@@ -74,6 +74,9 @@ class RolloutWorker:
         # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
         self.reward_pool = ThreadPoolExecutor(max(1, min(lag, cfg.reward.concurrency)),
                                               thread_name_prefix="ds_ppo-reward")
+        # ppo.partial_rollouts: the reward streams of the rollouts decoded in part, by the
+        # iteration that trains on each (not saved: a resumed run hands the ended rows in again)
+        self.streams: dict[int, RewardStream | None] = {}
 
     def decode(self, iteration: int, indices: list[int], version: int,
                generator: torch.Generator) -> tuple[Buffered, RewardStream | None]:
@@ -101,13 +104,15 @@ class RolloutWorker:
         return Buffered(iteration, version, stamp_versions(rollout, version),
                         replace(gen, replica=None), None, time.perf_counter() - t0), stream
 
-    def call(self, rollout: Rollout | None, stream: RewardStream | None) -> RewardCall | None:
+    def call(self, rollout: Rollout | None, stream: RewardStream | None,
+             since: float | None = None) -> RewardCall | None:
         """The reward function's call on `rollout`, or the outcome of its streamed calls
-        (None: a reward model scores it later, or no rollout: its environment failed)."""
+        (None: a reward model scores it later, or no rollout: its environment failed); `since`
+        (perf_counter): the streamed calls' time counts from then at the earliest."""
         if self.reward_fn is None or rollout is None:
             return None
         if stream is not None:
-            return stream.result(rollout, in_worker=True)
+            return stream.result(rollout, in_worker=True, since=since)
         return call_reward(rollout, self.reward_fn, self.rewards, in_worker=True)
 
     def produce(self, iteration: int, indices: list[int], version: int,
@@ -139,31 +144,57 @@ class RolloutWorker:
                 segments_of: int, generator: torch.Generator) -> Batch:
         """ppo.partial_rollouts: for each (iteration, prompt indices, its `Partial` so far or
         None, the segments of `segments_of` to have decoded) in `work`, in iteration order, the
-        next segments decoded on the replica (weights of `version`) from `generator`; a rollout
-        whose rows have all ended goes to its reward call (the reward pool) and comes back
-        buffered, version = that of its first segment; the others come back as `Batch.partial`.
-        """
+        next segments decoded on the replica (weights of `version`) from `generator`. Each row's
+        reward call starts as its response ends (reward.stream: in whichever segment it ends, so
+        the calls of rows that end early overlap the later segments); a rollout at its last
+        segment comes back buffered once its calls have returned, version = that of its first
+        segment; the others (rows all ended or not) come back as `Batch.partial`."""
         t0 = time.perf_counter()
         g, pad_id = self.rollout.generation, self.tokenizer.pad_token_id
+        streams, self.streams = self.streams, {}
         decoded, partial = [], []
         for j, indices, part, segments in work:
             t1 = time.perf_counter()
             if part is None:
                 part = start_partial(j, indices, self.rollout.samples_per_prompt,
                                      g.max_new_tokens, pad_id, self.device)
+                streams.pop(j, None)
+            if j not in streams:  # its first segment, or the first after a resume
+                streams[j] = self._partial_stream(part)
+            stream = streams[j]
             continue_partial(part, segments, segments_of, self.replica, self.prompts, g,
-                             self.eos_ids, pad_id, version, generator)
+                             self.eos_ids, pad_id, version, generator,
+                             None if stream is None else self._watch(stream, part))
             part.seconds += time.perf_counter() - t1
-            if not part.finished:
+            # one whose rows have all ended before its last segment waits for it: its calls run
+            # on beside the iterations in between
+            if not part.finished or segments < segments_of:
                 partial.append(part)
+                self.streams[j] = stream
                 continue
             rollout, gen = partial_rollout(part, self.prompts, g, self.tokenizer, self.eos_ids)
             got = Buffered(j, part.first_version, rollout, gen, None, part.seconds)
-            decoded.append((got, self.reward_pool.submit(self.call, rollout, None)))
+            decoded.append((got, self.reward_pool.submit(self.call, rollout, stream, t1)))
         for got, call in decoded:
             got.called = call.result()
             got.seconds += got.called.seconds if got.called is not None else 0.0
         return Batch([got for got, _ in decoded], time.perf_counter() - t0, partial)
+
+    def _partial_stream(self, part: Partial) -> RewardStream | None:
+        """A reward stream for the rollout `part` (None: the reward is called on the whole
+        rollout), its rows ended already handed in (a `Partial` from a checkpoint: the calls in
+        flight when it was saved are made again; a function scoring each response on its own
+        gives the same scores)."""
+        stream = reward_stream(self.rewards, self.reward_fn)
+        ended = (~part.live).nonzero().flatten().tolist() if part.tokens else []
+        if stream is not None and ended:
+            self._watch(stream, part)(ended, part.response_ids[ended, :part.tokens].tolist())
+        return stream
+
+    def _watch(self, stream: RewardStream, part: Partial):
+        """The `on_done(rows, tokens)` that hands `part`'s final responses to `stream`."""
+        return stream.watch(self.tokenizer, [self.prompts.input_ids[i] for i in part.indices],
+                            [self.prompts.extra(i) for i in part.indices], self.eos_ids)
 
 
 def sync_error(version: int, bad: str | None, where: str = "the generation replica"

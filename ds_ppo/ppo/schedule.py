@@ -27,8 +27,11 @@ The replica is always refreshed before it generates, so a checkpoint needs none 
 With ppo.partial_rollouts (async, max_staleness N >= 2) every iteration refreshes the replica and
 the worker decodes the next segment of each of the N rollouts in flight (`algo.choices.
 partial_plan`, ppo/partial.py): a sequence keeps its tokens across a weight update and continues
-with the new weights. What is in flight then also holds the rollouts decoded in part (`Partial`:
-tokens, sampler log-probs and versions so far), saved with the rest.
+with the new weights. A row's reward call starts in the segment its response ends (the calls of
+rows that end early run on beside later iterations), so an iteration waits only for the calls of
+the rows that ended in its last segment. What is in flight then also holds the rollouts decoded
+in part (`Partial`: tokens, sampler log-probs and versions so far), saved with the rest; their
+reward calls are not saved: a resumed run calls its ended rows again, as it does a failed call.
 """
 from __future__ import annotations
 
@@ -169,8 +172,8 @@ class RolloutSchedule:
 
     def finish(self, iteration: int, acc: Accumulator) -> None:
         """After the update: the rollouts started beside this iteration finished and buffered,
-        so nothing is running at the iteration's end (what a checkpoint then holds:
-        `state_dict`)."""
+        so nothing decodes at the iteration's end (what a checkpoint then holds: `state_dict`;
+        with partial rollouts, reward calls of ended rows may run on, not saved)."""
         t0 = time.perf_counter()
         if self.deferred is not None:
             self._sync(self.deferred)
@@ -201,17 +204,21 @@ class RolloutSchedule:
         (`partial_plan`): the last of the next iteration's, the first of iteration + N's."""
         work = []
         for j, segments in partial_plan(self.max_staleness, iteration):
-            if self._usable(self.buffer.get(j), j):  # ended early, or from a checkpoint
+            if self._usable(self.buffer.get(j), j):  # buffered already (from a checkpoint)
                 continue
             part = self.partial.pop(j, None)
             if part is not None and part.segments >= segments:
                 self.partial[j] = part
                 continue
             work.append((j, self.prompts_of(j), part, segments))
-        # collective, so on every rank alike: a rank whose rows all ended early may have no work
+        # collective, so on every rank alike, whatever a rank has left to decode
         version = iteration - 1
         if version != self.replica_version:
             self._sync(version)
+        if self.remote is not None:  # every served rank answers in each round, work or none
+            self.pending = self.remote.submit_segments(work, version, self.max_staleness,
+                                                       self.generator)
+            return
         if not work:
             return
         self.side.handoff()

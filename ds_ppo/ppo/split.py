@@ -7,8 +7,9 @@ What runs where:
   (`dist.init_distributed(generation_ranks=K)`), and `RolloutSchedule` as under colocated, with
   a `RemoteWorker` in place of the background thread: it hands the generation rank that serves
   it (training rank r: generation rank r mod K) what the thread would get (the iterations, their
-  prompt indices, the policy version, the random stream's state) and takes back the buffered
-  rollouts and the stream's new state. The rollouts, the stream and everything a checkpoint
+  prompt indices, the policy version, the random stream's state; with ppo.partial_rollouts, the
+  rollouts decoded in part) and takes back the buffered rollouts (and those still in part) and
+  the stream's new state. The rollouts, the stream and everything a checkpoint
   holds stay on the training rank, so a checkpoint is the colocated placement's;
 - a generation rank (`serve_generation`): a 16-bit replica and no ZeRO engine, the
   `RolloutWorker` on it (decoding, the reward function's calls), for each training rank it
@@ -109,6 +110,17 @@ class RemoteWorker:
                           "generator": generator.get_state()}, self.peer)
         return _Pending(self, generator)
 
+    def submit_segments(self, work: list, version: int, segments_of: int,
+                        generator: torch.Generator) -> _Pending:
+        """ppo.partial_rollouts: the next segments of `work` (`RolloutWorker.advance`'s, each
+        rollout's `Partial` so far included) started on the generation rank; `.result()` (after
+        the update) waits for them. The rollouts still in part come back with the batch, so a
+        checkpoint of this rank holds them as a colocated one does."""
+        dist.bridge_send({"op": "advance", "work": work, "version": version,
+                          "segments_of": segments_of, "generator": generator.get_state()},
+                         self.peer)
+        return _Pending(self, generator)
+
     def stop(self) -> None:
         """The run's last iteration is done: the generation rank may leave."""
         dist.bridge_send({"op": "stop"}, self.peer)
@@ -134,8 +146,8 @@ class _Pending:
 def serve_generation(cfg, device: torch.device) -> None:
     """A generation rank's whole run: the commands of the training ranks it serves, until the
     first of them says stop. The first served rank drives the order (setup, sync, produce,
-    batch, stop); every served rank sends its own produce / batch / stop, which are answered in
-    rank order, each from that rank's own random stream."""
+    batch or advance, stop); every served rank sends its own produce / batch / advance / stop,
+    which are answered in rank order, each from that rank's own random stream (`_answers`)."""
     served = dist.served_training_ranks(dist.rank())
     first, others = served[0], served[1:]
     setup = dist.bridge_recv(first)
@@ -149,6 +161,7 @@ def serve_generation(cfg, device: torch.device) -> None:
     dtype = setup["dtype"]
     log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
     generator = torch.Generator(device=device)
+    streams: dict[int, dict] = {}  # partial rollouts' reward streams, by training rank
     while True:
         try:
             cmd = dist.bridge_recv(first)
@@ -166,19 +179,34 @@ def serve_generation(cfg, device: torch.device) -> None:
         commands = [(first, cmd)] + [(r, dist.bridge_recv(r)) for r in others]
         if cmd["op"] == "stop":
             return
-        answers = []
-        for r, c in commands:  # each training rank's rows from its own stream
-            generator.set_state(c["generator"])
-            if c["op"] == "produce":
-                t0 = time.perf_counter()
-                j, indices = c["work"][0]
-                batch = Batch([worker.produce(j, indices, c["version"], generator)],
-                              time.perf_counter() - t0)
-            else:
-                batch = worker.produce_batch(c["work"], c["version"], generator)
-            answers.append((r, {"batch": batch, "generator": generator.get_state()}))
-        for r, answer in answers:
+        for r, answer in _answers(worker, commands, generator, streams, device):
             dist.bridge_send(answer, r)
+
+
+def _answers(worker: RolloutWorker, commands: list[tuple[int, dict]],
+             generator: torch.Generator, streams: dict[int, dict], device: torch.device
+             ) -> list[tuple[int, dict]]:
+    """Each served training rank's produce / batch / advance command (rank, command) answered in
+    rank order, its rows from its own random stream and, with partial rollouts, its rollouts'
+    reward streams its own (`streams`: `RolloutWorker.streams` by training rank, kept here
+    across iterations)."""
+    answers = []
+    for r, c in commands:
+        generator.set_state(c["generator"])
+        if c["op"] == "produce":
+            t0 = time.perf_counter()
+            j, indices = c["work"][0]
+            batch = Batch([worker.produce(j, indices, c["version"], generator)],
+                          time.perf_counter() - t0)
+        elif c["op"] == "advance":
+            worker.streams = streams.get(r, {})
+            batch = worker.advance(dist.moved(c["work"], device), c["version"],
+                                   c["segments_of"], generator)
+            streams[r] = worker.streams
+        else:
+            batch = worker.produce_batch(c["work"], c["version"], generator)
+        answers.append((r, {"batch": batch, "generator": generator.get_state()}))
+    return answers
 
 
 def _tensors(bucket: dict):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_decode import EOS, PAD, V, tiny_llama
+from test_reward_stream import STOPS
 from test_schedule import SMALL, _column, _rows, _same_weights, _train, _weights
 
 from ds_ppo.algo import response_mask
@@ -138,13 +139,112 @@ def test_a_partial_rollout_is_the_rollout_of_one_decoding_call():
     assert (got.token_versions[~got.mask] == -1).all()
 
 
+def _reward_worker(fn):
+    """A `RolloutWorker` on the tiny model with reward function `fn`, two samples per prompt,
+    responses of 9 tokens at most in two segments, many stop tokens (rows end in either)."""
+    from ds_ppo.data.prompts import PromptSet
+    from ds_ppo.ppo.rollout_worker import RolloutWorker
+
+    ids, mask = _prompts(3, 5)
+    prompts = PromptSet([ids[b][mask[b]].tolist() for b in range(3)], ["", "", ""])
+    cfg = load_config(None, ["generation.max_new_tokens=9", "ppo.samples_per_prompt=2"])
+    worker = RolloutWorker(cfg, prompts, _Tokens(), list(range(1, 60)), ids.device, fn, 2)
+    worker.replica = tiny_llama()
+    return worker
+
+
+def _scored(prompts, responses):
+    return [len(r) + 0.1 * len(p) for p, r in zip(prompts, responses)]
+
+
+def test_partial_rows_stream_their_rewards_in_the_segment_they_end(monkeypatch):
+    """reward.stream: a partial rollout's rows go to the reward stream in the segment they end
+    (their calls overlap the later segments), each called once, the scores in row order those
+    of one call on the whole rollout; a `Partial` from a checkpoint (no calls in flight saved)
+    hands its ended rows in again on resume and gives the same scores."""
+    import io
+
+    from ds_ppo.ppo.reward_stream import RewardStream
+    from ds_ppo.ppo.scoring import call_reward
+
+    handed: list[tuple[str, int]] = []  # (segment, row) as the stream took them
+    at, add = ["1"], RewardStream.add
+    monkeypatch.setattr(RewardStream, "add", lambda self, rows, *a: (
+        handed.extend((at[0], r) for r in rows), add(self, rows, *a))[1])
+    called: list[str] = []
+    worker = _reward_worker(lambda p, r: (called.extend(r), _scored(p, r))[1])
+    g = torch.Generator().manual_seed(5)
+    (part,) = worker.advance([(4, [2, 0, 1], None, 1)], 1, 2, g).partial
+    ended = (~part.live).nonzero().flatten().tolist()
+    assert ended and part.live.any()
+    assert [r for s, r in handed if s == "1"] == ended  # handed in beside the first segment
+    buf = io.BytesIO()
+    torch.save((part, g.get_state()), buf)
+    at[0] = "2"
+    (got,) = worker.advance([(4, [2, 0, 1], part, 2)], 2, 2, g).rollouts
+    live = [r for r in range(6) if r not in ended]
+    assert sorted(r for s, r in handed if s == "2") == live
+    assert sorted(called) == sorted(got.rollout.responses)  # each row called once
+    whole = call_reward(got.rollout, _scored, worker.rewards)
+    assert got.called.error is None and got.called.scores == whole.scores
+    # resumed: a new worker (no streams) continues the saved Partial
+    buf.seek(0)
+    saved, state = torch.load(buf, weights_only=False)
+    resumed = _reward_worker(lambda p, r: (called.extend(r), _scored(p, r))[1])
+    at[0], handed[:], called[:] = "resumed", [], []
+    (again,) = resumed.advance([(4, [2, 0, 1], saved, 2)], 2, 2,
+                               torch.Generator().set_state(state)).rollouts
+    assert sorted(r for _, r in handed) == list(range(6))
+    assert again.rollout.responses == got.rollout.responses
+    assert again.called.scores == got.called.scores
+
+
+def test_a_rollout_ended_early_stays_in_flight_until_its_last_segment():
+    """A rollout whose rows all end in its first segment comes back as a `Partial` (its
+    reward calls run on beside the next iteration, which does not wait for them), buffered
+    at its last segment with no more decoding: the same tokens, versions and scores."""
+    from ds_ppo.ppo.scoring import call_reward
+
+    worker = _reward_worker(_scored)
+    worker.eos_ids = list(range(1, 90))  # every row ends within 4 tokens
+    g = torch.Generator().manual_seed(5)
+    first = worker.advance([(4, [2, 0, 1], None, 1)], 1, 2, g)
+    (part,) = first.partial
+    assert part.finished and not first.rollouts and part.segments == 1
+    state = g.get_state()
+    (got,) = worker.advance([(4, [2, 0, 1], part, 2)], 2, 2, g).rollouts
+    assert torch.equal(g.get_state(), state)  # nothing decoded at the last segment
+    assert got.version == 1 and (got.rollout.token_versions[got.rollout.mask] == 1).all()
+    assert got.called.scores == call_reward(got.rollout, _scored, worker.rewards).scores
+
+
+def test_failing_partial_reward_fails_as_one_call():
+    """A reward call failing beside an early segment fails the rollout's reward as the call on
+    the whole rollout does (scoring then raises the agreed error on the training thread)."""
+    from ds_ppo.ppo.scoring import call_reward
+
+    def fn(prompts, responses):
+        raise ValueError("cannot score")
+
+    worker = _reward_worker(fn)
+    g = torch.Generator().manual_seed(5)
+    (part,) = worker.advance([(4, [2, 0, 1], None, 1)], 1, 2, g).partial
+    (got,) = worker.advance([(4, [2, 0, 1], part, 2)], 2, 2, g).rollouts
+    whole = call_reward(got.rollout, fn, worker.rewards)
+    assert got.called.scores == [] and type(got.called.error) is type(whole.error)
+    assert str(got.called.error) == str(whole.error)
+
+
 def test_partial_resume_continues_exactly(tmp_path):
     """async 2 with partial rollouts: the checkpoint after iteration 3 holds iteration 4's
     rollout (first half from version 1, second from version 2) and iteration 5's first half
-    (version 2) in flight; the resumed run equals the uninterrupted one."""
+    (version 2) in flight, some of its rows ended (their streamed reward calls are not saved:
+    the resumed run calls them again); the resumed run equals the uninterrupted one, and so
+    does a run with reward.stream off."""
     full, split = tmp_path / "full", tmp_path / "split"
-    _train(full, *PARTIAL, "iterations=5", "checkpoint.every=3")
-    _train(split, *PARTIAL, "iterations=3", "checkpoint.every=3")
+    stops = f"generation.stop_tokens=[{STOPS}]"  # rows end in either segment
+    _train(full, *PARTIAL, stops, "iterations=5", "checkpoint.every=3")
+    _train(split, *PARTIAL, stops, "iterations=3", "checkpoint.every=3")
     held = torch.load(split / "checkpoints" / "iter_000003" / "in_flight" / "rank_00000.pt",
                       weights_only=False)
     T = 6  # SMALL's generation.max_new_tokens; segments of 3 tokens
@@ -157,9 +257,14 @@ def test_partial_resume_continues_exactly(tmp_path):
     assert (p.iteration, p.segments, p.tokens, p.first_version) == (5, 1, 3, 2)
     assert (p.versions[p.live][:, :3] == 2).all() and (p.versions[:, 3:] == -1).all()
     assert p.response_ids.shape[1] == T and p.logprobs[p.live][:, :3].lt(0).all()
-    _train(split, *PARTIAL, "iterations=5", "checkpoint.every=3")
+    assert p.live.any() and not p.live.all()
+    _train(split, *PARTIAL, stops, "iterations=5", "checkpoint.every=3")
     a, b = _rows(full), _rows(split)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5] and a == b
+    # the streamed calls give the scores of one call per rollout, metric for metric
+    _train(tmp_path / "whole", *PARTIAL, stops, "reward.stream=false", "iterations=5",
+           "checkpoint.every=0", "checkpoint.save_at_end=false")
+    assert _rows(tmp_path / "whole") == a
     assert _same_weights(_weights(full, 5), _weights(split, 5))
     for key in ("async/token_staleness_mean", "async/continued_token_share",
                 "async/token_staleness_max", "async/staleness_max"):
@@ -177,12 +282,12 @@ def test_partial_resume_continues_exactly(tmp_path):
 def test_every_iteration_syncs_on_every_rank():
     """The weight sync is collective: every rank takes part in it beside every iteration,
     whatever it has left to decode (here nothing: the rollouts of the plan are buffered
-    already, ended early or held by a checkpoint)."""
+    already, held by a checkpoint)."""
     from ds_ppo.ppo.schedule import RolloutSchedule
 
     s = RolloutSchedule.__new__(RolloutSchedule)
     s.max_staleness = s.lag = 2
-    s.replica_version, s.pending, s.partial = 0, None, {}
+    s.replica_version, s.pending, s.partial, s.remote = 0, None, {}, None
     s.buffer = {3: SimpleNamespace(version=0), 4: SimpleNamespace(version=1)}
     s.prompts_of = lambda j: [j]
     synced: list[int] = []
@@ -196,8 +301,6 @@ def test_every_iteration_syncs_on_every_rank():
                                      "ppo.max_staleness >= 2", "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "ppo.max_staleness=1"], ["ppo.max_staleness = 1", "ppo.max_staleness >= 2"]),
     ([*PARTIAL, "ppo.max_staleness=0"], ["ppo.max_staleness = 0", "ppo.max_staleness >= 2"]),
-    ([*PARTIAL, "ppo.placement=split"], ["ppo.placement = 'split'", "ppo.placement=colocated",
-                                          "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "ppo.router_replay=true"], ["ppo.router_replay = true",
                                             "ppo.partial_rollouts=false"]),
     ([*PARTIAL, "env.function=ds_ppo.envs.calculator:Calculator"],
@@ -214,5 +317,6 @@ def test_partial_refusals_name_the_keys(overrides, names):
 
 def test_partial_settings_pass():
     validate(load_config(None, [*SMALL, *PARTIAL]), 1)
+    validate(load_config(None, [*SMALL, *PARTIAL, "ppo.placement=split"]), 2)
     validate(load_config(None, [*SMALL, *PARTIAL, "ppo.max_staleness=6",
                                 "ppo.rollout_correction=mis"]), 1)

@@ -1,8 +1,9 @@
 """ppo.placement = split's weight sync (ppo/split.py) in one process: the training rank's side
 (`RemoteWorker.sync`) and the generation rank's (`_receive_weights`) in two threads joined by a
 bridge of queues that pickles every message as the real one does. The replica equals the policy
-after a sync; a corrupted bucket stops both sides with one line naming the weight. The whole
-placement through the real launcher: tests/dist/test_schedule_dist.py."""
+after a sync; a corrupted bucket stops both sides with one line naming the weight; partial
+rollouts advance on the generation rank as on a colocated worker. The whole placement through
+the real launcher: tests/dist/test_schedule_dist.py."""
 from __future__ import annotations
 
 import io
@@ -160,3 +161,45 @@ def test_a_corrupted_adapter_sync_stops_both_sides(bridge, monkeypatch):
     assert errors["generation"] == errors["training"]
     line = errors["training"]
     assert "\n" not in line and "policy version 1" in line and "_proj.weight" in line
+
+
+def test_partial_rollouts_advance_on_the_generation_rank(bridge):
+    """ppo.partial_rollouts under split: each round the training rank sends its rollouts in
+    part with the segments to decode (`submit_segments`), the generation rank advances them
+    (`_answers`, keeping the rollouts' reward streams by training rank) and sends back the
+    buffered rollout and the `Partial`s, which stay on the training rank between rounds: the
+    tokens, versions, random stream and scores a colocated worker gives, each row's reward
+    called once on the generation rank."""
+    from test_partial_rollouts import _reward_worker, _scored
+
+    cpu = torch.device("cpu")
+    engines = SimpleNamespace(policy=SimpleNamespace(module=small_llama()), dtype=torch.float32,
+                              reward_fn=None, device=cpu)
+    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
+                                                eos_ids=[2]))
+    assert dist.bridge_recv(0)["op"] == "setup"
+    called: list[str] = []
+    serving = _reward_worker(lambda p, r: (called.extend(r), _scored(p, r))[1])
+    colocated = _reward_worker(_scored)
+    streams: dict[int, dict] = {}
+    mine, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    part = colocated_part = None  # the training rank's, the colocated worker's
+    for segments, version in ((1, 1), (2, 2)):
+        pending = remote.submit_segments([(4, [2, 0, 1], part, segments)], version, 2, mine)
+        for r, answer in split._answers(serving, [(0, dist.bridge_recv(0))], torch.Generator(),
+                                        streams, cpu):
+            dist.bridge_send(answer, r)
+        got = pending.result()
+        expected = colocated.advance([(4, [2, 0, 1], colocated_part, segments)], version, 2,
+                                     theirs)
+        assert torch.equal(mine.get_state(), theirs.get_state())
+        if segments == 1:
+            (part,), (colocated_part,) = got.partial, expected.partial
+            assert not got.rollouts and not part.live.all() and 4 in streams[0]
+            for key in ("response_ids", "logprobs", "versions", "live"):
+                assert torch.equal(getattr(part, key), getattr(colocated_part, key)), key
+    (b,), (e,) = got.rollouts, expected.rollouts
+    for key in ("response_ids", "mask", "rollout_logprobs", "token_versions"):
+        assert torch.equal(getattr(b.rollout, key), getattr(e.rollout, key)), key
+    assert b.version == e.version == 1 and b.called.scores == e.called.scores
+    assert sorted(called) == sorted(b.rollout.responses)  # the stream kept across the rounds
