@@ -16,7 +16,8 @@
 # reused by every run. A run that would start with under 90 s of budget left is skipped, and a
 # run is killed when the budget is spent (its log says how far it got).
 # Extra bench flags for every bench run: BENCH_FLAGS="--prompts 32"; flags of the decode run:
-# DECODE_FLAGS="--rows 64"; of the MoE decode run: MOE_FLAGS="--experts eager"; of the peer run: PEER_FLAGS="--iterations 1"; a subset of the runs: BENCH_RUNS="preset decode"; another shape:
+# DECODE_FLAGS="--rows 64"; of the MoE decode run: MOE_FLAGS="--experts eager"; of the peer run:
+# PEER_FLAGS="--iterations 1"; a subset of the runs: BENCH_RUNS="preset decode"; another shape:
 # BENCH_SHAPE=tiny (what the CPU test runs). With .whl/ in the repo (prepare_wheels.sh) and no
 # deepspeed importable, the wheels are installed into /tmp/site first.
 set -uo pipefail
@@ -106,8 +107,8 @@ for run in ${BENCH_RUNS:-preset z3 z3_knobs decode moe schedule peer main}; do
       else
         steps+=("peer: skipped (trl is not installed: add it to prepare_wheels.sh's wheels)")
       fi ;;
-    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, moe, schedule, peer, main," \
-            "persist, zero2, micro32, compiled)"; exit 2 ;;
+    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, moe, schedule, peer," \
+            "main, persist, zero2, micro32, compiled)"; exit 2 ;;
   esac
 done
 

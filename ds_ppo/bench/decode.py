@@ -163,7 +163,8 @@ def moe_runs(model, rows: list[int], prompt_len: int, new_tokens: int,
     offered, runs = experts_implementations(), []
     for name in implementations:
         if name not in offered:
-            runs.append({"experts": name, "error": f"not in this transformers ({', '.join(offered)})"})
+            runs.append({"experts": name,
+                         "error": f"not in this transformers ({', '.join(offered)})"})
             continue
         try:
             running = set_experts(model, name)

@@ -26,7 +26,8 @@ sparse MoE block by an `AutoEPMoELayer`: its router (`TokenChoiceTopKRouter`: a 
 forward (N, H) -> (top-k weights (N, k) fp32, top-k indices (N, k), tokens per expert (E,)))
 is tapped the same way (`_ep_hook`), and its experts, each rank holding E / N of them as
 `w1`/`w3`/`w2`, are gathered back into the Hugging Face layout for a generation replica or an
-export (`ep_weights`).
+export (`ep_weights`); a checkpoint saved without expert parallelism goes the other way, into
+AutoEP's names and layout (`autoep_tensors`).
 """
 from __future__ import annotations
 
