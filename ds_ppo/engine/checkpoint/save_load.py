@@ -343,10 +343,11 @@ def _autoep_universal(src: Path, dst: Path) -> None:
                 break
             for name, t in parts:
                 (tmp / "zero" / name).mkdir(exist_ok=True)
-                expert = ".experts." in name
-                torch.save({PARAM: t, CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
-                            EP_NUM_EXPERTS: t.shape[0]} if expert else t,
-                           tmp / "zero" / name / f.name)
+                if ".experts." in name:
+                    t = {PARAM: t, CAT_DIM: 0, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: t.shape[0]}
+                elif isinstance(saved, dict):  # the router, with its universal metadata
+                    t = {**saved, PARAM: t}
+                torch.save(t, tmp / "zero" / name / f.name)
         if parts is None:  # AutoEP keeps the parameter's name
             shutil.copytree(d, tmp / "zero" / d.name, copy_function=link)
         else:
