@@ -2,7 +2,9 @@
 # The prepared GPU session (docs/PERFORMANCE.md, "The prepared GPU session"): bench rows of the
 # 1b shape at the 1b preset's settings (zero_stage auto) and on ZeRO-3 with and without its
 # knobs, our decoding loop alone (eager and compiled step, against the memory bound, with its
-# kernel table and the fp32 greedy check), ppo.schedule sync against one_step_off (generation
+# kernel table and the fp32 greedy check), the decoding loop on a mixture-of-experts policy
+# (Qwen3-30B-A3B's layers, 2 of them: each experts implementation of transformers, eager
+# against CUDA graph, expert choices recorded), ppo.schedule sync against one_step_off (generation
 # beside the update, docs/ASYNC.md) and, where TRL is installed, the peer ratio; each
 # within what is left of a time budget. Every result lands in RESULT_DIR and in one tarball
 # there (bench_gpu_results.tar.gz); the summary tables are printed last.
@@ -14,7 +16,8 @@
 # reused by every run. A run that would start with under 90 s of budget left is skipped, and a
 # run is killed when the budget is spent (its log says how far it got).
 # Extra bench flags for every bench run: BENCH_FLAGS="--prompts 32"; flags of the decode run:
-# DECODE_FLAGS="--rows 64"; of the peer run: PEER_FLAGS="--iterations 1"; a subset of the runs: BENCH_RUNS="preset decode"; another shape:
+# DECODE_FLAGS="--rows 64"; of the MoE decode run: MOE_FLAGS="--experts eager"; of the peer run:
+# PEER_FLAGS="--iterations 1"; a subset of the runs: BENCH_RUNS="preset decode"; another shape:
 # BENCH_SHAPE=tiny (what the CPU test runs). With .whl/ in the repo (prepare_wheels.sh) and no
 # deepspeed importable, the wheels are installed into /tmp/site first.
 set -uo pipefail
@@ -71,7 +74,9 @@ step() {  # step NAME CMD...: a non-bench run, its log kept, its exit code and l
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 # the preset's settings: 128 prompts, gradient checkpointing, zero_stage auto
 PRESET=(--iterations 2 --skip-baselines --prompts 128 --gradient-checkpointing)
-for run in ${BENCH_RUNS:-preset z3 z3_knobs decode schedule peer main}; do
+# the MoE decode run's shape: Qwen3-30B-A3B's layers, or the tiny one with BENCH_SHAPE=tiny
+MOE_SHAPE=$([[ ${BENCH_SHAPE:-1b} == tiny ]] && echo tiny_moe || echo 30b_a3b_2l)
+for run in ${BENCH_RUNS:-preset z3 z3_knobs decode moe schedule peer main}; do
   case $run in
     main) bench main --iterations 2 ;;
     preset) bench preset "${PRESET[@]}" --zero-stage auto ;;
@@ -88,6 +93,9 @@ for run in ${BENCH_RUNS:-preset z3 z3_knobs decode schedule peer main}; do
                 --json "$RESULTS/decode.json" --profile-dir "$RESULTS" --greedy-check \
                 ${DECODE_FLAGS:-} ;;
     # shellcheck disable=SC2086
+    moe) step moe "$PY" -m ds_ppo.bench.decode --shape "$MOE_SHAPE" --rows 64 \
+             --experts eager batched_mm grouped_mm --json "$RESULTS/moe.json" ${MOE_FLAGS:-} ;;
+    # shellcheck disable=SC2086
     schedule) step schedule "$PY" -m ds_ppo.bench --shape "${BENCH_SHAPE:-1b}" \
                   --output-dir "$MODELS" --json "$RESULTS/schedule.json" --iterations 3 \
                   --zero-stage 2 --schedule sync,one_step_off ${BENCH_FLAGS:-} ;;
@@ -99,8 +107,8 @@ for run in ${BENCH_RUNS:-preset z3 z3_knobs decode schedule peer main}; do
       else
         steps+=("peer: skipped (trl is not installed: add it to prepare_wheels.sh's wheels)")
       fi ;;
-    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, schedule, peer, main," \
-            "persist, zero2, micro32, compiled)"; exit 2 ;;
+    *) echo "[bench_gpu] unknown run $run (preset, z3, z3_knobs, decode, moe, schedule, peer," \
+            "main, persist, zero2, micro32, compiled)"; exit 2 ;;
   esac
 done
 
@@ -120,6 +128,10 @@ fi
 if [[ -f "$RESULTS/decode.log" ]]; then
   echo
   grep -E '^\||^greedy fp32' "$RESULTS/decode.log"
+fi
+if [[ -f "$RESULTS/moe.log" ]]; then
+  echo
+  grep -E '^\|' "$RESULTS/moe.log"
 fi
 if [[ -f "$RESULTS/schedule.json" ]]; then
   echo

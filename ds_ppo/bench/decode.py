@@ -12,6 +12,14 @@ the memory bound: the bytes a step must read (16-bit weights of every layer and 
 head, plus the K and V of the mean context, prompt + half the new tokens) over the device's
 bandwidth (`--hbm-tb-s`, 4.8 for an H200). `--greedy-check`: in fp32, the greedy tokens of the
 eager step, the compiled step and HF generate (plain model) on 8 rows x 32 tokens.
+
+`--experts eager batched_mm grouped_mm` (a mixture-of-experts shape, e.g. 30b_a3b_2l): the eager
+step without and with the CUDA graph (`generation.cuda_graph`), recording the expert choices as
+`ppo.router_replay` does, for each experts implementation of transformers
+(`config._experts_implementation`; those the installed transformers lacks are reported and
+skipped): tok/s and whether the step's graph captured (else why it fell back).
+
+    python -m ds_ppo.bench.decode --shape 30b_a3b_2l --rows 64 --experts eager batched_mm grouped_mm
 """
 from __future__ import annotations
 
@@ -55,13 +63,31 @@ def step_bytes(model, rows: int, context: float) -> float:
 
 
 def _decode(model, ids, mask, new_tokens: int, temperature: float, compile_step: bool,
-            cuda_graph: bool = True):
+            cuda_graph: bool = True, routes: bool = False):
     from ds_ppo.engine.generation.loop import decode
 
     return decode(model, ids, mask, max_new_tokens=new_tokens, eos_ids=[2], pad_id=0,
                   min_new_tokens=new_tokens if temperature > 0 else 0,
                   temperature=temperature, suppress_ids=[0], cuda_graph=cuda_graph,
-                  compile_step=compile_step)
+                  compile_step=compile_step, routes=routes)
+
+
+def experts_implementations() -> list[str]:
+    """The experts implementations the installed transformers offers ("eager" always)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return ["eager"]
+    return ["eager"] + sorted(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+def set_experts(model, name: str) -> str:
+    """Switch the model's experts to implementation `name`; returns the one it then runs."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(name)
+    else:
+        model.config._experts_implementation = name
+    return model.config._experts_implementation
 
 
 def _sync(device: torch.device) -> None:
@@ -70,20 +96,22 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(model, rows: int, prompt_len: int, new_tokens: int, compile_step: bool,
-            hbm_bytes_s: float | None, profile_dir: Path | None = None) -> dict:
+            hbm_bytes_s: float | None, profile_dir: Path | None = None,
+            cuda_graph: bool = True, routes: bool = False) -> dict:
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(rows)
     ids = torch.randint(3, model.config.vocab_size, (rows, prompt_len), generator=g).to(device)
     mask = torch.ones_like(ids, dtype=torch.bool)
     t0 = time.perf_counter()
-    _decode(model, ids, mask, new_tokens, 1.0, compile_step)  # compiles, captures
+    _decode(model, ids, mask, new_tokens, 1.0, compile_step, cuda_graph, routes)  # captures
     _sync(device)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out = _decode(model, ids, mask, new_tokens, 1.0, compile_step)
+    out = _decode(model, ids, mask, new_tokens, 1.0, compile_step, cuda_graph, routes)
     _sync(device)
     seconds = time.perf_counter() - t0
-    res = {"rows": rows, "compile_step": compile_step, "seconds": seconds, "first_call_s": first,
+    res = {"rows": rows, "compile_step": compile_step, "cuda_graph": cuda_graph,
+           "routes": out.response_routes is not None, "seconds": seconds, "first_call_s": first,
            "steps": out.stats.steps, "graph": out.stats.graph,
            "graph_error": out.stats.graph_error,
            "ms_per_step": 1000 * seconds / out.stats.steps,
@@ -127,6 +155,55 @@ def greedy_check(shape: str, device: torch.device, rows: int = 8, prompt_len: in
                                                 .float().mean())}
 
 
+def moe_runs(model, rows: list[int], prompt_len: int, new_tokens: int,
+             implementations: list[str]) -> list[dict]:
+    """`--experts`: for each implementation the installed transformers offers, the eager step
+    without and with the CUDA graph, recording the expert choices (module docstring). An
+    implementation it lacks, or one that fails, is a row with its error."""
+    offered, runs = experts_implementations(), []
+    for name in implementations:
+        if name not in offered:
+            runs.append({"experts": name,
+                         "error": f"not in this transformers ({', '.join(offered)})"})
+            continue
+        try:
+            running = set_experts(model, name)
+        except (ValueError, ImportError, RuntimeError) as e:
+            runs.append({"experts": name, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        for n in rows:
+            for graph in (False, True):
+                try:
+                    r = measure(model, n, prompt_len, new_tokens, False, None, cuda_graph=graph,
+                                routes=True)
+                except Exception as e:  # noqa: BLE001  (a kernel an implementation lacks here)
+                    r = {"rows": n, "cuda_graph": graph, "error": f"{type(e).__name__}: {e}"[:200]}
+                runs.append({"experts": running, **r})
+                print(f"[decode] experts {running} rows {n} {'CUDA graph' if graph else 'eager'}: "
+                      + (f"{r['tokens_per_s']:,.0f} tok/s, graph {r['graph']}"
+                         if "error" not in r else r["error"]), flush=True)
+    return runs
+
+
+def moe_summary(result: dict) -> str:
+    lines = ["| decode MoE | rows | experts | step | ms/step | tok/s | routes | CUDA graph |",
+             "|---|---:|---|---|---:|---:|---|---|"]
+    for r in result["moe_runs"]:
+        if "seconds" not in r:
+            lines.append(f"| {result['shape']} | {r.get('rows', '-')} | {r['experts']} | "
+                         f"{'CUDA graph' if r.get('cuda_graph') else 'eager'} | - | - | - | "
+                         f"error: {r['error']} |")
+            continue
+        graph = ("captured" if r["graph"] else
+                 f"failed: {r['graph_error']}" if r["graph_error"] else
+                 "off" if not r["cuda_graph"] else "not used")
+        lines.append(f"| {result['shape']} | {r['rows']} | {r['experts']} | "
+                     f"{'CUDA graph' if r['cuda_graph'] else 'eager'} | {r['ms_per_step']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {'recorded' if r['routes'] else 'none'} | "
+                     f"{graph} |")
+    return "\n".join(lines)
+
+
 def summary(result: dict) -> str:
     lines = ["| decode | rows | step | ms/step | tok/s | of memory bound | first call s |",
              "|---|---:|---|---:|---:|---:|---:|"]
@@ -159,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the kernel table of 16 steps per run here")
     p.add_argument("--greedy-check", action="store_true",
                    help="fp32 greedy: eager step == compiled step == HF generate")
+    p.add_argument("--experts", nargs="+", default=None, metavar="IMPL",
+                   help="a mixture-of-experts shape: these experts implementations, each "
+                        "without and with the CUDA graph, expert choices recorded")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
     if profile_dir is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
+    if args.experts:
+        result = {"shape": shape, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+                  "prompt_len": prompt_len, "new_tokens": new_tokens,
+                  "moe_runs": moe_runs(model, args.rows, prompt_len, new_tokens, args.experts)}
+        print(moe_summary(result), flush=True)
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(result) + "\n")
+        return 0
     variants = {"eager": [False], "compiled": [True], "both": [False, True]}[args.steps]
     runs = []
     for rows in args.rows:

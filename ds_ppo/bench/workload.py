@@ -25,6 +25,23 @@ SHAPES: dict[str, dict[str, Any]] = {
                   vocab_size=32000, tie_word_embeddings=False, rms_norm_eps=1e-5),
         prompts=64, prompt_len=256, new_tokens=256, iterations=3, micro_batch=16,
         score_micro_batch=32),
+    # mixture-of-experts policies (Qwen3-MoE): the decode bench's `--experts` runs
+    "tiny_moe": dict(
+        arch=dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+                  moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=512, tie_word_embeddings=False),
+        prompts=4, prompt_len=8, new_tokens=8, iterations=1, micro_batch=2,
+        score_micro_batch=4),
+    # Qwen3-30B-A3B's layers (128 experts, top-8, expert width 768), 2 of its 48
+    "30b_a3b_2l": dict(
+        arch=dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                  num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+                  head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6),
+        prompts=64, prompt_len=256, new_tokens=256, iterations=3, micro_batch=16,
+        score_micro_batch=32),
 }
 
 

@@ -26,7 +26,8 @@ sparse MoE block by an `AutoEPMoELayer`: its router (`TokenChoiceTopKRouter`: a 
 forward (N, H) -> (top-k weights (N, k) fp32, top-k indices (N, k), tokens per expert (E,)))
 is tapped the same way (`_ep_hook`), and its experts, each rank holding E / N of them as
 `w1`/`w3`/`w2`, are gathered back into the Hugging Face layout for a generation replica or an
-export (`ep_weights`).
+export (`ep_weights`); a checkpoint saved without expert parallelism goes the other way, into
+AutoEP's names and layout (`autoep_tensors`).
 """
 from __future__ import annotations
 
@@ -346,3 +347,27 @@ def ep_weights(prefix: str, layer: torch.nn.Module):
                    (E, 2 * w1_shape[1], w1_shape[2])))
     yield (f"{prefix}.experts.down_proj", [ex.w2],
            full_of(lambda: ex.w2.data, (E, *w2_shape[1:])))
+
+
+def autoep_tensors(name: str, full: torch.Tensor, shapes: dict[str, tuple[int, ...]]
+                   ) -> list[tuple[str, torch.Tensor]] | None:
+    """A Hugging Face parameter (or one of its optimizer states) of a Qwen3-MoE / Mixtral block
+    as AutoEP's layer holds it, the inverse of `ep_weights`: router `P.gate.weight` ->
+    `P.router.gate.weight`; fused `P.experts.gate_up_proj` (E, 2F, H) -> `P.experts.w1` (its gate
+    rows, (E, F, H)) and `P.experts.w3` (its up rows); `P.experts.down_proj` (E, H, F) ->
+    `P.experts.w2`. `full`: the whole tensor, any shape with the right number of elements (a
+    universal checkpoint stores ZeRO-3 parameters flat); `shapes`: every parameter's shape by
+    name (which blocks have experts). None: a parameter AutoEP keeps under its own name."""
+    prefix, _, leaf = name.rpartition(".experts.")
+    if prefix and leaf in ("gate_up_proj", "down_proj") and "." not in leaf:
+        t = full.reshape(shapes[name])
+        if leaf == "down_proj":
+            return [(f"{prefix}.experts.w2", t.contiguous())]
+        f = t.shape[1] // 2
+        return [(f"{prefix}.experts.w1", t[:, :f].contiguous()),
+                (f"{prefix}.experts.w3", t[:, f:].contiguous())]
+    if name.endswith(".gate.weight"):
+        prefix = name[:-len(".gate.weight")]
+        if f"{prefix}.experts.gate_up_proj" in shapes:
+            return [(f"{prefix}.router.gate.weight", full)]
+    return None

@@ -274,7 +274,7 @@ def _find_resume(cfg: Config, job: Job, device: torch.device
                      "universal checkpoint", ", ".join(changed), path)
         universal = bool(changed)
     if universal:
-        ensure_universal(path)
+        ensure_universal(path, autoep)
     return path, universal, autoep
 
 

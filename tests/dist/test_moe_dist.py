@@ -203,6 +203,35 @@ def test_expert_parallel_checkpoint_at_size_1_resumes_at_size_2(two_ranks):
     assert r["expert_parallel"] == [{"policy": 1, "value": 1}, {"policy": 2, "value": 2}]
 
 
+PRE_UPDATE_KEYS = ("score/mean", "kl/sequence_mean", "policy/entropy", "response/length_mean")
+
+
+def test_checkpoint_saved_without_expert_parallelism_resumes_with_it(two_ranks):
+    """The two-rank run's iteration-1 checkpoint (ZeRO-3, no expert parallelism) resumed with
+    expert parallelism (EP 2) for policy and critic: the universal checkpoint is copied under
+    AutoEP's names (router `gate` -> `router.gate`, fused `gate_up_proj` -> `w1` and `w3`,
+    `down_proj` -> `w2`), every weight and Adam moment equal to the original's; iteration 2's
+    rollout and scores (before the update: the loaded weights) equal those of the same
+    checkpoint resumed without expert parallelism, and its losses within 5e-3 (5e-5 absolute on
+    the small policy/approx_kl): float noise in the experts' gradients, which Adam's second
+    step amplifies where a moment is near 0 (measured 1.8e-3 on loss/policy, 1.8e-5 on
+    policy/approx_kl; the experts' moments zeroed move loss/policy by 5e-3 and the moments
+    after the update by 20 times as much as here); the new checkpoint records EP 2."""
+    r = two_ranks[0]["plain_to_ep_resume"]
+    plain = two_ranks[0]["resume_export"]["resumed"]
+    assert r["resumed_iterations"] == 1 and r["expert_parallel"] == {"policy": 2, "value": 2}
+    assert r["autoep_copy"] == [f"model.layers.0.mlp.{n}" for n in (
+        "experts.w1", "experts.w2", "experts.w3", "router.gate.weight")]
+    for role in ("policy", "value"):
+        assert r["copy_vs_universal"][role]["max_abs_diff"] == 0.0
+        assert r["copy_vs_universal"][role]["tensors"] > 3 * 20, r["copy_vs_universal"]
+    assert not _close({k: plain[k] for k in PRE_UPDATE_KEYS},
+                      {k: r["resumed"][k] for k in PRE_UPDATE_KEYS})
+    assert not _close(plain, r["resumed"], rel=5e-3, abs_=5e-5)
+    e = r["export"]
+    assert e["keys_equal"] and e["per_expert_keys"] == 6 and e["max_abs_diff"] < 2e-2, e
+
+
 def test_expert_parallel_resume_and_the_export_is_plain_hf(two_ranks):
     """Expert-parallel policy (its optimizer on CPU, as in the 30b-a3b preset) and critic
     (load-balancing loss on), resumed from iteration 1's

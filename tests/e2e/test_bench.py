@@ -197,16 +197,18 @@ def test_flop_model_counts_body_parameters_of_a_llama():
 def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_path):
     """launch/bench_gpu.sh (the one script the GPU session runs), on CPU with the tiny shape: the
     preset's row (zero_stage auto), ZeRO-3 with its knobs, the decode run (eager and compiled
-    step, fp32 greedy check), sync against one_step_off, the peer step; one tarball of every
-    result; the summaries last."""
+    step, fp32 greedy check), the MoE decode run (one experts implementation, eager and CUDA
+    graph, expert choices recorded), sync against one_step_off, the peer step; one tarball of
+    every result; the summaries last."""
     import tarfile
 
     from conftest import REPO
 
-    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="preset z3_knobs decode schedule peer",
+    env = clean_env(BENCH_SHAPE="tiny", BENCH_RUNS="preset z3_knobs decode moe schedule peer",
                     BENCH_MODELS=str(tmp_path / "models"),
                     BENCH_FLAGS="--prompts 4 --prompt-len 8 --new-tokens 8 --iterations 1",
-                    DECODE_FLAGS="--rows 2 --new-tokens 6", PEER_FLAGS="--iterations 1")
+                    DECODE_FLAGS="--rows 2 --new-tokens 6", PEER_FLAGS="--iterations 1",
+                    MOE_FLAGS="--rows 2 --new-tokens 6 --experts eager")
     res = tmp_path / "res"
     proc = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(res), "900"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -224,14 +226,19 @@ def test_gpu_session_script_runs_the_variants_and_prints_the_summary_last(tmp_pa
     assert [line.split("|")[3].strip() for line in decode] == ["eager", "compiled"], decode
     assert "greedy fp32 (8 rows x 32 tokens): compiled == eager: yes; eager == HF generate: yes" \
         in out
-    assert lines[-3].startswith("decode: exit 0 |") and lines[-1].startswith("peer: ")
+    moe = [line.split("|")[3:5] + line.split("|")[7:9] for line in lines
+           if line.startswith("| tiny_moe | 2 |")]
+    assert [[c.strip() for c in row] for row in moe] == [
+        ["eager", "eager", "recorded", "off"], ["eager", "CUDA graph", "recorded", "not used"]]
+    assert lines[-4].startswith("decode: exit 0 |") and lines[-1].startswith("peer: ")
+    assert lines[-3].startswith("moe: exit 0 |")
     assert lines[-2].startswith("schedule: exit 0 | | one_step_off |")
     preset = json.loads((res / "preset.json").read_text())["settings"]
     assert preset["zero_stage"] == "auto" and preset["zero_stages"] == {
         "policy": 0, "value": 0, "reference": 0, "reward": 0}
     with tarfile.open(res / "bench_gpu_results.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
-    assert {"preset.json", "z3_knobs.json", "decode.json", "decode.log",
+    assert {"preset.json", "z3_knobs.json", "decode.json", "decode.log", "moe.json",
             "decode_profile_2.txt", "decode_profile_2_compiled.txt"} <= names
     bad = subprocess.run(["bash", str(REPO / "launch" / "bench_gpu.sh"), str(tmp_path / "r2")],
                          env=dict(env, BENCH_RUNS="nonsense"), capture_output=True, text=True,

@@ -156,6 +156,68 @@ def ep_grow_resume(work: Path) -> dict:
             "stay": [{k: h[k] for k in RESUME_KEYS} for h in stay], "expert_parallel": states}
 
 
+def plain_to_ep_resume(work: Path) -> dict:
+    """`resume_and_export`'s iteration-1 checkpoint (saved without expert parallelism, ZeRO-3)
+    resumed to iteration 2 with expert parallelism for both roles (after `resume_and_export`:
+    its resumed run, from the same checkpoint without expert parallelism, is the reference):
+    the resumed iteration's metrics, the EP sizes its checkpoint records, the universal copy
+    under AutoEP's names it went through, and (rank 0) its export's logits against those of
+    the `whole` run's export (iteration 2 of the run without expert parallelism)."""
+    import shutil
+
+    if dist.is_main():
+        shutil.copytree(work / "split", work / "plain_ep")
+        ckpts = work / "plain_ep" / "checkpoints"
+        shutil.rmtree(ckpts / "iter_000002")
+        (ckpts / "latest").write_text("iter_000001\n")
+    dist.barrier()
+    resumed = train(cfg_for(work, "plain_ep", RESUME_BASE + EP + [
+        "iterations=2", "resume=auto", "checkpoint.export_at_end=true"])).history
+    ckpts = work / "plain_ep" / "checkpoints"
+    out = {"resumed": {k: resumed[0][k] for k in RESUME_KEYS},
+           "resumed_iterations": len(resumed),
+           "expert_parallel": json.loads((ckpts / "iter_000002" / "trainer_state.json"
+                                          ).read_text())["expert_parallel"],
+           "autoep_copy": sorted(p.name for p in (ckpts / "iter_000001" / "policy" /
+                                                  "ds_universal_autoep" / "zero").iterdir()
+                                 if ".layers.0.mlp." in p.name)}
+    if dist.is_main():
+        out["export"] = _export_vs_export(work / "plain_ep", work / "whole")
+        out["copy_vs_universal"] = _autoep_copy_vs_universal(ckpts / "iter_000001")
+    dist.barrier()
+    return out
+
+
+def _autoep_copy_vs_universal(ckpt: Path) -> dict:
+    """Every tensor (weights and Adam's moments) of the universal copy under AutoEP's names
+    against the universal checkpoint it came from, mapped back: the largest difference and the
+    tensors compared, per role."""
+    import torch
+
+    from ds_ppo.engine.moe import autoep_tensors
+
+    def read(path: Path):
+        t = torch.load(path, weights_only=False)
+        return t["param"] if isinstance(t, dict) else t
+    out = {}
+    for role in ("policy", "value"):
+        src = ckpt / role / "ds_universal" / "zero"
+        dst = ckpt / role / "ds_universal_autoep" / "zero"
+        shapes = {n: tuple(s) for group in torch.load(
+            next((ckpt / role / "ds_universal").glob("*model_states.pt")),
+            weights_only=False)["param_shapes"] for n, s in group.items()}
+        diff, count = 0.0, 0
+        for name in shapes:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                full = read(src / name / f"{key}.pt")
+                for new, t in autoep_tensors(name, full, shapes) or [(name, full)]:
+                    copy = read(dst / new / f"{key}.pt")
+                    diff = max(diff, float((copy.reshape(t.shape) - t).abs().max()))
+                    count += 1
+        out[role] = {"max_abs_diff": diff, "tensors": count}
+    return out
+
+
 def _export_vs_export(run: Path, other: Path) -> dict:
     """Loads `run`'s export with plain transformers: its logits against `other`'s export's."""
     import torch
@@ -250,6 +312,7 @@ def main() -> None:
             # after resume_export (its `whole` run is the reference); aux loss on
             "ep_resume_export": lambda: ep_resume_and_export(work),
             "ep_grow_resume": lambda: ep_grow_resume(work),  # after ep_resume_export
+            "plain_to_ep_resume": lambda: plain_to_ep_resume(work),  # after resume_export
             # the generation replica split over the two ranks (tensor_parallel), each holding
             # the experts AutoEP gave it, recording the expert choices router replay replays
             "qwen_ep_tp_replay": lambda: first_update(work, "qeptp", QWEN + NO_AUX + z3 + EP + [

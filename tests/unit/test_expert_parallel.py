@@ -91,8 +91,8 @@ def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
 def test_an_expert_parallel_checkpoint_resumes_at_any_expert_parallel_size(tmp_path):
     """A checkpoint records its roles built with AutoEP's layers and their sizes: a resume
     builds those roles with AutoEP whatever its size (1 included: the checkpoint's parameter
-    names are AutoEP's), through the universal checkpoint where a size changed; a role saved
-    without expert parallelism cannot resume with it (one line naming the key and the fix)."""
+    names are AutoEP's), through the universal checkpoint where a size changed or a role saved
+    without expert parallelism runs with it."""
     import json
 
     from ds_ppo.engine.checkpoint import expert_parallel_resume
@@ -109,10 +109,10 @@ def test_an_expert_parallel_checkpoint_resumes_at_any_expert_parallel_size(tmp_p
         {"policy", "value"}, True)
     assert expert_parallel_resume(saved({"policy": 1}), {"policy": 4}) == ({"policy"}, True)
     assert expert_parallel_resume(saved({"policy": 1}), {}) == ({"policy"}, False)
-    with pytest.raises(ConfigError, match=r"saved without expert parallelism for value; this "
-                       r"run has deepspeed.value.expert_parallel_size = 2: resume it with "
-                       r"deepspeed.<role>.expert_parallel_size=1"):
-        expert_parallel_resume(saved({"policy": 2}), {"policy": 2, "value": 2})
+    # saved without expert parallelism: through the universal copy under AutoEP's names
+    assert expert_parallel_resume(saved({"policy": 2}), {"policy": 2, "value": 2}) == (
+        {"policy", "value"}, True)
+    assert expert_parallel_resume(saved({}), {"policy": 2}) == ({"policy"}, True)
     cfg = load_config(None, [QWEN, *BATCH])  # expert_parallel_size 1
     from ds_ppo.config.model_checks import expert_parallel_problems
 
@@ -163,3 +163,29 @@ def test_an_expert_parallel_checkpoint_without_hf_weights_is_not_exported(tmp_pa
     where, what = source_problem(tmp_path, False, {}, False)
     assert where == tmp_path / "hf" and "ran expert parallelism" in what
     assert "checkpoint.save_hf_weights=true" in what
+
+
+def test_a_hugging_face_moe_block_maps_to_autoep_names_and_layout():
+    """A universal checkpoint's flat Hugging Face tensors under AutoEP's names, the inverse of
+    `ep_weights` (which concatenates w1 and w3 into gate_up_proj): the router's weight renamed,
+    the fused gate_up_proj (E, 2F, H) split into its gate rows (w1) and up rows (w3),
+    down_proj (E, H, F) as w2; a `gate.weight` beside no experts and the other parameters keep
+    their names."""
+    from ds_ppo.engine.moe import autoep_tensors
+
+    E, F, H = 2, 3, 4
+    shapes = {"m.l.mlp.gate.weight": (E, H), "m.l.mlp.experts.gate_up_proj": (E, 2 * F, H),
+              "m.l.mlp.experts.down_proj": (E, H, F), "m.d.mlp.gate.weight": (8, H)}
+    gate_up = torch.arange(E * 2 * F * H, dtype=torch.float32)
+    (w1, a), (w3, b) = autoep_tensors("m.l.mlp.experts.gate_up_proj", gate_up, shapes)
+    assert (w1, w3) == ("m.l.mlp.experts.w1", "m.l.mlp.experts.w3")
+    assert a.shape == b.shape == (E, F, H)
+    assert a[1, 0, 0] == 2 * F * H and b[0, 0, 0] == F * H  # expert 1's gate row, expert 0's up
+    assert torch.equal(torch.cat([a, b], dim=1).reshape(-1), gate_up)
+    [(w2, c)] = autoep_tensors("m.l.mlp.experts.down_proj", torch.ones(E * H * F), shapes)
+    assert w2 == "m.l.mlp.experts.w2" and c.shape == (E, H, F)
+    router = torch.ones(E * H)
+    assert autoep_tensors("m.l.mlp.gate.weight", router, shapes) == [
+        ("m.l.mlp.router.gate.weight", router)]
+    assert autoep_tensors("m.d.mlp.gate.weight", torch.ones(8 * H), shapes) is None
+    assert autoep_tensors("m.l.self_attn.q_proj.weight", torch.ones(4), shapes) is None

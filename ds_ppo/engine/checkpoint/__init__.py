@@ -19,8 +19,9 @@ import importlib
 # name -> module (relative to this package) that defines it
 _HOMES = {
     **dict.fromkeys(
-        ("TAG", "UNIVERSAL_TAG", "EXPORT_MARKER", "TrainerState", "check_estimator_family",
-         "checkpoint_name", "checkpoints_dir", "complete_checkpoints", "find_resume",
+        ("AUTOEP_UNIVERSAL_TAG", "TAG", "UNIVERSAL_TAG", "EXPORT_MARKER", "TrainerState",
+         "check_estimator_family", "checkpoint_name", "checkpoints_dir", "complete_checkpoints",
+         "find_resume",
          "finished_message", "finished_run", "is_export", "latest_checkpoint", "read_state",
          "resolve_checkpoint", "unusable", "verify_checkpoint", "verify_export", "verify_files",
          "verify_model_paths"), "files"),

@@ -6,6 +6,9 @@ Layout (output_dir/checkpoints/):
     iter_000010/value/ds/...     the same for the value model
     iter_000010/*/ds_universal/  made on demand: DeepSpeed's universal format, for resuming on
                                  another data-parallel world size (e.g. 2 ranks -> 1)
+    iter_000010/*/ds_universal_autoep/  made on demand: the same under the parameter names of
+                                 AutoEP's layers, for resuming with expert parallelism a role
+                                 saved without it
     iter_000010/hf/              the policy's HF config + tokenizer, and its weights as
                                  safetensors unless checkpoint.save_hf_weights=false
     iter_000010/hf_value/        the same for the value model
@@ -43,6 +46,7 @@ log = logging.getLogger("ds_ppo")
 EXPORT_MARKER = "ds_ppo_export.json"
 TAG = "ds"  # DeepSpeed tag inside each role's folder
 UNIVERSAL_TAG = "ds_universal"  # the same, converted for another world size
+AUTOEP_UNIVERSAL_TAG = "ds_universal_autoep"  # that, under AutoEP's names (saved without EP)
 _NAME = re.compile(r"iter_(\d+)")  # a checkpoint's directory name (fullmatch)
 
 

@@ -30,8 +30,8 @@ import torch
 
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import manifest
-from ds_ppo.engine.checkpoint.files import (TAG, UNIVERSAL_TAG, TrainerState,
-                                            check_estimator_family, checkpoint_name,
+from ds_ppo.engine.checkpoint.files import (AUTOEP_UNIVERSAL_TAG, TAG, UNIVERSAL_TAG,
+                                            TrainerState, check_estimator_family, checkpoint_name,
                                             checkpoints_dir, complete_checkpoints, find_resume,
                                             latest_checkpoint, named_by_best, named_by_latest,
                                             read_state,
@@ -227,25 +227,16 @@ def _expert_parallel(engines) -> dict[str, int]:
 
 def expert_parallel_resume(path: Path, sizes: dict[str, int]) -> tuple[frozenset[str], bool]:
     """How checkpoint `path` resumes under this run's deepspeed.<role>.expert_parallel_size
-    (`sizes`: role -> size > 1): (the trained roles to build with AutoEP's layers, at their
-    configured size, 1 included: those the checkpoint holds as AutoEP layers, whose parameter
-    names a model without them does not take; whether the load must go through DeepSpeed's
-    universal checkpoint, which re-slices the experts: a role's expert-parallel size changed).
-
-    Raises:
-        ConfigError: a role runs expert parallelism here but was saved without it (the
-            checkpoint holds the Hugging Face names, which AutoEP's layers do not take).
-    """
+    (`sizes`: role -> size > 1): (the trained roles to build with AutoEP's layers: those the
+    checkpoint holds as AutoEP layers, at their configured size, 1 included, whose parameter
+    names a model without them does not take, and those run with expert parallelism here;
+    whether the load must go through DeepSpeed's universal checkpoint, which re-slices the
+    experts: a role's expert-parallel size changed, or a role saved without expert parallelism
+    runs with it (`ensure_universal` writes its copy under AutoEP's parameter names)."""
     saved = read_state(path).expert_parallel
-    missing = {r: n for r, n in sizes.items() if r not in saved}
-    if missing:
-        keys = ", ".join(f"deepspeed.{r}.expert_parallel_size = {n}" for r, n in missing.items())
-        raise ConfigError(
-            f"{path} was saved without expert parallelism for {', '.join(missing)}; this run "
-            f"has {keys}: resume it with deepspeed.<role>.expert_parallel_size=1, or start a new "
-            "run from its export (the hf directory) with expert parallelism")
-    changed = any(sizes.get(r, 1) != n for r, n in saved.items())
-    return frozenset(saved), changed
+    changed = any(sizes.get(r, 1) != n for r, n in saved.items()) or any(
+        r not in saved for r in sizes)
+    return frozenset(saved) | frozenset(sizes), changed
 
 
 def mark_best(path: Path) -> None:
@@ -257,10 +248,13 @@ def mark_best(path: Path) -> None:
         os.replace(pointer_tmp, path.parent / "best")
 
 
-def ensure_universal(path: Path) -> None:
+def ensure_universal(path: Path, autoep: frozenset[str] = frozenset()) -> None:
     """Convert a checkpoint's policy and value to DeepSpeed's universal format (rank 0, once,
     with DeepSpeed's parallel extract/merge workers), so it loads on a different data-parallel
-    world size. Collective; the other ranks wait without a collective timeout (dist.main_does)."""
+    world size or expert-parallel size. `autoep`: the roles this run builds with AutoEP's layers;
+    those the checkpoint holds without them get a second copy under AutoEP's parameter names
+    (`AUTOEP_UNIVERSAL_TAG`, `_autoep_universal`). Collective; the other ranks wait without a
+    collective timeout (dist.main_does)."""
     # the roles the checkpoint holds: a critic-free run (grpo, rloo, ...) saved no value model
     roles = [role for role in TRAINED_ROLES if (path / role).is_dir()]
     for role in roles:  # every rank checks, so none waits at the barrier alone
@@ -296,7 +290,77 @@ def ensure_universal(path: Path) -> None:
             os.replace(tmp, target)
             log.info("converted %s to a universal checkpoint in %.1f s", path / role,
                      time.perf_counter() - start)
+        for role in roles:
+            if role in autoep and role not in read_state(path).expert_parallel:
+                _autoep_universal(path / role / UNIVERSAL_TAG, path / role / AUTOEP_UNIVERSAL_TAG)
     dist.main_does(convert, path, "converting the checkpoint to universal format")
+
+
+def _autoep_universal(src: Path, dst: Path) -> None:
+    """A universal checkpoint of a role saved without expert parallelism (`src`, ZeRO-3: each
+    parameter's fp32 weights and Adam moments flat under zero/<name>/) rewritten under the names
+    and layout of AutoEP's layers (`moe.autoep_tensors`), the experts as DeepSpeed's universal
+    expert tensors (full (E, ...) with their expert count), which DeepSpeed slices for each rank's
+    experts at load. Every other file is a hard link (a copy where the filesystem has none).
+    Written to dst.tmp, then renamed: a killed conversion is redone."""
+    from deepspeed.checkpoint.constants import (CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS,
+                                                PARAM)
+
+    from ds_ppo.engine.moe import autoep_tensors
+
+    if dst.exists():
+        return
+    start = time.perf_counter()
+    states = sorted(src.glob("*model_states.pt"))
+    if not states:
+        raise unusable(src.parents[1], src, "holds no model states to read parameter shapes from")
+    shapes = {name: tuple(shape) for group in torch.load(states[0], weights_only=False,
+                                                          map_location="cpu")["param_shapes"]
+              for name, shape in group.items()}
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "zero").mkdir(parents=True)
+
+    def link(a: Path, b: Path) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    for f in src.iterdir():
+        if f.is_file():
+            link(f, tmp / f.name)
+    renamed = 0
+    for d in sorted((src / "zero").iterdir()):
+        if not d.is_dir():
+            link(d, tmp / "zero" / d.name)
+            continue
+        parts = None
+        for f in sorted(d.glob("*.pt")):  # fp32, exp_avg, exp_avg_sq
+            saved = torch.load(f, weights_only=False, map_location="cpu")
+            parts = autoep_tensors(d.name, saved[PARAM] if isinstance(saved, dict) else saved,
+                                   shapes)
+            if parts is None:
+                break
+            for name, t in parts:
+                (tmp / "zero" / name).mkdir(exist_ok=True)
+                if ".experts." in name:
+                    t = {PARAM: t, CAT_DIM: 0, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: t.shape[0]}
+                elif isinstance(saved, dict):  # the router, with its universal metadata
+                    t = {**saved, PARAM: t}
+                torch.save(t, tmp / "zero" / name / f.name)
+        if parts is None:  # AutoEP keeps the parameter's name
+            shutil.copytree(d, tmp / "zero" / d.name, copy_function=link)
+        else:
+            renamed += 1
+    if not renamed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"{src.parent} was saved without expert parallelism and holds no "
+                          "mixture-of-experts block AutoEP's layers take (a router `gate` beside "
+                          "fused experts `gate_up_proj`/`down_proj`): resume it with "
+                          "deepspeed.<role>.expert_parallel_size=1")
+    os.replace(tmp, dst)
+    log.info("wrote %s under AutoEP's parameter names (%d tensors renamed) in %.1f s", dst,
+             renamed, time.perf_counter() - start)
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
@@ -363,12 +427,16 @@ def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerStat
     Raises:
         CheckpointError: a file of the checkpoint cannot be read (named, with what to do).
     """
+    from ds_ppo.engine.moe import ep_layers
+
     state = read_state(path)
     for role in TRAINED_ROLES:
         engine = getattr(engines, role)
         if engine is None:  # a critic-free estimator (checked against the checkpoint before)
             continue
         tag = UNIVERSAL_TAG if universal else TAG
+        if universal and role not in state.expert_parallel and ep_layers(engine.module):
+            tag = AUTOEP_UNIVERSAL_TAG  # saved without expert parallelism, resumed with it
         try:
             # a LoRA role's file lacks the frozen base
             loaded = engine.load_checkpoint(path / role, tag, strict=role not in state.lora_bases)
