@@ -67,10 +67,10 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
 
 def _tensor_parallel_problems(cfg: Config) -> list[str]:
     """generation.mode = tensor_parallel with a generation.tp_size the policy's shape (read
-    without loading it) does not split by: the engine's rule (`choice.unshardable`)."""
+    without loading it) does not split by: the engine's rule (`tensor_parallel_shapes.unshardable`)."""
     import types
 
-    from ds_ppo.engine.generation.choice import unshardable  # lazily: it imports ds_ppo.config
+    from ds_ppo.config.tensor_parallel_shapes import unshardable
 
     g = cfg.generation
     fields = model_fields(cfg.policy.path, cfg.policy.arch)

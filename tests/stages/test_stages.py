@@ -98,7 +98,8 @@ def test_auto_mode_falls_back_to_tensor_parallel_then_zero3(monkeypatch):
 def test_tensor_parallel_refuses_unchecked_layouts(monkeypatch):
     from transformers import Olmo2Config, Phi3Config, Phi3ForCausalLM
 
-    from ds_ppo.engine.generation.choice import decoder_linears, unshardable
+    from ds_ppo.config.tensor_parallel_shapes import unshardable
+    from ds_ppo.engine.generation.choice import decoder_linears
 
     llama = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     assert unshardable(llama, 2) is None
@@ -132,7 +133,7 @@ def test_tensor_parallel_refuses_unchecked_layouts(monkeypatch):
         model = Phi3ForCausalLM(phi3)
     assert "phi3" in unshardable(phi3, 2, decoder_linears(model))
     # were phi3 on the checked list, the module check would still name its fused layers
-    import ds_ppo.engine.generation.choice as tpm
+    import ds_ppo.config.tensor_parallel_shapes as tpm
 
     monkeypatch.setattr(tpm, "MODEL_TYPES", tpm.MODEL_TYPES + ("phi3",))
     assert "qkv_proj" in unshardable(phi3, 2, decoder_linears(model))

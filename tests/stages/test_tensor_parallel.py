@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds_ppo.engine.generation.choice import MODEL_TYPES
+from ds_ppo.config.tensor_parallel_shapes import MODEL_TYPES
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

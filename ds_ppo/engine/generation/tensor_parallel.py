@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ds_ppo.engine.generation.choice import COLUMN, EXPERTS, KV, ROW  # what is split, how
+from ds_ppo.config.tensor_parallel_shapes import COLUMN, EXPERTS, KV, ROW  # what is split, how
 
 
 @dataclass(frozen=True)
