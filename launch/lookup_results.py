@@ -5,7 +5,7 @@ preset's settings, with the entropy target on the mean entropy and with the reco
 100 iterations, and whether a run kept what it learned: the blocks after the first at >= 0.9,
 and the lowest 20-iteration mean after that block.
 
-    python launch/lookup_results.py                          # seeds 1 2 3, 1000 iterations
+    python launch/lookup_results.py                          # seeds 1 2 3, 2500 iterations
     python launch/lookup_results.py --seeds 1 --iterations 300 --out /tmp/lookup
     python launch/lookup_results.py --table-only --out outputs/lookup_results
     python launch/lookup_results.py --settings recommended --seeds 2 --out outputs/lookup_results
@@ -13,7 +13,7 @@ and the lowest 20-iteration mean after that block.
 Each (settings, seed) is a run of its own: several commands with different --seeds (or
 --settings) can run side by side on the same --out.
 
-Runs one after another on CPU (about 10-20 minutes each); a finished run is not run again (the
+Runs one after another on CPU (about 1 hour each at 2500 iterations); a finished run is not run again (the
 trainer sees its output_dir complete), so the command can be repeated after an interruption.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--iterations", type=int, default=1000)
+    parser.add_argument("--iterations", type=int, default=2500)
     parser.add_argument("--out", type=Path, default=Path("outputs/lookup_results"))
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
