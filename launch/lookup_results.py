@@ -13,8 +13,9 @@ and the lowest 20-iteration mean after that block.
 Each (settings, seed) is a run of its own: several commands with different --seeds (or
 --settings) can run side by side on the same --out.
 
-Runs one after another on CPU (about 1 hour each at 2500 iterations); a finished run is not run again (the
-trainer sees its output_dir complete), so the command can be repeated after an interruption.
+Runs one after another on CPU (about an hour each at 2500 iterations); a finished run is not run
+again (the trainer sees its output_dir complete), so the command can be repeated after an
+interruption.
 """
 from __future__ import annotations
 

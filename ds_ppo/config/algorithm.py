@@ -104,14 +104,15 @@ class PPOConfig(Section):
         "entropy_target_scope=token makes the target a floor on each token instead.")
     entropy_target_scope: EntropyScope = Field(
         "mean", description="What entropy_target is compared with. mean: policy/entropy, the "
-        "mean over response tokens, sets the coefficient (entropy_target). token: each response token's "
-        "entropy H_t, as a floor: the bonus weights that token by clip(1 - H_t / "
-        "entropy_target, 0, 1) (held constant in the gradient) with the coefficient fixed at "
-        "entropy_coef, so a collapsed token gets the whole bonus and one at or above the target "
-        "none, whatever the other tokens' entropy (ds_ppo/algo/aggregation.py; metric "
-        "policy/entropy_below_target, the share of tokens below it). A mean can stay high on "
-        "random filler tokens while the token that decides the reward has collapsed: "
-        "docs/RESULTS.md's lookup task.")
+        "mean over response tokens, sets the coefficient (entropy_target). token: each "
+        "response token's entropy H_t, as a floor: the bonus weights that token by clip(1 - "
+        "H_t / entropy_target, 0, 1) (held constant in the gradient) with the coefficient "
+        "fixed at entropy_coef, so a collapsed token gets the whole bonus and one at or above "
+        "the target none, whatever the other tokens' entropy (ds_ppo/algo/aggregation.py; "
+        "metric policy/entropy_below_target, the share of tokens below it): a mean can stay "
+        "high on random tokens while the token that decides the reward has collapsed, and an "
+        "entropy above the target is never fed. docs/RESULTS.md's lookup task uses 4 nats "
+        "with entropy_coef 0.015.")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")
@@ -249,7 +250,7 @@ class PPOConfig(Section):
         if p.entropy_target_scope == "token" and p.entropy_target is None:
             out.append("ppo.entropy_target_scope = 'token' weights each token's entropy by how "
                        "far it is below ppo.entropy_target, which is null: set "
-                       "ppo.entropy_target (nats per token, e.g. 1.0) and ppo.entropy_coef > 0")
+                       "ppo.entropy_target (nats per token, e.g. 4.0) and ppo.entropy_coef > 0")
         if p.dynamic_sampling and n < 2:
             out.append("ppo.dynamic_sampling = true keeps groups whose responses score "
                        "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")
