@@ -87,25 +87,37 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, divisor: float,
-                  token_weights: torch.Tensor | None = None) -> torch.Tensor:
+                  token_weights: torch.Tensor | None = None,
+                  floor: float | None = None) -> torch.Tensor:
     """The policy's entropy aggregated like the policy loss, sum(w * H) / divisor: the term that
     ppo.entropy_coef subtracts from the loss (the entropy bonus of PPO's Eq. 9, Schulman et al.
     2017; verl's ``entropy_coeff``), so that minimising the loss keeps the policy stochastic.
+
+    With ``floor`` (ppo.entropy_target_scope=token) each token's entropy is weighted by
+    clip(1 - H_t / floor, 0, 1), the weight held constant (detached): sum(w * f_t * H) / divisor.
+    A token whose distribution has collapsed (H_t near 0) gets the whole bonus, one at or above
+    the floor none, whatever the other tokens' entropy: a mean over the response can stay high
+    on random filler tokens while the one token that decides the reward has collapsed.
 
     Args:
         entropy: (B, T) entropy of the policy at each response position (nats), with grad.
         mask: (B, T) bool/0-1; entries outside it never reach the result or the gradient.
         divisor: > 0, the global mini-batch's count (``loss_divisor`` summed over ranks).
         token_weights: (B, T) from ``loss_token_weights``; None = 1 on every valid token.
+        floor: > 0 nats per token, or None (every token weighted 1).
 
     Returns:
         0-dim tensor (nats; larger = more random), differentiable w.r.t. entropy.
     """
     if divisor <= 0:
         raise ValueError(f"divisor must be > 0, got {divisor}")
+    if floor is not None and floor <= 0:
+        raise ValueError(f"floor must be > 0 (nats per token), got {floor}")
     mask = mask.bool()
     entropy = torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype,
                                                      device=entropy.device))
+    if floor is not None:
+        entropy = entropy * (1.0 - entropy.detach() / floor).clamp(0.0, 1.0)
     if token_weights is not None:
         entropy = entropy * token_weights
     return masked_sum(entropy, mask) / divisor

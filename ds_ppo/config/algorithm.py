@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
                                  OldLogprobs, Placement, RolloutCorrection, Schedule,
                                  describe_estimators, max_lag)
+from ds_ppo.algo.entropy import EntropyScope
 from ds_ppo.config.section_base import Section
 
 
@@ -100,7 +101,19 @@ class PPOConfig(Section):
         "0; entropy_coef in the first iteration (ds_ppo/algo/entropy.py). Saved in checkpoints. "
         "null: a fixed coefficient entropy_coef. Needs entropy_coef > 0. The entropy settles "
         "below the target, where the bonus balances the policy gradient's sharpening: "
-        "docs/RESULTS.md's lookup task uses 2.5 nats with entropy_coef 0.015.")
+        "docs/RESULTS.md's lookup task uses 2.5 nats with entropy_coef 0.015. "
+        "entropy_target_scope=token makes the target a floor on each token instead.")
+    entropy_target_scope: EntropyScope = Field(
+        "mean", description="What entropy_target is compared with. mean: policy/entropy, the "
+        "mean over response tokens, sets the coefficient (entropy_target). token: each "
+        "response token's entropy H_t, as a floor: the bonus weights that token by clip(1 - "
+        "H_t / entropy_target, 0, 1) (held constant in the gradient) with the coefficient "
+        "fixed at entropy_coef, so a collapsed token gets the whole bonus and one at or above "
+        "the target none, whatever the other tokens' entropy (ds_ppo/algo/aggregation.py; "
+        "metric policy/entropy_below_target, the share of tokens below it): a mean can stay "
+        "high on random tokens while the token that decides the reward has collapsed, and an "
+        "entropy above the target is never fed. docs/RESULTS.md's lookup task measures floors "
+        "of 1, 2.5 and 4 nats.")
     clip_eps_high: float | None = Field(
         None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
         "2025); null = clip_eps.")
@@ -244,6 +257,10 @@ class PPOConfig(Section):
             out.append(f"ppo.entropy_target = {p.entropy_target:g} steers the entropy bonus's "
                        "coefficient up to ppo.entropy_coef, which is 0: set ppo.entropy_coef "
                        "> 0 (e.g. 0.005), or ppo.entropy_target=null")
+        if p.entropy_target_scope == "token" and p.entropy_target is None:
+            out.append("ppo.entropy_target_scope = 'token' weights each token's entropy by how "
+                       "far it is below ppo.entropy_target, which is null: set "
+                       "ppo.entropy_target (nats per token, e.g. 4.0) and ppo.entropy_coef > 0")
         if p.dynamic_sampling and n < 2:
             out.append("ppo.dynamic_sampling = true keeps groups whose responses score "
                        "differently: set ppo.samples_per_prompt >= 2 (e.g. 4)")

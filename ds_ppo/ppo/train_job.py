@@ -27,6 +27,7 @@ from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 from ds_ppo.ppo.scoring import reward_scores, reward_settings
+from ds_ppo.ppo.update import entropy_floor
 from ds_ppo.rewards.encode import reward_encoder
 from ds_ppo.role_names import TRAINED_ROLES
 
@@ -57,7 +58,10 @@ class PPOJob:
         p = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
                        if p.kl_controller == "adaptive" else FixedKLController(p.kl_coef))
-        self.entropy_ctl = EntropyController(p.entropy_coef, p.entropy_target)
+        # with entropy_target_scope=token the target is a per-token floor in the update's bonus
+        # (update.entropy_floor) and the coefficient stays at entropy_coef
+        self.entropy_ctl = EntropyController(
+            p.entropy_coef, p.entropy_target if entropy_floor(cfg) is None else None)
 
     # ------------------------------------------------------------------- start-up
     def known_total(self, cfg: Config) -> int:

@@ -70,6 +70,7 @@ class UpdateSettings:
     kl_estimator: KLEstimator
     kl_clip: float | None
     entropy_coef: float  # ppo.entropy_coef: the bonus without an entropy controller
+    entropy_floor: float | None  # ppo.entropy_target with entropy_target_scope=token, else None
     vf_coef: float
     value_clip_eps: float | None
     ptx_coef: float
@@ -84,7 +85,15 @@ def update_settings(cfg: Config, world_size: int | None = None) -> UpdateSetting
         p.critic_warmup_iterations if critic_warmup(cfg, 1) else 0,
         cfg.generation.temperature, p.tiled_logits, p.logits_tile_tokens, p.loss_aggregation,
         max_model_tokens(cfg), p.clip_eps, p.clip_eps_high, p.dual_clip, p.kl_loss_coef,
-        p.kl_estimator, p.kl_clip, p.entropy_coef, p.vf_coef, p.value_clip_eps, p.ptx_coef)
+        p.kl_estimator, p.kl_clip, p.entropy_coef, entropy_floor(cfg), p.vf_coef,
+        p.value_clip_eps, p.ptx_coef)
+
+
+def entropy_floor(cfg: Config) -> float | None:
+    """The per-token entropy floor of the bonus (nats), or None: ppo.entropy_target when
+    ppo.entropy_target_scope is token (with scope mean the target steers the coefficient)."""
+    p = cfg.ppo
+    return p.entropy_target if p.entropy_target_scope == "token" else None
 
 
 def minibatch_rows(n: int, per_rank_mini: int, rank: int, epoch: int, seed: int,
@@ -293,8 +302,11 @@ def _policy_loss(mb: Experience, engines, s: UpdateSettings, step: _Step, packed
         terms["loss/kl"] = kl_term.detach()
         pg_loss = pg_loss + s.kl_loss_coef * kl_term
     if bonus:  # the tokens and weights of the KL term (the policy's, without rollout correction)
-        ent_term = entropy_bonus(entropy, pg_mask, step.pg_div, weights)
+        ent_term = entropy_bonus(entropy, pg_mask, step.pg_div, weights, s.entropy_floor)
         terms["loss/entropy"] = ent_term.detach()
+        if s.entropy_floor is not None:  # a token mean over the micro-batch: the bonus's reach
+            pg_stats["entropy_below_target"] = masked_mean(
+                (entropy.detach() < s.entropy_floor).float(), mb.mask)
         pg_loss = pg_loss - step.entropy_coef * ent_term
     return pg_loss, pg_stats, terms
 

@@ -18,9 +18,11 @@ from test_stages import _cfg
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _entropy_by_hand(model, rollout, temperature: float, mode: str, max_new: int):
+def _entropy_by_hand(model, rollout, temperature: float, mode: str, max_new: int,
+                     floor: float | None = None):
     """The aggregated entropy of `model` over `rollout`'s response tokens, one row at a time,
-    with autograd's own softmax (no ds_ppo kernel)."""
+    with autograd's own softmax (no ds_ppo kernel). `floor`: each token's entropy weighted by
+    the constant clip(1 - H / floor, 0, 1) (ppo.entropy_target_scope=token)."""
     per_row, tokens = [], 0
     for b in range(len(rollout)):
         P, R = rollout.prompt_lens[b], rollout.response_lens[b]
@@ -28,6 +30,8 @@ def _entropy_by_hand(model, rollout, temperature: float, mode: str, max_new: int
                          rollout.response_ids[b, :R]])[None]
         z = model(ids).logits[0, P - 1:P + R - 1].float() / temperature  # (R, V)
         h = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)  # (R,)
+        if floor is not None:
+            h = h * (1 - h.detach() / floor).clamp(0, 1)
         per_row.append((h.sum(), R))
         tokens += R
     if mode == "token_mean":
@@ -124,3 +128,39 @@ def test_the_update_trains_with_the_coefficient_it_is_given():
         assert torch.equal(given[n], with_bonus[n]), n
         assert torch.equal(switched_off[n], without[n]), n
     assert any(not torch.equal(with_bonus[n], without[n]) for n in with_bonus)
+
+
+def test_entropy_floor_gradient_by_hand():
+    """ppo.entropy_target_scope=token: the bonus's gradient is that of each token's entropy
+    weighted by the constant clip(1 - H_t / entropy_target, 0, 1), at the fixed coefficient
+    entropy_coef; policy/entropy_below_target is the share of tokens below the target."""
+    coef, mode = 0.05, "token_mean"
+    base = _cfg(*UPDATE, f"ppo.loss_aggregation={mode}")
+    model = small_llama(LlamaForCausalLM, pad_token_id=0)  # the update's initial weights
+    fakes, engines = _engines()
+    exp = _experience(base, engines)
+    with torch.no_grad():  # every token of the random model is near the vocabulary's log
+        high = max(float(_entropy_by_hand(model, exp.rollout.slice([b]), 1.0, mode, 1))
+                   for b in range(len(exp)))
+    # twice the highest row's mean: every token below it, weights near 1/2, and a weight that
+    # took part in the gradient (d/dH of (1 - H/T) H = 1 - 2H/T) would cancel the bonus's
+    floor = 2 * high
+    cfg = _cfg(*UPDATE, f"ppo.loss_aggregation={mode}", f"ppo.entropy_coef={coef}",
+               f"ppo.entropy_target={floor}", "ppo.entropy_target_scope=token")
+
+    def run(c):
+        fakes, engines = _engines()
+        acc = Accumulator()
+        update.ppo_update(_experience(c, engines), engines, update.update_settings(c), 1, acc)
+        return _grads(fakes.policy.module), acc.reduce()
+
+    with_floor, m = run(cfg)
+    without, m0 = run(base)
+    want = _entropy_by_hand(model, exp.rollout, 1.0, mode, max_model_tokens(cfg), floor)
+    want.backward()
+    assert m["loss/entropy"] == pytest.approx(float(want.detach()), rel=1e-5)
+    assert m["policy/entropy_below_target"] == 1.0 and "policy/entropy_below_target" not in m0
+    accum = 2  # as above: FakeEngine does not divide by the accumulation steps
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(with_floor[n], without[n] - accum * coef * p.grad,
+                                   atol=1e-6, rtol=1e-4)

@@ -244,3 +244,26 @@ def test_entropy_bonus_is_aggregated_like_the_policy_loss(mode):
     torch.testing.assert_close(split_ent.grad, whole_ent.grad)
     with pytest.raises(ValueError, match="divisor"):
         entropy_bonus(ent0, mask, 0.0)
+
+
+def test_entropy_bonus_floor_weights_each_token_by_how_far_it_is_below_the_floor():
+    """ppo.entropy_target_scope=token: each token's entropy counts with the constant weight
+    clip(1 - H_t / floor, 0, 1), so a collapsed token gets the whole bonus's gradient and a token
+    at or above the floor none, whatever the mean; masked entries (NaN) change nothing."""
+    floor = 2.0
+    ent = torch.tensor([[0.0, 0.5, 2.0, 3.0], [1.0, float("nan"), 0.2, 4.0]])
+    mask = torch.tensor([[True, True, True, True], [True, False, True, True]])
+    ent.requires_grad_(True)
+    # the mean over the valid tokens is 1.53 nats: below the floor, and so is most of the
+    # bonus's weight; the tokens above 2 nats get none
+    bonus = entropy_bonus(ent, mask, divisor=7.0, floor=floor)
+    # by hand: 0 x 1 + 0.5 x 0.75 + 2 x 0 + 3 x 0 + 1 x 0.5 + 0.2 x 0.9 + 4 x 0
+    want = (0.5 * 0.75 + 1.0 * 0.5 + 0.2 * 0.9) / 7.0
+    assert abs(float(bonus.detach()) - want) < 1e-6
+    bonus.backward()
+    torch.testing.assert_close(ent.grad, torch.tensor([[1.0, 0.75, 0.0, 0.0],
+                                                      [0.5, 0.0, 0.9, 0.0]]) / 7.0)
+    # without a floor every valid token counts the same
+    assert abs(float(entropy_bonus(ent.detach(), mask, 7.0)) - 10.7 / 7.0) < 1e-6
+    with pytest.raises(ValueError, match="floor"):
+        entropy_bonus(ent.detach(), mask, 7.0, floor=0.0)

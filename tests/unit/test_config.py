@@ -481,6 +481,9 @@ def test_group_estimators_need_two_samples_per_prompt(estimator, capsys):
     ("ppo.dual_clip=1.0", "ppo.dual_clip = 1.0 must be > 1"),
     ("ppo.dual_clip=0.5", "ppo.dual_clip = 0.5 must be > 1"),
     ("ppo.clip_eps_high=0", "ppo.clip_eps_high = 0.0 must be > 0"),
+    ("ppo.entropy_target_scope=token", "ppo.entropy_target_scope = 'token' weights each "
+                                       "token's entropy by how far it is below "
+                                       "ppo.entropy_target, which is null: set"),
     ("ppo.mini_batch_size=6", "ppo.mini_batch_size = 6 counts responses and must be a "
                               "multiple of ppo.samples_per_prompt = 4"),
     ("ppo.filter_zero_std_groups=true", None),
