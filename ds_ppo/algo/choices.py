@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+# what ppo.entropy_target is compared with (algo/entropy.py): the mean token entropy (the
+# coefficient follows it) or each token's entropy (a weight per token in the bonus)
+EntropyScope = Literal["mean", "token"]
+
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 

@@ -7,21 +7,15 @@ decide the reward too, and keeps pushing while the entropy climbs. The controlle
 that grows as the entropy falls below the target and none above it: it holds off a collapse onto
 one answer without feeding an entropy that is already high.
 
-The target applies to one of two things (ppo.entropy_target_scope, EntropyScope): the mean
-token entropy, through the coefficient (EntropyController), or each token, through a weight on
-its entropy in the bonus (``entropy_bonus``'s ``floor``; the coefficient then stays at its
-maximum). A mean can stay above the target on random filler tokens while the token that decides
+The target applies to one of two things (ppo.entropy_target_scope, algo.choices.EntropyScope):
+the mean token entropy, through the coefficient (EntropyController), or each token, through a
+weight on its entropy in the bonus (``entropy_bonus``'s ``floor``; the coefficient then stays at
+its maximum). A mean can stay above the target on random filler tokens while the token that decides
 the reward has collapsed: the per-token floor reaches that token.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-
-# what ppo.entropy_target is compared with: the mean token entropy (the coefficient follows it)
-# or each token's entropy (a weight per token in the bonus)
-EntropyScope = Literal["mean", "token"]
 
 
 class EntropyController:

@@ -6,10 +6,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ds_ppo.algo.choices import (ESTIMATORS, EstimatorName, KLEstimator, LossAggregation,
-                                 OldLogprobs, Placement, RolloutCorrection, Schedule,
-                                 describe_estimators, max_lag)
-from ds_ppo.algo.entropy import EntropyScope
+from ds_ppo.algo.choices import (ESTIMATORS, EntropyScope, EstimatorName, KLEstimator,
+                                 LossAggregation, OldLogprobs, Placement, RolloutCorrection,
+                                 Schedule, describe_estimators, max_lag)
 from ds_ppo.config.section_base import Section
 
 

@@ -61,7 +61,7 @@ class PPOJob:
         # with entropy_target_scope=token the target is a per-token floor in the update's bonus
         # (update.entropy_floor) and the coefficient stays at entropy_coef
         self.entropy_ctl = EntropyController(
-            p.entropy_coef, p.entropy_target if entropy_floor(cfg) is None else None)
+            p.entropy_coef, p.entropy_target if entropy_floor(p) is None else None)
 
     # ------------------------------------------------------------------- start-up
     def known_total(self, cfg: Config) -> int:

@@ -38,7 +38,8 @@ from ds_ppo import watchdog
 from ds_ppo.algo import (entropy_bonus, kl_loss, lm_loss, loss_divisor, loss_token_weights,
                          masked_mean, policy_loss, value_loss)
 from ds_ppo.algo.choices import KLEstimator, LossAggregation
-from ds_ppo.config import Config, critic_warmup, grad_accum_steps, max_model_tokens
+from ds_ppo.config import (Config, PPOConfig, critic_warmup, grad_accum_steps,
+                           max_model_tokens)
 from ds_ppo.containers import Experience
 from ds_ppo.data.ptx import PtxStream
 from ds_ppo.engine import dist
@@ -85,14 +86,13 @@ def update_settings(cfg: Config, world_size: int | None = None) -> UpdateSetting
         p.critic_warmup_iterations if critic_warmup(cfg, 1) else 0,
         cfg.generation.temperature, p.tiled_logits, p.logits_tile_tokens, p.loss_aggregation,
         max_model_tokens(cfg), p.clip_eps, p.clip_eps_high, p.dual_clip, p.kl_loss_coef,
-        p.kl_estimator, p.kl_clip, p.entropy_coef, entropy_floor(cfg), p.vf_coef,
+        p.kl_estimator, p.kl_clip, p.entropy_coef, entropy_floor(p), p.vf_coef,
         p.value_clip_eps, p.ptx_coef)
 
 
-def entropy_floor(cfg: Config) -> float | None:
+def entropy_floor(p: PPOConfig) -> float | None:
     """The per-token entropy floor of the bonus (nats), or None: ppo.entropy_target when
     ppo.entropy_target_scope is token (with scope mean the target steers the coefficient)."""
-    p = cfg.ppo
     return p.entropy_target if p.entropy_target_scope == "token" else None
 
 
