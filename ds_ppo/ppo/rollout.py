@@ -94,7 +94,8 @@ def make_rollout(prompts: PromptSet, indices: list[int], engines, s: RolloutSett
     rows = len(indices) if decodes_own_rows(s.generation, mode) else 0
     gen = generate(engines.policy, ids[:rows], am[:rows], s.generation, mode, eos_ids,
                    tokenizer.pad_token_id, engines.dtype, kept_replica=engines.replica,
-                   on_done=_watch(stream, prompts, indices, prompt_ids, tokenizer, eos_ids))
+                   on_done=watch_responses(stream, prompts, indices, prompt_ids, tokenizer,
+                                           eos_ids))
     engines.replica = gen.replica
     rollout = (assemble_rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer)
                if rows else None)
@@ -111,15 +112,16 @@ def replica_rollout(prompts: PromptSet, indices: list[int], replica, s: RolloutS
     prompt_ids = [prompts.input_ids[i] for i in indices]
     ids, am = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, am = ids.to(device), am.to(device).bool()
+    on_done = watch_responses(stream, prompts, indices, prompt_ids, tokenizer, eos_ids)
     gen = decode_on_replica(replica, ids, am, s.generation, eos_ids, tokenizer.pad_token_id,
-                            generator, _watch(stream, prompts, indices, prompt_ids, tokenizer,
-                                              eos_ids))
+                            generator, on_done)
     return assemble_rollout(prompts, indices, prompt_ids, ids, am, gen, tokenizer), gen
 
 
-def _watch(stream, prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],
-           tokenizer, eos_ids: list[int]):
-    """The decoding loop's `on_done` that hands finished responses to `stream` (None: none)."""
+def watch_responses(stream, prompts: PromptSet, indices: list[int],
+                    prompt_ids: list[list[int]], tokenizer, eos_ids: list[int]):
+    """The decoding loop's `on_done` that hands finished responses to `stream` (None: none),
+    rows of the prompts `indices` (token ids `prompt_ids`); also a partial rollout's."""
     if stream is None:
         return None
     return stream.watch(tokenizer, prompt_ids, [prompts.extra(i) for i in indices], eos_ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -19,7 +19,8 @@ from ds_ppo.errors import UserError
 from ds_ppo.ppo.episodes import EpisodeStats, episode_settings, make_episodes
 from ds_ppo.ppo.partial import Partial, continue_partial, partial_rollout, start_partial
 from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
-from ds_ppo.ppo.rollout import replica_rollout, rollout_settings, stamp_versions
+from ds_ppo.ppo.rollout import (replica_rollout, rollout_settings, stamp_versions,
+                                watch_responses)
 from ds_ppo.ppo.scoring import RewardCall, call_reward, reward_call_settings
 
 
@@ -135,10 +136,7 @@ class RolloutWorker:
         for j, indices in work:
             got, stream = self.decode(j, indices, version, generator)
             decoded.append((got, self.reward_pool.submit(self.call, got.rollout, stream)))
-        for got, call in decoded:
-            got.called = call.result()
-            got.seconds += got.called.seconds if got.called is not None else 0.0
-        return Batch([got for got, _ in decoded], time.perf_counter() - t0)
+        return _collected(decoded, t0)
 
     def advance(self, work: list[tuple[int, list[int], Partial | None, int]], version: int,
                 segments_of: int, generator: torch.Generator) -> Batch:
@@ -164,7 +162,7 @@ class RolloutWorker:
             stream = streams[j]
             continue_partial(part, segments, segments_of, self.replica, self.prompts, g,
                              self.eos_ids, pad_id, version, generator,
-                             None if stream is None else self._watch(stream, part))
+                             self._watch(stream, part))
             part.seconds += time.perf_counter() - t1
             # one whose rows have all ended before its last segment waits for it: its calls run
             # on beside the iterations in between
@@ -175,10 +173,7 @@ class RolloutWorker:
             rollout, gen = partial_rollout(part, self.prompts, g, self.tokenizer, self.eos_ids)
             got = Buffered(j, part.first_version, rollout, gen, None, part.seconds)
             decoded.append((got, self.reward_pool.submit(self.call, rollout, stream, t1)))
-        for got, call in decoded:
-            got.called = call.result()
-            got.seconds += got.called.seconds if got.called is not None else 0.0
-        return Batch([got for got, _ in decoded], time.perf_counter() - t0, partial)
+        return _collected(decoded, t0, partial)
 
     def _partial_stream(self, part: Partial) -> RewardStream | None:
         """A reward stream for the rollout `part` (None: the reward is called on the whole
@@ -191,10 +186,22 @@ class RolloutWorker:
             self._watch(stream, part)(ended, part.response_ids[ended, :part.tokens].tolist())
         return stream
 
-    def _watch(self, stream: RewardStream, part: Partial):
-        """The `on_done(rows, tokens)` that hands `part`'s final responses to `stream`."""
-        return stream.watch(self.tokenizer, [self.prompts.input_ids[i] for i in part.indices],
-                            [self.prompts.extra(i) for i in part.indices], self.eos_ids)
+    def _watch(self, stream: RewardStream | None, part: Partial):
+        """The `on_done(rows, tokens)` that hands `part`'s final responses to `stream` (None:
+        none)."""
+        return watch_responses(stream, self.prompts, part.indices,
+                               [self.prompts.input_ids[i] for i in part.indices], self.tokenizer,
+                               self.eos_ids)
+
+
+def _collected(decoded: list[tuple[Buffered, Future]], t0: float,
+               partial: list[Partial] | None = None) -> Batch:
+    """A batch's rollouts, each with its reward call's outcome (`decoded`: (rollout, the call in
+    the reward pool)) and seconds, in order; `t0`: when the batch started."""
+    for got, call in decoded:
+        got.called = call.result()
+        got.seconds += got.called.seconds if got.called is not None else 0.0
+    return Batch([got for got, _ in decoded], time.perf_counter() - t0, partial or [])
 
 
 def sync_error(version: int, bad: str | None, where: str = "the generation replica"
