@@ -67,14 +67,17 @@ def _reward_problems(cfg: Config, world_size: int) -> list[str]:
 
 def _tensor_parallel_problems(cfg: Config) -> list[str]:
     """generation.mode = tensor_parallel with a generation.tp_size the policy's shape (read
-    without loading it) does not split by: the engine's rule (`tensor_parallel_shapes.unshardable`)."""
+    without loading it) does not split by: the engine's rule
+    (`tensor_parallel_shapes.unshardable`)."""
     import types
 
     from ds_ppo.config.tensor_parallel_shapes import unshardable
 
     g = cfg.generation
+    if g.mode != "tensor_parallel" or g.tp_size is None:
+        return []
     fields = model_fields(cfg.policy.path, cfg.policy.arch)
-    if g.mode != "tensor_parallel" or g.tp_size is None or fields.get("model_type") is None:
+    if fields.get("model_type") is None:
         return []
     why = unshardable(types.SimpleNamespace(**fields), g.tp_size)
     return [f"generation.mode = 'tensor_parallel' with generation.tp_size = {g.tp_size}: {why}; "

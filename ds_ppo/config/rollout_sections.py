@@ -15,9 +15,10 @@ class GenerationConfig(Section):
         "auto",
         description="gathered: copy the policy's 16-bit weights once per rollout into a hook-free "
         "replica on each rank (fast); tensor_parallel: generation.tp_size ranks hold one replica "
-        "between them (attention heads and MLP columns split, a mixture-of-experts layer's experts "
-        "split by expert; for policies whose 16-bit copy does not fit one device); zero3: generate through the ZeRO-3 hooks, gathering layer by layer "
-        "for every token (slow; the last resort); auto: gathered when the replica fits in "
+        "between them (attention heads and MLP columns split, a mixture-of-experts layer's "
+        "experts split by expert; for policies whose 16-bit copy does not fit one device); "
+        "zero3: generate through the ZeRO-3 hooks, gathering layer by layer for every token "
+        "(slow; the last resort); auto: gathered when the replica fits in "
         "generation.replica_memory_fraction of free device memory, else tensor_parallel when a "
         "1/tp_size shard does, else zero3.")
     replica_memory_fraction: float = Field(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-# tensor_parallel (engine/generation/tensor_parallel.py) splits these linear layers of every decoder layer:
+# tensor_parallel (engine/generation/tensor_parallel.py) splits these linear layers of every
+# decoder layer:
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
 ROW = ("o_proj", "down_proj")  # input features split, partial outputs summed
 KV = ("k_proj", "v_proj")  # of COLUMN: with fewer KV heads than ranks, one KV head per rank

@@ -290,8 +290,9 @@ def ensure_universal(path: Path, autoep: frozenset[str] = frozenset()) -> None:
             os.replace(tmp, target)
             log.info("converted %s to a universal checkpoint in %.1f s", path / role,
                      time.perf_counter() - start)
+        saved_ep = read_state(path).expert_parallel
         for role in roles:
-            if role in autoep and role not in read_state(path).expert_parallel:
+            if role in autoep and role not in saved_ep:
                 _autoep_universal(path / role / UNIVERSAL_TAG, path / role / AUTOEP_UNIVERSAL_TAG)
     dist.main_does(convert, path, "converting the checkpoint to universal format")
 
