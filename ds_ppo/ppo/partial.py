@@ -4,8 +4,8 @@ log-prob and the policy version of each, and which rows still decode. The next s
 the live rows on the replica with whatever weights it holds then: their KV cache is rebuilt by a
 prefill of prompt and tokens so far (with the new weights), and the decoding loop samples on from
 the random stream it is handed. With the same weights, two segments give the tokens and
-log-probs of one decoding call (tested bit for bit on CPU). No collective: the background
-worker runs it (ppo/rollout_worker.py); which segments run beside which iteration is fixed by
+log-probs of one decoding call (bit for bit with batch-invariant kernels, tested on CPU). No
+collective: the background worker runs it (ppo/rollout_worker.py); which segments run beside which iteration is fixed by
 the schedule (`ds_ppo.algo.choices.partial_plan`)."""
 from __future__ import annotations
 

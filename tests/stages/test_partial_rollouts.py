@@ -17,6 +17,7 @@ from ds_ppo.algo.choices import partial_plan, segment_end
 from ds_ppo.config import load_config
 from ds_ppo.config.checks import validate
 from ds_ppo.config.sections import GenerationConfig
+from ds_ppo.engine.batch_invariant import batch_invariant
 from ds_ppo.engine.generation import decode_on_replica
 from ds_ppo.errors import ConfigError
 from ds_ppo.ppo.partial import continue_partial, start_partial
@@ -24,6 +25,16 @@ from ds_ppo.ppo.partial import continue_partial, start_partial
 PARTIAL = ["ppo.schedule=async", "ppo.max_staleness=2", "ppo.rollout_correction=tis",
            "ppo.partial_rollouts=true"]
 
+
+
+@pytest.fixture
+def invariant_kernels():
+    """Batch-invariant kernels (generation.batch_invariant): a prefill of prompt + tokens so far
+    and the decoding steps it replaces then round alike on any CPU, so one decoding call and its
+    segments can be compared bit for bit (with a CPU's own kernels they may differ in the last
+    bits, depending on the shapes and the instruction set)."""
+    with batch_invariant():
+        yield
 
 def test_partial_plan_by_hand():
     # N = 2: beside iteration j, the last segment of j + 1's rollout and the first of j + 2's;
@@ -56,7 +67,7 @@ def _prompts(N: int, P: int):
     return ids, mask
 
 
-def test_two_segments_equal_one_decoding_call():
+def test_two_segments_equal_one_decoding_call(invariant_kernels):
     """Same weights, same random stream: a rollout decoded in two segments (the second
     prefilled from prompt + the first's tokens) has the tokens and log-probs of one call, bit
     for bit; each token carries the version it was decoded with, EOS stays blocked across the
@@ -108,7 +119,7 @@ class _Tokens:
         return " ".join(str(t) for t in ids if t not in (PAD, EOS))
 
 
-def test_a_partial_rollout_is_the_rollout_of_one_decoding_call():
+def test_a_partial_rollout_is_the_rollout_of_one_decoding_call(invariant_kernels):
     """Same weights and stream: the `Rollout` assembled from three segments equals the one
     `replica_rollout` decodes in one go (ids, masks, log-probs, texts, lengths), two samples
     per prompt; its `token_versions` say which segment sampled each token."""
