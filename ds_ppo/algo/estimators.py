@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from .choices import ESTIMATORS
-from .group import broadcast_to_tokens, discounted_returns, group_advantages
+from .group import (broadcast_to_tokens, discounted_returns, group_advantages,
+                    group_score_stats)
 from .returns import gae
 from .stats import masked_sum, masked_whiten
 
@@ -36,6 +37,9 @@ class AdvantageInputs:
     # the data-parallel process group of those statistics (None: the world); with sequence
     # parallelism the ranks of a group hold the same rows, counted once
     group: object = None
+    # ppo.zero_std_advantage (group estimators): the weight of the batch baseline that a group
+    # whose scores are all equal gets instead of its own (0: none, the published estimators)
+    zero_std_advantage: float = 0.0
 
 
 Estimate = Callable[[AdvantageInputs], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -85,10 +89,28 @@ def _group(method: str) -> Estimate:
     def estimate(x: AdvantageInputs):
         # a sequence-level baseline over the group's summed rewards, on every token of the row
         seq_rewards = masked_sum(x.rewards, x.mask, dim=-1)
-        return broadcast_to_tokens(group_advantages(seq_rewards, x.group_size, method),
-                                   x.mask), None
+        adv = group_advantages(seq_rewards, x.group_size, method)
+        if x.zero_std_advantage > 0:
+            adv = with_batch_baseline(adv, seq_rewards, x.group_size, x.zero_std_advantage,
+                                      x.group)
+        return broadcast_to_tokens(adv, x.mask), None
     estimate.__name__ = f"_{method}"
     return estimate
+
+
+def with_batch_baseline(adv: torch.Tensor, seq_rewards: torch.Tensor, group_size: int,
+                        weight: float, group: object = None) -> torch.Tensor:
+    """(B,) group advantages where each row of a group whose scores are all equal (advantage 0:
+    its own baseline is its score) gets weight x its score whitened over the batch of every rank
+    (the batch's mean as the baseline, Williams 1992, divided by the batch's std). An answer the
+    policy always gives and is always wrong with is pushed down, its probability going to the
+    other answers, the right one among them; one it always gets right is kept up."""
+    _, constant = group_score_stats(seq_rewards, group_size)
+    rows = constant.repeat_interleave(group_size)
+    ones = torch.ones_like(seq_rewards, dtype=torch.bool).unsqueeze(-1)
+    batch = masked_whiten(seq_rewards.unsqueeze(-1), ones, shift_mean=True, distributed=True,
+                          group=group).squeeze(-1)
+    return torch.where(rows, weight * batch, adv)
 
 
 for _method in ("grpo", "dr_grpo", "rloo"):  # group.group_advantages holds the three formulas

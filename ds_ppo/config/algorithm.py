@@ -209,6 +209,17 @@ class PPOConfig(Section):
         False, description="Leave groups whose n scores are all equal out of the update (DAPO's "
         "dynamic sampling, simplest form; their share: metric group/zero_std_frac).")
 
+    zero_std_advantage: float = Field(
+        0.0, ge=0, description="grpo, dr_grpo, rloo: a group whose scores are all equal "
+        "(group/zero_std_frac) has advantage 0, so an answer the policy always gives for a "
+        "prompt is never pushed up or down again. With this > 0 each response of such a group "
+        "gets zero_std_advantage x its score whitened over the whole batch (all ranks: the "
+        "batch's mean as its baseline, over the batch's std) instead: an answer that is always "
+        "wrong is pushed down, and the probability it loses goes to the other answers, the "
+        "right one among them; one that is always right is kept up. Try 0.1-0.5 (the groups "
+        "with a spread keep their unit-scale advantages); 0 = off, the estimators as "
+        "published.")
+
     dynamic_sampling: bool = Field(
         False, description="DAPO's dynamic sampling with refill (Yu et al. 2025): generate "
         "rounds of rollout_batch_size prompts (samples_per_prompt responses each, scored by the "
@@ -266,6 +277,15 @@ class PPOConfig(Section):
         if p.filter_zero_std_groups and n < 2:
             out.append("ppo.filter_zero_std_groups = true needs groups: set "
                        "ppo.samples_per_prompt >= 2")
+        if p.zero_std_advantage > 0 and not ESTIMATORS[p.advantage_estimator].groups:
+            out.append(f"ppo.zero_std_advantage = {p.zero_std_advantage:g} gives the groups "
+                       "whose scores are all equal a batch baseline, but "
+                       f"ppo.advantage_estimator = {p.advantage_estimator!r} has no groups: "
+                       "use grpo, dr_grpo or rloo, or set it to 0")
+        if p.zero_std_advantage > 0 and p.filter_zero_std_groups:
+            out.append(f"ppo.zero_std_advantage = {p.zero_std_advantage:g} trains on the groups "
+                       "whose scores are all equal, which ppo.filter_zero_std_groups = true "
+                       "leaves out: set one of them off")
         if p.critic_warmup_iterations and not p.uses_critic:
             out.append(f"ppo.critic_warmup_iterations = {p.critic_warmup_iterations} warms up "
                        f"a value model, but ppo.advantage_estimator = "

@@ -28,6 +28,7 @@ class AdvantageSettings:
     whiten: bool
     whiten_across_ranks: bool
     filter_zero_std_groups: bool
+    zero_std_advantage: float
 
 
 def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
@@ -36,7 +37,8 @@ def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
     return AdvantageSettings(kl_coef, p.kl_estimator, p.kl_clip, p.kl_in_reward,
                              cfg.reward.score_clip,
                              p.advantage_estimator, p.samples_per_prompt, p.gamma, p.lam,
-                             p.whiten_advantages, p.whiten_across_ranks, p.filter_zero_std_groups)
+                             p.whiten_advantages, p.whiten_across_ranks, p.filter_zero_std_groups,
+                             p.zero_std_advantage)
 
 
 def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
@@ -54,7 +56,8 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
         rewards = rewards + exp.rollout.turn_rewards.masked_fill(~mask, 0.0)
     advantages, returns = advantages_for(s.estimator, AdvantageInputs(
         rewards, mask, exp.old_values, group_size=s.group_size, gamma=s.gamma, lam=s.lam,
-        whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks, group=dist.dp_group()))
+        whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks, group=dist.dp_group(),
+        zero_std_advantage=s.zero_std_advantage))
     train_rows = None
     if s.filter_zero_std_groups:
         _, constant = group_score_stats(exp.episode_scores, s.group_size)
