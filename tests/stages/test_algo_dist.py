@@ -1,4 +1,5 @@
-"""Data-parallel invariance of masked_whiten and explained_variance on two gloo ranks (CPU).
+"""Data-parallel invariance of masked_whiten, explained_variance and the group estimators' batch
+baseline (ppo.zero_std_advantage) on two gloo ranks (CPU).
 
 Two ranks holding different numbers of rows and different masks must whiten with
 the statistics of the concatenated batch, as one process would, and report its explained
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ds_ppo.algo import explained_variance, masked_whiten
+from ds_ppo.algo.estimators import AdvantageInputs, advantages_for
 from conftest import mask_from_lengths
 
 WORLD_SIZE = 2
@@ -67,8 +69,37 @@ def _worker(rank: int, init_file: str) -> None:
         torch.testing.assert_close(explained_variance(values, x, mask), everywhere)
         local = explained_variance(values, x, mask, distributed=False)
         assert not torch.allclose(local, everywhere)
+
+        # the batch baseline of constant groups: this rank's rows of one process's advantages
+        scores = [_group_scores(r) for r in range(WORLD_SIZE)]
+        mine = _zero_std_advantages(scores[rank])
+        torch.testing.assert_close(mine, _batch_baseline(torch.cat(scores))[rank * 6:(rank + 1) * 6])
+        assert not torch.allclose(mine, _batch_baseline(scores[rank]))  # not this rank's alone
     finally:
         dist.destroy_process_group()
+
+
+def _group_scores(rank: int) -> torch.Tensor:
+    """Three groups of two per rank: rank 0 one group with a spread and two constant ones,
+    rank 1 scores higher on average."""
+    return [torch.tensor([1.0, 0.0, 0.1, 0.1, 1.1, 1.1]),
+            torch.tensor([1.1, 1.1, 1.1, 0.1, 1.1, 1.1])][rank]
+
+
+def _zero_std_advantages(scores: torch.Tensor) -> torch.Tensor:
+    rewards = torch.zeros(len(scores), 3)
+    rewards[:, -1] = scores
+    mask = torch.ones(len(scores), 3, dtype=torch.bool)
+    x = AdvantageInputs(rewards, mask, None, group_size=2, zero_std_advantage=0.5)
+    return advantages_for("grpo", x)[0][:, 0]
+
+
+def _batch_baseline(scores: torch.Tensor) -> torch.Tensor:
+    """GRPO on the groups with a spread; 0.5 x the score whitened over `scores` on the others."""
+    g = scores.reshape(-1, 2)
+    grpo = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)
+    batch = 0.5 * (g - scores.mean()) / torch.sqrt(scores.var() + 1e-8)
+    return torch.where(g[:, :1] == g[:, 1:], batch, grpo).reshape(-1)
 
 
 def test_masked_whiten_two_gloo_ranks_equals_concatenated_batch(tmp_path):

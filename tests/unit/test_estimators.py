@@ -106,6 +106,38 @@ def test_filter_zero_std_groups_marks_the_rows_of_constant_groups():
     assert out.slice([0, 5]).train_rows == [True, False]
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_zero_std_advantage_gives_constant_groups_the_batch_baseline(estimator):
+    # two groups of 4 with a spread, one all wrong, one all right: with the key on, a constant
+    # group's rows get the weight x their score whitened over the batch, the others keep theirs
+    scores = [1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.1, 1.1, 1.1, 1.1, 1.1, 0.0, 1.0, 1.0, 1.0]
+    lengths = LENGTHS + LENGTHS
+    overrides = [f"ppo.advantage_estimator={estimator}", "ppo.samples_per_prompt=4",
+                 "ppo.kl_in_reward=false"]
+    exp, mask = _experience(scores, lengths)
+    off = add_advantages(exp, advantage_settings(load_config(None, overrides), kl_coef=0.1))
+    on = add_advantages(exp, advantage_settings(
+        load_config(None, overrides + ["ppo.zero_std_advantage=0.5"]), kl_coef=0.1))
+    seq = torch.tensor(scores)
+    batch = 0.5 * (seq - seq.mean()) / torch.sqrt(seq.var() + 1e-8)
+    want = torch.cat([off.advantages[:4, 0], batch[4:12], off.advantages[12:, 0]])
+    torch.testing.assert_close(on.advantages, torch.where(mask, want[:, None], 0.0))
+    assert torch.equal(off.advantages[4:12], torch.zeros(8, 5))
+    assert (on.advantages[4:8][mask[4:8]] < 0).all() and (on.advantages[8:12][mask[8:12]] > 0).all()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["ppo.advantage_estimator=reinforce_pp"], "has no groups"),
+    (["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4",
+      "ppo.filter_zero_std_groups=true"], "leaves out")])
+def test_zero_std_advantage_is_refused_where_it_cannot_act(overrides, words):
+    from ds_ppo.config import validate
+    cfg = load_config(None, overrides + ["ppo.zero_std_advantage=0.2", "ppo.rollout_batch_size=4",
+                                         "ppo.mini_batch_size=16", "ppo.micro_batch_size=4"])
+    with pytest.raises(UserError, match=words):
+        validate(cfg, 1)
+
+
 def _checkpoint(tmp_path, estimator, with_value):
     ckpt = tmp_path / "iter_000002"
     (ckpt / "policy").mkdir(parents=True)
