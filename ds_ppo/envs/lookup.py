@@ -10,7 +10,8 @@ Rewards: CALL_REWARD for the first lookup of an episode; 1 on the answer turn (w
 episode) if its first number is the code. A policy that never copies the observation is right
 1 / len(CODES) of the time at best (always naming one code); copying is right
 every time. Step.info reports `lookup` (the episode looked the code up) and `correct` on the
-answer turn: metrics env/lookup and env/correct.
+answer turn: metrics env/lookup and env/correct, and env/correct_<code> over the episodes of each
+code (which codes a policy copies).
 
 This is where a group estimator collapses: once the lookup is learned, a policy that always
 names one code scores the same in most groups (zero_std_frac near 1, no gradient), and its
@@ -43,7 +44,8 @@ class Lookup:
         numbers = _NUMBER.findall(action)
         correct = bool(numbers) and numbers[0] == self.code
         return Step(None, reward=float(correct), done=True,
-                    info={"lookup": float(self.calls > 0), "correct": float(correct)})
+                    info={"lookup": float(self.calls > 0), "correct": float(correct),
+                          f"correct_{self.code}": float(correct)})
 
 
 def tasks(seed: int = 0) -> list[dict[str, str]]:

@@ -21,14 +21,15 @@ def test_lookup_then_a_copied_answer():
     assert (call.observation, call.reward, call.done) == (" 7", CALL_REWARD, False)
     answer = env.step(" 7 .")
     assert answer.done and answer.reward == 1.0
-    assert answer.info == {"lookup": 1.0, "correct": 1.0}
+    assert answer.info == {"lookup": 1.0, "correct": 1.0, "correct_7": 1.0}
 
 
 def test_a_guess_without_lookup_and_a_second_lookup_is_an_answer():
     env = Lookup()
     env.reset("p", code="3")
     step = env.step(" 5")
-    assert step.done and step.reward == 0.0 and step.info == {"lookup": 0.0, "correct": 0.0}
+    assert step.done and step.reward == 0.0
+    assert step.info == {"lookup": 0.0, "correct": 0.0, "correct_3": 0.0}
     env.reset("p", code="3")
     env.step("=")
     step = env.step(" = 3")  # after the one lookup, any turn is the answer: 3 is its number
