@@ -5,7 +5,7 @@ on each token's entropy, for each seed, then env/correct (the share of right ans
 per block of 100 iterations, and whether a run kept what it learned: the blocks after the first
 at >= 0.9, and the lowest 20-iteration mean after that block.
 
-    python launch/lookup_results.py                          # seeds 1 2 3, 1000 iterations
+    python launch/lookup_results.py                          # seeds 1 2 3, 1500 iterations
     python launch/lookup_results.py --seeds 1 --iterations 300 --out /tmp/lookup
     python launch/lookup_results.py --table-only --out outputs/lookup_results
     python launch/lookup_results.py --settings recommended --seeds 2 --out outputs/lookup_results
@@ -13,7 +13,7 @@ at >= 0.9, and the lowest 20-iteration mean after that block.
 Each (settings, seed) is a run of its own: several commands with different --seeds (or
 --settings) can run side by side on the same --out.
 
-Runs one after another on CPU (20-70 minutes each at 1000 iterations); a finished run is not run
+Runs one after another on CPU (30-60 minutes each at 1500 iterations); a finished run is not run
 again (the trainer sees its output_dir complete), so the command can be repeated after an
 interruption.
 """
@@ -28,12 +28,21 @@ from pathlib import Path
 # the calculator preset's settings, on the lookup task
 BASELINE = ["--config", "calculator", "env.function=ds_ppo.envs.lookup:Lookup",
             "data.path=builtin:lookup", "data.reward_keys=[code]"]
-# the lookup preset: the same, plus ppo.entropy_coef with ppo.entropy_target (on the mean token
-# entropy), ppo.dynamic_sampling, the alarm on env/correct and checkpoint.keep_best
+# the lookup preset: the same, plus 8 responses per prompt, an entropy bonus steered by
+# ppo.entropy_target (on the mean token entropy), ppo.zero_std_advantage, ppo.dynamic_sampling,
+# a cosine learning-rate decay, the alarm on env/correct and checkpoint.keep_best
 RECOMMENDED = ["--config", "lookup"]
-# the lookup preset with the target as a floor on each token's entropy instead
-TOKEN_FLOOR = ["--config", "lookup", "ppo.entropy_target_scope=token", "ppo.entropy_target=4.0"]
-SETTINGS = {"calculator": BASELINE, "recommended": RECOMMENDED, "token_floor": TOKEN_FLOOR}
+# the preset with the target as a floor on each token's entropy instead
+TOKEN_FLOOR = RECOMMENDED + ["ppo.entropy_target_scope=token", "ppo.entropy_target=4.0"]
+# the preset without the batch baseline of the groups that score alike (and with 4 rounds)
+NO_ZERO_STD = RECOMMENDED + ["ppo.zero_std_advantage=0", "ppo.dynamic_sampling_max_rounds=4"]
+# the entropy bonus and dynamic sampling alone: 4 responses per prompt, a constant learning rate
+BONUS_ONLY = NO_ZERO_STD + ["ppo.samples_per_prompt=4", "ppo.mini_batch_size=32",
+                            "policy.schedule=constant"]
+BONUS_ONLY_FLOOR = BONUS_ONLY + ["ppo.entropy_target_scope=token", "ppo.entropy_target=4.0"]
+SETTINGS = {"calculator": BASELINE, "recommended": RECOMMENDED, "token_floor": TOKEN_FLOOR,
+            "no_zero_std": NO_ZERO_STD, "bonus_only": BONUS_ONLY,
+            "bonus_only_floor": BONUS_ONLY_FLOOR}
 BLOCK = 100
 WINDOW = 20  # iterations of the lowest mean after the share was reached
 
@@ -110,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--iterations", type=int, default=1000)
+    parser.add_argument("--iterations", type=int, default=1500)
     parser.add_argument("--out", type=Path, default=Path("outputs/lookup_results"))
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()

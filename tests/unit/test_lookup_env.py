@@ -88,3 +88,16 @@ def test_results_table_blocks_and_verdicts(tmp_path):
     assert "calculator" not in text  # runs not made are left out
     cmd = m.command("calculator", 3, 500, tmp_path)
     assert "seed=3" in cmd and "env.function=ds_ppo.envs.lookup:Lookup" in cmd
+
+
+def test_every_results_setting_is_a_valid_config():
+    from ds_ppo.config import validate
+    m = _results_script()
+    for name, args in m.SETTINGS.items():
+        assert args[0] == "--config", name
+        cfg = load_config(args[1], args[2:])
+        validate(cfg, 1)
+        assert cfg.env.function == "ds_ppo.envs.lookup:Lookup", name
+    floor = load_config("lookup", m.SETTINGS["token_floor"][2:])
+    assert floor.ppo.entropy_target_scope == "token"
+    assert load_config("lookup", m.SETTINGS["bonus_only"][2:]).ppo.samples_per_prompt == 4
