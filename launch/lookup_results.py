@@ -110,6 +110,8 @@ def table(out: Path, seeds: list[int]) -> str:
     lines.append("|---|---|" + "---|" * len(head) + "---|---|")
     for settings, seed, blocks, low, last in rows:
         cells = [f"{b:.2f}" for b in blocks] + [""] * (width - len(blocks))
+        if last % BLOCK:  # a run stopped inside a block: the block's mean so far, and where
+            cells[len(blocks) - 1] += f" (to {last})"
         lines.append(f"| {settings} | {seed} | " + " | ".join(cells)
                      + f" | {kept(blocks, last)} | {low} |")
     return "\n".join(lines)

@@ -86,6 +86,8 @@ def test_results_table_blocks_and_verdicts(tmp_path):
     assert "| recommended | 2 | 0.25 | 0.95 | 0.50 | from 101, lost in 201-300 | 0.50 (201-220) |" \
         in text
     assert "calculator" not in text  # runs not made are left out
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:250]))
+    assert "| 0.25 | 0.95 | 0.50 (to 250) |" in m.table(tmp_path, [2])  # a run stopped early
     cmd = m.command("calculator", 3, 500, tmp_path)
     assert "seed=3" in cmd and "env.function=ds_ppo.envs.lookup:Lookup" in cmd
 
