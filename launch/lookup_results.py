@@ -74,6 +74,8 @@ def kept(blocks: list[float], last: int | None = None, ceiling: float = 1.0,
     if lost is not None:
         return f"from {first * BLOCK + 1}, lost in {lost * BLOCK + 1}-{(lost + 1) * BLOCK}"
     last = len(blocks) * BLOCK if last is None else last
+    if last <= (first + 1) * BLOCK:  # stopped inside that block
+        return f"from {first * BLOCK + 1}"
     return f"from {first * BLOCK + 1}, held {last - (first + 1) * BLOCK} after"
 
 

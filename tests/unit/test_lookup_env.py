@@ -72,6 +72,7 @@ def test_results_table_blocks_and_verdicts(tmp_path):
     assert m.accuracy_blocks(rows) == pytest.approx([0.25, 0.95, 0.5])
     assert m.kept([0.25, 0.95, 0.97]) == "from 101, held 100 after"
     assert m.kept([0.25, 0.95, 0.97], last=250) == "from 101, held 50 after"
+    assert m.kept([0.25, 0.95], last=174) == "from 101"  # stopped inside the first such block
     assert m.kept([0.25, 0.95, 0.5, 0.95]) == "from 101, lost in 201-300"
     assert m.kept([0.25, 0.3]) == "not reached"
     # a dip the blocks hide: 20 iterations at 0.5 inside a block whose mean is 0.9
