@@ -216,9 +216,9 @@ class PPOConfig(Section):
         "gets zero_std_advantage x its score whitened over the whole batch (all ranks: the "
         "batch's mean as its baseline, over the batch's std) instead: an answer that is always "
         "wrong is pushed down, and the probability it loses goes to the other answers, the "
-        "right one among them; one that is always right is kept up. Try 0.1-0.5 (the groups "
-        "with a spread keep their unit-scale advantages); 0 = off, the estimators as "
-        "published.")
+        "right one among them; one that is always right is kept up. The groups with a spread "
+        "keep their own advantages. The lookup preset uses 1.0 (0.25 was too little there: "
+        "docs/RESULTS.md); 0 = off, the estimators as published.")
 
     dynamic_sampling: bool = Field(
         False, description="DAPO's dynamic sampling with refill (Yu et al. 2025): generate "
@@ -226,7 +226,7 @@ class PPOConfig(Section):
         "reward) until the iteration holds rollout_batch_size prompts whose responses do not all "
         "score alike, and train on the first of those in draw order (the same batch at any world "
         "size; prompts drawn but not taken are skipped). A group whose scores are equal teaches "
-        "a group estimator nothing. Costs extra generation rounds (metrics sampling/*); the "
+        "a group estimator nothing (but with ppo.zero_std_advantage). Costs extra generation rounds (metrics sampling/*); the "
         "stream position is saved in checkpoints.")
     dynamic_sampling_max_rounds: int = Field(
         4, gt=0, description="dynamic_sampling: the most generation rounds per iteration; when "
