@@ -226,8 +226,9 @@ class PPOConfig(Section):
         "reward) until the iteration holds rollout_batch_size prompts whose responses do not all "
         "score alike, and train on the first of those in draw order (the same batch at any world "
         "size; prompts drawn but not taken are skipped). A group whose scores are equal teaches "
-        "a group estimator nothing (but with ppo.zero_std_advantage). Costs extra generation rounds (metrics sampling/*); the "
-        "stream position is saved in checkpoints.")
+        "a group estimator nothing unless ppo.zero_std_advantage gives it a batch baseline. "
+        "Costs extra generation rounds (metrics sampling/*); the stream position is saved in "
+        "checkpoints.")
     dynamic_sampling_max_rounds: int = Field(
         4, gt=0, description="dynamic_sampling: the most generation rounds per iteration; when "
         "they run out, the batch is completed with the earliest groups without signal (metric "
