@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,6 +22,7 @@ from ds_ppo.ppo.reward_stream import RewardStream, reward_stream
 from ds_ppo.ppo.rollout import (replica_rollout, rollout_settings, stamp_versions,
                                 watch_responses)
 from ds_ppo.ppo.scoring import RewardCall, call_reward, reward_call_settings
+from ds_ppo.thread_pools import shared_pool
 
 
 class WeightSyncError(UserError):
@@ -73,8 +74,7 @@ class RolloutWorker:
         # its first weight sync (`build_replica`'s bases); later syncs gather the adapters only
         self.bases: dict[str, torch.Tensor] = {}
         # a batch's reward calls at once: at most max_staleness, bounded by reward.concurrency
-        self.reward_pool = ThreadPoolExecutor(max(1, min(lag, cfg.reward.concurrency)),
-                                              thread_name_prefix="ds_ppo-reward")
+        self.reward_pool = shared_pool("reward", max(1, min(lag, cfg.reward.concurrency)))
         # ppo.partial_rollouts: the reward streams of the rollouts decoded in part, by the
         # iteration that trains on each (not saved: a resumed run hands the ended rows in again)
         self.streams: dict[int, RewardStream | None] = {}
