@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -77,6 +78,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def rank_threads():
+    """This process's torch threads set to those of a launched rank (clean_env's
+    OMP_NUM_THREADS) while an in-process run is compared bit for bit with launched ones: the
+    last bits of a CPU matmul depend on how many threads split it (on AMD EPYC, not on the
+    Intel CPUs seen), so a run is only equal to one made with as many threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(clean_env()["OMP_NUM_THREADS"]))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def mask_from_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:

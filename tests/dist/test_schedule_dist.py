@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, read_metrics
+from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, rank_threads, read_metrics
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/training", "async/generation",
             "async/weight_sync_s")
@@ -63,12 +63,15 @@ def _same(wa: dict, wb: dict) -> bool:
 
 
 def _colocated_on_one_rank(out, schedule: str) -> None:
-    """The same run in this process: one rank, ppo.placement = colocated."""
+    """The same run in this process: one rank, ppo.placement = colocated, with the launched
+    ranks' torch threads (the placements are equal at equal threads per rank)."""
     from ds_ppo.config import load_config
     from ds_ppo.trainer import train
 
-    train(load_config(None, [*SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
-                             *[e for e in _extra(schedule) if not e.startswith("ppo.placement")]]))
+    with rank_threads():
+        train(load_config(None, [*SMALL, "iterations=4", "checkpoint.every=2",
+                                 f"output_dir={out}", *[e for e in _extra(schedule)
+                                                        if not e.startswith("ppo.placement")]]))
 
 
 @pytest.fixture(scope="module")
