@@ -55,7 +55,7 @@ def _train(args: argparse.Namespace) -> int:
         for warning in config_warnings(cfg, world):
             print(f"ds-ppo: warning: {warning}", file=sys.stderr)
     _check_resume_estimator(cfg)
-    from ds_ppo.config.preflight import preflight
+    from ds_ppo.run.preflight import preflight
 
     preflight(cfg, paths=args.dry_run)  # data columns, the reward function; paths: dry run
     if cfg.env.function is not None:  # importable, and its methods take what they are given
@@ -106,7 +106,7 @@ def _job(args: argparse.Namespace) -> int:
     cfg, world = job_config(_load(args), args.command), _world_size(args)
     validate_job(cfg, args.command, world)
     if args.dry_run:
-        from ds_ppo.config.preflight import job_preflight
+        from ds_ppo.run.preflight import job_preflight
 
         job_preflight(cfg, args.command)
         print(f"config OK for world size {world}")

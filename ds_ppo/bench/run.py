@@ -1,5 +1,5 @@
 """One `ds-ppo bench` run: build the four roles, run warm-up and timed PPO iterations through the
-trainer's own `run_iteration` (ds_ppo/iteration.py), then the greedy generation baselines; the
+trainer's own `run_iteration` (ds_ppo/ppo/iteration.py), then the greedy generation baselines; the
 result dict that results.py formats."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from ds_ppo.engine.dist import init_distributed
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     t_start = time.perf_counter()
     device = init_distributed()
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(s["seed"])
         tok = BenchTokenizer(s["arch"]["vocab_size"])
         log.info("building 4 roles of shape %s in %s ...", s["shape"], run_dir)
-        engines = init_engines(cfg, tok, device)
+        engines = ppo_engines(cfg, tok, device)
         s["zero_stages"] = {role: ds.get("zero_optimization", {}).get("stage", 0)
                             for role, ds in engines.ds_configs.items()}
         fm = flop_model(engines.policy.module)
@@ -142,7 +142,7 @@ def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict
     against the first."""
     import torch
 
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     rows = []
     for name in args.schedule.split(","):
@@ -157,7 +157,7 @@ def _schedule_compare(args, device, s: dict, root: Path, t_start: float) -> dict
         torch.manual_seed(s["seed"])
         tok = BenchTokenizer(s["arch"]["vocab_size"])
         log.info("schedule %s: building 4 roles of shape %s ...", name, s["shape"])
-        engines = init_engines(cfg, tok, device)
+        engines = ppo_engines(cfg, tok, device)
         records = _ppo_iterations(cfg, engines, tok, run_s)
         timed = [r["seconds"] for r in records if not r["warmup"]]
         rows.append({"schedule": name, "iterations": len(timed), "seconds": sum(timed),

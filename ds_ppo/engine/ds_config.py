@@ -110,35 +110,11 @@ def build_ds_config(cfg: Config, role: Role, world_size: int, dtype: torch.dtype
     return ds
 
 
-def zero_stages(cfg: Config, device: torch.device, load_universal: bool = False,
-                job: str | None = None):
-    """Each role's ZeRO stage for this run (plan.phases.choose_zero_stages, the function
-    `ds-ppo plan` calls; `job` sft or rm: plan.job.choose_job_stage, as `ds-ppo plan --job`): on a GPU
-    against the smallest GPU memory of the world's ranks (every rank then chooses the same), on
-    CPU by the world size. Returns a StageChoice."""
-    from ds_ppo.engine import dist
-    from ds_ppo.plan.job import choose_job_stage
-    from ds_ppo.plan.phases import Cluster, choose_zero_stages
-
-    world = dist.world_size()
-    memory = None
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        memory = -int(dist.all_reduce_max(torch.tensor([-total], dtype=torch.int64)).item())
-    per_node = dist.local_world_size()
-    if per_node < 1 or world % per_node:
-        per_node = world
-    cluster = Cluster(world // per_node, per_node, memory)
-    if job is not None:
-        return choose_job_stage(cfg, job, cluster, load_universal)
-    return choose_zero_stages(cfg, cluster, load_universal=load_universal)
-
-
 def describe_stages(ds_configs: dict[str, dict], world_size: int, choice,
                     load_universal: bool = False) -> str:
     """One line: the ZeRO stage each role's engine runs, `(auto)` where zero_stage auto chose it,
     and why (`ZeRO stage per role (world size 1): policy 0 (auto), value 0 (auto), ...; auto:
-    <reason>`). `choice`: the run's StageChoice (zero_stages)."""
+    <reason>`). `choice`: the run's StageChoice (plan/fit.py's zero_stages)."""
     parts = [f"{role} {ds.get('zero_optimization', {}).get('stage', 0)}"
              + (" (auto)" if role in choice.auto else "")
              for role, ds in ds_configs.items()]

@@ -9,7 +9,7 @@ needs from DeepSpeed is written down here.
 - `RewardRole`:    sequence scores (an inference engine around `forward.LastTokenScorer`).
 - `ScorerRole`:    a reward model in training (`ds-ppo rm`): sequence scores, backward + step.
 
-The forward math stays in ds_ppo/forward.py; every forward runs through the engine's own
+The forward math stays in ds_ppo/engine/forward.py; every forward runs through the engine's own
 `forward` (ZeRO-3's root-module hooks).
 """
 from __future__ import annotations

@@ -32,8 +32,7 @@ from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
                            value_init_source)
 from ds_ppo.engine import dist, lora, moe, sequence_parallel
 from ds_ppo.engine.forward import causal_lm
-from ds_ppo.engine.ds_config import (build_ds_config, describe_stages, resolve_dtype,
-                                     zero_stages)
+from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
 from ds_ppo.engine.tiled_mlp import tile_mlps
 from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
 
@@ -370,30 +369,13 @@ def _init_reward(cfg: Config, world: int, dtype):
     return _initialize(LastTokenScorer(model).eval(), ds), ds
 
 
-def reward_function(cfg: Config, world: int):
-    """The callable reward of reward.url (a RewardService) or reward.function; None for a
-    reward model (an engine) or an env's turn rewards alone. A split placement's generation
-    ranks build theirs with it too (`world`: the training ranks, whose calls share the
-    deadline)."""
-    if cfg.reward.model is not None:
-        return None
-    if cfg.reward.url is not None:
-        from ds_ppo.http_deadline import call_deadline
-        from ds_ppo.rewards.service import RewardService
-
-        return RewardService.from_config(cfg.reward,
-                                         call_deadline(cfg.dist_timeout_minutes, world))
-    if cfg.reward.function is not None:  # else an env's turn rewards are the only ones
-        from ds_ppo.rewards.call import load_reward_function
-
-        return load_reward_function(cfg.reward.function, cfg.data.reward_keys)
-    return None
-
-
-def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
+def init_engines(cfg: Config, tokenizer, device: torch.device, stages,
+                 reward_fn: RewardFn | None, load_universal: bool = False,
                  reward_shares_tokenizer: bool = True,
                  autoep: frozenset[str] = frozenset()) -> Engines:
     """Build all roles. Rank 0 first materialises random-init `arch` models under output_dir.
+    `stages`: each role's ZeRO stage (plan/fit.py's zero_stages, a StageChoice), applied here;
+    `reward_fn`: the reward callable the config names (rewards/source.py), held in Engines.
     `load_universal`: the trained roles will load a universal checkpoint (world size, ZeRO
     stage or expert-parallel size changed); `autoep`: trained roles built with AutoEP's layers
     even at expert_parallel_size 1 (they resume a checkpoint that holds them so)."""
@@ -412,9 +394,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         value_arch = materialize_arch(cfg.value.arch, tokenizer, init_dir / "value", cfg.seed + 1,
                                       key="value.arch")
 
-    # each role's ZeRO stage, `auto` chosen by fit (the plan's function); the engines are built
-    # from a copy of the config with those stages filled in
-    stages = zero_stages(cfg, device, load_universal)
+    # the engines are built from a copy of the config with each role's ZeRO stage filled in
     cfg = stages.apply(cfg)
     ds_configs = {}
     policy, ds_configs["policy"] = _init_policy(cfg, policy_path, world, device, dtype,
@@ -439,7 +419,7 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, load_universal: b
         if dist.is_main():
             engine = policy if role == "policy" else value
             log.info("LoRA %s", lora.describe_trainable(role, engine.module))
-    reward, reward_fn = None, reward_function(cfg, world)
+    reward = None
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
     ema = None

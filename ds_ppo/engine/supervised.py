@@ -22,7 +22,7 @@ import torch
 
 from ds_ppo.config import Config, job_accum_steps
 from ds_ppo.engine import dist, lora, moe
-from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype, zero_stages
+from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
 from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
 from ds_ppo.engine.roles import (_hidden_size, _init_policy, _load_kwargs, _model_config,
                                  _ready_to_train, _trained_engine, _zero_init_for,
@@ -44,7 +44,7 @@ class JobEngines:
 
 
 def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
-                     total_steps: int, load_universal: bool = False,
+                     total_steps: int, stage, load_universal: bool = False,
                      autoep: bool = False) -> JobEngines:
     """Build the job's model (`job`: sft or rm) with an LR schedule of `total_steps` optimizer
     steps; a random-init policy.arch is materialised on rank 0 first (under output_dir).
@@ -52,8 +52,7 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
     AutoEP's layers even at expert_parallel_size 1 (`build_ds_config`)."""
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
-    stage = zero_stages(cfg, device, load_universal, job)  # auto by fit, as `ds-ppo plan --job`
-    cfg = stage.apply(cfg)
+    cfg = stage.apply(cfg)  # the ZeRO stage (plan/fit.py: auto by fit, as `ds-ppo plan --job`)
     if dist.is_main():
         log.info("ZeRO stage (world size %d): %s%s", world, stage.describe(),
                  f"; auto: {stage.reason}" if stage.auto else "")

@@ -32,9 +32,11 @@ The parts, in the order a plan is made:
   training (the generation mode from ds_ppo.engine.generation.choice, the engine's own decision)
 - levers.py: the greedy lever search and the node count that fits; `plan` puts it together
 - report.py: the table, the JSON and the `ds-ppo plan` command (`main`)
+- fit.py: a run's ZeRO stages, this cluster measured and the plan's choice made on it (the jobs
+  call it and hand the choice to the engine builders; not imported here: it needs torch)
 
 Besides ds_ppo.config, ds_ppo.algo.choices, ds_ppo.engine.generation.choice and ds_ppo.role_names
-it imports only torch and transformers (lazily), never deepspeed.
+it imports only torch and transformers (lazily), never deepspeed (fit.py: ds_ppo.engine.dist).
 """
 from __future__ import annotations
 

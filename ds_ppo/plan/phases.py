@@ -287,7 +287,7 @@ def _forward_gather(rp: RolePlan) -> int:
 def choose_zero_stages(cfg: Config, cluster: Cluster, shapes: RoleShapes | None = None,
                        load_universal: bool = False) -> StageChoice:
     """Each role's ZeRO stage on `cluster`, `auto` chosen by fit on this plan's peaks
-    (plan/stages.py); the engine calls it at start-up (engine/ds_config.zero_stages) with its
+    (plan/stages.py); a run calls it at start-up (plan/fit.py's zero_stages) with its
     GPU's memory (`gpu_mem_bytes` None on CPU). `shapes`: read from the config when None."""
     if shapes is None and cluster.gpu_mem_bytes is not None:
         from ds_ppo.plan.shapes import resolve_shapes

@@ -152,7 +152,7 @@ def serve_generation(cfg, device: torch.device) -> None:
     first, others = served[0], served[1:]
     setup = dist.bridge_recv(first)
     assert setup["op"] == "setup", setup["op"]
-    from ds_ppo.engine.roles import reward_function
+    from ds_ppo.rewards.source import reward_function
 
     # the reward built here as the training ranks build theirs (a RewardService is not sent)
     worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,

@@ -27,8 +27,10 @@ from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 from ds_ppo.ppo.scoring import reward_scores, reward_settings
+from ds_ppo.plan.fit import zero_stages
 from ds_ppo.ppo.update import entropy_floor
 from ds_ppo.rewards.encode import reward_encoder
+from ds_ppo.rewards.source import reward_function
 from ds_ppo.role_names import TRAINED_ROLES
 
 log = logging.getLogger("ds_ppo")
@@ -39,6 +41,17 @@ log = logging.getLogger("ds_ppo")
 # gradient norm as inf, routinely in the first steps: there only the losses are checked.
 LOSSES = ("loss/policy", "loss/value")
 GRAD_NORMS = ("policy/grad_norm", "value/grad_norm")
+
+
+def ppo_engines(cfg: Config, tokenizer, device: torch.device, load_universal: bool = False,
+                reward_shares_tokenizer: bool = True,
+                autoep: frozenset[str] = frozenset()) -> Engines:
+    """The PPO job's engines: each role's ZeRO stage chosen by fit (plan/fit.py, as `ds-ppo
+    plan`) and the reward callable the config names (rewards/source.py), handed to the engine
+    builder (engine/roles.py's init_engines)."""
+    return init_engines(cfg, tokenizer, device, zero_stages(cfg, device, load_universal),
+                        reward_function(cfg, dist.world_size()), load_universal=load_universal,
+                        reward_shares_tokenizer=reward_shares_tokenizer, autoep=autoep)
 
 
 class PPOJob:
@@ -97,16 +110,14 @@ class PPOJob:
 
     def build(self, cfg: Config, device: torch.device, universal: bool,
               autoep: frozenset[str] = frozenset()) -> Engines:
-        return init_engines(cfg, self.tokenizer, device, load_universal=universal, autoep=autoep,
-                            reward_shares_tokenizer=self.reward_encode is None
-                            or self.reward_encode.same)
+        return ppo_engines(cfg, self.tokenizer, device, load_universal=universal, autoep=autoep,
+                           reward_shares_tokenizer=self.reward_encode is None
+                           or self.reward_encode.same)
 
     def trained_roles(self) -> tuple[str, ...]:
         return TRAINED_ROLES if self.cfg.ppo.uses_critic else ("policy",)
 
     def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
-        from ds_ppo.engine.ds_config import zero_stages
-
         return zero_stages(cfg, device).stages
 
     def fresh_state(self, engines: Engines) -> TrainerState:

@@ -1,5 +1,5 @@
 """The run around any training job: `ds-ppo train` (ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm`
-(run/supervised.py over sft/task.py and rm/task.py).
+(run/supervised_job.py over sft/task.py and rm/task.py).
 
 `run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,
 logging, seeds), the output_dir's lock, the finished-run check, resume (the latest checkpoint,

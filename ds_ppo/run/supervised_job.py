@@ -127,15 +127,17 @@ class SupervisedJob:
     def build(self, cfg: Config, device: torch.device, universal: bool,
               autoep: frozenset[str] = frozenset()):
         from ds_ppo.engine.supervised import init_job_engines
+        from ds_ppo.plan.fit import zero_stages
 
-        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total, universal,
+        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total,
+                                zero_stages(cfg, device, universal, self.name), universal,
                                 autoep="policy" in autoep)
 
     def trained_roles(self) -> tuple[str, ...]:
         return ("policy",)
 
     def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
-        from ds_ppo.engine.ds_config import zero_stages
+        from ds_ppo.plan.fit import zero_stages
 
         return zero_stages(cfg, device, job=self.name).stages
 

@@ -44,12 +44,12 @@ import json, sys, torch, deepspeed
 from pathlib import Path
 from ds_ppo.config import load_config
 from ds_ppo.engine.dist import init_distributed
-from ds_ppo.engine.roles import init_engines
+from ds_ppo.ppo.train_job import ppo_engines
 from ds_ppo.data.tokenizer import load_tokenizer
 cfg = load_config(None, sys.argv[1:])
 dev = init_distributed()
 tok = load_tokenizer("builtin:tiny", Path(cfg.output_dir))
-eng = init_engines(cfg, tok, dev)
+eng = ppo_engines(cfg, tok, dev)
 def full(p):
     with deepspeed.zero.GatheredParameters([p]):
         return p.detach().clone()

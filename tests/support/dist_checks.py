@@ -140,12 +140,12 @@ def ema_swap(work: Path) -> dict:
     fresh EMA loaded from a save equals it."""
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine.ema import ParamEMA
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     cfg = cfg_for(work, "ema", ["iterations=1", "policy.ema_decay=0.5",
                                 "deepspeed.policy.zero_stage=3"])
     tok = load_tokenizer("builtin:tiny", work / "ema")
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     ema = engines.policy.ema
     _stages(cfg, engines, tok, 0, "gathered")
     after = gathered(engines.policy.module)
@@ -195,7 +195,7 @@ def value_from_reward_model(work: Path) -> dict:
 
     from ds_ppo.data.ptx import lm_rollout
     from ds_ppo.data.tokenizer import load_tokenizer
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     tok = load_tokenizer("builtin:tiny", work / "vrm")
     rm_dir = work / "rm_export"
@@ -214,7 +214,7 @@ def value_from_reward_model(work: Path) -> dict:
     dist.main_does(build, work, "building the reward model export")
     cfg = cfg_for(work, "vrm", ["reward.function=null", f"reward.model={rm_dir}",
                                 f"value.path={rm_dir}"])
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     rows = [tok(t).input_ids for t in ("the cat sat on", "my aunt is happy", "a good day")]
     rollout = lm_rollout([r[:2] for r in rows], [r[2:] for r in rows], tok.pad_token_id,
                          torch.device("cpu"))
@@ -248,11 +248,11 @@ def two_turns(prompt: str, actions: list[str]) -> dict:
 def critic_free_engines(work: Path) -> dict:
     """A critic-free estimator builds no value engine."""
     from ds_ppo.data.tokenizer import load_tokenizer
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     cfg = cfg_for(work, "critic_free", GROUP_BASE + ["ppo.advantage_estimator=rloo"])
-    engines = init_engines(cfg, load_tokenizer("builtin:tiny", work / "critic_free"),
-                           torch.device("cpu"))
+    engines = ppo_engines(cfg, load_tokenizer("builtin:tiny", work / "critic_free"),
+                          torch.device("cpu"))
     return {"value_is_none": engines.value is None, "ds_configs": sorted(engines.ds_configs)}
 
 
@@ -284,7 +284,7 @@ def varied_lengths(work: Path, mode: str) -> dict:
     """Many stop tokens make response lengths differ between ranks: no rank may hang, in the
     whole loop (train) and stage by stage (each rank's own response widths recorded)."""
     from ds_ppo.data.tokenizer import load_tokenizer
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     tok = load_tokenizer("builtin:tiny", work / f"varied_{mode}")
     pieces = sorted(v for v in tok.get_vocab() if v.startswith("▁"))[:150]
@@ -294,7 +294,7 @@ def varied_lengths(work: Path, mode: str) -> dict:
                                             "generation.max_new_tokens=12"])
     t0 = time.time()
     res = train(cfg)
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     widths = [_stages(cfg, engines, tok, it, mode).response_ids.shape[1] for it in range(3)]
     return {"seconds": time.time() - t0, "iterations": len(res.history),
             "widths_per_rank": dist.gather_objects(widths)}
@@ -305,14 +305,14 @@ def replica_and_roles(work: Path) -> dict:
     the generation replica built after the update equals the trained policy."""
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine.generation import build_replica
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
 
     from ds_ppo.data.prompts import load_prompts
     from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 
     cfg = cfg_for(work, "replica", ["iterations=1", "generation.keep_replica=true"])
     tok = load_tokenizer("builtin:tiny", work / "replica")
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     ref0, pol0 = gathered(engines.reference.module), gathered(engines.policy.module)
     _stages(cfg, engines, tok, 0, "gathered")
     kept = engines.replica
@@ -348,12 +348,12 @@ def lora_roles(work: Path) -> dict:
 
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine.generation import build_replica
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
     from ds_ppo.engine.forward import response_logprobs
 
     cfg = cfg_for(work, "lora", ["iterations=1", "policy.lora.r=8", "value.lora.r=8"])
     tok = load_tokenizer("builtin:tiny", work / "lora")
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     roles = {"policy": engines.policy.module, "value": engines.value.module}
     trained = {r: sorted(n for n, p in m.named_parameters() if p.requires_grad)
                for r, m in roles.items()}
@@ -405,7 +405,7 @@ def tensor_parallel(work: Path) -> dict:
     from ds_ppo.data.prompts import left_pad, load_prompts
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.engine import generation as gen
-    from ds_ppo.engine.roles import init_engines
+    from ds_ppo.ppo.train_job import ppo_engines
     from ds_ppo.ppo.rollout import stop_token_ids
 
     world, rank = dist.world_size(), dist.rank()
@@ -413,7 +413,7 @@ def tensor_parallel(work: Path) -> dict:
                                f"generation.tp_size={world}", "generation.max_new_tokens=10"])
     history = train(cfg).history
     tok = load_tokenizer("builtin:tiny", work / "tp")
-    engines = init_engines(cfg, tok, torch.device("cpu"))
+    engines = ppo_engines(cfg, tok, torch.device("cpu"))
     prompts = load_prompts(cfg.data, tok)
     mine = [prompts.input_ids[i][:6 + 3 * rank] for i in range(5 * rank, 5 * rank + 3 + rank)]
     ids, am = left_pad(mine, tok.pad_token_id)

@@ -108,8 +108,8 @@ def test_no_import_cycle_inside_ds_ppo():
 
     Function-level (lazy) imports count as edges, not only module-level ones: a lazy import
     still makes one module depend on the other, and a cycle through one works only because of
-    the order in which the functions happen to be called (e.g. engine/checkpoint/save_load.py exporting
-    through ds_ppo/export.py, which read engine/checkpoint/save_load.py back). Imports under
+    the order in which the functions happen to be called (say a checkpoint module exporting
+    through an export module that reads the checkpoint module back). Imports under
     `if TYPE_CHECKING:` count as well: a cycle of type-only imports is still a tangle."""
     assert import_cycles(import_graph()) == []
 
@@ -195,3 +195,91 @@ def test_test_files_have_unique_names():
 
     names = Counter(p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py"))
     assert not [n for n, c in names.items() if c > 1]
+
+
+# The floors of the package, lowest first: a ds_ppo package or top-level module imports only
+# from its own floor or below (docs/GUIDE.md "The system"). The jobs sit above the run that
+# drives them; engine sits below the reward sources and the planner, which may use it.
+FLOORS = [
+    {"", "algo", "role_names", "errors", "progress", "thread_pools", "http_deadline",
+     "redaction", "watchdog"},
+    {"containers"},
+    {"config"},
+    {"data"},
+    {"engine"},
+    {"rewards", "envs"},
+    {"metrics"},
+    {"plan"},
+    {"run"},
+    {"ppo", "sft", "rm"},
+    {"trainer", "bench"},
+    {"cli"},
+    {"__main__"},
+]
+# `importer -> imported` package pairs allowed to go up a floor, each with its reason; empty
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _part(module: str) -> str:
+    """ds_ppo.engine.roles -> engine; ds_ppo.cli -> cli; ds_ppo (its __init__) -> ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_edges(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+    """(importer, imported) package pairs -> the `module -> module` imports behind them, from
+    the module graph (imports inside functions and under TYPE_CHECKING included)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in import_graph(package).items():
+        for target in sorted(targets):
+            a, b = _part(module), _part(target)
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{module} -> {target}")
+    return edges
+
+
+def package_layer_problems(package: Path = PACKAGE,
+                           allowed: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """Packages that import each other, imports that go up a floor (outside `allowed`), parts
+    without a floor, and allowed pairs that no longer occur (the list must not go stale)."""
+    allowed = UPWARD_ALLOWED if allowed is None else allowed
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    edges = package_edges(package)
+    problems = [f"{a} <-> {b}: {edges[(a, b)][0]}; {edges[(b, a)][0]}"
+                for a, b in sorted(edges) if a < b and (b, a) in edges]
+    parts = {_part(m) for m in _modules(package)}
+    problems += [f"{p}: no floor in FLOORS" for p in sorted(parts - floor.keys())]
+    problems += [f"{a} -> {b} goes up a floor: {edges[(a, b)][0]}" for a, b in sorted(edges)
+                 if a in floor and b in floor and floor[b] > floor[a] and (a, b) not in allowed]
+    problems += [f"{a} -> {b} is allowed but no longer imported" for a, b in sorted(allowed)
+                 if (a, b) not in edges]
+    return problems
+
+
+def test_packages_import_down_only():
+    """At the package level too (file-level cycles are 0 even where two packages import each
+    other): no pair of packages imports each other, and no import goes up a floor."""
+    assert package_layer_problems() == []
+
+
+def test_the_package_scan_finds_an_upward_import(tmp_path):
+    """The scan is not vacuous: an import from engine up into plan inside a function, a pair of
+    packages importing each other, a part with no floor and a stale allowance are all found."""
+    pkg = tmp_path / "ds_ppo"
+    for sub in ("engine", "plan", "config", "data"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plan" / "phases.py").write_text("from ds_ppo.engine import forward\n")
+    (pkg / "engine" / "forward.py").write_text("def f():\n    from ds_ppo.plan import job\n")
+    (pkg / "plan" / "job.py").write_text("")
+    (pkg / "config" / "checks.py").write_text("from ds_ppo.data import rows\n")
+    (pkg / "data" / "rows.py").write_text("")
+    (pkg / "newpart.py").write_text("")
+    assert package_layer_problems(pkg, {("data", "rm"): "stale"}) == [
+        "engine <-> plan: ds_ppo.engine.forward -> ds_ppo.plan.job; "
+        "ds_ppo.plan.phases -> ds_ppo.engine.forward",
+        "newpart: no floor in FLOORS",
+        "config -> data goes up a floor: ds_ppo.config.checks -> ds_ppo.data.rows",
+        "engine -> plan goes up a floor: ds_ppo.engine.forward -> ds_ppo.plan.job",
+        "data -> rm is allowed but no longer imported"]

@@ -10,7 +10,8 @@ import torch
 
 from ds_ppo import plan as P
 from ds_ppo.config import load_config
-from ds_ppo.engine.ds_config import build_ds_config, describe_stages, zero_stages
+from ds_ppo.engine.ds_config import build_ds_config, describe_stages
+from ds_ppo.plan.fit import zero_stages
 from ds_ppo.plan.phases import choose_zero_stages
 from ds_ppo.plan.stages import AUTO_HEADROOM, rungs
 
@@ -105,9 +106,9 @@ def test_without_an_accelerator_auto_keeps_the_world_size_rule():
         assert choice.reason.startswith("no GPU, no memory to fit")
 
 
-def test_the_engine_calls_the_plans_function_on_its_gpus_memory(monkeypatch):
-    """The engine's zero_stages on a (pretended) 80 GB GPU gives the plan's choice, and the
-    DeepSpeed configs it builds run those stages; on CPU, the world-size rule."""
+def test_the_run_calls_the_plans_function_on_its_gpus_memory(monkeypatch):
+    """The run's zero_stages (plan/fit.py) on a (pretended) 80 GB GPU gives the plan's choice,
+    and the DeepSpeed configs it builds run those stages; on CPU, the world-size rule."""
     cfg = load_config("1b")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=80 * GiB))
@@ -151,7 +152,7 @@ def test_plan_names_the_zero3_knobs_for_zero3_roles_only():
 
 def test_supervised_jobs_choose_their_stage_by_the_job_plan(monkeypatch):
     """`ds-ppo sft` / `ds-ppo rm`: ZeRO-2 where its job plan fits the budget, else ZeRO-3; the
-    engine (init_job_engines' zero_stages) and `ds-ppo plan --job` give the same."""
+    run (plan/fit.py's zero_stages) and `ds-ppo plan --job` give the same."""
     from ds_ppo.plan.job import choose_job_stage, job_plan
 
     cfg = load_config("1b")
