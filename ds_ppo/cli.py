@@ -44,40 +44,29 @@ def _world_size(args: argparse.Namespace) -> int:
     return args.world_size
 
 
-def _train(args: argparse.Namespace) -> int:
-    from ds_ppo.config import config_warnings, validate
+def _run_job(args: argparse.Namespace) -> int:
+    """A training command (`ds-ppo train`, `sft`, `rm`: the registry's rows, jobs/base.py): the
+    job's config and checks, then the run driver with it."""
+    from ds_ppo.jobs import by_command
 
+    spec = by_command(args.command)
     _hide_secrets([o.split("=", 1)[-1] for o in args.overrides])
-    cfg, world = _load(args), _world_size(args)
+    cfg, world = spec.configure(_load(args)), _world_size(args)
     _hide_secrets([cfg.reward.url, cfg.tracking.uri, cfg.env.url])
-    validate(cfg, world)
-    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for warning in config_warnings(cfg, world):
-            print(f"ds-ppo: warning: {warning}", file=sys.stderr)
-    _check_resume_estimator(cfg)
-    from ds_ppo.run.preflight import preflight
-
-    preflight(cfg, paths=args.dry_run)  # data columns, the reward function; paths: dry run
-    if cfg.env.function is not None:  # importable, and its methods take what they are given
-        from ds_ppo.envs.base import load_python_env
-
-        load_python_env(cfg.env.function, cfg.data.reward_keys)
+    spec.check(cfg, world, args.dry_run)
     if args.dry_run:
         print(f"config OK for world size {world}")
         return 0
-    from ds_ppo.engine.checkpoint.files import finished_message, finished_run
-
-    c = cfg.checkpoint
-    done = finished_run(cfg.output_dir, cfg.resume, cfg.iterations, c.export_at_end)
+    done = spec.finished(cfg)
     if done is not None:  # a re-run of a finished run: stop before torch even imports
         if os.environ.get("RANK", "0") == "0":
-            print(finished_message(cfg.output_dir, *done, cfg.iterations, c.export_at_end))
+            print(done)
         return 0
     from ds_ppo.run.preemption import Preempted
-    from ds_ppo.trainer import train
+    from ds_ppo.trainer import run_job
 
     try:
-        train(cfg)
+        run_job(cfg, spec.name)
     except Preempted as e:  # checkpoint saved; 128 + signal tells the scheduler it did not finish
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
@@ -96,49 +85,6 @@ def _hide_secrets(urls: list[str | None]) -> None:
         if url and "://" in url:
             register_url(url)
     redact_output()
-
-
-def _job(args: argparse.Namespace) -> int:
-    """`ds-ppo sft` / `ds-ppo rm`: a supervised job on the same config tree, engine and run
-    directory as `ds-ppo train` (ds_ppo/sft, ds_ppo/rm, ds_ppo/run/supervised_job.py)."""
-    from ds_ppo.config import job_config, validate_job
-
-    cfg, world = job_config(_load(args), args.command), _world_size(args)
-    validate_job(cfg, args.command, world)
-    if args.dry_run:
-        from ds_ppo.run.preflight import job_preflight
-
-        job_preflight(cfg, args.command)
-        print(f"config OK for world size {world}")
-        return 0
-    from ds_ppo.run.preemption import Preempted
-    from ds_ppo.trainer import run_supervised
-
-    try:
-        run_supervised(cfg, args.command)
-    except Preempted as e:
-        print(f"ds-ppo: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("ds-ppo: interrupted; nothing saved after the last checkpoint", file=sys.stderr)
-        return 128 + signal.SIGINT
-    return 0
-
-
-def _check_resume_estimator(cfg) -> None:
-    """The checkpoint a run would resume from must match its estimator family (with or without
-    a value model): found here, before any model code loads (train() checks it again)."""
-    from ds_ppo.engine.checkpoint.files import check_estimator_family, latest_checkpoint
-
-    if cfg.resume == "never":
-        return
-    path = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else None
-    if cfg.resume != "auto":
-        from ds_ppo.engine.checkpoint.files import resolve_checkpoint
-
-        path = resolve_checkpoint(cfg.resume)
-    if path is not None:
-        check_estimator_family(path, cfg.ppo.advantage_estimator)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -200,28 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run PPO training (no arguments: the tiny CPU default)")
-    p.add_argument("--config", default=None,
-                   help="YAML config file or preset name (default: the tiny preset)")
-    p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
-    p.add_argument("--world-size", type=int, default=None, help=_WORLD_SIZE_HELP)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.kl_coef=0.05")
-    p.set_defaults(func=_train)
+    from ds_ppo.jobs import JOBS
 
-    for name, what in (("sft", "supervised fine-tuning of the policy on prompt + completion "
-                        "(or chat) rows (the sft section)"),
-                       ("rm", "train a reward model on preference pairs (the rm section)")):
-        p = sub.add_parser(name, help=what)
+    for spec in JOBS.values():  # the training commands: one per registered job
+        p = sub.add_parser(spec.command, help=spec.help)
         p.add_argument("--config", default=None,
                        help="YAML config file or preset name (default: the tiny preset)")
         p.add_argument("--dry-run", action="store_true", help="validate the config and stop")
         p.add_argument("--world-size", type=int, default=None, help=_WORLD_SIZE_HELP)
         p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                        help=argparse.SUPPRESS)
-        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. "
-                       f"{name}.batch_size=64")
-        p.set_defaults(func=_job)
+        p.add_argument("overrides", nargs="*",
+                       help=f"dotted key=value overrides, e.g. {spec.example}")
+        p.set_defaults(func=_run_job)
 
     p = sub.add_parser("config", help="print the resolved config, or describe every key")
     p.add_argument("--config", default=None)
@@ -237,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem-gib", type=float, default=None,
                    help="CPU memory per node (default: unchecked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--job", choices=["train", "sft", "rm"], default="train",
-                   help="plan `ds-ppo train` (default), `ds-ppo sft` or `ds-ppo rm`")
+    commands = [spec.command for spec in JOBS.values()]
+    p.add_argument("--job", choices=commands, default=commands[0],
+                   help="the training command to plan: " + ", ".join(
+                       f"`ds-ppo {c}`" for c in commands) + f" (default {commands[0]})")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_plan)
 

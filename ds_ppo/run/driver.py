@@ -1,5 +1,6 @@
-"""The run around any training job: `ds-ppo train` (ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm`
-(run/supervised_job.py over sft/task.py and rm/task.py).
+"""The run around any training job of the registry (jobs/base.py's `JOBS`): `ds-ppo train`
+(ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm` (jobs/supervised/job.py over sft/task.py and
+rm/task.py).
 
 `run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,
 logging, seeds), the output_dir's lock, the finished-run check, resume (the latest checkpoint,
@@ -7,8 +8,8 @@ verified; at another world size through DeepSpeed's universal format), MLflow, t
 watchdog, the stop requests of a scheduler (SIGTERM / SIGUSR1: a checkpoint, then exit), the
 checkpoint every `checkpoint.every` units, the divergence stop, a failed collective named by
 the watchdog, and at the end the final save, the export and its registration. A job plugs in
-through `Job` (torchtune's recipe interface is the model): its data, its engines, one step, and
-what its checkpoints hold. The driver never imports a job.
+through `Job` (jobs/base.py; torchtune's recipe interface is the model): its data, its engines,
+one step, and what its checkpoints hold. The driver never imports a job, nor the jobs layer.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import random
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -41,6 +42,10 @@ from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
 from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
 
 log = logging.getLogger("ds_ppo")
+
+# a job as jobs/base.py's `Job` protocol declares it (test_jobs checks that the driver calls
+# nothing else); the driver sits below the jobs layer and does not import it
+Job = Any
 
 
 @dataclass
@@ -71,67 +76,9 @@ class Run:
     in_flight: Any = None  # the job's `in_flight`: this rank's unfinished work a save holds
 
 
-class Job(Protocol):
-    """A training job as the driver sees it. Its unit (a PPO iteration, an optimizer step) is
-    what `checkpoint.every`, the progress lines and `metrics.jsonl` count."""
-
-    name: str  # ppo, sft, rm: what checkpoints record (`TrainerState.job`)
-    unit: str  # "iteration" or "step": the word messages use
-    total_key: str  # the setting that counts the run's units (iterations, sft.steps, ...)
-    model_class: str  # the transformers class the final export loads with
-    registers: bool  # its exports go to the MLflow model registry (tracking.register_*)
-    model_keys: tuple[str, ...]  # the settings naming models it loads (our exports are verified)
-    watched: tuple[str, ...]  # metrics that are never NaN or infinite while training is healthy
-    diverged_fix: str  # what to change when one of them is
-
-    def known_total(self, cfg: Config) -> int | None:
-        """The run's units from the config alone (None: they depend on the data)."""
-
-    def load_data(self, cfg: Config, out: Path) -> tuple[Any, int]:
-        """The tokenizer and the run's units; data problems fail here, before any model."""
-
-    def check_checkpoint(self, path: Path) -> None:
-        """Refuse a checkpoint this job cannot continue (another job's, another estimator's)."""
-
-    def build(self, cfg: Config, device: torch.device, universal: bool,
-              autoep: frozenset[str] = frozenset()):
-        """The engines (`universal`: they will load a checkpoint of another world size; `autoep`:
-        trained roles built with AutoEP's layers even at expert_parallel_size 1)."""
-
-    def trained_roles(self) -> tuple[str, ...]:
-        """The roles whose optimizer settings a resume takes from the config."""
-
-    def zero_stages(self, cfg: Config, device: torch.device) -> dict[str, int]:
-        """Each trained role's ZeRO stage in this run (`zero_stage: auto` resolved)."""
-
-    def fresh_state(self, run_engines) -> TrainerState:
-        """The state of a run that starts from scratch (seeds its sampling streams)."""
-
-    def resumed(self, state: TrainerState) -> None:
-        """Take the job's own parts of a loaded checkpoint's state (a KL controller, ...)."""
-
-    def in_flight(self) -> Any:
-        """This rank's work in flight at a unit boundary, for a checkpoint to hold beside the
-        engines and the state (buffered rollouts, their random stream); None: nothing."""
-
-    def restore_in_flight(self, saved: Any) -> None:
-        """Before `start`: the `in_flight` a resumed checkpoint holds for this rank (None: it
-        holds none, or was saved at another world size)."""
-
-    def start(self, run: Run) -> None:
-        """Everything the steps share, once the engines and the state exist."""
-
-    def step(self, run: Run, unit: int) -> dict[str, float]:
-        """Unit `unit` (1-based): train and evaluate when due; its metrics, reduced across
-        ranks. Leaves `run.state` ready to be saved as of this unit but for what the driver
-        sets (`iteration`, `alarms`)."""
-
-    def report(self, run: Run, unit: int, metrics: dict[str, float]) -> None:
-        """The unit's progress line, metrics.jsonl and MLflow (rank 0)."""
-
-
 def run(cfg: Config, job: Job) -> TrainResult:
-    """Run `job` as configured; resumes from output_dir's latest checkpoint when resume=auto."""
+    """Run `job` (a jobs/base.py `Job`: the driver calls nothing else of it) as configured;
+    resumes from output_dir's latest checkpoint when resume=auto."""
     finished = _already_finished(cfg, job, job.known_total(cfg))
     if finished is not None:  # nothing to load, train or export
         return finished

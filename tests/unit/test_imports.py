@@ -199,7 +199,8 @@ def test_test_files_have_unique_names():
 
 # The floors of the package, lowest first: a ds_ppo package or top-level module imports only
 # from its own floor or below (docs/GUIDE.md "The system"). The jobs sit above the run that
-# drives them; engine sits below the reward sources and the planner, which may use it.
+# drives them, and the registry of jobs (jobs/) above the jobs' packages; engine sits below the
+# reward sources and the planner, which may use it.
 FLOORS = [
     {"", "algo", "role_names", "errors", "progress", "thread_pools", "http_deadline",
      "redaction", "watchdog"},
@@ -212,6 +213,7 @@ FLOORS = [
     {"plan"},
     {"run"},
     {"ppo", "sft", "rm"},
+    {"jobs"},
     {"trainer", "bench"},
     {"cli"},
     {"__main__"},

@@ -1,6 +1,7 @@
-"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py): a `Task` (sft/task.py,
-rm/task.py) supplies its rows, micro-batches and loss; `SupervisedJob` makes an optimizer step of
-it the driver's unit, with its evaluation and progress line. The run around it (lock, MLflow,
+"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py; their registry rows:
+jobs/supervised/__init__.py): a `Task` (sft/task.py, rm/task.py) supplies its rows,
+micro-batches and loss; `Supervised` makes an optimizer step of it the driver's unit, with its
+evaluation and progress line. The run around it (lock, MLflow,
 resume at any world size, watchdog, signals, checkpoints, export) is the driver's, as for PPO.
 
 Steps and batches: step s (1-based) trains on global batch s - 1 of `PromptSampler` (one
@@ -29,6 +30,7 @@ from ds_ppo.data.prompts import PromptSampler
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import TrainerState, read_state
 from ds_ppo.errors import ConfigError
+from ds_ppo.jobs.base import JOBS
 from ds_ppo.metrics import Accumulator
 from ds_ppo.progress import Eta, format_duration
 
@@ -77,8 +79,8 @@ def few_steps_warning(cfg: Config, job: str, total: int, num_rows: int) -> str |
             "for sft) or start from a trained model (policy.path)")
 
 
-class SupervisedJob:
-    """One optimizer step of a `Task` per unit (run/driver.py's `Job`)."""
+class Supervised:
+    """One optimizer step of a `Task` per unit (a jobs/base.py `Job`)."""
 
     unit = "step"
     registers = False
@@ -117,12 +119,16 @@ class SupervisedJob:
         self.tokenizer, self.pad_id = tokenizer, tokenizer.pad_token_id
         return tokenizer, self.total
 
+    def serve(self, cfg: Config, device: torch.device) -> None:
+        raise ConfigError(f"ds-ppo {self.name} has no generation ranks: ppo.placement = split "
+                          "applies to ds-ppo train only")
+
     def check_checkpoint(self, path: Path) -> None:
         saved = read_state(path)
         if saved.job != self.name:
+            other = JOBS[saved.job].command if saved.job in JOBS else saved.job
             raise ConfigError(f"cannot resume from {path}: it is a checkpoint of `ds-ppo "
-                              f"{'train' if saved.job == 'ppo' else saved.job}`, not of `ds-ppo "
-                              f"{self.name}`; use another output_dir")
+                              f"{other}`, not of `ds-ppo {self.name}`; use another output_dir")
 
     def build(self, cfg: Config, device: torch.device, universal: bool,
               autoep: frozenset[str] = frozenset()):
