@@ -244,6 +244,13 @@ class PPOConfig(Section):
         return data
 
     @property
+    def max_lag(self) -> int:
+        """The most updates a sample's weights may lag the weights that train on it under this
+        schedule (algo/choices.max_lag: 0 sync, 1 one_step_off, max_staleness async): the one
+        place the run, the checks and the planner read it."""
+        return max_lag(self.schedule, self.max_staleness)
+
+    @property
     def uses_critic(self) -> bool:
         """True when the estimator needs a value model (gae; algo/choices.ESTIMATORS)."""
         return ESTIMATORS[self.advantage_estimator].critic
@@ -297,7 +304,7 @@ class PPOConfig(Section):
                        "trainer's old log-probs against the sampler's, but ppo.old_logprobs = "
                        "'rollout' makes them the same (every weight 1): set "
                        "ppo.rollout_correction=none, or ppo.old_logprobs=training")
-        if p.placement == "split" and max_lag(p.schedule, p.max_staleness) == 0:
+        if p.placement == "split" and p.max_lag == 0:
             out.append(f"ppo.placement = 'split' generates on ranks of its own while the others "
                        f"train, but ppo.schedule = {p.schedule!r}"
                        + (" with ppo.max_staleness = 0" if p.schedule == "async" else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_ppo.algo.choices import max_lag, training_ranks
+from ds_ppo.algo.choices import training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.model_checks import (expert_parallel_problems, model_fields, model_problems,
@@ -289,7 +289,7 @@ def _schedule_problems(cfg: Config, world_size: int) -> list[str]:
                         f"generation.max_new_tokens = {g.max_new_tokens} leaves some empty: set "
                         f"generation.max_new_tokens >= {p.max_staleness}, or a smaller "
                         "ppo.max_staleness")
-    lag = max_lag(p.schedule, p.max_staleness)
+    lag = p.max_lag
     if lag > 0 and p.rollout_correction == "none" and p.old_logprobs == "training":
         problems.append(f"{where} from weights up to {lag} update(s) old, but "
                         "ppo.rollout_correction = 'none' with ppo.old_logprobs = 'training' "

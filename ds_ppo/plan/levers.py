@@ -6,7 +6,6 @@ from dataclasses import replace
 
 from pydantic import ValidationError
 
-from ds_ppo.algo.choices import max_lag
 from ds_ppo.config import Config, apply_overrides, validate
 from ds_ppo.errors import ConfigError
 from ds_ppo.plan.phases import Cluster, Lever, LeverEffect, Plan, compute_plan
@@ -36,7 +35,7 @@ def candidate_levers(cfg: Config, plan: Plan) -> list[Lever]:
                             ("ppo.tiled_logits=auto",)))
     levers += _placement_levers(cfg, plan)
     # an off-policy schedule's worker decodes on a whole replica of its own
-    whole = max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness) > 0
+    whole = cfg.ppo.max_lag > 0
     if plan.generation_mode == "gathered" and plan.tp_unsupported is None and not whole:
         levers.append(Lever("split the generation replica over the GPUs of a node",
                             ("generation.mode=tensor_parallel",)))
@@ -71,7 +70,7 @@ def _placement_levers(cfg: Config, plan: Plan) -> list[Lever]:
     split, more generation ranks share the rows to decode and fewer leave more ranks to share
     the ZeRO partitions."""
     p, levers = cfg.ppo, []
-    if p.placement == "colocated" and max_lag(p.schedule, p.max_staleness) > 0 \
+    if p.placement == "colocated" and p.max_lag > 0 \
             and plan.cluster.world_size >= 2:
         levers.append(Lever("generate on a rank of its own (the others train without the "
                             "worker's replica)", ("ppo.placement=split", "ppo.generation_ranks=1")))

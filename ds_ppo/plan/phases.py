@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ds_ppo.algo.choices import max_lag
 from ds_ppo.config import (Config, lora_output_head, max_response_tokens, placement_problems,
                            reference_from_policy_base, validate)
 from ds_ppo.errors import ConfigError
@@ -328,7 +327,7 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
     kept = _lora_base_copy(cfg, shapes.shapes["policy"])
     if split:  # the generation ranks decode; the training ranks score and train
         generation = _split_generation_phase(generation, roles["policy"], kept)
-    elif max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness) > 0:  # the worker decodes beside them
+    elif cfg.ppo.max_lag > 0:  # the worker decodes beside them
         scoring, training = (_beside_worker(phases, generation, kept)
                              for phases in (scoring, training))
     phases = [generation, *scoring, *training]

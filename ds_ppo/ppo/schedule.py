@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from ds_ppo.algo.choices import max_lag, partial_plan, rollout_batch, rollout_version
+from ds_ppo.algo.choices import partial_plan, rollout_batch, rollout_version
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import Generated, build_replica, weight_checksum
@@ -71,7 +71,7 @@ class RolloutSchedule:
         cfg = run.cfg
         self.schedule, self.max_staleness = cfg.ppo.schedule, cfg.ppo.max_staleness
         # the most updates a used sample may lag (a buffered one beyond: regenerated)
-        self.lag = max_lag(self.schedule, self.max_staleness)
+        self.lag = cfg.ppo.max_lag
         device = run.engines.device
         # the worker's sampling stream, seeded as the sync loop seeds its (ppo/train_job.py): with
         # max_staleness 0 the two sample the same tokens

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_ppo.algo.choices import max_lag
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
                                       weight_checksum)
@@ -157,7 +156,7 @@ def serve_generation(cfg, device: torch.device) -> None:
     # the reward built here as the training ranks build theirs (a RewardService is not sent)
     worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,
                            reward_function(cfg, setup["training_ranks"]),
-                           max_lag(cfg.ppo.schedule, cfg.ppo.max_staleness))
+                           cfg.ppo.max_lag)
     dtype = setup["dtype"]
     log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
     generator = torch.Generator(device=device)

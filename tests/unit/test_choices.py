@@ -84,3 +84,20 @@ def test_the_tables_and_the_config_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO)
     assert out.stdout.strip() == "False"
+
+
+def test_the_staleness_bound_has_one_home():
+    """ppo.max_lag is the schedule's staleness bound (0 sync, 1 one_step_off, max_staleness
+    async), and outside algo/ only the config's property computes it from the two settings."""
+    import re
+    from pathlib import Path
+
+    from ds_ppo.config import PPOConfig
+
+    lags = [PPOConfig(schedule=s, max_staleness=3).max_lag
+            for s in ("sync", "one_step_off", "async")]
+    assert lags == [0, 1, 3]
+    package = Path(__file__).resolve().parents[2] / "ds_ppo"
+    callers = sorted(str(f.relative_to(package)) for f in package.rglob("*.py")
+                     if re.search(r"\bmax_lag\(", f.read_text()) and f.parts[-2] != "algo")
+    assert callers == ["config/algorithm.py"]
