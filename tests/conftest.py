@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# a one-process stand-in for a DeepSpeedEngine (the tools/ scripts measure the stages with it)
+from ds_ppo.bench.stand_ins import OneProcessEngine as FakeEngine  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -192,28 +195,3 @@ def repo() -> Path:
     return REPO
 
 
-class FakeEngine(torch.nn.Module):
-    """Stands in for a DeepSpeedEngine on one process (wrap it in an engine/role_objects role):
-    backward accumulates the gradient (the optimizer never steps, so a whole update's gradient
-    can be compared), the boundaries the update places are recorded, forwards are counted."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        self.calls, self.boundaries = 0, []
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        pass
-
-    def set_gradient_accumulation_boundary(self, boundary):
-        self.boundaries.append(boundary)
-
-    def get_global_grad_norm(self):
-        return None

@@ -1,7 +1,7 @@
 """CPU measurement of continuous batching (generation.continuous) against one decode call per
 generation.batch_size rows: slot utilisation (counted tokens / slot-steps) and tokens per
 second of our decoding loop, both modes alternating, on a ~4.5M-parameter Llama policy (hidden
-256) at temperature 1. Response lengths are forced (tests/support/forced_lengths.py: the model
+256) at temperature 1. Response lengths are forced (ds_ppo/bench/forced_lengths.py: the model
 runs as usual, then a countdown picks the tokens) to a log-normal draw, so both modes decode
 exactly the same tokens. Used for docs/RESULTS.md:
 
@@ -11,19 +11,13 @@ exactly the same tokens. Used for docs/RESULTS.md:
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
-
-from support.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths  # noqa: E402
-
-from ds_ppo.algo import response_mask  # noqa: E402
-from ds_ppo.engine.generation.loop import decode  # noqa: E402
+from ds_ppo.algo import response_mask
+from ds_ppo.bench.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths
+from ds_ppo.engine.generation.loop import decode
 
 PAD, EOS = 0, 2
 

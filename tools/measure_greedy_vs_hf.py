@@ -9,20 +9,14 @@ CUDA-graph step does) and HF generate; the outputs must agree. Used for docs/RES
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
+from measure_continuous import policy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
-
-from measure_continuous import policy  # noqa: E402
-
-import ds_ppo.engine.generation.loop as decode_module  # noqa: E402
-from ds_ppo.engine.generation.loop import decode  # noqa: E402
-from ds_ppo.engine.generation.slots import Slots  # noqa: E402
+import ds_ppo.engine.generation.loop as decode_module
+from ds_ppo.engine.generation.loop import decode
+from ds_ppo.engine.generation.slots import Slots
 
 
 class EveryColumn(Slots):

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 VOCAB, PROMPT = 32000, 64
 
@@ -45,8 +44,7 @@ def one(tokens: int, mode: str) -> dict:
                                     timed_reward_scores)
     from ds_ppo.ppo.update import ppo_update, update_settings
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import FakeEngine
+    from ds_ppo.bench.stand_ins import OneProcessEngine as FakeEngine
 
     torch.manual_seed(0)
     shape = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-from ds_ppo.engine.checkpoint import manifest  # noqa: E402
+from ds_ppo.engine.checkpoint import manifest
 
 
 def _build(out: Path, hidden: int, layers: int, vocab: int) -> tuple[int, float]:

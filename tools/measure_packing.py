@@ -10,26 +10,24 @@ the modes alternating). Used for docs/RESULTS.md:
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import types
 from dataclasses import fields, replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test support
-
-from conftest import FakeEngine  # noqa: E402
-
-from ds_ppo.config import load_config  # noqa: E402
-from ds_ppo.containers import Rollout  # noqa: E402
-from ds_ppo.metrics import Accumulator  # noqa: E402
-from ds_ppo.ppo.advantages import add_advantages, advantage_settings  # noqa: E402
-from ds_ppo.ppo.scoring import (reward_settings, score, scoring_settings,  # noqa: E402
-                                timed_reward_scores)
-from ds_ppo.ppo.update import ppo_update, update_settings  # noqa: E402
+from ds_ppo.bench.stand_ins import OneProcessEngine as FakeEngine
+from ds_ppo.config import load_config
+from ds_ppo.containers import Rollout
+from ds_ppo.metrics import Accumulator
+from ds_ppo.ppo.advantages import add_advantages, advantage_settings
+from ds_ppo.ppo.scoring import (
+    reward_settings,
+    score,
+    scoring_settings,
+    timed_reward_scores,
+)
+from ds_ppo.ppo.update import ppo_update, update_settings
 
 
 def lognormal_lengths(n: int, median: float, cap: int, g: torch.Generator) -> list[int]:

@@ -8,20 +8,14 @@ scores the rollout through `forward.response_logprobs`, the forward scoring and 
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from ds_ppo.algo.masks import response_mask  # noqa: E402
-from ds_ppo.containers import Rollout  # noqa: E402
-from ds_ppo.engine import moe  # noqa: E402
-from ds_ppo.engine.forward import response_logprobs  # noqa: E402
-from ds_ppo.engine.generation.loop import decode  # noqa: E402
-from support.tiny_models import small_moe  # noqa: E402
+from ds_ppo.algo.masks import response_mask
+from ds_ppo.bench.stand_ins import small_moe
+from ds_ppo.containers import Rollout
+from ds_ppo.engine import moe
+from ds_ppo.engine.forward import response_logprobs
+from ds_ppo.engine.generation.loop import decode
 
 PAD, EOS = 0, 1
 SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -8,7 +8,7 @@ import inspect
 import math
 
 import torch
-from support.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths
+from ds_ppo.bench.forced_lengths import ForcedLengths, forced_prompts, lognormal_lengths
 from test_decode import EOS, PAD, V, hf_greedy, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from ds_ppo.config import max_model_tokens
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo import update
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 from test_recipe_extras import UPDATE, _engines, _experience, _grads
 from test_stages import _cfg
 

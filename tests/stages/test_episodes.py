@@ -25,7 +25,7 @@ from ds_ppo.envs.runner import EnvRunner
 from ds_ppo.errors import ConfigError, RewardTimeout
 from ds_ppo.ppo import episodes as episodes_module
 from ds_ppo.ppo.episodes import cut_at_stop, episode_settings, make_episodes
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 
 # env.function=episode_envs:... finds this module
 sys.modules.setdefault("episode_envs", sys.modules[__name__])

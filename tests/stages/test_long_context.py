@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ds_ppo.engine.forward import AUTO_TILE_ELEMENTS, response_logprobs, tile_logits
 from conftest import FakeEngine
 from support.big_tensors import LargestTensor
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 from test_packing import ATOL, PROMPTS, RESPONSES, _llama, _scored_and_updated
 from support.rollouts import padded_rollout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.tiny_models import small_moe
+from ds_ppo.bench.stand_ins import small_moe
 
 from ds_ppo.algo.masks import response_mask
 from ds_ppo.containers import Rollout, concat_rollouts

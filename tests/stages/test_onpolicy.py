@@ -108,7 +108,7 @@ def test_episode_logprobs_equal_the_trainers(chat, exact, tmp_path):
     from ds_ppo.data.tokenizer import load_tokenizer
     from ds_ppo.envs.runner import EnvRunner
     from ds_ppo.ppo.episodes import episode_settings, make_episodes
-    from support.tiny_models import small_llama
+    from ds_ppo.bench.stand_ins import small_llama
 
     tok = load_tokenizer("builtin:tiny", tmp_path)
     cfg = load_config(None, ["reward.function=null", "generation.max_new_tokens=6",

@@ -20,7 +20,7 @@ from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 from ds_ppo.engine.roles import load_value_model
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo import advantages, update
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 from support.rollouts import padded_rollout
 from support.stage_calls import score_rollout
 from test_stages import _cfg

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.forced_lengths import ForcedLengths, forced_prompts
+from ds_ppo.bench.forced_lengths import ForcedLengths, forced_prompts
 from test_decode import EOS, PAD, V, tiny_llama
 
 from ds_ppo.config import load_config

@@ -18,7 +18,7 @@ from ds_ppo.config import load_config
 from ds_ppo.engine import dist
 from ds_ppo.ppo import split
 from ds_ppo.ppo.rollout_worker import RolloutWorker, WeightSyncError
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 
 
 @pytest.fixture

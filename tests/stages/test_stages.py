@@ -24,7 +24,7 @@ from ds_ppo.rewards.functions import positive_words
 from ds_ppo.ppo.scoring import reward_scores, reward_settings
 from ds_ppo.ppo.update import minibatch_rows, ppo_update, update_settings
 from support.stage_calls import score_rollout
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 
 
 def _cfg(*overrides):

@@ -77,7 +77,7 @@ def test_autoep_compat_lets_deepspeed_read_the_registry_as_a_dict(monkeypatch):
     from transformers.utils import output_capturing as oc
 
     from ds_ppo.engine import moe
-    from support.tiny_models import small_moe
+    from ds_ppo.bench.stand_ins import small_moe
 
     monkeypatch.setattr(oc._CanRecordRegistry, "get", oc._CanRecordRegistry.get)
     registry, model = oc._CAN_RECORD_REGISTRY, small_moe()
@@ -132,7 +132,7 @@ def test_generation_without_a_replica_is_refused_for_an_expert_parallel_policy(m
     fits; an expert-parallel policy (AutoEP layers) stops there with the levers instead."""
     from ds_ppo.config import GenerationConfig
     from ds_ppo.engine import generation
-    from support.tiny_models import small_moe
+    from ds_ppo.bench.stand_ins import small_moe
 
     model, cfg = small_moe(), GenerationConfig(mode="auto")
     monkeypatch.setattr(generation, "_least_free_bytes", lambda device: 1.0)

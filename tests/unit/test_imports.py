@@ -285,3 +285,26 @@ def test_the_package_scan_finds_an_upward_import(tmp_path):
         "config -> data goes up a floor: ds_ppo.config.checks -> ds_ppo.data.rows",
         "engine -> plan goes up a floor: ds_ppo.engine.forward -> ds_ppo.plan.job",
         "data -> rm is allowed but no longer imported"]
+
+
+def tools_problems(tools: Path = PACKAGE.parent / "tools") -> list[str]:
+    """The maintainers' measurement scripts import the installed package: no `sys.path` edit,
+    no import of the tests' modules (conftest, support)."""
+    bad = []
+    for file in sorted(tools.glob("*.py")):
+        text = file.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{file.name}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in ("conftest", "support")]
+        bad += [f"{file.name}: edits sys.path" for _ in [1] if "sys.path." in text]
+    return bad
+
+
+def test_tools_import_the_package_not_the_tests(tmp_path):
+    assert tools_problems() == []
+    (tmp_path / "measure_x.py").write_text(
+        "import sys\nsys.path.insert(0, 'tests')\nfrom support.rollouts import fake\n")
+    assert tools_problems(tmp_path) == ["measure_x.py:3 imports support.rollouts",
+                                        "measure_x.py: edits sys.path"]

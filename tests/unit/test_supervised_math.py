@@ -15,7 +15,7 @@ from ds_ppo.data.supervised_rows import chat_ids, load_pairs, load_sft
 from ds_ppo.data.tokenizer import load_tokenizer
 from ds_ppo.envs import addition
 from ds_ppo.errors import ConfigError, DataError
-from support.tiny_models import small_llama
+from ds_ppo.bench.stand_ins import small_llama
 
 
 @pytest.fixture(scope="module")

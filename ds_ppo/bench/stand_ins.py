@@ -1,8 +1,39 @@
-"""The tiny models of the in-process stage tests (random weights, seed 0, eval mode)."""
+"""Stand-ins that run the PPO stages on one process without DeepSpeed: `OneProcessEngine` in
+place of a DeepSpeedEngine, tiny random-weight models (`small_llama`, `small_moe`: seed 0, eval
+mode), and (forced_lengths.py) a causal LM whose response lengths are set in advance. The tests
+and the maintainers' measurement scripts in tools/ use them."""
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class OneProcessEngine(torch.nn.Module):
+    """Stands in for a DeepSpeedEngine on one process (wrap it in an engine/role_objects role), to
+    run and measure the PPO stages without DeepSpeed (the tests and tools/ do):
+    backward accumulates the gradient (the optimizer never steps, so a whole update's gradient
+    can be compared), the boundaries the update places are recorded, forwards are counted."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls, self.boundaries = 0, []
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def set_gradient_accumulation_boundary(self, boundary):
+        self.boundaries.append(boundary)
+
+    def get_global_grad_norm(self):
+        return None
 
 
 def small_llama(cls=LlamaForCausalLM, seed: int = 0, **kw):

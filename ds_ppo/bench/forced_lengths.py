@@ -1,5 +1,5 @@
 """A causal LM whose responses have lengths chosen in advance, for measuring how a decoding
-loop uses its slots (tests/stages/test_continuous.py, tools/measure_continuous.py).
+loop uses its slots (the tests of continuous batching, tools/measure_continuous.py).
 
 `ForcedLengths` wraps an HF causal LM: the model runs as usual (its compute is what is timed),
 then the logits are replaced by a countdown: a row whose last input token is FIRST + k
