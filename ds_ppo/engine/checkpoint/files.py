@@ -441,7 +441,8 @@ def find_resume(output_dir: str | Path, resume: str, verify: bool = True) -> Pat
     elif dist.is_main() and has_manifest(path):
         log.warning("checkpoint.verify=false: %s is loaded WITHOUT checking its files against "
                     "its manifest (a damaged file may load as wrong weights)", path)
-    def settle() -> None:
+
+    def settle() -> None:  # rank 0: the newer saves aside, then `best` agrees with the state
         root = checkpoints_dir(output_dir)
         _set_aside_newer(root, path, read_state(path).iteration)
         _repair_best(root, path)
