@@ -29,7 +29,7 @@ from ds_ppo.config import Config
 from ds_ppo.config.model_checks import expert_parallel_problems
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import (TrainerState, ensure_universal, expert_parallel_resume,
-                                      find_resume, load_checkpoint, mark_best, read_in_flight,
+                                      find_resume, load_checkpoint, read_in_flight,
                                       read_state, rng_state, stage_changed)
 from ds_ppo.engine.checkpoint.files import verify_model_paths
 from ds_ppo.engine.dist import init_distributed
@@ -339,12 +339,12 @@ def _checkpoint_if_due(run: Run, job: Job, unit: int) -> bool:
     cfg = run.cfg
     saved = bool(cfg.checkpoint.every) and unit % cfg.checkpoint.every == 0
     if saved:
-        best = _best_so_far(run, unit)  # into the trainer state the save writes
+        # into the trainer state the save writes; its commit points checkpoints/best at it
+        best = _best_so_far(run, unit)
         run.result.last_checkpoint = checkpoint_now(cfg, run.out, run.engines, run.state,
                                                     run.tokenizer, run.in_flight())
         run.saved_at = unit
         if best:
-            mark_best(Path(run.result.last_checkpoint))
             if dist.is_main():
                 log.info("best checkpoint by %s so far: %s (%s = %.4g)", cfg.checkpoint.keep_best,
                          run.result.last_checkpoint, cfg.checkpoint.keep_best,

@@ -139,18 +139,104 @@ def test_pruning_never_removes_latest_or_the_checkpoint_just_written(tmp_path):
     assert _names(tmp_path) == ["iter_000003", "iter_000005", "iter_000006"]
 
 
-def test_pruning_never_removes_the_best(tmp_path):
-    """checkpoint.keep_best: the checkpoint `best` names outlives keep_last; once `best` names
-    another, the old one is pruned like any other."""
-    from ds_ppo.engine.checkpoint import mark_best
+def _save_best(out: Path, iteration: int, best: int | None, keep_last: int = 1) -> Path:
+    """A save whose trainer state records iteration `best` as the best (checkpoint.keep_best;
+    None: no best yet)."""
+    state = TrainerState(iteration=iteration, best={} if best is None else {
+        "metric": "score/mean", "value": float(best), "iteration": best})
+    return save_checkpoint(out, _engines(), state, _Saver(), keep_last, save_hf_weights=False)
 
-    mark_best(_save(tmp_path, 1))
+
+def _best_agrees(out: Path) -> Path | None:
+    """The checkpoint the trainer state of `latest`'s checkpoint calls best: it exists and `best`
+    names it (no `best` when the state records none)."""
+    root = out / "checkpoints"
+    recorded = read_state(latest_checkpoint(out)).best
+    if not recorded:
+        assert not (root / "best").exists(), (root / "best").read_text()
+        return None
+    best = root / f"iter_{recorded['iteration']:06d}"
+    assert best.is_dir(), _names(out)
+    assert (root / "best").read_text() == best.name
+    return best
+
+
+def test_pruning_never_removes_the_best(tmp_path):
+    """checkpoint.keep_best: the checkpoint the trainer state calls best, which the save points
+    `best` at, outlives keep_last; once the state calls another best, the old one is pruned like
+    any other."""
+    _save_best(tmp_path, 1, best=1, keep_last=2)
     for it in (2, 3, 4):
-        _save(tmp_path, it)
+        _save_best(tmp_path, it, best=1, keep_last=2)
+        assert _best_agrees(tmp_path).name == "iter_000001"
     assert _names(tmp_path) == ["iter_000001", "iter_000003", "iter_000004"]
-    mark_best(tmp_path / "checkpoints" / "iter_000004")
-    _save(tmp_path, 5)
+    _save_best(tmp_path, 5, best=4, keep_last=2)
     assert _names(tmp_path) == ["iter_000004", "iter_000005"]
+    assert _best_agrees(tmp_path).name == "iter_000004"
+
+
+@pytest.mark.parametrize("before", [6, None])
+def test_a_kill_at_any_step_of_a_save_keeps_the_best(tmp_path, monkeypatch, before):
+    """A save of iteration 7, the new best (keep_last = 1; iteration 6 the best before it, or
+    none yet),
+    killed before each of its renames and removals in turn (the commit's, the pointers',
+    keep_last's), then the next start and the rerun of 7 and 8 (8 not better). At every point
+    the checkpoint the resumed trainer state calls best exists and `best` names it, and the
+    rerun never prunes it."""
+    real_replace, real_rmtree = os.replace, ckpt.shutil.rmtree
+    killed_at = []
+    for step in range(100):
+        out = tmp_path / f"kill_{step}"
+        _save_best(out, 5, best=5 if before else None)
+        _save_best(out, 6, best=before)
+        steps = iter(range(100))
+
+        def step_or_kill(real):
+            def call(*args, **kwargs):
+                if next(steps) == step:
+                    killed_at.append(Path(args[1] if real is real_replace else args[0]).name)
+                    raise _Killed()
+                return real(*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(ckpt.os, "replace", step_or_kill(real_replace))
+        monkeypatch.setattr(ckpt.shutil, "rmtree", step_or_kill(real_rmtree))
+        try:
+            _save_best(out, 7, best=7)
+            ran_to_end = True
+        except _Killed:
+            ran_to_end = False
+        monkeypatch.setattr(ckpt.os, "replace", real_replace)
+        monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+        resumed = ckpt.find_resume(out, "auto")  # the next start
+        assert resumed == latest_checkpoint(out)
+        assert resumed.name in ("iter_000006", "iter_000007")
+        _best_agrees(out)
+        _save_best(out, 7, best=7)  # the rerun: 7 is the best again, 8 is not
+        _save_best(out, 8, best=7)
+        assert _best_agrees(out).name == "iter_000007", (step, _names(out))
+        assert {"iter_000007", "iter_000008"} <= set(_names(out))
+        if ran_to_end:
+            break
+    # the kills covered the commit (its rename, `best`, `latest`) and keep_last's removal of 6
+    assert {"iter_000007", "best", "latest", "iter_000006"} <= set(killed_at), killed_at
+
+
+def test_a_start_repairs_best_from_the_trainer_state(tmp_path, caplog):
+    """`best` naming an older checkpoint than the one the trainer state calls best (a save killed
+    between its pointers): the next start points `best` back at the state's best, and keep_last
+    then never prunes it."""
+    _save_best(tmp_path, 6, best=6, keep_last=2)
+    _save_best(tmp_path, 7, best=7, keep_last=2)
+    (tmp_path / "checkpoints" / "best").write_text("iter_000006")
+    with caplog.at_level(logging.WARNING, logger="ds_ppo"):
+        ckpt.find_resume(tmp_path, "auto")
+    assert "checkpoints/best now names iter_000007" in caplog.text
+    assert _best_agrees(tmp_path).name == "iter_000007"
+    _save_best(tmp_path, 8, best=7)
+    _save_best(tmp_path, 9, best=7)
+    assert _names(tmp_path) == ["iter_000007", "iter_000009"]
+    assert _best_agrees(tmp_path).name == "iter_000007"
 
 
 def test_pruning_orders_by_recorded_iteration_not_by_name(tmp_path, caplog):

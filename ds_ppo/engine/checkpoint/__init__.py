@@ -26,7 +26,7 @@ _HOMES = {
          "resolve_checkpoint", "unusable", "verify_checkpoint", "verify_export", "verify_files",
          "verify_model_paths"), "files"),
     **dict.fromkeys(
-        ("ensure_universal", "expert_parallel_resume", "load_checkpoint", "mark_best",
+        ("ensure_universal", "expert_parallel_resume", "load_checkpoint",
          "read_in_flight", "rng_state", "save_checkpoint", "saved_zero3", "set_rng_state",
          "stage_changed", "universal_workers"), "save_load"),
 }

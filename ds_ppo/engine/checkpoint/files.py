@@ -103,6 +103,22 @@ def named_by_best(root: Path) -> Path | None:
     return _named_by(root, "best")
 
 
+def best_of(root: Path, state: TrainerState) -> Path | None:
+    """checkpoint.keep_best: the directory in `root` of the save that `state` records as the best
+    so far (state.best), or None when it records none. The trainer state decides; `best` follows
+    it (written with each save's commit, repaired at the next start)."""
+    iteration = state.best.get("iteration")
+    return None if iteration is None else root / checkpoint_name(int(iteration))
+
+
+def write_pointer(root: Path, pointer: str, target: Path) -> None:
+    """`root/pointer` (latest, best) names `target`: written to a temporary file, then renamed
+    over the pointer (atomic), so a kill leaves the old name or the new, never a cut one."""
+    tmp = root / f"{pointer}.tmp"
+    tmp.write_text(target.name)
+    os.replace(tmp, root / pointer)
+
+
 def _iteration(path: Path) -> int | None:
     """The iteration recorded in a checkpoint's trainer_state.json; None if it cannot be read."""
     try:
@@ -425,8 +441,12 @@ def find_resume(output_dir: str | Path, resume: str, verify: bool = True) -> Pat
     elif dist.is_main() and has_manifest(path):
         log.warning("checkpoint.verify=false: %s is loaded WITHOUT checking its files against "
                     "its manifest (a damaged file may load as wrong weights)", path)
-    dist.on_rank0(lambda: _set_aside_newer(checkpoints_dir(output_dir), path,
-                                           read_state(path).iteration))
+
+    def settle() -> None:  # rank 0: the newer saves aside, then `best` agrees with the state
+        root = checkpoints_dir(output_dir)
+        _set_aside_newer(root, path, read_state(path).iteration)
+        _repair_best(root, path)
+    dist.on_rank0(settle)
     return path
 
 
@@ -451,6 +471,31 @@ def _set_aside_newer(root: Path, resumed: Path, iteration: int) -> None:
             os.replace(p, target)
             log.warning("moved %s aside to %s: it is newer than %s, which this run continues "
                         "from (delete it when you no longer need it)", p, target.name, resumed)
+
+
+def _repair_best(root: Path, resumed: Path) -> None:
+    """Rank 0, at the start: `best` names the checkpoint the resumed trainer state calls best. A
+    save points `best` just before `latest`; a kill between the two leaves `best` naming the save
+    this run redoes (moved aside by `_set_aside_newer`). A checkpoint resumed from another
+    directory (resume=PATH) records a best of that directory: nothing to repair here."""
+    if resumed.parent.resolve() != root.resolve():
+        return
+    best, named = best_of(root, read_state(resumed)), named_by_best(root)
+    if best is None:
+        if named is not None and not named.is_dir():
+            (root / "best").unlink()
+            log.warning("removed checkpoints/best: it named %s, which is not a checkpoint of "
+                        "this run's history up to %s (a save was interrupted)", named.name,
+                        resumed.name)
+    elif not best.is_dir():
+        log.warning("the trainer state of %s calls %s the best checkpoint (checkpoint.keep_best), "
+                    "but it does not exist (deleted?): checkpoints/best is left as it is", resumed,
+                    best.name)
+    elif named != best:
+        write_pointer(root, "best", best)
+        log.warning("checkpoints/best now names %s, the best checkpoint by the trainer state of %s "
+                    "(it named %s: a save was interrupted)", best.name, resumed.name,
+                    named.name if named is not None else "nothing")
 
 
 def _clean_partial(root: Path) -> None:

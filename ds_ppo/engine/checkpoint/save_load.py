@@ -2,9 +2,13 @@
 layout, choosing and checking a checkpoint: files.py beside this module).
 
 Writing protocol: every rank writes into `iter_NNNNNN.tmp/`; after a barrier (every rank done),
-rank 0 renames it to `iter_NNNNNN/` and then replaces `latest` through a temporary file and an
-atomic rename. A process killed at any point leaves `latest` naming the previous complete
-checkpoint; stale `.tmp` directories are removed at the next start. The checkpoint directory
+rank 0 renames it to `iter_NNNNNN/`, points `best` at the checkpoint its trainer state calls best
+(checkpoint.keep_best) and then replaces `latest` (each pointer through a temporary file and an
+atomic rename); only then are old checkpoints pruned. A process killed at any point leaves
+`latest` naming the previous complete checkpoint or this one, and `best` the one the trainer
+state of `latest`'s checkpoint calls best, or, when killed between the two pointers, the save
+that the next start redoes (which repairs `best`); stale `.tmp` directories are removed at the
+next start. The checkpoint directory
 must be on a filesystem all nodes share.
 
 Loading never unpickles arbitrary objects: trainer state is JSON, RNG states load with
@@ -31,11 +35,12 @@ import torch
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import manifest
 from ds_ppo.engine.checkpoint.files import (AUTOEP_UNIVERSAL_TAG, TAG, UNIVERSAL_TAG,
-                                            TrainerState, check_estimator_family, checkpoint_name,
-                                            checkpoints_dir, complete_checkpoints, find_resume,
-                                            latest_checkpoint, named_by_best, named_by_latest,
-                                            read_state,
-                                            resolve_checkpoint, unusable, verify_checkpoint)
+                                            TrainerState, best_of, check_estimator_family,
+                                            checkpoint_name, checkpoints_dir,
+                                            complete_checkpoints, find_resume, latest_checkpoint,
+                                            named_by_best, named_by_latest, read_state,
+                                            resolve_checkpoint, unusable, verify_checkpoint,
+                                            write_pointer)
 from ds_ppo.engine.checkpoint.hf_export import disk_full_reason, export_engine
 from ds_ppo.engine.checkpoint.hf_writer import saved_config
 from ds_ppo.engine.lora import is_lora, save_adapters
@@ -71,7 +76,8 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
     manifest (every file's size and CRC-32, engine/checkpoint/manifest.py) that resume and export check.
     `in_flight`: this rank's work in flight (a job's, e.g. ppo.schedule's buffered rollout),
     saved as in_flight/rank_N.pt when not None (`read_in_flight`).
-    Rank 0 logs the save, then each checkpoint that keep_last prunes.
+    Rank 0 logs the save, then each checkpoint that keep_last prunes. checkpoint.keep_best:
+    `best` is pointed, with the commit, at the save `state.best` names (the driver decides).
 
     Raises:
         CheckpointError: the disk filled up (or a file hit the size limit) during the save; the
@@ -118,7 +124,7 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
         if verify:
             _write_manifest(tmp)
         if dist.is_main():
-            _commit(root, tmp, final)
+            _commit(root, tmp, final, best_of(root, state))
     except (OSError, RuntimeError) as e:
         raise _save_failed(e, root, tmp) from None
     if dist.is_main():
@@ -140,19 +146,21 @@ def _write_manifest(tmp: Path) -> None:
                   files, seconds, time.perf_counter() - start)
 
 
-def _commit(root: Path, tmp: Path, final: Path) -> None:
-    """Rank 0: the complete `tmp` becomes `final`, then `latest` names it. An existing `final`
-    is renamed aside first, not deleted: a kill between the renames leaves it as
-    `iter_N.replaced`, which the next start puts back (see `_clean_partial`)."""
+def _commit(root: Path, tmp: Path, final: Path, best: Path | None) -> None:
+    """Rank 0: the complete `tmp` becomes `final`, then `best` names `best` (the checkpoint the
+    saved trainer state calls best, when it exists), then `latest` names `final`: once `latest`
+    moved, `best` agrees with its trainer state. An existing `final` is renamed aside first, not
+    deleted: a kill between the renames leaves it as `iter_N.replaced`, which the next start
+    puts back (see `_clean_partial`)."""
     old = None
     if final.exists():
         old = root / (final.name + ".replaced")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    pointer_tmp = root / "latest.tmp"
-    pointer_tmp.write_text(final.name)
-    os.replace(pointer_tmp, root / "latest")
+    if best is not None and best.is_dir():
+        write_pointer(root, "best", best)
+    write_pointer(root, "latest", final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -189,8 +197,8 @@ def _fault_point(where: str, iteration: int, path: Path) -> None:
 
 def _prune(root: Path, keep_last: int, just_written: Path) -> None:
     """Delete complete checkpoints beyond the newest `keep_last` (by recorded iteration); never
-    the one `latest` names, the one `best` names (checkpoint.keep_best) nor the one just
-    written."""
+    the one `latest` names, the one `best` names (checkpoint.keep_best: the commit pointed it at
+    the checkpoint the trainer state just saved calls best) nor the one just written."""
     done = complete_checkpoints(root)
     keep = {p for _, p in done[-keep_last:]} | {just_written, named_by_latest(root),
                                                  named_by_best(root)}
@@ -237,15 +245,6 @@ def expert_parallel_resume(path: Path, sizes: dict[str, int]) -> tuple[frozenset
     changed = any(sizes.get(r, 1) != n for r, n in saved.items()) or any(
         r not in saved for r in sizes)
     return frozenset(saved) | frozenset(sizes), changed
-
-
-def mark_best(path: Path) -> None:
-    """Rank 0: `best` (beside `latest`) names the checkpoint `path` (checkpoint.keep_best),
-    replaced through a temporary file and an atomic rename; keep_last pruning never deletes it."""
-    if dist.is_main():
-        pointer_tmp = path.parent / "best.tmp"
-        pointer_tmp.write_text(path.name)
-        os.replace(pointer_tmp, path.parent / "best")
 
 
 def ensure_universal(path: Path, autoep: frozenset[str] = frozenset()) -> None:
