@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU checks that follow launch/bench_gpu.sh in a GPU session (docs/PERFORMANCE.md,
-# "To verify on a GPU"); each step's output goes to RESULT_DIR/<step>.log and a summary line
+# The prepared GPU checks that follow launch/bench_gpu.sh in a GPU session (tools/GPU_CHECKS.md,
+# "GPU checks still to run"); each step's output goes to RESULT_DIR/<step>.log and a summary line
 # per step is printed last. Run from the repository root:
 #
 #   bash launch/gpu_checks.sh [RESULT_DIR]
