@@ -45,7 +45,7 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace) -> int:
-    """A training command (`ds-ppo train`, `sft`, `rm`: the registry's rows, jobs/base.py): the
+    """A training command (`ds-ppo train`, `sft`, `rm`: the registry's rows, jobs/contract.py): the
     job's config and checks, then the run driver with it."""
     from ds_ppo.jobs import by_command
 

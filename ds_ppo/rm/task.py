@@ -1,4 +1,4 @@
-"""What `ds-ppo rm` adds to the supervised job (jobs/supervised/job.py): its preference pairs
+"""What `ds-ppo rm` adds to the supervised job (jobs/supervised/training.py): its preference pairs
 (data/supervised_rows.py), micro-batches of pairs (longest first), and the Bradley-Terry loss
 -log sigmoid(r_chosen - r_rejected - margin) summed per micro-batch; the loop divides it by the
 global step's pair count, so the gradient is that of the pair-mean loss over the whole global
@@ -17,7 +17,7 @@ from ds_ppo.data.supervised_rows import PairSet, load_pairs
 
 
 class RMTask:
-    """The reward-model task of jobs/supervised/job.py."""
+    """The reward-model task of jobs/supervised/training.py."""
 
     name = "rm"
     model_class = "AutoModelForSequenceClassification"

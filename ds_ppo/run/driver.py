@@ -1,5 +1,5 @@
-"""The run around any training job of the registry (jobs/base.py's `JOBS`): `ds-ppo train`
-(ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm` (jobs/supervised/job.py over sft/task.py and
+"""The run around any training job of the registry (jobs/contract.py's `JOBS`): `ds-ppo train`
+(ppo/train_job.py), `ds-ppo sft` and `ds-ppo rm` (jobs/supervised/training.py over sft/task.py and
 rm/task.py).
 
 `run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,
@@ -8,7 +8,7 @@ verified; at another world size through DeepSpeed's universal format), MLflow, t
 watchdog, the stop requests of a scheduler (SIGTERM / SIGUSR1: a checkpoint, then exit), the
 checkpoint every `checkpoint.every` units, the divergence stop, a failed collective named by
 the watchdog, and at the end the final save, the export and its registration. A job plugs in
-through `Job` (jobs/base.py; torchtune's recipe interface is the model): its data, its engines,
+through `Job` (jobs/contract.py; torchtune's recipe interface is the model): its data, its engines,
 one step, and what its checkpoints hold. The driver never imports a job, nor the jobs layer.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
 
 log = logging.getLogger("ds_ppo")
 
-# a job as jobs/base.py's `Job` protocol declares it (test_jobs checks that the driver calls
+# a job as jobs/contract.py's `Job` protocol declares it (test_jobs checks that the driver calls
 # nothing else); the driver sits below the jobs layer and does not import it
 Job = Any
 
@@ -77,7 +77,7 @@ class Run:
 
 
 def run(cfg: Config, job: Job) -> TrainResult:
-    """Run `job` (a jobs/base.py `Job`: the driver calls nothing else of it) as configured;
+    """Run `job` (a jobs/contract.py `Job`: the driver calls nothing else of it) as configured;
     resumes from output_dir's latest checkpoint when resume=auto."""
     finished = _already_finished(cfg, job, job.known_total(cfg))
     if finished is not None:  # nothing to load, train or export

@@ -1,4 +1,4 @@
-"""What `ds-ppo sft` adds to the supervised job (jobs/supervised/job.py): its rows
+"""What `ds-ppo sft` adds to the supervised job (jobs/supervised/training.py): its rows
 (data/supervised_rows.py), its micro-batches (padded, or packed by sft.micro_batch_tokens) and its
 loss, the negative log-likelihood of the completion tokens summed per micro-batch. The loop
 divides it by the global step's count of completion tokens (`count`), so a step's gradient is
@@ -50,7 +50,7 @@ def counted_logprobs(model, ids: torch.Tensor, am: torch.Tensor, lm: torch.Tenso
 
 
 class SFTTask:
-    """The SFT task of jobs/supervised/job.py."""
+    """The SFT task of jobs/supervised/training.py."""
 
     name = "sft"  # the config section and the command
     model_class = "AutoModelForCausalLM"  # what the export loads with

@@ -157,10 +157,10 @@ def test_an_interrupt_outside_the_loop_is_one_line_and_exit_130(monkeypatch, cap
     import ds_ppo.trainer
     from ds_ppo.cli import main
 
-    def interrupted(cfg):
+    def interrupted(cfg, name):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ds_ppo.trainer, "train", interrupted)
+    monkeypatch.setattr(ds_ppo.trainer, "run_job", interrupted)
     assert main(["train"]) == 130
     err = capsys.readouterr().err
     assert err == "ds-ppo: interrupted; nothing saved after the last checkpoint\n"

@@ -111,7 +111,7 @@ def test_world_size_is_for_dry_runs(capsys):
 
 
 def test_sft_from_random_weights_for_a_handful_of_steps_is_warned_about():
-    from ds_ppo.jobs.supervised.job import few_steps_warning, total_steps
+    from ds_ppo.jobs.supervised.training import few_steps_warning, total_steps
 
     cfg = load_config(None)  # the tiny preset: a random-init policy.arch, sft.epochs 1
     total = total_steps(cfg.sft, 400)

@@ -42,7 +42,7 @@ def test_the_scan_sees_an_undeclared_call():
 
 def test_every_registered_job_has_every_method_of_the_protocol():
     """The built-in jobs' classes (imported as the rows' `make` would) have each method."""
-    from ds_ppo.jobs.supervised.job import Supervised
+    from ds_ppo.jobs.supervised.training import Supervised
     from ds_ppo.ppo.train_job import PPOJob
 
     methods = {n for n, v in vars(Job).items() if inspect.isfunction(v) and not n.startswith("_")}
@@ -64,8 +64,8 @@ def toy_row(monkeypatch):
         seen["made"] = cfg.seed
         raise SystemExit(0)  # stands where the driver would run the job
 
-    monkeypatch.setattr("ds_ppo.jobs.base.JOBS", dict(JOBS))
-    import ds_ppo.jobs.base as base
+    monkeypatch.setattr("ds_ppo.jobs.contract.JOBS", dict(JOBS))
+    import ds_ppo.jobs.contract as base
 
     monkeypatch.setattr("ds_ppo.jobs.JOBS", base.JOBS)
     monkeypatch.setattr("ds_ppo.trainer.JOBS", base.JOBS)

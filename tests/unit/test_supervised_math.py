@@ -222,7 +222,7 @@ def test_dry_run_and_plan_of_the_jobs(tmp_path, capsys):
 
 
 def test_steps_epochs_completion_key_and_pair_length(tmp_path, tok):
-    from ds_ppo.jobs.supervised.job import total_steps
+    from ds_ppo.jobs.supervised.training import total_steps
 
     cfg = load_config(None, ["sft.epochs=3", "sft.batch_size=8"])
     assert total_steps(cfg.sft, 20) == 3 * 2  # whole global batches per epoch

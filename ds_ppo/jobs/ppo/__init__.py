@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ds_ppo.jobs.base import JobSpec, register
+from ds_ppo.jobs.contract import JobSpec, register
 
 
 def _check(cfg, world: int, dry_run: bool) -> None:

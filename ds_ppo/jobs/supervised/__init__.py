@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ds_ppo.jobs.base import JobSpec, register
+from ds_ppo.jobs.contract import JobSpec, register
 
 if TYPE_CHECKING:
     from ds_ppo.config import Config
 
 
 def _job(cfg: Config, task):
-    from ds_ppo.jobs.supervised.job import Supervised
+    from ds_ppo.jobs.supervised.training import Supervised
 
     return Supervised(cfg, task)
 

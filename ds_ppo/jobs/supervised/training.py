@@ -30,7 +30,7 @@ from ds_ppo.data.prompts import PromptSampler
 from ds_ppo.engine import dist, lora
 from ds_ppo.engine.checkpoint import TrainerState, read_state
 from ds_ppo.errors import ConfigError
-from ds_ppo.jobs.base import JOBS
+from ds_ppo.jobs.contract import JOBS
 from ds_ppo.metrics import Accumulator
 from ds_ppo.progress import Eta, format_duration
 
@@ -80,7 +80,7 @@ def few_steps_warning(cfg: Config, job: str, total: int, num_rows: int) -> str |
 
 
 class Supervised:
-    """One optimizer step of a `Task` per unit (a jobs/base.py `Job`)."""
+    """One optimizer step of a `Task` per unit (a jobs/contract.py `Job`)."""
 
     unit = "step"
     registers = False
