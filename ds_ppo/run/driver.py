@@ -114,6 +114,11 @@ class Job(Protocol):
         """This rank's work in flight at a unit boundary, for a checkpoint to hold beside the
         engines and the state (buffered rollouts, their random stream); None: nothing."""
 
+    def in_flight_problem(self, saved: Any, iteration: int) -> str | None:
+        """What in `saved` (this rank's `in_flight` of a checkpoint of `iteration`) is out of
+        range for this job (words after "holds"), or None: checked before `restore_in_flight`,
+        whether or not a manifest verified the file."""
+
     def restore_in_flight(self, saved: Any) -> None:
         """Before `start`: the `in_flight` a resumed checkpoint holds for this rank (None: it
         holds none, or was saved at another world size)."""
@@ -285,7 +290,7 @@ def _start_or_resume(cfg: Config, job: Job, engines, path: Path | None, universa
         return job.fresh_state(engines)
     lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
-    job.restore_in_flight(read_in_flight(path))
+    job.restore_in_flight(read_in_flight(path, job.in_flight_problem))
     for role in job.trained_roles():
         changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
         if changed:

@@ -150,6 +150,9 @@ class SupervisedJob:
     def in_flight(self) -> None:
         return None  # nothing runs between steps
 
+    def in_flight_problem(self, saved, iteration: int) -> str | None:
+        return None if saved is None else "work in flight, which a supervised job never saves"
+
     def restore_in_flight(self, saved) -> None:
         pass
 
