@@ -166,7 +166,8 @@ class PPOConfig(Section):
         1, ge=0, le=64, description="schedule=async: the most updates a sample's weights may "
         "lag the weights it trains (0: generated after the previous update, the same updates as "
         "sync); a buffered sample older than this after a resume is regenerated "
-        "(metric async/regenerated).")
+        "(metric async/regenerated). Ignored (a warning) with sync and one_step_off, whose lag "
+        "is fixed (0 and 1).")
     partial_rollouts: bool = Field(
         False, description="schedule=async with max_staleness N >= 2: every iteration refreshes "
         "the replica and the worker decodes the next segment (max_new_tokens / N tokens) of "
@@ -230,9 +231,10 @@ class PPOConfig(Section):
         "Costs extra generation rounds (metrics sampling/*); the stream position is saved in "
         "checkpoints.")
     dynamic_sampling_max_rounds: int = Field(
-        4, gt=0, description="dynamic_sampling: the most generation rounds per iteration; when "
-        "they run out, the batch is completed with the earliest groups without signal (metric "
-        "sampling/filled_frac).")
+        4, gt=0, le=64, description="dynamic_sampling: the most generation rounds per iteration "
+        "(at most 64: every round's rollout is held until the batch is full); when they run "
+        "out, the batch is completed with the earliest groups without signal (metric "
+        "sampling/filled_frac). Ignored without dynamic_sampling.")
 
     @model_validator(mode="before")
     @classmethod

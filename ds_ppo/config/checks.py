@@ -12,6 +12,7 @@ from pathlib import Path
 from ds_ppo.algo.choices import training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
+from ds_ppo.config.metric_checks import metric_problems
 from ds_ppo.config.model_checks import (expert_parallel_problems, model_fields, model_problems,
                                         sequence_parallel_problems, source_problems)
 from ds_ppo.config.sections import Config
@@ -36,6 +37,7 @@ def validate(cfg: Config, world_size: int) -> None:
         problems += check(cfg, world_size)
     problems += sequence_parallel_problems(cfg, trainers)
     problems += expert_parallel_problems(cfg, trainers)
+    problems += metric_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -115,7 +117,12 @@ def _generation_problems(cfg: Config, world_size: int) -> list[str]:
                         "generation.mode=gathered (or tensor_parallel) and "
                         "deepspeed.sequence_parallel_size=1, or ppo.router_replay=false")
     problems += _tensor_parallel_problems(cfg)
-    if g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
+    if g.batch_invariant and g.loop == "hf":
+        problems.append("generation.batch_invariant = true makes the sampler's log-probs equal "
+                        "the trainer's, but generation.loop = 'hf' (HF generate) keeps none to "
+                        "compare: set generation.loop=own (or auto), or "
+                        "generation.batch_invariant=false")
+    elif g.batch_invariant and (g.mode in ("tensor_parallel", "zero3")
                               or cfg.policy.attn_implementation not in ("sdpa", "eager")):
         problems.append(f"generation.batch_invariant = true replaces the sdpa / eager attention "
                         f"of whole replicas, but generation.mode = {g.mode!r} / "
@@ -195,6 +202,7 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
     problems += cfg.deepspeed.problems(roles=("policy",)) + _resume_problems(cfg)
     problems += [p for p in expert_parallel_problems(cfg, world_size)
                  if p.startswith("deepspeed.policy.")]
+    problems += metric_problems(cfg, job)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -241,6 +249,20 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
         out.append(f"ppo.generation_ranks = {p.generation_ranks} is ignored: ppo.placement = "
                    "'colocated' generates on every rank (set ppo.placement=split to give it "
                    "ranks of its own)")
+    if p.schedule != "async" and "max_staleness" in p.model_fields_set:
+        out.append(f"ppo.max_staleness = {p.max_staleness} is ignored: ppo.schedule = "
+                   f"{p.schedule!r} " + ("generates each rollout after the previous update"
+                                         if p.schedule == "sync" else
+                                         "generates every sample one update old")
+                   + " (set ppo.schedule=async to bound the lag by ppo.max_staleness)")
+    if not p.dynamic_sampling and "dynamic_sampling_max_rounds" in p.model_fields_set:
+        out.append(f"ppo.dynamic_sampling_max_rounds = {p.dynamic_sampling_max_rounds} is "
+                   "ignored: ppo.dynamic_sampling = false generates one round per iteration "
+                   "(set ppo.dynamic_sampling=true to refill the batch)")
+    a = cfg.tracking.alarms
+    if not a.enabled and a.watch:
+        out.append(f"tracking.alarms.watch = {a.watch} is ignored: tracking.alarms.enabled = "
+                   "false checks no metric (set it to true to watch them)")
     if cfg.data.ptx_path is not None and p.ptx_coef == 0:
         out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
                    "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")

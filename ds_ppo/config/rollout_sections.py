@@ -86,7 +86,8 @@ class GenerationConfig(Section):
         "and attention reduce in an order that depends on neither the batch nor the sequence "
         "layout), so the sampler's log-probs equal the trainer's to the last bit: "
         "rollout/logprob_abs_diff_max is 0 (whole replicas: mode gathered, sdpa or eager "
-        "attention). Pure torch: slower, most of all on a GPU (docs/SAMPLING.md).")
+        "attention; not with loop=hf, which keeps no sampler log-probs). Pure torch: slower, most "
+        "of all on a GPU (docs/SAMPLING.md).")
     require_exact: bool = Field(
         False, description="Stop the run (one line, exit code 2, before the iteration's update) "
         "when the sampler's log-probs differ from the trainer's by anything: the iteration's "

@@ -33,7 +33,9 @@ class AlarmsConfig(Section):
     watch: list[str] = Field(
         default_factory=list, description="Metrics whose fall is an alarm alarm/drop (e.g. "
         "[env/accuracy], [score/mean], [eval/score_mean]): when the mean over the last window "
-        "iterations that logged it is more than max_drop below its best such mean. Empty: off.")
+        "iterations that logged it is more than max_drop below its best such mean. Each must be a "
+        "metric the job logs with this config (docs/METRICS.md; env/<key> with an env). "
+        "Empty: off.")
     max_drop: float = Field(
         0.2, gt=0, description="Alarm alarm/drop: how far (in the metric's units) a watched "
         "metric's moving mean may fall below its best.")
@@ -42,7 +44,8 @@ class AlarmsConfig(Section):
         "it).")
     stop: bool = Field(
         False, description="For unattended runs: on the first alarm, save a checkpoint and stop "
-        "with exit code 5 (resume with the same command once the settings are changed).")
+        "with exit code 5 (resume with the same command once the settings are changed). Needs "
+        "enabled and an alarm that can fire.")
 
 
 class TrackingConfig(Section):
@@ -119,7 +122,8 @@ class CheckpointConfig(Section):
     keep_best: str | None = Field(
         None, description="A metric (e.g. env/accuracy, eval/score_mean): each save compares its "
         "mean over the iterations since the previous save with the best so far; the better "
-        "checkpoint is named by checkpoints/best and never pruned by keep_last. null: off.")
+        "checkpoint is named by checkpoints/best and never pruned by keep_last. It must be a "
+        "metric the job logs with this config (docs/METRICS.md). null: off.")
     keep_best_mode: Literal["max", "min"] = Field(
         "max", description="Whether keep_best's metric is better higher (max) or lower (min).")
 

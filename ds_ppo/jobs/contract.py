@@ -69,6 +69,11 @@ class Job(Protocol):
         """This rank's work in flight at a unit boundary, for a checkpoint to hold beside the
         engines and the state (buffered rollouts, their random stream); None: nothing."""
 
+    def in_flight_problem(self, saved: Any, iteration: int) -> str | None:
+        """What in `saved` (this rank's `in_flight` of a checkpoint of `iteration`) is out of
+        range for this job (words after "holds"), or None: checked before `restore_in_flight`,
+        whether or not a manifest verified the file."""
+
     def restore_in_flight(self, saved: Any) -> None:
         """Before `start`: the `in_flight` a resumed checkpoint holds for this rank (None: it
         holds none, or was saved at another world size)."""

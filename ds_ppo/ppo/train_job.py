@@ -24,6 +24,7 @@ from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.metrics import Accumulator
 from ds_ppo.ppo.dynamic import PromptDraw
 from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
+from ds_ppo.ppo.in_flight import in_flight_problem
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
 from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 from ds_ppo.ppo.scoring import reward_scores, reward_settings
@@ -110,9 +111,18 @@ class PPOJob:
 
     def build(self, cfg: Config, device: torch.device, universal: bool,
               autoep: frozenset[str] = frozenset()) -> Engines:
+<<<<<<< HEAD
         return ppo_engines(cfg, self.tokenizer, device, load_universal=universal, autoep=autoep,
                            reward_shares_tokenizer=self.reward_encode is None
                            or self.reward_encode.same)
+=======
+        engines = init_engines(cfg, self.tokenizer, device, load_universal=universal,
+                               autoep=autoep, reward_shares_tokenizer=self.reward_encode is None
+                               or self.reward_encode.same)
+        # the token ids a checkpoint's in-flight rollouts may hold (`in_flight_problem`)
+        self.vocab = getattr(getattr(engines.policy.module, "config", None), "vocab_size", None)
+        return engines
+>>>>>>> ignored
 
     def trained_roles(self) -> tuple[str, ...]:
         return TRAINED_ROLES if self.cfg.ppo.uses_critic else ("policy",)
@@ -135,6 +145,9 @@ class PPOJob:
     def in_flight(self) -> dict | None:
         schedule = self.inputs.schedule
         return None if schedule is None else schedule.state_dict()
+
+    def in_flight_problem(self, saved, iteration: int) -> str | None:
+        return in_flight_problem(saved, iteration, len(self.prompts.input_ids), self.vocab)
 
     def restore_in_flight(self, saved) -> None:
         self._saved_flight = saved

@@ -232,7 +232,7 @@ def _start_or_resume(cfg: Config, job: Job, engines, path: Path | None, universa
         return job.fresh_state(engines)
     lora.check_base(read_state(path).lora_bases, engines.lora_bases, path)
     state = load_checkpoint(path, engines, universal)
-    job.restore_in_flight(read_in_flight(path))
+    job.restore_in_flight(read_in_flight(path, job.in_flight_problem))
     for role in job.trained_roles():
         changed = getattr(engines, role).apply_optimizer_config(getattr(cfg, role))
         if changed:

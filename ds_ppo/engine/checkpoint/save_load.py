@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -404,20 +405,26 @@ def _load_ema(path: Path, engines, same_world: bool) -> None:
         raise unusable(path, path / "ema", f"cannot be read ({type(e).__name__}: {e})") from None
 
 
-def read_in_flight(path: Path):
+def read_in_flight(path: Path, check: Callable[[Any, int], str | None] | None = None):
     """This rank's work in flight that checkpoint `path` holds (`save_checkpoint`'s
     `in_flight`), or None: it holds none, or was saved at another world size or
-    sequence-parallel size (the work is then redone)."""
+    sequence-parallel size (the work is then redone). `check(saved, iteration)` (the job's
+    `in_flight_problem`) names what in it is out of range, also where no manifest verified the
+    file (checkpoint.verify = false): the checkpoint is then refused."""
     state = read_state(path)
     file = path / "in_flight" / f"rank_{dist.rank():05d}.pt"
     if ((state.world_size, state.sequence_parallel_size) != (dist.world_size(), dist.sp_size())
             or not file.is_file()):
         return None
     try:  # our own file, checked by the manifest: objects, not only tensors
-        return torch.load(file, weights_only=False, map_location="cpu")
+        saved = torch.load(file, weights_only=False, map_location="cpu")
     except Exception as e:  # noqa: BLE001  (a damaged file: any error of the unpickler)
         raise unusable(path, file, f"cannot be read ({type(e).__name__}: {_first_line(e)})"
                        ) from None
+    problem = None if check is None else check(saved, state.iteration)
+    if problem is not None:
+        raise unusable(path, file, f"holds {problem}: the file is damaged")
+    return saved
 
 
 def load_checkpoint(path: Path, engines, universal: bool = False) -> TrainerState:

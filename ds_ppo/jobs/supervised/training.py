@@ -158,6 +158,9 @@ class Supervised:
     def in_flight(self) -> None:
         return None  # nothing runs between steps
 
+    def in_flight_problem(self, saved, iteration: int) -> str | None:
+        return None if saved is None else "work in flight, which a supervised job never saves"
+
     def restore_in_flight(self, saved) -> None:
         pass
 
