@@ -238,7 +238,7 @@ def _gmpo(x: PolicyLossInputs, s: PolicyLossSettings) -> PolicyLossOut:
     ratio = torch.exp(_per_response(clipped, r))  # (B,)
     loss = _reduce(_on_tokens(-adv * ratio, r), r.mask, x.num_tokens, x.token_weights)
     with torch.no_grad():
-        cut = (clipped != r.log_ratio).float()
+        cut = ((clipped != r.log_ratio) & (sgn != 0)).float()  # A = 0: no term to clip
         stats = {**r.stats, "clip_frac": masked_mean(cut, r.mask)}
         seq = {"seq_ratio_mean": _row_mean(ratio, r)}
     return PolicyLossOut(loss, stats, seq)
@@ -259,7 +259,8 @@ def _sapo(x: PolicyLossInputs, s: PolicyLossSettings) -> PolicyLossOut:
                          f"{s.sapo_tau_neg}")
     r = _ratios(x)
     ratio = torch.exp(r.log_ratio)
-    tau = torch.where(r.advantages > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
+    tau = torch.where(r.advantages > 0, torch.full_like(ratio, s.sapo_tau_pos),
+                      torch.full_like(ratio, s.sapo_tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -r.advantages * gate * (4.0 / tau)
     loss = _reduce(per_token, r.mask, x.num_tokens, x.token_weights)
