@@ -245,3 +245,14 @@ def test_extreme_ratios_stay_finite_in_float32():
         out = policy_loss_for(name, PolicyLossInputs(lp, old, adv, mask), SETTINGS)
         grad = torch.autograd.grad(out.loss, lp)[0]
         assert math.isfinite(out.loss.item()) and torch.isfinite(grad).all(), name
+
+
+def test_gmpo_counts_no_clipped_token_in_a_response_of_zero_advantage():
+    """sign(0) = 0 makes every clipped log-ratio 0 there: no term, so no clip (an equal-score
+    group's responses would otherwise count as clipped whatever their ratios)."""
+    lp = torch.tensor([[0.05, -0.5, 0.3], [0.5, 0.05, -0.5]], dtype=torch.float64)
+    adv = torch.tensor([[0.0] * 3, [1.0] * 3], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    out = policy_loss_for("gmpo", PolicyLossInputs(lp, torch.zeros_like(lp), adv, mask),
+                          SETTINGS)
+    assert float(out.token_stats["clip_frac"]) == pytest.approx(1 / 6)  # only 0.5 with A > 0
