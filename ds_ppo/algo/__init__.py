@@ -14,7 +14,8 @@ shape their logits with the same shape_logits, so they are of the distribution s
 
 Data flow: response_mask -> logprobs_from_logits (or tiled_logprobs from hidden states: no
 (B, T, V) logits for long responses) -> shape_rewards -> gae ->
-masked_whiten -> policy_loss / value_loss -> explained_variance (metrics).
+masked_whiten -> policy_loss_for (ppo.policy_loss: PPO's clip in losses.py, GSPO, CISPO,
+GMPO, SAPO in policy_losses.py) / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss,
 - entropy_bonus, its coefficient from EntropyController).
@@ -87,6 +88,13 @@ _EXPORTS = {
     "packed_layout": "packing",
     "PackedLayout": "packing",
     "policy_loss": "losses",
+    "policy_loss_for": "policy_losses",
+    "policy_loss_spec": "choices",
+    "POLICY_LOSSES": "choices",
+    "PolicyLossInputs": "policy_losses",
+    "PolicyLossOut": "policy_losses",
+    "PolicyLossSettings": "policy_losses",
+    "PolicyLossSpec": "choices",
     "response_mask": "masks",
     "response_predictors": "packing",
     "ROLLOUT_CORRECTIONS": "choices",

@@ -1,8 +1,9 @@
-"""The named choices of the PPO math, one table each: advantage estimators, KL estimators,
-loss aggregations, rollout corrections and old log-prob sources. The config's literal types, its checks, `ds-ppo config --describe`, the
-advantage stage and the README's estimator table all read these tables (a test ties them
-together), so a new estimator is one row here plus one registered function in
-`algo/estimators.py`.
+"""The named choices of the PPO math, one table each: advantage estimators, policy losses, KL
+estimators, loss aggregations, rollout corrections and old log-prob sources. The config's
+literal types, its checks, `ds-ppo config --describe`, the advantage stage, the update and the
+README's tables all read these tables (tests tie them together), so a new estimator is one row
+here plus one registered function in `algo/estimators.py`, and a new policy loss one row here
+plus one registered function in `algo/policy_losses.py`.
 
 Imports no torch: the config reads this module, and `--dry-run` must stay quick.
 """
@@ -41,19 +42,24 @@ class EstimatorSpec:
     groups: bool  # compares the responses to one prompt: needs ppo.samples_per_prompt >= 2
     kl_in_reward: bool  # default of ppo.kl_in_reward (False: the KL goes in the loss)
     paper: str
+    # one advantage per response, the same on all its tokens (what a sequence-level policy
+    # loss weighs a response by)
+    per_response: bool = False
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
     EstimatorSpec("gae", "a learned critic, GAE", critic=True, groups=False, kl_in_reward=True,
                   paper="Schulman et al. 2016, High-Dimensional Continuous Control Using GAE"),
     EstimatorSpec("grpo", "the group's mean score, divided by its std", critic=False, groups=True,
-                  kl_in_reward=False, paper="Shao et al. 2024, DeepSeekMath, Sec. 4.1.2"),
+                  kl_in_reward=False, paper="Shao et al. 2024, DeepSeekMath, Sec. 4.1.2",
+                  per_response=True),
     EstimatorSpec("dr_grpo", "the group's mean score", critic=False, groups=True,
                   kl_in_reward=False,
-                  paper="Liu et al. 2025, Understanding R1-Zero-Like Training, Sec. 3.2"),
+                  paper="Liu et al. 2025, Understanding R1-Zero-Like Training, Sec. 3.2",
+                  per_response=True),
     EstimatorSpec("rloo", "the mean score of the group's other responses", critic=False,
                   groups=True, kl_in_reward=True,
-                  paper="Ahmadian et al. 2024, Back to Basics, Eq. 5"),
+                  paper="Ahmadian et al. 2024, Back to Basics, Eq. 5", per_response=True),
     EstimatorSpec("reinforce_pp", "none: discounted KL-shaped returns whitened over the global "
                   "batch", critic=False, groups=False, kl_in_reward=True,
                   paper="Hu 2025, REINFORCE++, Sec. 3"),
@@ -78,6 +84,79 @@ def describe_estimators() -> str:
                      f"{', value model' if s.critic else ''}"
                      f"{', samples_per_prompt >= 2' if s.groups else ''} ({s.paper})"
                      for s in ESTIMATORS.values())
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """One policy loss (`ppo.policy_loss`): the objective the policy's update minimises."""
+
+    name: str
+    what: str  # the ratio it bounds and how (the README's table)
+    clips: str  # where it clips, the level of its clip fraction: token, sequence or none
+    # the ppo.loss_aggregation modes its objective is defined with; the first is its default
+    aggregations: tuple[str, ...]
+    # weighs each response by one advantage: needs an estimator with per_response
+    per_response: bool
+    # ppo.rollout_correction (tis, mis) may weight or drop its per-token terms
+    token_correction: bool
+    settings: tuple[str, ...]  # the ppo.* keys it reads (its clip or gate)
+    paper: str
+
+
+_SEQ = ("seq_mean_token_mean",)
+POLICY_LOSSES: dict[str, PolicyLossSpec] = {s.name: s for s in (
+    PolicyLossSpec("ppo", "each token's ratio pi / pi_old clipped to [1 - clip_eps, 1 + "
+                   "clip_eps_high], with an optional dual clip", "token", LOSS_AGGREGATIONS,
+                   per_response=False, token_correction=True,
+                   settings=("clip_eps", "clip_eps_high", "dual_clip"),
+                   paper="Schulman et al. 2017, Proximal Policy Optimization, Eq. 7"),
+    PolicyLossSpec("gspo", "the response's ratio (pi / pi_old)^(1 / |y|), the geometric mean "
+                   "of its token ratios, clipped per response to [1 - gspo_clip_eps, 1 + "
+                   "gspo_clip_eps_high]", "sequence", _SEQ, per_response=True,
+                   token_correction=False, settings=("gspo_clip_eps", "gspo_clip_eps_high"),
+                   paper="Zheng et al. 2025, Group Sequence Policy Optimization"),
+    PolicyLossSpec("gspo_token", "GSPO's response ratio on every token (its value, each token's "
+                   "own gradient), clipped per token, so token advantages apply", "token", _SEQ,
+                   per_response=False, token_correction=False,
+                   settings=("gspo_clip_eps", "gspo_clip_eps_high"),
+                   paper="Zheng et al. 2025, Group Sequence Policy Optimization, GSPO-token"),
+    PolicyLossSpec("cispo", "REINFORCE on every token, its log-prob weighted by its ratio "
+                   "clipped to [1 - cispo_eps_low, 1 + cispo_eps_high] and held constant: no "
+                   "token loses its gradient", "token",
+                   ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+                   per_response=False, token_correction=True,
+                   settings=("cispo_eps_low", "cispo_eps_high"),
+                   paper="MiniMax 2025, MiniMax-M1, Sec. 3.1 (CISPO)"),
+    PolicyLossSpec("gmpo", "the geometric mean of the token ratios, each token's log-ratio "
+                   "clipped to +-gmpo_clip_eps on the side the advantage's sign pushes it",
+                   "token", _SEQ, per_response=True, token_correction=False,
+                   settings=("gmpo_clip_eps",),
+                   paper="Zhao et al. 2025, Geometric-Mean Policy Optimization"),
+    PolicyLossSpec("sapo", "each token's ratio through a soft gate (4 / tau) sigmoid(tau (r - "
+                   "1)) instead of the clip, tau = sapo_tau_pos or sapo_tau_neg by the "
+                   "advantage's sign", "none",
+                   ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
+                   per_response=False, token_correction=True,
+                   settings=("sapo_tau_pos", "sapo_tau_neg"),
+                   paper="Gao et al. 2025 (Qwen), Soft Adaptive Policy Optimization"),
+)}
+
+# the config's literal type, from the table
+PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
+
+
+def policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The table row of `name`; ValueError naming the valid ones."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; valid: "
+                         f"{', '.join(POLICY_LOSSES)}") from None
+
+
+def describe_policy_losses() -> str:
+    """One sentence per policy loss, for the config key's description."""
+    return "; ".join(f"{s.name}: {s.what} ({s.paper})" for s in POLICY_LOSSES.values())
 
 
 # ppo.schedule: when a rollout is generated relative to the update it feeds (ppo/schedule.py)

@@ -1,5 +1,5 @@
-"""The `ppo` section: batch sizes, the estimator, KL, clipping and the losses of the
-algorithm (the choices' table is ds_ppo/algo/choices.py)."""
+"""The `ppo` section: batch sizes, the estimator, KL and the losses of the algorithm (the
+choices' tables are ds_ppo/algo/choices.py; the policy loss's keys: config/policy_loss.py)."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -9,10 +9,13 @@ from pydantic import Field, model_validator
 from ds_ppo.algo.choices import (ESTIMATORS, EntropyScope, EstimatorName, KLEstimator,
                                  LossAggregation, OldLogprobs, Placement, RolloutCorrection,
                                  Schedule, describe_estimators, max_lag)
-from ds_ppo.config.section_base import Section
+from ds_ppo.config.policy_loss import PolicyLossFields
 
 
-class PPOConfig(Section):
+class PPOConfig(PolicyLossFields):
+    """The `ppo` section; the policy loss's keys (ppo.policy_loss, the clips) are in its base,
+    config/policy_loss.py."""
+
     rollout_batch_size: int = Field(
         64, gt=0, description="Prompts per iteration, over all data-parallel ranks together.")
     mini_batch_size: int = Field(
@@ -44,7 +47,6 @@ class PPOConfig(Section):
         "tensors alive.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout; later passes re-mix "
                             "the mini-batches (the same samples in each at any world size).")
-    clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range.")
     value_clip_eps: float | None = Field(
         0.2, description="Value clip range around the old values (null: unclipped).")
     vf_coef: float = Field(0.5, gt=0, description="Value loss coefficient.")
@@ -113,12 +115,6 @@ class PPOConfig(Section):
         "high on random tokens while the token that decides the reward has collapsed, and an "
         "entropy above the target is never fed. docs/RESULTS.md's lookup task measures floors "
         "of 1, 2.5 and 4 nats.")
-    clip_eps_high: float | None = Field(
-        None, description="Upper ratio clip 1 + clip_eps_high (DAPO's clip-higher, Yu et al. "
-        "2025); null = clip_eps.")
-    dual_clip: float | None = Field(
-        None, description="Dual clip c > 1 (Ye et al. 2020): the loss of a token with negative "
-        "advantage is at most -A x c; null = off.")
     rollout_correction: RolloutCorrection = Field(
         "none", description="Correct the policy loss for the gap between the distribution "
         "responses were sampled from (the generation replica: its kernels, dtype and batch "
@@ -194,7 +190,8 @@ class PPOConfig(Section):
               "mean over all its tokens; seq_mean_token_mean = mean over sequences of each "
               "one's token mean (GRPO); seq_mean_token_sum_norm = mean over sequences of each "
               "one's token sum / generation.max_new_tokens (Dr. GRPO). The value loss is always "
-              "a token mean.")
+              "a token mean. Default: the policy loss's (policy_loss; seq_mean_token_mean for "
+              "gspo, gspo_token, gmpo and sapo, token_mean otherwise).")
     critic_warmup_iterations: int = Field(
         0, ge=0, description="The first N iterations train the value model only (gae): the "
         "policy generates but takes no optimizer step (OpenRLHF's freezing_actor_steps, verl's "
@@ -258,7 +255,7 @@ class PPOConfig(Section):
         return ESTIMATORS[self.advantage_estimator].critic
 
     def problems(self) -> list[str]:
-        p, n, out = self, self.samples_per_prompt, []
+        p, n, out = self, self.samples_per_prompt, self.policy_loss_problems()
         if ESTIMATORS[p.advantage_estimator].groups and n < 2:
             out.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_ppo.algo.choices import training_ranks
+from ds_ppo.algo.choices import POLICY_LOSSES, training_ranks
 from ds_ppo.config.batches import batch_problems, data_parallel_size
 from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.metric_checks import metric_problems
@@ -263,6 +263,11 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
     if not a.enabled and a.watch:
         out.append(f"tracking.alarms.watch = {a.watch} is ignored: tracking.alarms.enabled = "
                    "false checks no metric (set it to true to watch them)")
+    ignored = p.ignored_policy_loss_settings()
+    if ignored:
+        out.append(f"{', '.join('ppo.' + k for k in ignored)}: read by another policy loss, "
+                   f"ignored with ppo.policy_loss = {p.policy_loss!r} (which reads "
+                   + ", ".join("ppo." + k for k in POLICY_LOSSES[p.policy_loss].settings) + ")")
     if cfg.data.ptx_path is not None and p.ptx_coef == 0:
         out.append(f"data.ptx_path = {cfg.data.ptx_path!r} is ignored: ppo.ptx_coef = 0 (set "
                    "e.g. ppo.ptx_coef=0.1 to add its language-modelling loss)")

@@ -111,18 +111,12 @@ class PPOJob:
 
     def build(self, cfg: Config, device: torch.device, universal: bool,
               autoep: frozenset[str] = frozenset()) -> Engines:
-<<<<<<< HEAD
-        return ppo_engines(cfg, self.tokenizer, device, load_universal=universal, autoep=autoep,
-                           reward_shares_tokenizer=self.reward_encode is None
-                           or self.reward_encode.same)
-=======
-        engines = init_engines(cfg, self.tokenizer, device, load_universal=universal,
-                               autoep=autoep, reward_shares_tokenizer=self.reward_encode is None
-                               or self.reward_encode.same)
+        engines = ppo_engines(cfg, self.tokenizer, device, load_universal=universal,
+                              autoep=autoep, reward_shares_tokenizer=self.reward_encode is None
+                              or self.reward_encode.same)
         # the token ids a checkpoint's in-flight rollouts may hold (`in_flight_problem`)
         self.vocab = getattr(getattr(engines.policy.module, "config", None), "vocab_size", None)
         return engines
->>>>>>> ignored
 
     def trained_roles(self) -> tuple[str, ...]:
         return TRAINED_ROLES if self.cfg.ppo.uses_critic else ("policy",)

@@ -30,14 +30,15 @@ explicitly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ds_ppo import watchdog
 from ds_ppo.algo import (entropy_bonus, kl_loss, lm_loss, loss_divisor, loss_token_weights,
-                         masked_mean, policy_loss, value_loss)
+                         masked_mean, value_loss)
 from ds_ppo.algo.choices import KLEstimator, LossAggregation
+from ds_ppo.algo.policy_losses import PolicyLossInputs, PolicyLossSettings, policy_loss_for
 from ds_ppo.config import (Config, PPOConfig, critic_warmup, grad_accum_steps,
                            max_model_tokens)
 from ds_ppo.containers import Experience
@@ -64,9 +65,8 @@ class UpdateSettings:
     logits_tile_tokens: int  # ppo.logits_tile_tokens
     loss_aggregation: LossAggregation
     max_model_tokens: int  # the L_max of seq_mean_token_sum_norm (config.max_model_tokens)
-    clip_eps: float
-    clip_eps_high: float | None
-    dual_clip: float | None
+    policy_loss: str  # ppo.policy_loss (algo/choices.POLICY_LOSSES)
+    clips: PolicyLossSettings  # every policy loss's clip or gate settings
     kl_loss_coef: float
     kl_estimator: KLEstimator
     kl_clip: float | None
@@ -85,9 +85,14 @@ def update_settings(cfg: Config, world_size: int | None = None) -> UpdateSetting
         p.ppo_epochs, p.mini_batch_size, batching(cfg), grad_accum_steps(cfg, world), cfg.seed,
         p.critic_warmup_iterations if critic_warmup(cfg, 1) else 0,
         cfg.generation.temperature, p.tiled_logits, p.logits_tile_tokens, p.loss_aggregation,
-        max_model_tokens(cfg), p.clip_eps, p.clip_eps_high, p.dual_clip, p.kl_loss_coef,
+        max_model_tokens(cfg), p.policy_loss, policy_loss_settings(p), p.kl_loss_coef,
         p.kl_estimator, p.kl_clip, p.entropy_coef, entropy_floor(p), p.vf_coef,
         p.value_clip_eps, p.ptx_coef)
+
+
+def policy_loss_settings(p: PPOConfig) -> PolicyLossSettings:
+    """The clip and gate settings of the policy losses, from their ppo.* keys of the same names."""
+    return PolicyLossSettings(**{f.name: getattr(p, f.name) for f in fields(PolicyLossSettings)})
 
 
 def entropy_floor(p: PPOConfig) -> float | None:
@@ -227,11 +232,12 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
         weight = 0.0 if k >= len(mine) else scale if split else scale / copies
         boundary = (k == step.n_steps - 1) if explicit else None  # the optimizer step
         mb = exp.slice(mb_rows)
-        step_losses, named = {}, {}
+        step_losses, named, per_row = {}, {}, None
         if step.train_policy:
             # with PPO-ptx the ptx micro-batches follow: the policy's step comes after them
             policy_boundary = False if step.ptx_rows is not None else boundary
-            pg_loss, pg_stats, extra = _policy_loss(mb, engines, s, step, packed, split)
+            pg_loss, pg_stats, per_row, extra = _policy_loss(mb, engines, s, step, packed,
+                                                             split)
             engines.policy.backward_step(pg_loss * weight, boundary=policy_boundary,
                                          aux=weight > 0)
             step_losses.update(extra)
@@ -250,6 +256,11 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
         n_valid = mb.mask.sum().double()
         for name, v in named.items():
             stats.setdefault(name, []).append(torch.stack([v.double() * n_valid, n_valid]))
+        if per_row is not None:  # per-response statistics: means over the trained responses
+            seq_stats, n_rows = per_row
+            for name, v in seq_stats.items():
+                stats.setdefault(f"policy/{name}", []).append(
+                    torch.stack([v.double() * n_rows, n_rows]))
     names = list(step_losses)
     total = torch.stack(losses).sum(dim=0)
     if step.ptx_rows is not None:  # PPO-ptx: its micro-batches, then the policy's step
@@ -280,19 +291,20 @@ def _optimizer_step(exp: Experience, mine: list[list[int]], step: _Step, engines
 
 def _policy_loss(mb: Experience, engines, s: UpdateSettings, step: _Step, packed: bool,
                  split: bool = False):
-    """The policy's loss on micro-batch `mb` (clipped surrogate, plus ppo.kl_loss_coef x the KL
-    loss, minus the entropy bonus's coefficient x the entropy bonus), its statistics, and the detached terms as
-    metrics. `split`: one row split across the sequence-parallel group."""
+    """The policy's loss on micro-batch `mb` (ppo.policy_loss, plus ppo.kl_loss_coef x the KL
+    loss, minus the entropy bonus's coefficient x the entropy bonus), its token and
+    per-response statistics, and the detached terms as metrics. `split`: one row split across
+    the sequence-parallel group."""
     bonus = step.entropy_coef > 0
     logprobs, entropy = engines.policy.logprobs(
         mb.rollout, s.temperature, with_entropy=step.entropy or bonus,
         packed=packed, tiled=s.tiled_logits, tile_tokens=s.logits_tile_tokens, split=split,
         entropy_grad=bonus)
     pg_mask, weights, pg_weights = _policy_mask_and_weights(mb, s, mb.train_rows is not None)
-    pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, pg_mask,
-                                    clip_eps=s.clip_eps, num_tokens=step.pg_div,
-                                    clip_eps_high=s.clip_eps_high, dual_clip=s.dual_clip,
-                                    token_weights=pg_weights)
+    out = policy_loss_for(s.policy_loss, PolicyLossInputs(
+        logprobs, mb.old_logprobs, mb.advantages, pg_mask, num_tokens=step.pg_div,
+        token_weights=pg_weights), s.clips)
+    pg_loss, pg_stats = out.loss, out.token_stats
     if step.entropy:  # a token mean over the micro-batch, as the other statistics
         pg_stats["entropy"] = masked_mean(entropy.detach(), mb.mask)
     terms = {"loss/policy": pg_loss.detach()}
@@ -308,7 +320,9 @@ def _policy_loss(mb: Experience, engines, s: UpdateSettings, step: _Step, packed
             pg_stats["entropy_below_target"] = masked_mean(
                 (entropy.detach() < s.entropy_floor).float(), mb.mask)
         pg_loss = pg_loss - step.entropy_coef * ent_term
-    return pg_loss, pg_stats, terms
+    # per-response statistics with their count (responses with a token in the loss)
+    per_row = (out.seq_stats, pg_mask.any(dim=-1).sum().double()) if out.seq_stats else None
+    return pg_loss, pg_stats, per_row, terms
 
 
 def _ptx_backward(ptx: PtxStream, step: _Step, engines, s: UpdateSettings,

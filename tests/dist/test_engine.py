@@ -83,15 +83,23 @@ def test_tiled_logits_first_update_equals_untiled(one_rank, two_ranks, stage):
 
 def test_sequence_parallel_2_equals_1_logprobs_loss_and_gradients(two_ranks):
     """deepspeed.sequence_parallel_size = 2 (engine/sequence_parallel.py, DeepSpeed Ulysses) on 2
-    gloo ranks: one row's log-probs, entropies, PPO loss and summed gradients equal SP = 1's
-    (fp32; tests/support/sp_checks.py), worst over both ranks. Plain forwards of the same
-    process are untouched by the registration; without the exchange the check would fail."""
+    gloo ranks: one row's log-probs, entropies, PPO loss (and every other ppo.policy_loss) and
+    summed gradients equal SP = 1's (fp32; tests/support/sp_checks.py), worst over both ranks.
+    Plain forwards of the same process are untouched by the registration; without the exchange
+    the check would fail."""
     r = two_ranks["sequence_parallel"]
     assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 and r["loss"] < 1e-6, r
     assert r["grads"] < 1e-5 * max(1.0, r["grad_scale"]), r
     assert r["unsharded_after"] == 0.0 and r["masked_nonzero"] == 0.0, r
     assert r["ulysses_shapes"] == 1, r  # the sharded forward went through Ulysses
     assert r["without_exchange"] > 1e-3, r  # and the test can fail
+    from ds_ppo.algo.choices import POLICY_LOSSES
+
+    for name in POLICY_LOSSES:  # every ppo.policy_loss on the split row
+        if name != "ppo":
+            assert r[f"loss_{name}"] < 1e-6, (name, r)
+            assert r[f"grads_{name}"] < 1e-5 * max(1.0, r[f"grad_scale_{name}"]), (name, r)
+            assert r[f"grad_scale_{name}"] > 0, (name, r)
 
 
 SP_METRICS = LOSS_KEYS + ("ema/distance", "loss/ptx")  # with the policy's EMA and PPO-ptx
@@ -122,6 +130,22 @@ def test_sequence_parallel_checkpoint_resumes_at_another_sp_size(one_rank, two_r
     keys = tuple(f"{k}@2" for k in SP_METRICS)
     assert not _close(one, resumed, rel=0.0, abs_=1e-5, keys=keys)
     assert one["kl/sequence_mean@2"] > 0  # iteration 2 starts from the updated policy
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "cispo", "gmpo", "sapo"])
+def test_each_policy_loss_on_two_ranks_packed_equals_one_rank_tiled(one_rank, two_ranks,
+                                                                      name):
+    """ppo.policy_loss with grpo through the real engines (ZeRO-3): the first update on two
+    ranks with packed micro-batches gives one rank's with row micro-batches and tiled logits,
+    losses and every statistic of the loss (clip fractions at its level) alike."""
+    from ds_ppo.algo.choices import POLICY_LOSSES
+
+    assert sorted(POLICY_LOSSES) == sorted(["ppo", "gspo", "gspo_token", "cispo", "gmpo",
+                                            "sapo"])  # a new row gets a case here
+    one, two = one_rank[f"policy_loss_{name}"], two_ranks[f"policy_loss_{name}"]
+    assert set(one) == set(two) and {"loss/policy", "policy/ratio_mean"} <= set(one)
+    assert not _close(one, two, keys=tuple(one))
+    assert one["policy/approx_kl"] > 0  # the second optimizer step saw the first one's update
 
 
 def test_first_update_matches_between_zero2_and_zero3(one_rank, two_ranks):

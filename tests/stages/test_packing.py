@@ -168,9 +168,12 @@ UPDATE = ["ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_
           "ppo.kl_loss_coef=0.1"]
 
 
-def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
+def _scored_and_updated(extra, monkeypatch=None, more_steps=0, old_noise=0.0, reward_fn=None):
     """Scoring and a PPO update of one rollout with fresh fp32 models: (experience, metrics,
-    gradients of every parameter summed over the update, the engines)."""
+    gradients of every parameter summed over the update, the engines). The fake engines never
+    step, so every ratio is 1; `old_noise` > 0 adds that much fixed noise (nats) to the old
+    log-probs, so that the ratios spread and the clips act. `reward_fn`: the scores (default:
+    each response's length in characters)."""
     from ds_ppo.ppo import advantages, scoring, update
     from ds_ppo.metrics import Accumulator
 
@@ -186,21 +189,25 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0):
     rollout = padded_rollout(prompts, responses, P=8, T=10)
     from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ValueRole
 
+    cfg = _cfg(*UPDATE, *extra)
     fakes = dict(policy=FakeEngine(_llama()), reference=FakeEngine(_llama()),
                  value=FakeEngine(_llama(LlamaForTokenClassification, num_labels=1,
                                       classifier_dropout=0.0)))
-    engines = types.SimpleNamespace(
+    engines = types.SimpleNamespace(  # a critic-free estimator: no value role
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
-        value=ValueRole(fakes["value"]),
-        reward_fn=lambda prompts, responses: [float(len(r)) for r in responses], reward=None)
-    cfg = _cfg(*UPDATE, *extra)
+        value=ValueRole(fakes["value"]) if cfg.ppo.uses_critic else None,
+        reward_fn=reward_fn or (lambda prompts, responses: [float(len(r)) for r in responses]),
+        reward=None)
     with torch.no_grad():
         exp = advantages.add_advantages(score_rollout(rollout, engines, cfg),
                                              advantages.advantage_settings(cfg, 0.1))
+    if old_noise:
+        noise = torch.randn(exp.old_logprobs.shape, generator=torch.Generator().manual_seed(5))
+        exp = replace(exp, old_logprobs=exp.old_logprobs + old_noise * noise)
     acc = Accumulator()
     update.ppo_update(exp, engines, update.update_settings(cfg), 1, acc)
     grads = {f"{role}.{n}": p.grad.clone() for role in ("policy", "value")
-             for n, p in fakes[role].named_parameters()}
+             for n, p in fakes[role].named_parameters() if p.grad is not None}
     return exp, acc.reduce(), grads, types.SimpleNamespace(**fakes)
 
 

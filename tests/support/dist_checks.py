@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from ds_ppo.algo.choices import POLICY_LOSSES  # noqa: E402
 from ds_ppo.config import load_config, validate  # noqa: E402
 from ds_ppo.engine import dist  # noqa: E402
 from ds_ppo.engine.dist import init_distributed  # noqa: E402
@@ -59,10 +60,11 @@ def gathered(module) -> dict[str, torch.Tensor]:
 
 
 def first_update(work: Path, name: str, extra: list[str], keys=LOSS_KEYS) -> dict:
-    """Losses of the first PPO update on greedy rollouts (identical inputs in every variant)."""
+    """Losses of the first PPO update on greedy rollouts (identical inputs in every variant);
+    keys=None: all its metrics."""
     cfg = cfg_for(work, name, ["iterations=1", "generation.temperature=0"] + extra)
     h = train(cfg).history[0]
-    return {k: h[k] for k in keys}
+    return dict(h) if keys is None else {k: h[k] for k in keys}
 
 
 GROUP = 4
@@ -577,6 +579,17 @@ def sequence_parallel() -> dict:
     return sp_checks.compare()
 
 
+def policy_loss_update(work: Path, name: str, base: list[str]) -> dict:
+    """`group_update` with ppo.policy_loss = `name` (its default aggregation): on one rank with
+    row micro-batches and tiled logits (4 positions), on two packed (at most 30 tokens), so one
+    comparison covers the paths and the world size. The policy's losses and statistics."""
+    paths = (["ppo.tiled_logits=true", "ppo.logits_tile_tokens=4"] if dist.world_size() == 1
+             else ["ppo.micro_batch_tokens=30"])
+    h = group_update(work, f"loss_{name}", base + [f"ppo.policy_loss={name}",
+                                                    "ppo.micro_batch_size=4", *paths], None)
+    return {k: v for k, v in h.items() if k.startswith(("loss/", "policy/"))}
+
+
 def run_scenarios(scenarios: dict, args, tag: str) -> None:
     """Each scenario of `scenarios` (name -> function returning its results) that `args.only`
     names (all without it), on every rank; rank 0 writes {name: results} (and the world size)
@@ -616,6 +629,9 @@ def main() -> None:
     args, work = scenario_args()
     grpo = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
                          "ppo.kl_estimator=k3", "ppo.loss_aggregation=seq_mean_token_mean"]
+    # the policy losses' own default aggregation (seq_mean_token_mean but for cispo's)
+    group = GROUP_BASE + ["ppo.advantage_estimator=grpo", "ppo.kl_loss_coef=0.1",
+                          "ppo.kl_estimator=k3"]
     rloo = GROUP_BASE + ["ppo.advantage_estimator=rloo", "ppo.kl_loss_coef=0.1",
                          "ppo.loss_aggregation=seq_mean_token_sum_norm",
                          "ppo.filter_zero_std_groups=true", "ppo.clip_eps_high=0.28",
@@ -626,6 +642,9 @@ def main() -> None:
         "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"],
                                             GROUP_KEYS + ("loss/entropy",)),
         "critic_free_engines": lambda: critic_free_engines(work),
+        # every other ppo.policy_loss: tiled on one rank, packed on two
+        **{f"policy_loss_{name}": (lambda name=name: policy_loss_update(work, name, group))
+           for name in POLICY_LOSSES if name != "ppo"},
         "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),
         "zero3_micro2": lambda: first_update(work, "z3m2", ["ppo.micro_batch_size=2"]),
         # packed micro-batches of at most 30 tokens (rows of 11-20): 1-2 rows each, a count

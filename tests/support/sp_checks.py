@@ -1,7 +1,8 @@
 """On 2 CPU ranks (a scenario of dist_checks.py, or run alone under torchrun): one row's log-probs,
-PPO loss and gradients with sequence parallelism (SP = 2, DeepSpeed Ulysses,
-engine/sequence_parallel.py) against SP = 1 on the same row, computed on each rank. `compare`
-returns the largest differences over both ranks (tests/dist/test_engine.py asserts them)."""
+PPO loss (and every other ppo.policy_loss) and gradients with sequence parallelism (SP = 2,
+DeepSpeed Ulysses, engine/sequence_parallel.py) against SP = 1 on the same row, computed on each
+rank. `compare` returns the largest differences over both ranks (tests/dist/test_engine.py
+asserts them)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,11 +12,23 @@ import sys
 import torch
 
 
+def _settings():
+    from ds_ppo.algo.policy_losses import PolicyLossSettings
+
+    # clips wide enough for these random log-ratios to pass some tokens and responses
+    return PolicyLossSettings(clip_eps=0.2, clip_eps_high=None, dual_clip=None,
+                              gspo_clip_eps=0.2, gspo_clip_eps_high=0.3, cispo_eps_low=None,
+                              cispo_eps_high=0.3, gmpo_clip_eps=0.4, sapo_tau_pos=1.0,
+                              sapo_tau_neg=1.05)
+
+
 def compare() -> dict:
     """Collective on a world of 2 ranks (the process group initialised)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ds_ppo.algo import LogitShape, policy_loss
+    from ds_ppo.algo import LogitShape, loss_divisor, loss_token_weights, policy_loss
+    from ds_ppo.algo.choices import POLICY_LOSSES
+    from ds_ppo.algo.policy_losses import PolicyLossInputs, policy_loss_for
     from ds_ppo.containers import Rollout
     from ds_ppo.engine import sequence_parallel as sp
     from ds_ppo.engine.forward import response_logprobs
@@ -39,27 +52,51 @@ def compare() -> dict:
         sampling=LogitShape(temperature=0.7, top_k=50, suppress_ids=(0,), eos_ids=(1, 2),
                             min_new_tokens=5))
     old = torch.randn(1, T, generator=g) - 5
+    SETTINGS = _settings()
     adv = torch.randn(1, T, generator=g)
 
     def loss_and_grads(logprobs):
         loss, _ = policy_loss(logprobs, old, adv, rollout.mask, clip_eps=0.2, num_tokens=R)
         model.zero_grad()
-        loss.backward()
+        loss.backward(retain_graph=True)  # then every ppo.policy_loss on the same forward
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def each_loss(logprobs):
+        """Every other ppo.policy_loss's loss and gradients on `logprobs` (its aggregation's
+        weights; one advantage per response where the loss needs it)."""
+        out = {}
+        for name, spec in POLICY_LOSSES.items():
+            if name == "ppo":
+                continue
+            mode = spec.aggregations[0]
+            a = adv[:, :1].expand_as(adv) if spec.per_response else adv
+            x = PolicyLossInputs(logprobs, old, a, rollout.mask,
+                                 num_tokens=loss_divisor([R], mode),
+                                 token_weights=loss_token_weights(rollout.mask, mode, T))
+            loss = policy_loss_for(name, x, SETTINGS).loss
+            model.zero_grad()
+            loss.backward(retain_graph=True)
+            out[name] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return out
 
     ref, ref_ent = response_logprobs(model, rollout, 0.7, with_entropy=True)
     ref_loss, ref_grads = loss_and_grads(ref)
+    ref_each = each_loss(ref)
     group = sp.new_group(2)
     sp.register(model.config, group)
     # Ulysses layers made before (dist_checks' sp_train scenario registers its own shape)
     shapes_before = set(sp._REGISTERED["sdpa"]["ulysses"])
     lp, ent = sp.row_logprobs(model, rollout, 0.7, group, tile_tokens=8, with_entropy=True)
     loss, grads = loss_and_grads(lp)
+    each = each_loss(lp)
     lp = lp.detach()
-    summed = {}
-    for n, grad in grads.items():  # the group's gradients sum to the row's
-        torch.distributed.all_reduce(grad, group=group)
-        summed[n] = grad
+
+    def summed_over_group(grads):  # the group's gradients sum to the row's
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad, group=group)
+        return grads
+
+    summed = summed_over_group(grads)
     # outside sharded(): the same process's plain forwards are untouched by the registration
     again, _ = response_logprobs(model, rollout, 0.7)
     # the check can fail: without the Ulysses exchange each shard attends to itself only
@@ -80,6 +117,12 @@ def compare() -> dict:
         "ulysses_shapes": float(len(set(sp._REGISTERED["sdpa"]["ulysses"]) - shapes_before)),
         "without_exchange": -float((alone - ref).abs().max()),  # negated: the max is the least
     }
+    for name, (l_sp, g_sp) in each.items():  # every policy loss, split as PPO's
+        l_ref, g_ref = ref_each[name]
+        g_sp = summed_over_group(g_sp)
+        diffs[f"loss_{name}"] = float((l_sp - l_ref).abs())
+        diffs[f"grads_{name}"] = max(float((g_sp[n] - g_ref[n]).abs().max()) for n in g_ref)
+        diffs[f"grad_scale_{name}"] = max(float(g_ref[n].abs().max()) for n in g_ref)
     worst = torch.tensor(list(diffs.values()), dtype=torch.float64)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # over both ranks
     out = dict(zip(diffs, worst.tolist()))

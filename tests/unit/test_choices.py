@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from ds_ppo.algo import kl_estimate, loss_token_weights
-from ds_ppo.algo.choices import ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from ds_ppo.algo.choices import ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from ds_ppo.algo.estimators import AdvantageInputs, advantages_for, register_estimator, registered
 from ds_ppo.config import PPOConfig, load_config, validate
 from ds_ppo.errors import ConfigError
@@ -88,7 +88,8 @@ def test_the_tables_and_the_config_import_no_torch():
 
 def test_the_staleness_bound_has_one_home():
     """ppo.max_lag is the schedule's staleness bound (0 sync, 1 one_step_off, max_staleness
-    async), and outside algo/ only the config's property computes it from the two settings."""
+    async), and only the config's property computes it from the run's two settings (a
+    checkpoint's own saved values may be read with algo/choices.max_lag directly)."""
     import re
     from pathlib import Path
 
@@ -99,5 +100,93 @@ def test_the_staleness_bound_has_one_home():
     assert lags == [0, 1, 3]
     package = Path(__file__).resolve().parents[2] / "ds_ppo"
     callers = sorted(str(f.relative_to(package)) for f in package.rglob("*.py")
-                     if re.search(r"\bmax_lag\(", f.read_text()) and f.parts[-2] != "algo")
+                     if re.search(r"\bmax_lag\(\w+(\.ppo)?\.schedule", f.read_text()))
     assert callers == ["config/algorithm.py"]
+
+
+# --------------------------------------------------------------- policy losses
+def test_every_policy_loss_row_has_one_function_and_the_config_accepts_exactly_the_rows():
+    from ds_ppo.algo.policy_losses import register_policy_loss
+    from ds_ppo.algo.policy_losses import registered as registered_losses
+
+    assert sorted(registered_losses()) == sorted(POLICY_LOSSES)
+    assert get_args(PPOConfig.model_fields["policy_loss"].annotation) == tuple(POLICY_LOSSES)
+    assert PPOConfig().policy_loss == "ppo"
+    with pytest.raises(ValidationError):
+        PPOConfig(policy_loss="ppo_classic")
+    with pytest.raises(ValueError, match="no row"):
+        register_policy_loss("ppo_classic")
+    # each row's settings are config keys and settings of the update
+    from dataclasses import fields
+
+    from ds_ppo.algo.policy_losses import PolicyLossSettings
+    names = {f.name for f in fields(PolicyLossSettings)}
+    assert {k for s in POLICY_LOSSES.values() for k in s.settings} == names
+    assert names <= set(PPOConfig.model_fields)
+
+
+def _group_cfg(*extra):
+    return load_config("tiny", ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4",
+                                *extra])
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+def test_policy_loss_defaults_and_checks_follow_the_row(name):
+    spec = POLICY_LOSSES[name]
+    assert PPOConfig(policy_loss=name).loss_aggregation == spec.aggregations[0]
+    validate(_group_cfg(f"ppo.policy_loss={name}"), world_size=1)  # its default: valid
+    for mode in LOSS_AGGREGATIONS:
+        cfg = _group_cfg(f"ppo.policy_loss={name}", f"ppo.loss_aggregation={mode}")
+        if mode in spec.aggregations:
+            validate(cfg, world_size=1)
+        else:
+            with pytest.raises(ConfigError, match=f"set ppo.loss_aggregation="
+                               f"{spec.aggregations[0]}"):
+                validate(cfg, world_size=1)
+    for est, row in ESTIMATORS.items():
+        cfg = load_config("tiny", [f"ppo.advantage_estimator={est}", f"ppo.policy_loss={name}",
+                                   "ppo.samples_per_prompt=4"])
+        if spec.per_response and not row.per_response:
+            with pytest.raises(ConfigError, match="weighs each response by one advantage"):
+                validate(cfg, world_size=1)
+        else:
+            validate(cfg, world_size=1)
+    for correction in ("tis", "mis"):
+        cfg = _group_cfg(f"ppo.policy_loss={name}", f"ppo.rollout_correction={correction}")
+        if spec.token_correction:
+            validate(cfg, world_size=1)
+        else:
+            with pytest.raises(ConfigError, match="ppo.old_logprobs=rollout"):
+                validate(cfg, world_size=1)
+    validate(_group_cfg(f"ppo.policy_loss={name}", "ppo.old_logprobs=rollout"), world_size=1)
+
+
+def test_another_losses_settings_are_warned_as_ignored():
+    from ds_ppo.config import config_warnings
+
+    cfg = _group_cfg("ppo.policy_loss=gspo", "ppo.gmpo_clip_eps=0.3", "ppo.gspo_clip_eps=1e-3")
+    [line] = [w for w in config_warnings(cfg) if "policy loss" in w]
+    assert line.startswith("ppo.gmpo_clip_eps: read by another policy loss, ignored with "
+                           "ppo.policy_loss = 'gspo'")
+    assert not [w for w in config_warnings(_group_cfg("ppo.policy_loss=gmpo",
+                                                      "ppo.gmpo_clip_eps=0.3"))
+                if "policy loss" in w]
+
+
+def test_dry_run_refuses_a_contradicting_aggregation_in_one_line(capsys):
+    from ds_ppo.cli import main
+
+    assert main(["train", "--dry-run", "ppo.policy_loss=gspo", "ppo.advantage_estimator=grpo",
+                 "ppo.samples_per_prompt=4", "ppo.loss_aggregation=token_mean"]) == 2
+    err = capsys.readouterr().err
+    assert ("ppo.policy_loss = 'gspo' is defined with ppo.loss_aggregation "
+            "seq_mean_token_mean") in err
+    assert "Traceback" not in err
+
+
+def test_readme_policy_loss_table_lists_the_rows():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Choosing a policy loss"):]
+    section = section[:section.index("\n\n- ")]
+    names = re.findall(r"^\| `(\w+)`", section, flags=re.M)
+    assert names == list(POLICY_LOSSES)
