@@ -587,7 +587,9 @@ def policy_loss_update(work: Path, name: str, base: list[str]) -> dict:
              else ["ppo.micro_batch_tokens=30"])
     h = group_update(work, f"loss_{name}", base + [f"ppo.policy_loss={name}",
                                                     "ppo.micro_batch_size=4", *paths], None)
-    return {k: v for k, v in h.items() if k.startswith(("loss/", "policy/"))}
+    # (policy/grad_norm: DeepSpeed reports it on some layouts only)
+    return {k: v for k, v in h.items()
+            if k.startswith(("loss/", "policy/")) and k != "policy/grad_norm"}
 
 
 def run_scenarios(scenarios: dict, args, tag: str) -> None:
