@@ -177,7 +177,10 @@ class Watchdog:
 
     def _others_move(self) -> bool:
         """Whether some rank made progress lately: the shared counter moved within the last
-        2.5 beats (the ranks' beats are not in step). False without a store."""
+        2.5 beats (the ranks' beats are not in step). False without a store (one rank, or the
+        training rank of a split placement with no other training rank)."""
+        if self.store is None:
+            return False
         try:
             count = int(self._ask(self.store.add, f"{self.key}alive", 0))
         except StoreGone:

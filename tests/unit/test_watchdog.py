@@ -94,6 +94,19 @@ def test_a_stuck_phase_names_itself_and_the_rank_that_did_not_arrive(tmp_path, c
     assert store.data["ds_ppo_watchdog/hang"] == b"0"  # the other ranks stop with it
 
 
+def test_a_stuck_phase_on_one_rank_fires_within_the_limit(tmp_path, capsys):
+    """No store (one rank, or a split placement's only training rank): a hung reward call is
+    named and exits 4 within the limit (the watchdog thread once died reading the store)."""
+    dog = Watchdog(0.4, out_dir=tmp_path, beat_s=0.05)
+    t0 = time.monotonic()
+    with dog.phase("reward", 3):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG] and time.monotonic() - t0 < 5
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "watchdog" in ln]
+    assert len(line) == 1 and "rank 0 in reward (iteration 3): no progress for" in line[0], line
+    assert (tmp_path / "hang-0.txt").exists()
+
+
 def test_progress_keeps_it_quiet_and_exempt_phases_have_no_limit(tmp_path):
     dog = Watchdog(0.4, out_dir=tmp_path, beat_s=0.05)
     codes: list[int] = []
