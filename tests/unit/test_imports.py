@@ -173,12 +173,18 @@ def test_the_layers_import_downwards_only():
     assert layering_violations() == []
 
 
-def test_the_layering_scan_finds_violations(tmp_path):
-    pkg = tmp_path / "ds_ppo"
-    for sub in ("algo", "ppo", "engine", "run"):
+def _package(root: Path, subpackages: tuple[str, ...]) -> Path:
+    """An empty ds_ppo package under `root` with these subpackages, for the scans' own tests."""
+    pkg = root / "ds_ppo"
+    for sub in subpackages:
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
+    return pkg
+
+
+def test_the_layering_scan_finds_violations(tmp_path):
+    pkg = _package(tmp_path, ("algo", "ppo", "engine", "run"))
     (pkg / "algo" / "kl.py").write_text("import torch\nimport numpy\nfrom . import stats\n")
     (pkg / "ppo" / "update.py").write_text("def f():\n    from ds_ppo.run.loop import train\n")
     (pkg / "engine" / "roles.py").write_text("from ds_ppo.ppo import scoring\n")
@@ -267,11 +273,7 @@ def test_packages_import_down_only():
 def test_the_package_scan_finds_an_upward_import(tmp_path):
     """The scan is not vacuous: an import from engine up into plan inside a function, a pair of
     packages importing each other, a part with no floor and a stale allowance are all found."""
-    pkg = tmp_path / "ds_ppo"
-    for sub in ("engine", "plan", "config", "data"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
+    pkg = _package(tmp_path, ("engine", "plan", "config", "data"))
     (pkg / "plan" / "phases.py").write_text("from ds_ppo.engine import forward\n")
     (pkg / "engine" / "forward.py").write_text("def f():\n    from ds_ppo.plan import job\n")
     (pkg / "plan" / "job.py").write_text("")
