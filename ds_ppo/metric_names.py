@@ -31,7 +31,8 @@ PPO_METRICS = frozenset({
     "loss/policy", "loss/value", "loss/ptx", "loss/kl", "loss/entropy", "policy/moe_aux_loss",
     "value/moe_aux_loss", "policy/grad_norm", "value/grad_norm", "policy/entropy",
     "policy/entropy_coef", "policy/approx_kl", "policy/clip_frac", "policy/ratio_mean",
-    "policy/ratio_clamped_frac", "value/values_mean", "value/vf_clip_frac",
+    "policy/ratio_clamped_frac", "policy/seq_clip_frac", "policy/seq_ratio_mean",
+    "policy/gate_weight_mean", "value/values_mean", "value/vf_clip_frac",
     "value/explained_variance", "value/warmup", "ema/distance", "lr/policy", "lr/value",
     # time, throughput and memory
     "time/generation_s", "time/scoring_s", "time/update_s", "time/reward_s", "time/iteration_s",

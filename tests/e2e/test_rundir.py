@@ -242,6 +242,7 @@ def test_a_start_repairs_best_from_the_trainer_state(tmp_path, caplog):
 def test_pruning_orders_by_recorded_iteration_not_by_name(tmp_path, caplog):
     _save(tmp_path, 999_998)
     _save(tmp_path, 999_999)
+    caplog.clear()  # the two saves above log too where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="ds_ppo"):
         _save(tmp_path, 1_000_000)  # "iter_1000000" sorts before "iter_999998" by name
     assert _names(tmp_path) == ["iter_1000000", "iter_999999"]
