@@ -69,13 +69,17 @@ ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
 EstimatorName = Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
 
 
+def _row(table: dict, kind: str, name: str):
+    """`table`'s row of `name`; ValueError naming the valid ones (`kind`: what the table holds)."""
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table)}") from None
+
+
 def estimator(name: str) -> EstimatorSpec:
     """The table row of `name`; ValueError naming the valid ones."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: "
-                         f"{', '.join(ESTIMATORS)}") from None
+    return _row(ESTIMATORS, "advantage estimator", name)
 
 
 def describe_estimators() -> str:
@@ -147,11 +151,7 @@ PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
 
 def policy_loss_spec(name: str) -> PolicyLossSpec:
     """The table row of `name`; ValueError naming the valid ones."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid: "
-                         f"{', '.join(POLICY_LOSSES)}") from None
+    return _row(POLICY_LOSSES, "policy loss", name)
 
 
 def describe_policy_losses() -> str:

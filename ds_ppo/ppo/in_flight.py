@@ -65,12 +65,21 @@ def in_flight_problem(saved, completed: int, prompts: int, vocab: int | None) ->
     return None
 
 
-def _buffered_problem(b, completed: int, ahead: int, vocab: int | None) -> str | None:
-    if not isinstance(b, Buffered):
-        return f"a buffered rollout that is a {type(b).__name__}"
-    if not _int_in(b.iteration, completed + 1, completed + ahead):
-        return (f"a buffered rollout for iteration {b.iteration!r} (after iteration {completed}: "
+def _entry_problem(x, cls: type, label: str, completed: int, ahead: int) -> str | None:
+    """An in-flight entry (`label`: how messages name it) of the wrong class, or for an
+    iteration outside the `ahead` after the checkpoint's `completed` one."""
+    if not isinstance(x, cls):
+        return f"{label} that is a {type(x).__name__}"
+    if not _int_in(x.iteration, completed + 1, completed + ahead):
+        return (f"{label} for iteration {x.iteration!r} (after iteration {completed}: "
                 f"{completed + 1} to {completed + ahead})")
+    return None
+
+
+def _buffered_problem(b, completed: int, ahead: int, vocab: int | None) -> str | None:
+    problem = _entry_problem(b, Buffered, "a buffered rollout", completed, ahead)
+    if problem is not None:
+        return problem
     what = f"the buffered rollout of iteration {b.iteration}"
     if not _int_in(b.version, 0, completed):
         return f"{what} from policy version {b.version!r} (0 to {completed})"
@@ -129,11 +138,9 @@ def _rollout_problem(r: Rollout, completed: int, vocab: int | None) -> str | Non
 
 def _partial_problem(p, completed: int, ahead: int, n: int, prompts: int,
                      vocab: int | None) -> str | None:
-    if not isinstance(p, Partial):
-        return f"a rollout decoded in part that is a {type(p).__name__}"
-    if not _int_in(p.iteration, completed + 1, completed + ahead):
-        return (f"a rollout decoded in part for iteration {p.iteration!r} (after iteration "
-                f"{completed}: {completed + 1} to {completed + ahead})")
+    problem = _entry_problem(p, Partial, "a rollout decoded in part", completed, ahead)
+    if problem is not None:
+        return problem
     what = f"the rollout of iteration {p.iteration} decoded in part"
     B, T = len(p.indices), _width(p.response_ids)
     for name, x, shape in (("response_ids", p.response_ids, (B, T)),

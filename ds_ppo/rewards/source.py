@@ -7,10 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from ds_ppo.config import Config
 
-RewardFn = Callable[..., Any]
-
-
-def reward_function(cfg: Config, world: int) -> RewardFn | None:
+def reward_function(cfg: Config, world: int) -> Callable[..., Any] | None:
     """The callable reward of reward.url (a RewardService) or reward.function; None for a
     reward model (an engine) or an env's turn rewards alone. A split placement's generation
     ranks build theirs with it too (`world`: the training ranks, whose calls share the

@@ -70,12 +70,16 @@ def test_a_function_without_a_table_row_is_refused():
         register_estimator("ppo_classic")
 
 
-def test_readme_estimator_table_lists_the_rows():
+def _readme_table_names(heading: str) -> list[str]:
+    """The first-column names of the README table under `heading` (up to its notes list)."""
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Choosing an estimator"):]
+    section = readme[readme.index(heading):]
     section = section[:section.index("\n\n- ")]
-    names = re.findall(r"^\| `(\w+)`", section, flags=re.M)
-    assert names == list(ESTIMATORS)
+    return re.findall(r"^\| `(\w+)`", section, flags=re.M)
+
+
+def test_readme_estimator_table_lists_the_rows():
+    assert _readme_table_names("## Choosing an estimator") == list(ESTIMATORS)
 
 
 def test_the_tables_and_the_config_import_no_torch():
@@ -185,8 +189,4 @@ def test_dry_run_refuses_a_contradicting_aggregation_in_one_line(capsys):
 
 
 def test_readme_policy_loss_table_lists_the_rows():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Choosing a policy loss"):]
-    section = section[:section.index("\n\n- ")]
-    names = re.findall(r"^\| `(\w+)`", section, flags=re.M)
-    assert names == list(POLICY_LOSSES)
+    assert _readme_table_names("## Choosing a policy loss") == list(POLICY_LOSSES)

@@ -53,8 +53,8 @@ def test_every_registered_job_has_every_method_of_the_protocol():
 
 
 @pytest.fixture
-def toy_row(monkeypatch):
-    """A job that is not built in: its row alone, registered for the test."""
+def toy_row():
+    """A job that is not built in: its row alone, registered for the test (and removed)."""
     seen = {}
 
     def check(cfg, world, dry_run):
@@ -64,15 +64,13 @@ def toy_row(monkeypatch):
         seen["made"] = cfg.seed
         raise SystemExit(0)  # stands where the driver would run the job
 
-    monkeypatch.setattr("ds_ppo.jobs.contract.JOBS", dict(JOBS))
-    import ds_ppo.jobs.contract as base
-
-    monkeypatch.setattr("ds_ppo.jobs.JOBS", base.JOBS)
-    monkeypatch.setattr("ds_ppo.trainer.JOBS", base.JOBS)
     register(JobSpec(name="toy", command="toy", help="a toy job of the tests", example="seed=3",
                      configure=lambda cfg: cfg, check=check, finished=lambda cfg: None,
                      make=make))
-    return seen
+    try:
+        yield seen
+    finally:
+        del JOBS["toy"]
 
 
 def test_a_registered_job_gets_its_command_checks_and_run(toy_row, capsys, tmp_path):
