@@ -4,7 +4,7 @@ step's all-reduces inside, and the capture outcome agreed over the group.
 On CPU (gloo) a stand-in graph replays the step function (as `_ReplayedStep` in
 test_decode.py), so the warm-up / capture / replay schedule and the agreed fallback run with
 real all-reduces in every step. The real capture (NCCL all-reduces recorded in the graph) needs
-two GPUs: that test is skipped elsewhere (docs/PERFORMANCE.md, "to verify on a GPU")."""
+two GPUs: that test is skipped elsewhere (tools/GPU_CHECKS.md, the checks still to run on a GPU)."""
 from __future__ import annotations
 
 import os
@@ -134,7 +134,7 @@ def test_tensor_parallel_graph_schedule_and_agreed_fallback(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two CUDA devices: NCCL all-reduces captured in a CUDA graph "
-                    "(listed in docs/PERFORMANCE.md, to verify on a GPU)")
+                    "(listed in tools/GPU_CHECKS.md)")
 def test_tensor_parallel_step_is_captured_with_nccl(tmp_path):
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     mp.spawn(_worker, args=(str(tmp_path / "init"), "gpu"), nprocs=2)
