@@ -60,32 +60,47 @@ def _tile_stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool,
     return logprobs, entropy
 
 
-def _tiles(n: int, tile_tokens: int) -> list[slice]:
+def tile_count(n: int, tile_tokens: int) -> int:
+    """How many tiles of at most `tile_tokens` positions `n` positions make."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
-    return [slice(a, min(a + tile_tokens, n)) for a in range(0, n, tile_tokens)]
+    return -(-n // tile_tokens)
+
+
+def _tiles(n: int, tile_tokens: int, calls: int = 0) -> list[slice]:
+    """The tiles of `n` positions, then empty ones up to `calls` in all (each an idle head call
+    on one position of zeros: it keeps step with other ranks, its outputs dropped)."""
+    count = tile_count(n, tile_tokens)
+    tiles = [slice(a, min(a + tile_tokens, n)) for a in range(0, n, tile_tokens)]
+    return tiles + [slice(0, 0)] * (calls - count)
 
 
 class _TiledLogprobs(torch.autograd.Function):
     """(N, H) hidden -> (N,) log-probs [, (N,) entropy, differentiable only with `entropy_grad`];
     see the module docstring. `before_backward_tile(last)` runs before each tile's backward
-    (ZeRO uses it to reduce the head's gradient once, after the last tile)."""
+    (ZeRO uses it to reduce the head's gradient once, after the last tile). `calls`: the head
+    runs at least this many times in forward and again in backward, the extra calls on an empty
+    tile (a ZeRO-3 head's calls are collective: every rank must make as many)."""
 
     @staticmethod
     def forward(ctx, hidden, labels, head, tile_tokens, with_entropy, before_backward_tile,
-                shape, index, entropy_grad):
+                shape, index, entropy_grad, calls):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
         with torch.no_grad():
-            for s in _tiles(n, tile_tokens):
+            for s in _tiles(n, tile_tokens, calls):
+                if s.stop == s.start:
+                    head(hidden.new_zeros((1, hidden.shape[-1])))  # idle
+                    continue
                 lp, ent = _tile_stats(head(hidden[s]), labels[s], with_entropy, shape,
                                       None if index is None else index[s])
                 logprobs[s] = lp
                 if with_entropy:
                     entropy[s] = ent
         ctx.head, ctx.tile_tokens, ctx.hook = head, tile_tokens, before_backward_tile
+        ctx.calls = calls
         ctx.shape, ctx.index = shape, index
         ctx.entropy_grad = entropy is not None and entropy_grad
         if ctx.entropy_grad:  # dH/dz needs H: one float per position
@@ -106,10 +121,15 @@ class _TiledLogprobs(torch.autograd.Function):
         if entropy is None or grad_entropy is None:
             grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        tiles = _tiles(hidden.shape[0], ctx.tile_tokens)
+        tiles = _tiles(hidden.shape[0], ctx.tile_tokens, ctx.calls)
         for i, s in enumerate(tiles):
             if ctx.hook is not None:
                 ctx.hook(i == len(tiles) - 1)
+            if s.stop == s.start:  # idle: a zero gradient
+                with torch.enable_grad():
+                    logits = ctx.head(hidden.new_zeros((1, hidden.shape[-1])))
+                torch.autograd.backward(logits, torch.zeros_like(logits))
+                continue
             h = hidden[s].detach().requires_grad_(grad_hidden is not None)
             with torch.enable_grad():
                 logits = ctx.head(h)  # (n, V), its graph through the head only
@@ -137,14 +157,15 @@ class _TiledLogprobs(torch.autograd.Function):
             del logits, z, grad_logits  # else two tiles' (n, V) tensors meet at the next head call
             if grad_hidden is not None:
                 grad_hidden[s] = h.grad
-        return grad_hidden, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_tokens: int,
                    with_entropy: bool = False,
                    before_backward_tile: Callable[[bool], None] | None = None,
                    shape: "LogitShape | None" = None, new_index: torch.Tensor | None = None,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy_grad: bool = False, calls: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden))[label] per position (and the entropy of that softmax), the head
     applied `tile_tokens` positions at a time; with `shape`, of the logits as the sampler
     shaped them (as `logprobs_from_logits`).
@@ -162,6 +183,10 @@ def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_
         shape, new_index ((B, T) long or None): as in `logprobs_from_logits`.
         entropy_grad: the entropy is differentiable too (an entropy bonus in the loss; backward
             needs one more (n, V) buffer per tile); else it is a metric without gradient.
+        calls: the head is called at least this many times in forward and in backward (the
+            extra calls on one position of zeros, their outputs dropped): where the head's calls
+            are collective (ZeRO-3 gathers its weight for each), every rank passes the largest
+            `tile_count` of any rank.
 
     Returns:
         (B, T) float32 log-probs (nats), differentiable w.r.t. hidden and the head's
@@ -175,5 +200,5 @@ def tiled_logprobs(hidden: torch.Tensor, labels: torch.Tensor, head: Head, tile_
     index = None if new_index is None else new_index.reshape(B * T)
     lp, ent = _TiledLogprobs.apply(flat, labels.reshape(B * T).long(), head, tile_tokens,
                                    with_entropy, before_backward_tile, shape, index,
-                                   entropy_grad)
+                                   entropy_grad, calls)
     return lp.view(B, T), (ent.view(B, T) if ent is not None else None)

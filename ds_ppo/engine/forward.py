@@ -28,7 +28,9 @@ import torch
 from ds_ppo.algo import (LogitShape, additive_mask, block_causal_mask, cumulative_lengths,
                          entropy_from_logits, logprobs_from_logits, packed_layout,
                          response_predictors, tiled_logprobs, unpack)
+from ds_ppo.algo.tiled import tile_count
 from ds_ppo.containers import Rollout
+from ds_ppo.engine import dist
 
 # ppo.tiled_logits = auto tiles a forward whose response logits would hold more elements than
 # this (positions x vocabulary; 256 MiB in fp32: 2k positions of a 32k vocabulary, 512 of a
@@ -183,6 +185,19 @@ def output_head(lm):
     return head, grad_ready
 
 
+def head_calls(lm, positions: int, tile_tokens: int) -> int:
+    """How many times `tiled_logprobs` calls the output head for `positions` positions: its
+    tile count, or under ZeRO-3 on several ranks the largest of any rank (ZeRO-3 gathers the
+    head's weight for each call, a collective; packed micro-batches and ranks' own response
+    lengths give ranks different counts). One all-reduce then, matched on every rank: each
+    makes the same tiled forwards."""
+    tiles = tile_count(positions, tile_tokens)
+    partitioned = any(hasattr(p, "ds_id") for p in lm.get_output_embeddings().parameters())
+    if not partitioned or dist.world_size() == 1:
+        return tiles
+    return int(dist.all_reduce_max(torch.tensor([float(tiles)], dtype=torch.float64)))
+
+
 @contextmanager
 def _decoder_output(lm):
     """A list that receives the (B, L, H) final hidden states (after the last norm) of each
@@ -231,9 +246,10 @@ def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_en
             labels = ids[:, L - keep:]
             index = _new_index(rollout, shape, keep=keep)
         head, grad_ready = output_head(lm)
+        calls = head_calls(lm, labels.numel(), tile_tokens)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
                                            grad_ready, shape=shape, new_index=index,
-                                           entropy_grad=entropy_grad)
+                                           entropy_grad=entropy_grad, calls=calls)
     if packed:
         return unpack(logprobs[0], rollout.mask), (
             unpack(entropy[0], rollout.mask) if with_entropy else None)

@@ -28,7 +28,8 @@ import torch
 
 from ds_ppo.algo import tiled_logprobs
 from ds_ppo.containers import Rollout
-from ds_ppo.engine.forward import causal_lm, final_hidden, logit_shape, output_head
+from ds_ppo.engine.forward import (causal_lm, final_hidden, head_calls, logit_shape,
+                                   output_head)
 from ds_ppo.errors import ConfigError
 
 _SHARDED = contextvars.ContextVar("ds_ppo_sequence_parallel", default=False)
@@ -181,8 +182,8 @@ def row_logprobs(model, rollout: Rollout, temperature: float, group, tile_tokens
             index[P - 1:L - 1] = rollout.new_token_index()[0, :R]
             index = index[mine][None]
         lp, ent = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy, grad_ready,
-                                 shape=shape, new_index=index,
-                                 entropy_grad=entropy_grad)
+                                 shape=shape, new_index=index, entropy_grad=entropy_grad,
+                                 calls=head_calls(lm, labels.numel(), tile_tokens))
     T = rollout.response_ids.shape[1]
     return _response(lp, group, P, R, L, T), (_response(ent, group, P, R, L, T)
                                               if with_entropy else None)

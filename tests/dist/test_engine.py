@@ -136,8 +136,9 @@ def test_sequence_parallel_checkpoint_resumes_at_another_sp_size(one_rank, two_r
 def test_each_policy_loss_on_two_ranks_packed_equals_one_rank_tiled(one_rank, two_ranks,
                                                                       name):
     """ppo.policy_loss with grpo through the real engines (ZeRO-3): the first update on two
-    ranks with packed micro-batches gives one rank's with row micro-batches and tiled logits,
-    losses and every statistic of the loss (clip fractions at its level) alike."""
+    ranks with packed micro-batches and tiled logits (tile counts that differ between the
+    ranks: ZeRO-3's head calls are collective) gives one rank's with row micro-batches and
+    tiled logits, losses and every statistic of the loss (clip fractions at its level) alike."""
     from ds_ppo.algo.choices import POLICY_LOSSES
 
     assert sorted(POLICY_LOSSES) == sorted(["ppo", "gspo", "gspo_token", "cispo", "gmpo",

@@ -581,10 +581,11 @@ def sequence_parallel() -> dict:
 
 def policy_loss_update(work: Path, name: str, base: list[str]) -> dict:
     """`group_update` with ppo.policy_loss = `name` (its default aggregation): on one rank with
-    row micro-batches and tiled logits (4 positions), on two packed (at most 30 tokens), so one
-    comparison covers the paths and the world size. The policy's losses and statistics."""
-    paths = (["ppo.tiled_logits=true", "ppo.logits_tile_tokens=4"] if dist.world_size() == 1
-             else ["ppo.micro_batch_tokens=30"])
+    row micro-batches and tiled logits (4 positions), on two packed (at most 30 tokens) and
+    tiled (the ranks' packs differ in length, so their tile counts do), so one comparison covers
+    the paths and the world size. The policy's losses and statistics."""
+    tiled = ["ppo.tiled_logits=true", "ppo.logits_tile_tokens=4"]
+    paths = tiled if dist.world_size() == 1 else tiled + ["ppo.micro_batch_tokens=30"]
     h = group_update(work, f"loss_{name}", base + [f"ppo.policy_loss={name}",
                                                     "ppo.micro_batch_size=4", *paths], None)
     # (policy/grad_norm: DeepSpeed reports it on some layouts only)
@@ -644,7 +645,7 @@ def main() -> None:
         "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"],
                                             GROUP_KEYS + ("loss/entropy",)),
         "critic_free_engines": lambda: critic_free_engines(work),
-        # every other ppo.policy_loss: tiled on one rank, packed on two
+        # every other ppo.policy_loss: tiled on one rank, packed and tiled on two
         **{f"policy_loss_{name}": (lambda name=name: policy_loss_update(work, name, group))
            for name in POLICY_LOSSES if name != "ppo"},
         "zero3_micro4": lambda: first_update(work, "z3m4", ["ppo.micro_batch_size=4"]),

@@ -113,3 +113,33 @@ def test_bad_shapes_and_tile():
         tiled_logprobs(hidden[0], labels, head, 4)
     with pytest.raises(ValueError, match="tile_tokens"):
         tiled_logprobs(hidden, labels, head, 0)
+
+
+def test_extra_head_calls_change_nothing_but_the_call_count():
+    """`calls` (ranks whose head calls are collective make equally many): the head runs that
+    many times in forward and again in backward, the values and gradients those of the plain
+    tiles, and ZeRO's reduce flag is set on the last call only."""
+    head, hidden, labels, upstream = _setup()
+    lp0, _ = tiled_logprobs(hidden, labels, head, 10)
+    (lp0 * upstream).sum().backward()
+    want = _grads(head, hidden)
+    seen, flags = [], []
+
+    def counted(h):
+        seen.append(h.shape[0])
+        return head(h)
+
+    lp, _ = tiled_logprobs(hidden, labels, counted, 10, before_backward_tile=flags.append,
+                           calls=7)
+    assert seen == [10, 10, 10, 10, 6, 1, 1]  # 46 positions: 5 tiles, then 2 that keep step
+    torch.testing.assert_close(lp, lp0, atol=0, rtol=0)
+    (lp * upstream).sum().backward()
+    assert seen[7:] == seen[:7] and flags == [False] * 6 + [True]
+    for got, w in zip(_grads(head, hidden), want):
+        torch.testing.assert_close(got, w, atol=0, rtol=0)
+    # no positions at all (an empty packed micro-batch): the head still keeps step
+    seen.clear()
+    empty = hidden[:, :0].detach().requires_grad_()
+    out, _ = tiled_logprobs(empty, labels[:, :0], counted, 10, calls=2)
+    out.sum().backward()
+    assert out.shape == (B, 0) and seen == [1, 1, 1, 1]
