@@ -18,7 +18,7 @@ from ds_ppo import watchdog
 from ds_ppo.algo import AdaptiveKLController, EntropyController, FixedKLController
 from ds_ppo.config import Config
 from ds_ppo.engine import dist, lora
-from ds_ppo.engine.checkpoint import TrainerState, check_estimator_family
+from ds_ppo.engine.checkpoint import TrainerState
 from ds_ppo.engine.generation import choose_loop, choose_mode
 from ds_ppo.engine.roles import Engines, init_engines
 from ds_ppo.metrics import Accumulator
@@ -26,6 +26,7 @@ from ds_ppo.ppo.dynamic import PromptDraw
 from ds_ppo.ppo.evaluate import eval_settings, evaluate, greedy_config
 from ds_ppo.ppo.in_flight import in_flight_problem
 from ds_ppo.ppo.iteration import IterationInputs, metric_timer, run_iteration
+from ds_ppo.ppo.resume_check import check_estimator_family
 from ds_ppo.ppo.rollout import make_rollout, rollout_settings, stop_token_ids
 from ds_ppo.ppo.scoring import reward_scores, reward_settings
 from ds_ppo.plan.fit import zero_stages
@@ -128,13 +129,14 @@ class PPOJob:
         _seed_sampling(self.cfg.seed)
         return TrainerState(world_size=dist.world_size(), seed=self.cfg.seed,
                             sequence_parallel_size=dist.sp_size(),
-                            advantage_estimator=self.cfg.ppo.advantage_estimator,
+                            job_state={"advantage_estimator": self.cfg.ppo.advantage_estimator},
                             lora_bases=lora.base_record(engines.lora_bases))
 
     def resumed(self, state: TrainerState) -> None:
-        state.advantage_estimator = self.cfg.ppo.advantage_estimator
-        self.kl_ctl.load_state_dict(state.kl_controller)
-        self.entropy_ctl.load_state_dict(state.entropy_controller)
+        own = state.job_state
+        own["advantage_estimator"] = self.cfg.ppo.advantage_estimator
+        self.kl_ctl.load_state_dict(own.get("kl_controller", {}))
+        self.entropy_ctl.load_state_dict(own.get("entropy_controller", {}))
 
     def in_flight(self) -> dict | None:
         schedule = self.inputs.schedule
@@ -186,7 +188,7 @@ class PPOJob:
         exp, _ = run_iteration(self.inputs, iteration, prompts, kl_ctl.value, acc,
                                metric_timer(acc), entropy_coef=entropy_coef)
         if isinstance(prompts, PromptDraw):  # where the next iteration draws from
-            run.state.prompts_drawn = prompts.end
+            run.state.job_state["prompts_drawn"] = prompts.end
         # step 5. metrics, reduced across ranks; evaluation; KL and entropy controllers
         watchdog.at("metrics", iteration)
         metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
@@ -197,12 +199,12 @@ class PPOJob:
             eval_metrics, eval_samples = self._evaluate(cfg, engines, run.tokenizer)
             metrics.update(eval_metrics)
         kl_ctl.update(metrics["kl/sequence_mean"], len(exp) * dist.dp_world_size())
-        run.state.kl_controller = kl_ctl.state_dict()
+        run.state.job_state["kl_controller"] = kl_ctl.state_dict()
         if cfg.ppo.entropy_target is not None:  # the coefficient this iteration trained with
             metrics["policy/entropy_coef"] = entropy_coef
             if "policy/entropy" in metrics:  # not measured in a critic warm-up iteration
                 self.entropy_ctl.update(metrics["policy/entropy"])
-            run.state.entropy_controller = self.entropy_ctl.state_dict()
+            run.state.job_state["entropy_controller"] = self.entropy_ctl.state_dict()
         self._exp, self._eval_samples = exp, eval_samples  # for the report
         return metrics
 
@@ -215,7 +217,7 @@ class PPOJob:
         take them from (the stream position saved in the trainer state)."""
         if not run.cfg.ppo.dynamic_sampling:
             return self.sampler.indices(iteration - 1)
-        start = run.state.prompts_drawn
+        start = run.state.job_state.get("prompts_drawn")
         if start is None:  # a fresh run, or one that ran without dynamic sampling so far
             start = (iteration - 1) * run.cfg.ppo.rollout_batch_size
         return PromptDraw(self.sampler, start)

@@ -42,9 +42,9 @@ def test_dynamic_sampling_refills_and_resumes_exactly(tmp_path):
     # the tiny task's random policy scores many groups alike: the refill drew more than 4 x 8
     assert drawn > 32 and any(r["sampling/rounds"] > 1 for r in a)
     state = json.loads((full / "checkpoints" / "iter_000004" / "trainer_state.json").read_text())
-    assert state["prompts_drawn"] == drawn
+    assert state["job_state"]["prompts_drawn"] == drawn
     # each iteration trains with the coefficient of the last one's entropy
-    coefs = [r["policy/entropy_coef"] for r in a] + [state["entropy_controller"]["value"]]
+    coefs = [r["policy/entropy_coef"] for r in a] + [state["job_state"]["entropy_controller"]["value"]]
     assert coefs[0] == 0.01
     for r, coef in zip(a, coefs[1:]):
         assert coef == pytest.approx(0.01 * (1 - r["policy/entropy"] / 100)) and coef < 0.01

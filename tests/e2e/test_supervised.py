@@ -82,7 +82,8 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
     loss = f"loss/{job}"
     assert a[-1][loss] < a[0][loss]  # it learns
     # `ds-ppo train` in that output_dir would not resume from a supervised job's checkpoint
-    from ds_ppo.engine.checkpoint import check_estimator_family, latest_checkpoint
+    from ds_ppo.engine.checkpoint import latest_checkpoint
+    from ds_ppo.ppo.resume_check import check_estimator_family
     from ds_ppo.errors import UserError
 
     with pytest.raises(UserError, match=f"checkpoint of `ds-ppo {job}`"):

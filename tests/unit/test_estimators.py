@@ -139,17 +139,18 @@ def test_zero_std_advantage_is_refused_where_it_cannot_act(overrides, words):
 
 
 def _checkpoint(tmp_path, estimator, with_value):
+    """A PPO checkpoint's trainer_state.json as a run writes it today."""
     ckpt = tmp_path / "iter_000002"
-    (ckpt / "policy").mkdir(parents=True)
-    if with_value:
-        (ckpt / "value").mkdir()
+    ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps(
-        {"iteration": 2, "world_size": 1, "seed": 1, "advantage_estimator": estimator}))
+        {"iteration": 2, "world_size": 1, "seed": 1,
+         "roles": ["policy", "value"] if with_value else ["policy"],
+         "job_state": {"advantage_estimator": estimator}}))
     return ckpt
 
 
 def test_resume_into_another_estimator_family_is_refused_naming_both(tmp_path):
-    from ds_ppo.engine.checkpoint import check_estimator_family, read_state
+    from ds_ppo.ppo.resume_check import check_estimator_family
 
     ckpt = _checkpoint(tmp_path, "gae", with_value=True)
     with pytest.raises(UserError) as info:
@@ -162,9 +163,35 @@ def test_resume_into_another_estimator_family_is_refused_naming_both(tmp_path):
     check_estimator_family(free, "grpo")  # the same family: allowed
     with pytest.raises(UserError, match="'rloo' \\(without a value model\\).*'gae'"):
         check_estimator_family(free, "gae")
-    # a checkpoint from before the key existed reads as gae
-    (free / "trainer_state.json").write_text(json.dumps({"iteration": 1}))
-    assert read_state(free).advantage_estimator == "gae"
+
+
+@pytest.mark.parametrize("estimator,roles", [(None, ["policy", "value"]),
+                                             ("gae", ["policy", "value"]),
+                                             ("grpo", ["policy"])])
+def test_a_trainer_state_written_before_job_state_reads_in_todays_layout(tmp_path, estimator,
+                                                                          roles):
+    """A PPO checkpoint of the layout before `job_state`: its KL and entropy controllers, its
+    estimator (none written before that key: gae) and its prompt position read into the job's
+    state, its roles from the estimator; a supervised job's PPO defaults are dropped."""
+    from ds_ppo.engine.checkpoint import read_state
+    from ds_ppo.ppo.resume_check import check_estimator_family
+
+    old = {"iteration": 3, "world_size": 1, "seed": 1, "kl_controller": {"value": 0.07},
+           "entropy_controller": {"value": 0.01}, "prompts_drawn": 24}
+    if estimator is not None:
+        old["advantage_estimator"] = estimator
+    ckpt = tmp_path / "iter_000003"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps(old))
+    state = read_state(ckpt)
+    assert state.roles == roles and state.iteration == 3
+    assert state.job_state == {"kl_controller": {"value": 0.07},
+                               "entropy_controller": {"value": 0.01}, "prompts_drawn": 24,
+                               "advantage_estimator": estimator or "gae"}
+    check_estimator_family(ckpt, estimator or "gae")  # the same run continues
+    (ckpt / "trainer_state.json").write_text(json.dumps({**old, "job": "sft"}))
+    state = read_state(ckpt)
+    assert state.job_state == {} and state.roles == ["policy"]
 
 
 def test_final_answer_match():

@@ -20,7 +20,7 @@ import importlib
 _HOMES = {
     **dict.fromkeys(
         ("AUTOEP_UNIVERSAL_TAG", "TAG", "UNIVERSAL_TAG", "EXPORT_MARKER", "TrainerState",
-         "check_estimator_family", "checkpoint_name", "checkpoints_dir", "complete_checkpoints",
+         "checkpoint_name", "checkpoints_dir", "complete_checkpoints",
          "find_resume",
          "finished_message", "finished_run", "is_export", "latest_checkpoint", "read_state",
          "resolve_checkpoint", "unusable", "verify_checkpoint", "verify_export", "verify_files",

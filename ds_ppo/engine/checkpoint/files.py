@@ -15,7 +15,8 @@ Layout (output_dir/checkpoints/):
     (LoRA roles, engine/lora.py: DeepSpeed's files hold only the trained parameters, adapters and
     the value head, never the frozen base; hf/ holds the policy's PEFT adapter directory instead
     of weights, and trainer_state.json a fingerprint of each base, checked on resume)
-    iter_000010/trainer_state.json   iteration, KL controller, MLflow run id, world size
+    iter_000010/trainer_state.json   iteration, MLflow run id, world size, roles, the job's own
+                                 state (a PPO run's KL controller, estimator, ...)
     iter_000010/rng/rank_00000.pt    RNG states of every rank (tensors only)
     latest                       the name of the newest COMPLETE checkpoint
 
@@ -52,27 +53,49 @@ _NAME = re.compile(r"iter_(\d+)")  # a checkpoint's directory name (fullmatch)
 
 @dataclass
 class TrainerState:
-    iteration: int = 0  # iterations completed
-    kl_controller: dict = field(default_factory=dict)
-    entropy_controller: dict = field(default_factory=dict)  # ppo.entropy_target's coefficient
+    """What a checkpoint's trainer_state.json holds: the run's own (every job), and `job_state`,
+    the job's (a PPO run's KL and entropy controllers, its estimator, its prompt stream's
+    position), which only the job reads and writes."""
+
+    iteration: int = 0  # units completed
     mlflow_run_id: str | None = None
     world_size: int = 1
     seed: int = 0
-    advantage_estimator: str = "gae"  # checkpoints written before the key existed were all gae
     lora_bases: dict = field(default_factory=dict)  # LoRA role -> {path, fingerprint} of its base
-    job: str = "ppo"  # the command that wrote it: ppo (ds-ppo train), sft or rm (one model)
+    job: str = "ppo"  # the job that wrote it (its registry name: ppo, sft, rm, ...)
     # deepspeed.sequence_parallel_size of the run that wrote it (written before the key: 1)
     sequence_parallel_size: int = 1
     # saved with a manifest.json (checkpoint.verify): every load then requires one
     manifest: bool = False
     alarms: dict = field(default_factory=dict)  # run/alarms.AlarmState (tracking.alarms)
-    # ppo.dynamic_sampling: the prompt stream's position after the last iteration (None: the
-    # sampler's own, iteration x rollout_batch_size)
-    prompts_drawn: int | None = None
     # checkpoint.keep_best: {"metric", "value", "iteration"} of the best save so far
     best: dict = field(default_factory=dict)
     # the trained roles that ran expert parallelism: role -> deepspeed.<role>.expert_parallel_size
     expert_parallel: dict = field(default_factory=dict)
+    # the trained roles whose DeepSpeed files the checkpoint holds (policy; value with a critic)
+    roles: list = field(default_factory=lambda: ["policy"])
+    job_state: dict = field(default_factory=dict)  # the job's own, JSON-serialisable
+
+
+# the keys a PPO run's trainer state held at its top level before `job_state` held them
+_PPO_KEYS = ("kl_controller", "entropy_controller", "advantage_estimator", "prompts_drawn")
+
+
+def _current(saved: dict) -> dict:
+    """A trainer_state.json written before `job_state` and `roles` existed, in today's layout:
+    a PPO run's own keys move into its job_state (a file from before the estimator key was
+    written was a gae run's), and its roles follow from its estimator (other jobs wrote the
+    PPO keys' defaults, which mean nothing for them)."""
+    if "job_state" in saved:
+        return saved
+    saved = dict(saved)
+    own = {k: saved.pop(k) for k in _PPO_KEYS if k in saved}
+    if saved.get("job", "ppo") == "ppo":
+        own.setdefault("advantage_estimator", "gae")
+        saved["job_state"] = own
+        critic = estimator_spec(own["advantage_estimator"]).critic
+        saved.setdefault("roles", list(TRAINED_ROLES) if critic else ["policy"])
+    return saved
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -358,7 +381,7 @@ def verify_model_paths(paths: dict[str, str | None], verify: bool) -> None:
 def read_state(path: Path) -> TrainerState:
     file = path / "trainer_state.json"
     try:
-        return TrainerState(**json.loads(file.read_text()))
+        return TrainerState(**_current(json.loads(file.read_text())))
     except FileNotFoundError:
         raise unusable(path, file, "is missing") from None
     except (OSError, ValueError, TypeError) as e:  # cut, garbled, not a trainer state
@@ -391,9 +414,7 @@ def verify_checkpoint(path: Path, world_size: int) -> TrainerState:
     each role's DeepSpeed files are intact archives, and (same world size) every rank's RNG file
     is there. Raises CheckpointError naming the file."""
     state = read_state(path)
-    # a critic-free run (grpo, rloo, ...) saved no value model
-    critic = state.job == "ppo" and estimator_spec(state.advantage_estimator).critic
-    for role in TRAINED_ROLES if critic else ("policy",):  # sft/rm: their one model as policy
+    for role in state.roles:  # a critic-free run (grpo, rloo, ...) saved no value model
         files = sorted((path / role / TAG).rglob("*.pt"))
         if not files:
             raise unusable(path, path / role / TAG, "holds no DeepSpeed checkpoint files")
@@ -511,28 +532,6 @@ def _clean_partial(root: Path) -> None:
         else:
             log.warning("restoring %s (a save that was replacing it was interrupted)", final)
             os.replace(old, final)
-
-
-def check_estimator_family(path: Path, estimator: str) -> None:
-    """Resuming must keep the value model or its absence: a UserError naming both estimators
-    when the checkpoint at `path` was trained with a value model and `estimator` has none, or
-    the other way round (other changes of estimator are allowed)."""
-    from ds_ppo.errors import UserError
-
-    state = read_state(path)
-    if state.job != "ppo":
-        raise UserError(f"cannot resume from {path}: it is a checkpoint of `ds-ppo {state.job}`, "
-                        "not of a PPO run; start `ds-ppo train` in another output_dir (its "
-                        "export, output_dir/final, is the model to start from)")
-    saved = state.advantage_estimator
-    had_value, critic = (path / "value").exists(), estimator_spec(estimator).critic
-    if had_value != critic:
-        what = {True: "with a value model", False: "without a value model"}
-        raise UserError(
-            f"cannot resume from {path}: it was trained with ppo.advantage_estimator = "
-            f"{saved!r} ({what[had_value]}), the config sets ppo.advantage_estimator = "
-            f"{estimator!r} ({what[critic]}); set ppo.advantage_estimator={saved} "
-            "to continue that run, or start a new run in another output_dir")
 
 
 def finished_run(output_dir: str | Path, resume: str, iterations: int, export_at_end: bool,

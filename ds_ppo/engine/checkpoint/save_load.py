@@ -36,7 +36,7 @@ import torch
 from ds_ppo.engine import dist
 from ds_ppo.engine.checkpoint import manifest
 from ds_ppo.engine.checkpoint.files import (AUTOEP_UNIVERSAL_TAG, TAG, UNIVERSAL_TAG,
-                                            TrainerState, best_of, check_estimator_family,
+                                            TrainerState, best_of,
                                             checkpoint_name, checkpoints_dir,
                                             complete_checkpoints, find_resume, latest_checkpoint,
                                             named_by_best, named_by_latest, read_state,
@@ -120,7 +120,9 @@ def save_checkpoint(output_dir: str | Path, engines, state: TrainerState, tokeni
                 saved_config(engines.value.module).save_pretrained(tmp / "hf_value")
             # `manifest`: a load then requires manifest.json (deleting it switches nothing off)
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(replace(
-                state, manifest=verify, expert_parallel=_expert_parallel(engines))), indent=2))
+                state, manifest=verify, expert_parallel=_expert_parallel(engines),
+                roles=[r for r in TRAINED_ROLES if getattr(engines, r) is not None])),
+                indent=2))
         dist.barrier()  # every rank finished writing
         if verify:
             _write_manifest(tmp)

@@ -29,7 +29,8 @@ def _check(cfg, world: int, dry_run: bool) -> None:
 def _check_resume_estimator(cfg) -> None:
     """The checkpoint a run would resume from must match its estimator family (with or without
     a value model): found here, before any model code loads (the job checks it again)."""
-    from ds_ppo.engine.checkpoint.files import check_estimator_family, latest_checkpoint
+    from ds_ppo.engine.checkpoint.files import latest_checkpoint
+    from ds_ppo.ppo.resume_check import check_estimator_family
 
     if cfg.resume == "never":
         return
