@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a checkpoint dir (or an output_dir)")
     p.add_argument("--out", required=True)
     p.add_argument("--value", action="store_true", help="also export the value model")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="weight dtype of the export (default auto: the dtype the policy trained "
+                   "in, as the checkpoint records it)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if it holds something other than a ds_ppo export")
     p.add_argument("--adapter-only", action="store_true",

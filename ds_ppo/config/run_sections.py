@@ -106,8 +106,10 @@ class CheckpointConfig(Section):
         True, description="Also write the policy's and value's weights as safetensors into each "
         "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
         "`ds-ppo export` reads no pickle.")
-    export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
-        "bf16", description="Weight dtype of exported models (safetensors).")
+    export_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Weight dtype of exported models (safetensors): auto = the dtype "
+        "the policy trained in (policy.dtype as resolved: fp32 on CPU, bf16 on most GPUs); "
+        "bf16/fp16 halve the size of an fp32 run's export.")
     save_on_signal: bool = Field(
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
         "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
