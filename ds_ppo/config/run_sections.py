@@ -30,6 +30,12 @@ class AlarmsConfig(Section):
         "above this for zero_std_iterations iterations in a row. 1: off.")
     zero_std_iterations: int = Field(
         10, gt=0, description="Iterations in a row above zero_std_ceiling before alarm/zero_std.")
+    zero_signal_iterations: int = Field(
+        3, gt=0, description="alarm/zero_std fires sooner, after this many iterations in a row "
+        "in which every response's advantage is 0 (advantage/zero_frac = 1: e.g. every group "
+        "scored alike under grpo, dr_grpo or rloo with no batch baseline, "
+        "ppo.zero_std_advantage): such a batch gives the policy no gradient at all. Needs "
+        "zero_std_ceiling < 1.")
     watch: list[str] = Field(
         default_factory=list, description="Metrics whose fall is an alarm alarm/drop (e.g. "
         "[env/accuracy], [score/mean], [eval/score_mean]): when the mean over the last window "

@@ -130,12 +130,12 @@ def test_readme_lines_are_checked_to_the_digit_first_and_within_bands_later():
     seed's, not a first line off by a digit or a later one off by a changed default."""
     from support.readme_lines import differences
 
-    readme = {1: "iter    1/40 | score +0.0493 | kl +0.0000 | entropy 6.225 | pg -0.0691 | "
+    readme = {1: "iter    1/40 | score +0.0493 | kl/tok +0.0000 | entropy 6.225 | pg -0.0691 | "
                  "vf 0.0278 | len 12.0 | ...",
-              40: "iter   40/40 | score +0.7218 | kl +12.9164 | entropy 5.271 | pg -0.0214 | "
+              40: "iter   40/40 | score +0.7218 | kl/tok +1.0764 | entropy 5.271 | pg -0.0214 | "
                   "vf 0.0081 | len 12.0 | ..."}
     other_cpu = dict(readme)
-    other_cpu[40] = ("iter   40/40 | score +0.7028 | kl +11.3212 | entropy 5.345 | pg -0.0257 | "
+    other_cpu[40] = ("iter   40/40 | score +0.7028 | kl/tok +0.9434 | entropy 5.345 | pg -0.0257 | "
                      "vf 0.0125 | len 12.0 | ...")
     assert differences(readme, other_cpu) == []
     first_off = {**other_cpu, 1: readme[1].replace("+0.0493", "+0.0513")}
