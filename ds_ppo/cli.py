@@ -126,11 +126,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if any(a == "--peer" or a.startswith("--peer=") for a in args.bench_args):
-        from ds_ppo.bench.peer import main as peer_main  # ds_ppo beside TRL (bench/peer.py)
-
-        return peer_main(args.bench_args)
-    from ds_ppo.bench import main as bench_main
+    from ds_ppo.bench import main as bench_main  # --peer trl too (bench/cli.py)
 
     return bench_main(args.bench_args)
 
