@@ -139,9 +139,10 @@ class Reporter:
         if every and iteration % every == 0:
             k = s.num_samples
             r = exp.rollout
-            rows = [sample_row(p, resp, s, extra) for p, resp, s, extra in
+            rows = [sample_row(p, resp, s, extra, chat) for p, resp, s, extra, chat in
                     zip(r.prompts[:k], readable_responses(self.tokenizer, r, k),
-                        exp.episode_scores[:k].tolist(), r.extras[:k])]
+                        exp.episode_scores[:k].tolist(), r.extras[:k],
+                        r.messages[:k] if r.messages is not None else [None] * k)]
             if r.transcripts is not None:  # an episode: each turn with its reward
                 for row, turns in zip(rows, r.transcripts[:k]):
                     row["turns"] = format_transcript(turns)
@@ -212,14 +213,18 @@ class Reporter:
 
 def _gather_rows(samples, k: int) -> list[dict]:
     """Collective: the first k sample rows over every rank's (prompt, response, score,
-    data.reward_keys values), rank 0's first."""
-    rows = [sample_row(p, r, s, extra) for p, r, s, extra in samples][:k]
+    data.reward_keys values, chat messages or None), rank 0's first."""
+    rows = [sample_row(*sample) for sample in samples][:k]
     return sum(dist.gather_objects(rows, data_parallel=True), [])[:k]
 
 
-def sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
-    """One row of the samples table, with the prompt's data.reward_keys values (e.g. the
-    reference answer); a key named like a fixed column gets a `data/` prefix."""
+def sample_row(prompt: str, response: str, score: float, extra: dict,
+               messages: list | None = None) -> dict:
+    """One row of the samples table, with the prompt's chat `messages` (a chat prompt only: the
+    chat `ds-ppo samples` shows) and data.reward_keys values (e.g. the reference answer); a key
+    named like a fixed column gets a `data/` prefix."""
     row = {"prompt": prompt, "response": response, "score": float(score)}
+    if messages is not None:
+        row["messages"] = messages
     row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
     return row
