@@ -2,6 +2,7 @@
 recent iterations."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -19,7 +20,7 @@ def format_duration(seconds: float) -> str:
 def format_signed(x: float) -> str:
     """+0.0213, or +2.13e-05 below 1e-3 (where four decimals would print +0.0000), +0.0000 for
     exactly 0 (either sign)."""
-    if x == 0 or abs(x) >= 1e-3 or x != x:
+    if x == 0 or math.isnan(x) or abs(x) >= 1e-3:
         return f"{x + 0.0:+.4f}"
     return f"{x:+.2e}"
 

@@ -12,7 +12,6 @@ from ds_ppo.bench.results import format_table, summary_table
 from ds_ppo.bench.run import run
 from ds_ppo.bench.workload import SHAPES
 
-
 MODES = """modes:
   ds-ppo bench [FLAGS]                  one PPO iteration's phases and the generation baselines
   ds-ppo bench --schedule sync,async    ... and ppo.schedule settings compared in one run
@@ -124,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     from ds_ppo.errors import UserError
 
-    if any(a == "--peer" or a.startswith("--peer=") for a in argv):
-        from ds_ppo.bench.peer import main as peer_main  # ds_ppo beside TRL (bench/peer.py)
+    if any(a == "--peer" or a.startswith("--peer=") for a in argv):  # bench/peer.py
+        from ds_ppo.bench.peer import main as peer_main
 
         try:
             return peer_main(argv)
