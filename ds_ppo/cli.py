@@ -126,11 +126,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if any(a == "--peer" or a.startswith("--peer=") for a in args.bench_args):
-        from ds_ppo.bench.peer import main as peer_main  # ds_ppo beside TRL (bench/peer.py)
-
-        return peer_main(args.bench_args)
-    from ds_ppo.bench import main as bench_main
+    from ds_ppo.bench import main as bench_main  # --peer trl too (bench/cli.py)
 
     return bench_main(args.bench_args)
 
@@ -185,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a checkpoint dir (or an output_dir)")
     p.add_argument("--out", required=True)
     p.add_argument("--value", action="store_true", help="also export the value model")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="weight dtype of the export (default auto: the dtype the policy trained "
+                   "in, as the checkpoint records it)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if it holds something other than a ds_ppo export")
     p.add_argument("--adapter-only", action="store_true",

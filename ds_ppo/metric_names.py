@@ -12,7 +12,7 @@ PPO_METRICS = frozenset({
     "score/mean", "score/std", "reward/mean", "reward/std", "reward/input_cut_rate",
     "kl/sequence_mean", "kl/token_mean", "kl/clamped_frac", "kl_coef", "response/length_mean",
     "response/length_max", "response/eos_rate", "response/tokens_total", "reward/retries",
-    "score/group_std_mean", "group/zero_std_frac",
+    "score/group_std_mean", "group/zero_std_frac", "advantage/zero_frac",
     # sampler against trainer
     "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl_k3",
     "rollout_is/weight_mean", "rollout_is/clipped_frac", "rollout/route_flip_frac",

@@ -1,6 +1,8 @@
-"""Rank 0's progress line helpers: the expected time left, from the mean of recent iterations."""
+"""Rank 0's progress line helpers: its numbers, and the expected time left from the mean of
+recent iterations."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -13,6 +15,14 @@ def format_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_signed(x: float) -> str:
+    """+0.0213, or +2.13e-05 below 1e-3 (where four decimals would print +0.0000), +0.0000 for
+    exactly 0 (either sign)."""
+    if x == 0 or math.isnan(x) or abs(x) >= 1e-3:
+        return f"{x + 0.0:+.4f}"
+    return f"{x:+.2e}"
 
 
 class Eta:

@@ -12,11 +12,26 @@ from ds_ppo.bench.results import format_table, summary_table
 from ds_ppo.bench.run import run
 from ds_ppo.bench.workload import SHAPES
 
+MODES = """modes:
+  ds-ppo bench [FLAGS]                  one PPO iteration's phases and the generation baselines
+  ds-ppo bench --schedule sync,async    ... and ppo.schedule settings compared in one run
+  ds-ppo bench --summarize A.json B.json
+                                        run nothing: one comparison row per earlier --json
+  ds-ppo bench --peer trl [PEER FLAGS] [key=value ...]
+                                        ds_ppo beside TRL's GRPOTrainer from the same weights
+                                        (ds-ppo bench --peer trl --help)
+  python -m ds_ppo.bench.decode --help  the decoding loop alone, against its memory bound"""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="ds-ppo bench", description="Time a PPO iteration's phases (generation, scoring, "
-        "training) and generation baselines on one device; prints one table and a JSON line.")
+        "training) and generation baselines on one device; prints one table and a JSON line.",
+        epilog=MODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", choices=["trl"], default=None,
+                   help="run ds_ppo beside a peer trainer instead (TRL's GRPOTrainer, from the "
+                   "same starting weights: policy.arch or policy.path); its own flags: "
+                   "ds-ppo bench --peer trl --help")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="model shape (default: 1b on a GPU, tiny on CPU)")
     p.add_argument("--prompts", type=int, help="prompts per iteration (1b: 64, tiny: 4)")
@@ -106,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `ds-ppo bench -- --shape tiny`: the CLI passes the separator on
         argv = argv[1:]
+    from ds_ppo.errors import UserError
+
+    if any(a == "--peer" or a.startswith("--peer=") for a in argv):  # bench/peer.py
+        from ds_ppo.bench.peer import main as peer_main
+
+        try:
+            return peer_main(argv)
+        except UserError as e:
+            return _failed(e)
     args = parse_args(argv)
     args._argv = argv
     if args.summarize:
@@ -113,13 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                              for f in args.summarize]))
         return 0
     _setup_logging()
-    from ds_ppo.errors import UserError
-
     try:
         result = run(args)
     except UserError as e:  # e.g. --prompts not divisible by --micro-batch
-        print(f"ds-ppo bench: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return _failed(e)
     print(format_table(result), flush=True)
     line = json.dumps(result, default=float)
     if args.json_path:
@@ -127,3 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(line, flush=True)
     return 0
 
+
+def _failed(e) -> int:
+    print(f"ds-ppo bench: error: {e}", file=sys.stderr)
+    return e.exit_code

@@ -6,7 +6,9 @@
 
 Step 1 prepares one starting point in `--out-dir/shared` from ds_ppo's own config (the tiny default
 plus any `key=value` overrides): the random-init policy and tokenizer built by ds_ppo's
-`materialize_arch`, ds_ppo's prompts in ds_ppo's sampling order, and the numbers the peer mirrors
+`materialize_arch`, or with `policy.path=DIR` the pretrained policy in DIR (a local
+save_pretrained directory, which both sides load; its tokenizer as ds_ppo loads it is saved
+beside the prompts), ds_ppo's prompts in ds_ppo's sampling order, and the numbers the peer mirrors
 (reward function, lr, warm-up, AdamW betas/eps, clip, kl_coef, max_new_tokens, batch sizes,
 gradient checkpointing: TRL's GRPOConfig turns it on by default, ds_ppo's policy off).
 Step 2 runs, each in a child process: TRL GRPO (`ds_ppo.bench.peer_trl`, `--schedule ppo`:
@@ -49,13 +51,19 @@ def prepare(shared: Path, overrides: list[str]) -> dict:
     from ds_ppo.engine.roles import materialize_arch
 
     cfg = load_config(None, overrides)
-    if cfg.policy.arch is None:
-        raise UserError("bench --peer: the starting point is built from policy.arch (random "
-                        "init); this config loads policy.path instead. Drop policy.path.")
     shared.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(cfg.policy.tokenizer, shared)
+    tok = load_tokenizer(cfg.policy.tokenizer or cfg.policy.path, shared)
     prompts = load_prompts(cfg.data, tok)
-    materialize_arch(cfg.policy.arch, tok, shared / "policy", cfg.seed)
+    if cfg.policy.arch is not None:
+        policy = tokenizer = shared / "policy"
+        materialize_arch(cfg.policy.arch, tok, policy, cfg.seed)
+    else:  # a pretrained policy: both sides load the directory itself
+        policy, tokenizer = Path(cfg.policy.path).resolve(), shared / "tokenizer"
+        if not list(policy.glob("*.safetensors")):
+            raise UserError(f"bench --peer: policy.path = {cfg.policy.path!r} must be a local "
+                            "directory with safetensors weights (save_pretrained's), so that "
+                            "both runs can be checked to start from the same bytes")
+        tok.save_pretrained(tokenizer)  # as ds_ppo loads it (a pad token added, left padding)
     p = cfg.ppo
     sampler = PromptSampler(len(prompts.input_ids), p.rollout_batch_size, 0, 1, cfg.seed,
                             shuffle=cfg.data.shuffle, group_size=p.mini_batch_size)
@@ -74,7 +82,8 @@ def prepare(shared: Path, overrides: list[str]) -> dict:
             "weight_decay": cfg.policy.weight_decay, "grad_clip": cfg.policy.max_grad_norm,
             "gradient_checkpointing": cfg.policy.gradient_checkpointing,
             "seed": cfg.seed, "reward": cfg.reward.function, "pad_token_id": tok.pad_token_id,
-            "policy_sha256": _weights_hash(shared / "policy")}
+            "policy": str(policy), "tokenizer": str(tokenizer),
+            "from_path": cfg.policy.arch is None, "policy_sha256": _weights_hash(policy)}
     if meta["reward"] is None:
         raise UserError("bench --peer: TRL needs reward.function (a python reward); this config "
                         "uses a reward model. Set reward.function.")
@@ -83,7 +92,11 @@ def prepare(shared: Path, overrides: list[str]) -> dict:
 
 
 def _weights_hash(model_dir: Path) -> str:
-    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+    """sha256 over the directory's safetensors files (one, or the shards in name order)."""
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def grpo_overrides(overrides: list[str], g: int) -> list[str] | None:
@@ -141,7 +154,7 @@ def run_dsppo(name: str, label: str, overrides: list[str], out: Path, meta: dict
            "tracking.enabled=false", "checkpoint.every=0", "checkpoint.save_at_end=false",
            "checkpoint.export_at_end=false", *overrides]
     wall = _run(cmd, out / f"{name}.log")
-    init = run_dir / "init_models" / "policy"
+    init = Path(meta["policy"]) if meta["from_path"] else run_dir / "init_models" / "policy"
     if _weights_hash(init) != meta["policy_sha256"]:
         raise UserError(f"bench --peer: {init} is not the prepared starting point "
                         f"({meta['policy_sha256'][:12]}): the comparison would be unfair")

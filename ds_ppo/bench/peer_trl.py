@@ -3,7 +3,8 @@ point `ds_ppo.bench.peer` prepared (run in its own process, never imported by ds
 
     python -m ds_ppo.bench.peer_trl --shared DIR --out FILE.jsonl [--steps N] [--schedule ppo|brief]
 
-DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`),
+DIR holds `policy/` (ds_ppo's random-init policy and tokenizer, from `materialize_arch`; with
+ds_ppo's policy.path, meta.json names that directory and `tokenizer/` holds its tokenizer),
 `prompts.jsonl` (ds_ppo's prompts in ds_ppo's sampling order) and `meta.json` (the ds_ppo config
 numbers mirrored here: lr, warm-up, betas, eps, clip, kl_coef, max_new_tokens, batch sizes,
 gradient checkpointing). The
@@ -196,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((shared / "meta.json").read_text())
     steps = args.steps or meta["iterations"]
     seqs = meta["rollout_batch_size"] * args.num_generations
-    tok = AutoTokenizer.from_pretrained(shared / "policy")
+    tok = AutoTokenizer.from_pretrained(meta["tokenizer"])
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(shared / "policy", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(meta["policy"], dtype=torch.float32)
     dataset = _dataset(shared, tok, steps * meta["rollout_batch_size"])
     reward_log: list[float] = []
     config, opt_per_step = _config(args, meta, steps, seqs)

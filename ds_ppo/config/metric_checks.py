@@ -21,6 +21,7 @@ _NEEDS: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("async/", lambda c: c.ppo.schedule != "sync", "ppo.schedule one_step_off or async"),
     ("sampling/", lambda c: c.ppo.dynamic_sampling, "ppo.dynamic_sampling=true"),
     ("value/", lambda c: c.ppo.uses_critic, "ppo.advantage_estimator=gae (a value model)"),
+    ("kl_coef", lambda c: c.ppo.kl_in_reward, "ppo.kl_in_reward=true (the KL in the reward)"),
 )
 _EFFECT = {"tracking.alarms.watch": "its alarm never fires (nor stops the run)",
            "checkpoint.keep_best": "no checkpoint is ever ranked best"}

@@ -135,8 +135,9 @@ class RewardConfig(Section):
         None,
         description="A Python reward function `module:function` called as "
         "f(prompts: list[str], responses: list[str]) -> list[float] (batched), plus one "
-        "keyword list per data.reward_keys column. `ds_ppo.rewards:positive_words` is the tiny "
-        "default's task.")
+        "keyword list per data.reward_keys column, and messages=[each prompt's chat, None for "
+        "plain text] when it names a `messages` parameter. `ds_ppo.rewards:positive_words` is "
+        "the tiny default's task.")
     model: str | None = Field(
         None, description="A Hugging Face sequence-classification reward model (num_labels=1).")
     tokenizer: str | None = Field(

@@ -30,6 +30,12 @@ class AlarmsConfig(Section):
         "above this for zero_std_iterations iterations in a row. 1: off.")
     zero_std_iterations: int = Field(
         10, gt=0, description="Iterations in a row above zero_std_ceiling before alarm/zero_std.")
+    zero_signal_iterations: int = Field(
+        3, gt=0, description="alarm/zero_std fires sooner, after this many iterations in a row "
+        "in which every response's advantage is 0 (advantage/zero_frac = 1: e.g. every group "
+        "scored alike under grpo, dr_grpo or rloo with no batch baseline, "
+        "ppo.zero_std_advantage): such a batch gives the policy no gradient at all. Needs "
+        "zero_std_ceiling < 1.")
     watch: list[str] = Field(
         default_factory=list, description="Metrics whose fall is an alarm alarm/drop (e.g. "
         "[env/accuracy], [score/mean], [eval/score_mean]): when the mean over the last window "
@@ -106,8 +112,10 @@ class CheckpointConfig(Section):
         True, description="Also write the policy's and value's weights as safetensors into each "
         "checkpoint (streamed a parameter group at a time by the ranks of node 0), so that "
         "`ds-ppo export` reads no pickle.")
-    export_dtype: Literal["bf16", "fp16", "fp32"] = Field(
-        "bf16", description="Weight dtype of exported models (safetensors).")
+    export_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Weight dtype of exported models (safetensors): auto = the dtype "
+        "the policy trained in (policy.dtype as resolved: fp32 on CPU, bf16 on most GPUs); "
+        "bf16/fp16 halve the size of an fp32 run's export.")
     save_on_signal: bool = Field(
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
         "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "

@@ -56,7 +56,7 @@ def evaluate(num_prompts: int, s: EvalSettings, generate: Callable[[list[int]], 
     `eval/eos_rate` over every rank's greedy responses (`generate(indices)`: the rollout of the
     evaluation prompts `indices` with `greedy_config`; `reward(rollout)`: its (B,) scores,
     `scoring.reward_scores`); and this rank's first tracking.num_samples (prompt, response,
-    score, data.reward_keys values) for the eval samples table."""
+    score, data.reward_keys values, chat messages or None) for the eval samples table."""
     indices = eval_indices(num_prompts, s.eval_size)
     if not indices:
         return {}, []
@@ -76,5 +76,6 @@ def evaluate(num_prompts: int, s: EvalSettings, generate: Callable[[list[int]], 
     m = acc.reduce()
     m["eval/score_std"] = std_from_moments(m["eval/score_mean"], m.pop("eval/_score_sq"))
     k = s.num_samples
+    chats = rollout.messages[:k] if rollout.messages is not None else [None] * k
     return m, list(zip(rollout.prompts[:k], readable_responses(tokenizer, rollout, k),
-                       scores[:k].tolist(), rollout.extras[:k]))
+                       scores[:k].tolist(), rollout.extras[:k], chats))

@@ -16,7 +16,7 @@ from ds_ppo.config import Config
 from ds_ppo.engine import dist
 from ds_ppo.metrics import Accumulator, std_from_moments
 from ds_ppo.ppo.episodes import format_transcript
-from ds_ppo.progress import Eta, format_duration
+from ds_ppo.progress import Eta, format_duration, format_signed
 from ds_ppo.rewards.encode import readable_responses
 
 if TYPE_CHECKING:
@@ -27,9 +27,11 @@ log = logging.getLogger("ds_ppo")
 
 def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
                       t_iter: float, group_size: int = 1, kl_estimator: str = "k1",
-                      kl_clip: float | None = None) -> dict[str, float]:
+                      kl_clip: float | None = None, kl_in_reward: bool = True
+                      ) -> dict[str, float]:
     """Add this iteration's rollout statistics to `acc` and reduce everything across ranks
-    (kl_estimator, kl_clip: ppo.kl_estimator and ppo.kl_clip, for kl/clamped_frac)."""
+    (kl_estimator, kl_clip: ppo.kl_estimator and ppo.kl_clip, for kl/clamped_frac;
+    kl_in_reward: ppo.kl_in_reward, without which kl_coef acts nowhere and is not logged)."""
     mask = exp.mask.float()
     n = float(len(exp))
     scores = exp.episode_scores.float()  # an episode's: its turn rewards and score
@@ -62,6 +64,9 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
         acc.add_replicated("value/explained_variance",
                            float(explained_variance(exp.old_values, exp.returns, exp.mask,
                                                     group=dist.dp_group())))
+    if exp.advantages is not None:  # a response with advantage 0 on every token adds no gradient
+        silent = ((exp.advantages == 0) | ~exp.mask).all(dim=1)
+        acc.add_mean("advantage/zero_frac", float(silent.sum()), n)
     if group_size > 1:  # ppo.samples_per_prompt: the spread of each prompt's scores
         std, constant = group_score_stats(exp.episode_scores, group_size)
         acc.add_mean("score/group_std_mean", float(std.sum()), float(std.numel()))
@@ -84,7 +89,8 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     for phase in ("generation", "scoring", "update"):
         m[f"tokens_per_s/{phase}"] = total_tokens / max(m[f"time/{phase}_s"], 1e-9)
     m["tokens_per_s/iteration"] = total_tokens / max(m["time/iteration_s"], 1e-9)
-    m["kl_coef"] = float(kl_ctl.value)
+    if kl_in_reward:
+        m["kl_coef"] = float(kl_ctl.value)
     m["lr/policy"] = engines.policy.lr()
     if engines.value is not None:
         m["lr/value"] = engines.value.lr()
@@ -133,9 +139,10 @@ class Reporter:
         if every and iteration % every == 0:
             k = s.num_samples
             r = exp.rollout
-            rows = [sample_row(p, resp, s, extra) for p, resp, s, extra in
+            rows = [sample_row(p, resp, s, extra, chat) for p, resp, s, extra, chat in
                     zip(r.prompts[:k], readable_responses(self.tokenizer, r, k),
-                        exp.episode_scores[:k].tolist(), r.extras[:k])]
+                        exp.episode_scores[:k].tolist(), r.extras[:k],
+                        r.messages[:k] if r.messages is not None else [None] * k)]
             if r.transcripts is not None:  # an episode: each turn with its reward
                 for row, turns in zip(rows, r.transcripts[:k]):
                     row["turns"] = format_transcript(turns)
@@ -180,9 +187,9 @@ class Reporter:
     def progress_line(self, metrics: dict[str, float], iteration: int) -> str:
         s = self.s
         return (f"iter {iteration:>4}/{s.iterations} | score {metrics['score/mean']:+.4f} "
-                f"| kl {metrics['kl/sequence_mean']:+.4f} "
+                f"| kl/tok {format_signed(metrics['kl/token_mean'])} "
                 f"| entropy {metrics['policy/entropy']:.3f} "
-                + (f"| pg {metrics['loss/policy']:+.4f} " if "loss/policy" in metrics
+                + (f"| pg {format_signed(metrics['loss/policy'])} " if "loss/policy" in metrics
                    else "| pg critic warm-up ") +
                 (f"| ptx {metrics['loss/ptx']:.4f} " if "loss/ptx" in metrics else "")
                 + (f"| vf {metrics['loss/value']:.4f} " if "loss/value" in metrics else "") +
@@ -206,14 +213,18 @@ class Reporter:
 
 def _gather_rows(samples, k: int) -> list[dict]:
     """Collective: the first k sample rows over every rank's (prompt, response, score,
-    data.reward_keys values), rank 0's first."""
-    rows = [sample_row(p, r, s, extra) for p, r, s, extra in samples][:k]
+    data.reward_keys values, chat messages or None), rank 0's first."""
+    rows = [sample_row(*sample) for sample in samples][:k]
     return sum(dist.gather_objects(rows, data_parallel=True), [])[:k]
 
 
-def sample_row(prompt: str, response: str, score: float, extra: dict) -> dict:
-    """One row of the samples table, with the prompt's data.reward_keys values (e.g. the
-    reference answer); a key named like a fixed column gets a `data/` prefix."""
+def sample_row(prompt: str, response: str, score: float, extra: dict,
+               messages: list | None = None) -> dict:
+    """One row of the samples table, with the prompt's chat `messages` (a chat prompt only: the
+    chat `ds-ppo samples` shows) and data.reward_keys values (e.g. the reference answer); a key
+    named like a fixed column gets a `data/` prefix."""
     row = {"prompt": prompt, "response": response, "score": float(score)}
+    if messages is not None:
+        row["messages"] = messages
     row.update({(f"data/{k}" if k in row else k): v for k, v in extra.items()})
     return row

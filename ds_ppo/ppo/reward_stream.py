@@ -55,7 +55,8 @@ class RewardStream:
         self.fn, self.settings, self.pool = fn, s, pool
         self.limit = s.concurrency
         self.cond = threading.Condition()
-        self.pending: list[tuple[int, str, str, dict]] = []  # (row, prompt, response, extra)
+        # (row, prompt, response, extra, chat messages or None)
+        self.pending: list[tuple[int, str, str, dict, list | None]] = []
         self.running = 0  # calls (drain loops) in flight
         self.scored: dict[int, tuple[str, str, float]] = {}  # row -> (prompt, response, score)
         self.errors: list[tuple[int, UserError]] = []  # (the call's lowest row, its error)
@@ -65,25 +66,28 @@ class RewardStream:
 
     # ------------------------------------------------------------------ the decoding side
     def watch(self, tokenizer, prompt_ids: list[list[int]], extras: list[dict],
-              eos_ids: list[int]):
-        """The `on_done(rows, tokens)` of a decoding call over these rows (unpadded prompt ids
-        and dataset rows by row): each response's counted tokens (up to and including its
-        first EOS) decoded with its prompt, as the rollout decodes them, then handed in."""
+              eos_ids: list[int], messages: list | None = None):
+        """The `on_done(rows, tokens)` of a decoding call over these rows (unpadded prompt ids,
+        dataset rows and chat messages (None: plain-text prompts) by row): each response's
+        counted tokens (up to and including its first EOS) decoded with its prompt, as the
+        rollout decodes them, then handed in."""
         eos = set(eos_ids)
 
         def on_done(rows: list[int], tokens: list[list[int]]) -> None:
             counted = [counted_tokens(t, eos) for t in tokens]
             prompts, responses = decode_responses(tokenizer, [prompt_ids[i] for i in rows],
                                                   counted)
-            self.add(rows, prompts, responses, [extras[i] for i in rows])
+            self.add(rows, prompts, responses, [extras[i] for i in rows],
+                     [messages[i] for i in rows] if messages is not None else None)
         return on_done
 
     def add(self, rows: list[int], prompts: list[str], responses: list[str],
-            extras: list[dict]) -> None:
+            extras: list[dict], messages: list | None = None) -> None:
         """Rows whose responses are final: into the next call (a new one when fewer than
         reward.concurrency run)."""
         with self.cond:
-            self.pending.extend(zip(rows, prompts, responses, extras))
+            self.pending.extend(zip(rows, prompts, responses, extras,
+                                    messages if messages is not None else [None] * len(rows)))
             if self.running >= self.limit:
                 return  # a running loop takes them when its call returns
             self.running += 1
@@ -99,9 +103,9 @@ class RewardStream:
                     if not self.pending or self.errors:
                         return
                     batch, self.pending = self.pending, []
-                rows, prompts, responses, extras = (list(x) for x in zip(*batch))
+                rows, prompts, responses, extras, messages = (list(x) for x in zip(*batch))
                 call = call_reward_rows(prompts, responses, extras, self.fn, self.settings,
-                                        in_worker=True)
+                                        in_worker=True, messages=messages)
                 with self.cond:
                     if call.error is not None:
                         self.errors.append((min(rows), call.error))
@@ -140,7 +144,9 @@ class RewardStream:
                 call = call_reward_rows([rollout.prompts[i] for i in missing],
                                         [rollout.responses[i] for i in missing],
                                         [rollout.extras[i] for i in missing], self.fn,
-                                        self.settings, in_worker=True)
+                                        self.settings, in_worker=True,
+                                        messages=None if rollout.messages is None else
+                                        [rollout.messages[i] for i in missing])
                 error = call.error
                 self.scored.update((i, (rollout.prompts[i], rollout.responses[i], s))
                                    for i, s in zip(missing, call.scores))

@@ -124,7 +124,9 @@ def watch_responses(stream, prompts: PromptSet, indices: list[int],
     rows of the prompts `indices` (token ids `prompt_ids`); also a partial rollout's."""
     if stream is None:
         return None
-    return stream.watch(tokenizer, prompt_ids, [prompts.extra(i) for i in indices], eos_ids)
+    return stream.watch(tokenizer, prompt_ids, [prompts.extra(i) for i in indices], eos_ids,
+                        [prompts.chat(i) for i in indices] if prompts.messages is not None
+                        else None)
 
 
 def assemble_rollout(prompts: PromptSet, indices: list[int], prompt_ids: list[list[int]],

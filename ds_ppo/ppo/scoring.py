@@ -17,7 +17,7 @@ from ds_ppo.errors import RewardError, RewardFunctionError, RewardTimeout, UserE
 from ds_ppo.ppo.batching import Batching, batching, is_split, model_micro_batches
 from ds_ppo.ppo.correction import sampler_logprobs
 from ds_ppo.redaction import redact_url
-from ds_ppo.rewards.call import call_reward_function
+from ds_ppo.rewards.call import MESSAGES, call_reward_function, takes_messages
 
 
 def _micro_batches(rollout: Rollout, size: int) -> tuple[list[list[int]], list[int]]:
@@ -44,7 +44,7 @@ def call_reward(rollout: Rollout, fn, s: RewardCallSettings, in_worker: bool = F
     with a timeout), its error caught. `in_worker`: called from ppo.schedule's background
     worker, which must not touch the watchdog (the training thread reports its phases)."""
     return call_reward_rows(list(rollout.prompts), list(rollout.responses), rollout.extras, fn,
-                            s, in_worker)
+                            s, in_worker, rollout.messages)
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,13 @@ def reward_call_settings(cfg: Config) -> RewardCallSettings:
 
 
 def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict], fn,
-                     s: RewardCallSettings, in_worker: bool = False) -> RewardCall:
-    """`call_reward` on rows given as texts and their dataset rows (`extras`)."""
+                     s: RewardCallSettings, in_worker: bool = False,
+                     messages: list | None = None) -> RewardCall:
+    """`call_reward` on rows given as texts and their dataset rows (`extras`); `messages`: each
+    row's chat (None: plain-text prompts), for a function that takes `messages`."""
     columns = {k: [e[k] for e in extras] for k in s.reward_keys}
+    if MESSAGES not in columns and takes_messages(fn):  # a reward_keys column of that name wins
+        columns[MESSAGES] = list(messages) if messages is not None else [None] * len(prompts)
     exempt = {"limit_s": None} if s.unlimited else {}
     t0 = time.perf_counter()
     try:

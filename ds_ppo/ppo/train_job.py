@@ -193,7 +193,7 @@ class PPOJob:
         watchdog.at("metrics", iteration)
         metrics = iteration_metrics(acc, exp, engines, kl_ctl, t_iter,
                                     cfg.ppo.samples_per_prompt, cfg.ppo.kl_estimator,
-                                    cfg.ppo.kl_clip)
+                                    cfg.ppo.kl_clip, cfg.ppo.kl_in_reward)
         eval_samples = None
         if self.eval_prompts is not None and iteration % cfg.data.eval_every == 0:
             eval_metrics, eval_samples = self._evaluate(cfg, engines, run.tokenizer)

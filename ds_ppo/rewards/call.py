@@ -3,7 +3,11 @@
 A reward function takes the batch's prompts and responses as text and returns one float per
 response: `f(prompts: list[str], responses: list[str]) -> list[float]`. With
 `data.reward_keys: [answer]` it also gets each response's dataset value of that column:
-`f(prompts, responses, answer=[...])` (a reference answer for a verifiable reward).
+`f(prompts, responses, answer=[...])` (a reference answer for a verifiable reward). A function
+that names a parameter `messages` also gets each prompt's chat as the dataset gave it (a list of
+{role, content}; None for a plain-text prompt): `f(prompts, responses, messages=[...])`, as TRL
+hands a conversational dataset's prompts to its reward functions. The prompt texts are the
+rendered prompts with the special tokens removed; the responses never hold template tokens.
 """
 from __future__ import annotations
 
@@ -48,10 +52,25 @@ def load_reward_function(spec: str, keys: Sequence[str] = ()
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check (some builtins): call and see
         return fn
+    if takes_messages(fn) and MESSAGES not in keys:
+        keys = (*keys, MESSAGES)
     problem = signature_problem(signature, keys, spec.partition(":")[2])
     if problem:
         raise ConfigError(f"reward.function = {spec!r} {problem}")
     return fn
+
+
+MESSAGES = "messages"  # the keyword that hands a reward function each prompt's chat
+
+
+def takes_messages(fn: Callable) -> bool:
+    """Whether `fn` names a `messages` parameter (a **kwargs alone does not count: a function
+    written before it existed gets no new argument)."""
+    try:
+        param = inspect.signature(fn).parameters.get(MESSAGES)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
 def signature_problem(signature: inspect.Signature, keys: Sequence[str], name: str = "f"

@@ -8,7 +8,8 @@ every rank decides alike):
   samples one response per prompt gives a group estimator equal scores: no advantage, no
   gradient, and it stays where it is.
 - ``zero_std``: group/zero_std_frac above zero_std_ceiling for zero_std_iterations in a row: the
-  same, seen from the scores.
+  same, seen from the scores; or, sooner, advantage/zero_frac = 1 (every advantage is 0: the
+  batch gives no gradient at all) for zero_signal_iterations in a row.
 - ``drop``: a watched metric's mean over its last `window` logged values more than max_drop below
   the best such mean: the policy lost something it had learned.
 
@@ -38,6 +39,7 @@ class AlarmState:
 
     below_entropy: int = 0  # iterations in a row with policy/entropy under the floor
     above_zero_std: int = 0  # iterations in a row with group/zero_std_frac over the ceiling
+    no_signal: int = 0  # iterations in a row with advantage/zero_frac = 1
     recent: dict[str, list[float]] = field(default_factory=dict)  # watched metric -> last values
     best: dict[str, list[float]] = field(default_factory=dict)  # metric -> [best mean, iteration]
     active: list[str] = field(default_factory=list)  # alarms fired and not yet re-armed
@@ -73,11 +75,21 @@ def check_alarms(settings, state: AlarmState, metrics: dict[str, float],
                 f"{state.below_entropy} iterations: the policy samples (nearly) one response "
                 "per prompt and has stopped exploring. Try ppo.entropy_coef (e.g. 0.005) or "
                 "ppo.dynamic_sampling")
-    zero_std = metrics.get("group/zero_std_frac")
+    zero_std, silent = metrics.get("group/zero_std_frac"), metrics.get("advantage/zero_frac")
+    if settings.zero_std_ceiling < 1 and silent is not None:
+        seen["zero_std"] = silent >= 1.0
+        state.no_signal = state.no_signal + 1 if seen["zero_std"] else 0
+        if state.no_signal >= settings.zero_signal_iterations:
+            holding["zero_std"] = (
+                f"advantage/zero_frac = 1 for {state.no_signal} iterations: every response's "
+                "advantage is 0 (the responses to each prompt score alike), so the policy gets "
+                "no gradient. Try ppo.zero_std_advantage (a batch baseline), "
+                "ppo.dynamic_sampling, ppo.entropy_coef or more ppo.samples_per_prompt")
     if settings.zero_std_ceiling < 1 and zero_std is not None:
-        seen["zero_std"] = zero_std > settings.zero_std_ceiling
-        state.above_zero_std = state.above_zero_std + 1 if seen["zero_std"] else 0
-        if state.above_zero_std >= settings.zero_std_iterations:
+        above = zero_std > settings.zero_std_ceiling
+        seen["zero_std"] = seen.get("zero_std", False) or above
+        state.above_zero_std = state.above_zero_std + 1 if above else 0
+        if state.above_zero_std >= settings.zero_std_iterations and "zero_std" not in holding:
             holding["zero_std"] = (
                 f"group/zero_std_frac = {zero_std:.3g}, above tracking.alarms.zero_std_ceiling "
                 f"= {settings.zero_std_ceiling:g} for {state.above_zero_std} iterations: the "

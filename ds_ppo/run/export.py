@@ -1,5 +1,6 @@
 """`ds-ppo export`: the policy (and optionally the value model) as a Hugging Face model directory:
-safetensors 16-bit weights + config + tokenizer, loadable with `from_pretrained` and no ds_ppo.
+safetensors weights (in the dtype the policy trained in, unless asked for another) + config +
+tokenizer, loadable with `from_pretrained` and no ds_ppo.
 
 Two paths, both written by engine/checkpoint/hf_export.py: `export_engine` inside a running job (weights
 gathered a group at a time from ZeRO-3 and streamed into safetensors shards by the ranks of node
@@ -20,6 +21,7 @@ load it), from the checkpoint's adapter and the base model at its recorded path;
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -34,8 +36,28 @@ from ds_ppo.engine.checkpoint.hf_export import (MARKER, export_engine, export_in
 from ds_ppo.errors import CheckpointError, UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-__all__ = ["DTYPES", "MARKER", "check_export_target", "export_checkpoint", "export_engine",
-           "main", "write_atomically", "write_marker"]
+__all__ = ["DTYPES", "MARKER", "check_export_target", "checkpoint_dtype", "dtype_name",
+           "export_checkpoint", "export_dtype", "export_engine", "main", "write_atomically",
+           "write_marker"]
+
+
+def export_dtype(name: str, trained: torch.dtype) -> torch.dtype:
+    """The dtype an export writes: `name` (checkpoint.export_dtype, `ds-ppo export --dtype`),
+    where `auto` keeps `trained`, the dtype the weights were trained in."""
+    return trained if name == "auto" else DTYPES[name]
+
+
+def checkpoint_dtype(checkpoint: str | Path) -> torch.dtype:
+    """The dtype the policy of `checkpoint` trained in, as its hf/config.json records it
+    (a config without one: fp32, transformers' own default)."""
+    config = json.loads((resolve_checkpoint(checkpoint) / "hf" / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return {dtype_name(d): d for d in DTYPES.values()}.get(name, torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """As logs and config.json spell it: float32, bfloat16, float16."""
+    return str(dtype).removeprefix("torch.")
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype,
@@ -126,9 +148,11 @@ def _check_lora_request(ckpt: Path, lora_bases: dict, with_value: bool,
 
 
 def main(args: argparse.Namespace) -> int:
-    for path in export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], args.value,
+    name = getattr(args, "dtype", "auto")
+    dtype = DTYPES[name] if name != "auto" else checkpoint_dtype(args.checkpoint)
+    for path in export_checkpoint(args.checkpoint, args.out, dtype, args.value,
                                   getattr(args, "overwrite", False),
                                   getattr(args, "adapter_only", False),
                                   not getattr(args, "no_verify", False)):
-        print(f"exported {path}")
+        print(f"exported {path} ({dtype_name(dtype)} weights)")
     return 0

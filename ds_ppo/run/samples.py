@@ -1,6 +1,7 @@
 """`ds-ppo samples OUTPUT_DIR`: the sample tables a run wrote to output_dir/samples.jsonl (the
-rows of MLflow's `samples/` and `eval_samples/` tables: prompt, response, score and the
-data.reward_keys columns, with the iteration and split), read back without MLflow."""
+rows of MLflow's `samples/` and `eval_samples/` tables: prompt, response, score, a chat
+prompt's messages and the data.reward_keys columns, with the iteration and split), read back
+without MLflow. A chat prompt is shown as its messages, one line per turn."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from ds_ppo.errors import UserError
 
-FIXED = ("iteration", "split", "prompt", "response", "score")
+FIXED = ("iteration", "split", "prompt", "response", "score", "messages")
 
 
 def read_samples(output_dir: str | Path) -> list[dict]:
@@ -44,14 +45,25 @@ def select(rows: list[dict], iteration: int | None, split: str | None) -> tuple[
 
 
 def format_rows(rows: list[dict]) -> str:
-    """A readable listing: one block per row (score, extra columns, prompt, response)."""
+    """A readable listing: one block per row (score, extra columns, prompt or chat, response)."""
     out = []
     for i, r in enumerate(rows, start=1):
         extra = "".join(f" | {k}: {json.dumps(v, ensure_ascii=False)}" for k, v in r.items()
                         if k not in FIXED)
         out.append(f"[{i}] {r.get('split', 'train')} | score {r['score']:+.4f}{extra}\n"
-                   f"    prompt:   {r['prompt']!r}\n    response: {r['response']!r}")
+                   f"{_prompt_lines(r)}\n    response: {r['response']!r}")
     return "\n".join(out)
+
+
+def _prompt_lines(row: dict) -> str:
+    """`prompt: '...'`, or for a chat prompt its turns: `chat:` then `  user: '...'` lines."""
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return f"    prompt:   {row['prompt']!r}"
+    width = max(len(str(m.get("role", ""))) for m in messages) if messages else 0
+    turns = [f"      {str(m.get('role', '')) + ':':<{width + 1}} {m.get('content', '')!r}"
+             for m in messages]
+    return "\n".join(["    chat:", *turns])
 
 
 def main(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     """Save the final state (unless the last iteration was just saved) and export the policy
     (a supervised job's model: `model_class` names what it loads with)."""
     from ds_ppo.engine.checkpoint.hf_export import export_final
-    from ds_ppo.run.export import DTYPES
+    from ds_ppo.run.export import dtype_name, export_dtype
 
     out = Path(cfg.output_dir)
     latest = latest_checkpoint(out)
@@ -73,21 +73,23 @@ def finish(cfg: Config, engines: Engines, state: TrainerState, tokenizer,
     export_dir = None
     if cfg.checkpoint.export_at_end:
         export_dir = str(out / "final")
-        dtype, sealed = DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.verify
+        dtype = export_dtype(cfg.checkpoint.export_dtype, engines.dtype)
+        sealed = cfg.checkpoint.verify
         # written aside and renamed into place; marked as ds_ppo's (`ds-ppo export --out
         # output_dir/final` may replace it), with its manifest (checkpoint.verify)
         with watchdog.phase("export", state.iteration):
             export_final(engines.policy, tokenizer, out / "final", dtype, f"the run in {out}",
                          iteration=state.iteration, with_manifest=sealed)
         if dist.is_main():
-            log.info("exported the %s to %s (load with %s.from_pretrained)",
+            log.info("exported the %s to %s (%s weights; load with %s.from_pretrained)",
                      "policy" if model_class == "AutoModelForCausalLM" else "model", export_dir,
-                     model_class)
+                     dtype_name(dtype), model_class)
         if engines.policy.ema is not None:  # policy.ema_decay: the EMA weights beside it
             with engines.policy.ema.swapped_in(), watchdog.phase("export", state.iteration):
                 export_final(engines.policy, tokenizer, out / "final_ema", dtype,
                              f"the run in {out} (EMA)", iteration=state.iteration,
                              with_manifest=sealed)
             if dist.is_main():
-                log.info("exported the policy's EMA to %s", out / "final_ema")
+                log.info("exported the policy's EMA to %s (%s weights)", out / "final_ema",
+                         dtype_name(dtype))
     return last_checkpoint, export_dir

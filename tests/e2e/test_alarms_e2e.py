@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import read_metrics, run_cli
+from conftest import clean_env, read_metrics, run_cli
 
 # entropy_floor 100 nats: every iteration of a tiny random policy is "below" it, so the alarm's
 # path runs after entropy_iterations iterations, whatever the sampling
@@ -59,3 +59,30 @@ def test_alarm_stops_saves_and_the_resumed_run_keeps_the_best(tmp_path):
     # keep_last=1 pruned the rest, but never the best
     kept = {p.name for p in ckpts.glob("iter_*")}
     assert {"iter_000008", named} <= kept and len(kept) <= 3
+
+
+CONSTANT_REWARD = "def score(prompts, responses):\n    return [1.0] * len(responses)\n"
+
+
+def test_a_batch_without_signal_fires_within_three_iterations_and_grpo_logs_no_kl_coef(
+        tmp_path):
+    """GRPO with a reward that scores every response alike: every advantage is 0 from the first
+    iteration (advantage/zero_frac = 1), so alarm/zero_std fires at iteration 3, not after
+    zero_std_iterations (10). The KL is in GRPO's loss, not its reward: no kl_coef is logged."""
+    (tmp_path / "constant_reward.py").write_text(CONSTANT_REWARD)
+    out = tmp_path / "out"
+    proc = run_cli(["train", f"output_dir={out}", "tracking.enabled=false",
+                    "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4",
+                    "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
+                    "ppo.micro_batch_size=4", "generation.max_new_tokens=8", "iterations=3",
+                    "checkpoint.export_at_end=false", "checkpoint.save_at_end=false",
+                    "reward.function=constant_reward:score"], cwd=tmp_path,
+                   env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"))
+    logs = proc.stdout + proc.stderr
+    assert "alarm alarm/zero_std at iteration 3: advantage/zero_frac = 1 for 3" in logs
+    rows = read_metrics(out)
+    assert [r["advantage/zero_frac"] for r in rows] == [1.0, 1.0, 1.0]
+    assert [r.get("alarm/zero_std") for r in rows] == [None, None, 1.0]
+    assert not any("kl_coef" in r for r in rows)
+    assert all("kl/sequence_mean" in r and "kl/token_mean" in r for r in rows)
+    assert "| kl/tok " in proc.stdout and "| pg +0.0000 |" in proc.stdout

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import clean_env
+from ds_ppo.errors import UserError
 from ds_ppo.bench.peer import PHASES, _summary, pair_ratios, table
 
 try:
@@ -107,3 +108,57 @@ def test_peer_bench_tiny(tmp_path):
     # both sides started from the prepared weights (ds_ppo checks its own copy byte for byte)
     meta = json.loads((out / "shared" / "meta.json").read_text())
     assert meta["policy_sha256"] and meta["reward"] == "ds_ppo.rewards:positive_words"
+
+
+def _pretrained_dir(tmp_path):
+    """A tiny Llama and its tokenizer written with save_pretrained, as a downloaded model is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ds_ppo.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny", tmp_path / "cache")
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    d = tmp_path / "pretrained"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_peer_starting_point_from_policy_path(tmp_path):
+    """policy.path=DIR: no random init; both sides load DIR (its weights hashed, so each ds_ppo
+    run is checked against them) and TRL the tokenizer as ds_ppo loads it."""
+    from ds_ppo.bench.peer import _weights_hash, prepare
+
+    d = _pretrained_dir(tmp_path)
+    meta = prepare(tmp_path / "shared", [f"policy.path={d}", "iterations=2"])
+    assert meta["from_path"] and meta["policy"] == str(d.resolve())
+    assert meta["policy_sha256"] == _weights_hash(d)
+    assert not (tmp_path / "shared" / "policy").exists()
+    assert (tmp_path / "shared" / "tokenizer" / "tokenizer_config.json").exists()
+    (d / "model.safetensors").rename(d / "weights.bin")
+    with pytest.raises(UserError, match="must be a local directory with safetensors"):
+        prepare(tmp_path / "shared2", [f"policy.path={d}"])
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed")
+def test_peer_bench_runs_from_a_pretrained_directory(tmp_path):
+    d = _pretrained_dir(tmp_path)
+    cmd = [sys.executable, "-m", "ds_ppo", "bench", "--peer", "trl", "--runs", "trl,ppo",
+           "--iterations", "2", "--out-dir", str(tmp_path / "bench"), "--json",
+           str(tmp_path / "r.json"), f"policy.path={d}", "ppo.rollout_batch_size=4",
+           "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", "generation.max_new_tokens=6"]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trl_row, ours = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert trl_row["iterations"] == ours["iterations"] == 2
+
+
+def test_bench_help_lists_every_mode():
+    proc = subprocess.run([sys.executable, "-m", "ds_ppo", "bench", "--help"], env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for mode in ("--peer trl", "--schedule", "--summarize", "ds_ppo.bench.decode"):
+        assert mode in proc.stdout, mode

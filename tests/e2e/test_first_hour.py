@@ -59,6 +59,25 @@ def test_eta_is_the_mean_of_recent_iterations_times_those_left():
         "0s", "45s", "3m20s", "59m59s", "2h05m"]
 
 
+def test_progress_line_shows_a_per_token_kl_and_small_losses_in_scientific_notation(tmp_path):
+    """kl/tok is kl/token_mean (TRL and verl print a per-token KL), not the per-sequence sum;
+    a policy loss of a group estimator (mean advantage 0 by construction) does not print
+    +-0.0000."""
+    from ds_ppo.ppo.iteration_report import Reporter, ReportSettings
+    from ds_ppo.progress import format_signed
+
+    reporter = Reporter(ReportSettings(40, 1, 0, 0, "sync", 1024), None, tmp_path, None)
+    metrics = {"score/mean": 0.5, "kl/sequence_mean": 1.2, "kl/token_mean": 0.1,
+               "policy/entropy": 5.0, "loss/policy": -2.5e-5, "response/length_mean": 12.0,
+               "time/generation_s": 1.0, "time/iteration_s": 2.0}
+    reporter.eta.tick(1, 2.0)
+    line = reporter.progress_line(metrics, 1)
+    assert "| kl/tok +0.1000 |" in line and "+1.2" not in line
+    assert "| pg -2.50e-05 |" in line
+    assert [format_signed(x) for x in (0.0, -0.0, 0.0213, -0.00099, 12.5)] == [
+        "+0.0000", "+0.0000", "+0.0213", "-9.90e-04", "+12.5000"]
+
+
 def test_log_level_info_silences_library_bars_and_debug_keeps_them(tmp_path):
     import sys
 

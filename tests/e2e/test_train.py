@@ -130,12 +130,12 @@ def test_readme_lines_are_checked_to_the_digit_first_and_within_bands_later():
     seed's, not a first line off by a digit or a later one off by a changed default."""
     from support.readme_lines import differences
 
-    readme = {1: "iter    1/40 | score +0.0493 | kl +0.0000 | entropy 6.225 | pg -0.0691 | "
+    readme = {1: "iter    1/40 | score +0.0493 | kl/tok +0.0000 | entropy 6.225 | pg -0.0691 | "
                  "vf 0.0278 | len 12.0 | ...",
-              40: "iter   40/40 | score +0.7218 | kl +12.9164 | entropy 5.271 | pg -0.0214 | "
+              40: "iter   40/40 | score +0.7218 | kl/tok +1.0764 | entropy 5.271 | pg -0.0214 | "
                   "vf 0.0081 | len 12.0 | ..."}
     other_cpu = dict(readme)
-    other_cpu[40] = ("iter   40/40 | score +0.7028 | kl +11.3212 | entropy 5.345 | pg -0.0257 | "
+    other_cpu[40] = ("iter   40/40 | score +0.7028 | kl/tok +0.9434 | entropy 5.345 | pg -0.0257 | "
                      "vf 0.0125 | len 12.0 | ...")
     assert differences(readme, other_cpu) == []
     first_off = {**other_cpu, 1: readme[1].replace("+0.0493", "+0.0513")}
@@ -220,7 +220,7 @@ outs = []
 for d in ({a!r}, {b!r}, {c!r}):
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d)
-    assert d == {c!r} or next(model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # as trained (fp32 on CPU)
     model = model.float()
     ids = tok(["the cat", "my aunt is"], return_tensors="pt", padding=True)
     o = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -230,6 +230,29 @@ print(json.dumps(outs))
     offline, in_training, initial = _export_and_generate(gen, tmp_path)
     assert offline == in_training
     assert offline != initial  # the trained weights were exported, not the initial ones
+
+
+def test_exports_keep_the_training_dtype_and_say_which(tmp_path):
+    """A CPU run trains in fp32: output_dir/final and `ds-ppo export` write fp32 weights unless
+    told otherwise (checkpoint.export_dtype, --dtype), and their log lines name the dtype."""
+    from safetensors import safe_open
+
+    def weight_dtypes(d):
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+    out = tmp_path / "out"
+    proc = run_cli(["train", f"output_dir={out}", "iterations=1", *SMALL,
+                    "checkpoint.export_at_end=true"], cwd=tmp_path)
+    assert "to " + str(out / "final") + " (float32 weights" in proc.stdout + proc.stderr
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "float32"
+    assert weight_dtypes(out / "final") == {"F32"}
+    proc = run_cli(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf")],
+                   cwd=tmp_path)
+    assert "(float32 weights)" in proc.stdout and weight_dtypes(tmp_path / "hf") == {"F32"}
+    proc = run_cli(["export", "--checkpoint", str(out), "--out", str(tmp_path / "half"),
+                    "--dtype", "bf16"], cwd=tmp_path)
+    assert "(bfloat16 weights)" in proc.stdout and weight_dtypes(tmp_path / "half") == {"BF16"}
 
 
 def test_bad_config_exits_cleanly(tmp_path):

@@ -339,6 +339,45 @@ def test_reward_function_gets_the_dataset_columns():
     assert load_reward_function(f"{__name__}:with_kwargs", ["a", "b"]) is with_kwargs
 
 
+def chat_aware(prompts, responses, messages):
+    return [float(len(m)) if m is not None else -1.0 for m in messages]
+
+
+def old_style(prompts, responses, **columns):
+    assert "messages" not in columns  # a function that does not name it never gets it
+    return [0.5] * len(prompts)
+
+
+def test_a_reward_function_that_names_messages_gets_each_prompts_chat():
+    """`messages`: each prompt's chat (None for a plain-text one), only for a function that
+    names the parameter; it needs no data.reward_keys entry, and reward.stream's calls get it
+    too."""
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+             None]
+    rollout = _rollout([" hello", " bye"], [True, True])
+    rollout.messages = chats
+    cfg = _cfg("reward.stream=false")
+    assert load_reward_function(f"{__name__}:chat_aware") is chat_aware  # no reward_keys needed
+    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=chat_aware),
+                              reward_settings(cfg), None)
+    assert scores.tolist() == [2.0, -1.0]
+    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=old_style),
+                              reward_settings(cfg), None)
+    assert scores.tolist() == [0.5, 0.5]
+    rollout.messages = None  # a dataset without chats: one None per row
+    scores, _ = reward_scores(rollout, types.SimpleNamespace(reward_fn=chat_aware),
+                              reward_settings(cfg), None)
+    assert scores.tolist() == [-1.0, -1.0]
+    from ds_ppo.ppo.reward_stream import RewardStream, _pool
+    from ds_ppo.ppo.scoring import reward_call_settings
+
+    rollout.messages = chats
+    stream = RewardStream(chat_aware, reward_call_settings(_cfg()), _pool(2))
+    stream.add([1], ["p"], [" bye"], [{}], [None])
+    stream.add([0], ["p"], [" hello"], [{}], [chats[0]])
+    assert stream.result(rollout).scores == [2.0, -1.0]
+
+
 def test_positive_words_and_loading():
     assert positive_words(["x"] * 3, ["good great bad", "", "Happy!"]) == pytest.approx(
         [2 / 3, 0.0, 1.0])

@@ -44,6 +44,25 @@ def test_zero_std_alarm_and_metrics_that_are_absent():
     assert _run(s, [{"score/mean": 0.0}] * 20)[0] == []
 
 
+def test_zero_std_alarm_fires_within_three_iterations_of_a_batch_without_signal():
+    """group/zero_std_frac = 1 from iteration 5. Without a batch baseline every advantage is 0
+    (advantage/zero_frac = 1): the alarm fires at 7, not after zero_std_iterations (14). With
+    ppo.zero_std_advantage the responses keep advantages: only the slow path fires."""
+    flat = [0.5] * 4 + [1.0] * 16
+    no_baseline = [{"group/zero_std_frac": z, "advantage/zero_frac": z} for z in flat]
+    fired, _ = _run(_alarms(), no_baseline)
+    assert fired == [(7, "zero_std")]
+    baseline = [{"group/zero_std_frac": z, "advantage/zero_frac": 0.0} for z in flat]
+    assert _run(_alarms(), baseline)[0] == [(14, "zero_std")]
+    assert _run(_alarms("zero_signal_iterations=1"), no_baseline)[0] == [(5, "zero_std")]
+    assert _run(_alarms("zero_std_ceiling=1"), no_baseline)[0] == []  # the alarm is off
+    state = AlarmState()
+    msgs = [a.message for i, m in enumerate(no_baseline, 1)
+            for a in check_alarms(_alarms(), state, m, i)]
+    assert "advantage/zero_frac = 1 for 3 iterations" in msgs[0]
+    assert "ppo.zero_std_advantage" in msgs[0]
+
+
 def test_drop_alarm_on_a_lost_skill():
     """The run that reached 0.71 and lost it: accuracy ~0.7 for a while, then 0.25."""
     s = _alarms("watch=[env/accuracy]", "window=4", "max_drop=0.2")

@@ -55,6 +55,8 @@ def test_a_setting_the_config_reads_is_no_warning(capsys, overrides):
     (["tracking.alarms.watch=[score/mean, eval/score_mean]"],
      ["'eval/score_mean' is logged only with data.eval_split"]),
     (["tracking.alarms.watch=[env/correct]"], ["'env/correct' is logged only with an env"]),
+    (["tracking.alarms.watch=[kl_coef]", "ppo.advantage_estimator=grpo",
+      "ppo.samples_per_prompt=2"], ["'kl_coef' is logged only with ppo.kl_in_reward=true"]),
     (["checkpoint.keep_best=eval/scoremean"],
      ["checkpoint.keep_best: 'eval/scoremean' is not a metric", "is ever ranked best",
       "did you mean 'eval/score_mean'?"]),
