@@ -170,6 +170,26 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return (weight.float() + delta).to(weight.dtype)
 
 
+def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """A peft LoRA Linear layer's output for `x` computed as the replica computes it: with its
+    merged weight (`merge_lora`, the same arithmetic as `replica_weights`), one linear, so
+    with the batch-invariant kernels the trainer's forward gives the sampler's bits. Gradients
+    reach A and B through the merge. None where the layer's own forward must run: adapters
+    off or merged, another adapter or a variant (DoRA), an input dropout while training, or a
+    base that is not a Linear (GPT-2's Conv1D)."""
+    if (layer.disable_adapters or layer.merged or list(layer.active_adapters) != [ADAPTER]
+            or ADAPTER not in layer.lora_A or ADAPTER in getattr(layer, "lora_variant", {})
+            or getattr(layer, "fan_in_fan_out", False)
+            or not isinstance(layer.base_layer, torch.nn.Linear)
+            or (layer.training and not isinstance(layer.lora_dropout[ADAPTER],
+                                                  torch.nn.Identity))):
+        return None
+    base = layer.base_layer
+    weight = merge_lora(base.weight, layer.lora_A[ADAPTER].weight,
+                        layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER], False)
+    return torch.nn.functional.linear(x, weight, base.bias)
+
+
 def _merged(layer, weight: torch.nn.Parameter, base: torch.Tensor | None = None
             ) -> Callable[[], torch.Tensor]:
     """A peft LoRA layer's merged weight (`merge_lora`), read once the parameters are gathered.

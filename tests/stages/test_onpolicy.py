@@ -33,12 +33,12 @@ def _gap(rollout: Rollout, trained: torch.Tensor) -> float:
     return float((rollout.rollout_logprobs[m] - trained[m]).abs().max())
 
 
-def _sampled(engine, cfg, eos_ids) -> Rollout:
-    """9 prompts' responses from `generate` (seed 0) as a Rollout carrying the sampler's
-    log-probs and shape."""
+def _sampled(engine, cfg, eos_ids, dtype: torch.dtype = torch.float32) -> Rollout:
+    """9 prompts' responses from `generate` (seed 0, a replica in `dtype`) as a Rollout
+    carrying the sampler's log-probs and shape."""
     ids, mask = _prompts(9, 6)
     torch.manual_seed(0)
-    gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32)
+    gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, dtype)
     m = gen.mask
     return Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=gen.response_ids, mask=m,
                    ended=gen.ended, prompts=[""] * 9,
@@ -91,6 +91,47 @@ def _check_setting(model, engine, cfg, eos_ids, exact):
             assert torch.isfinite(entropy[m]).all() and (entropy[m] >= 0).all()
         plain = response_logprobs(model, replace(rollout, sampling=None), temp)[0]
     assert _gap(rollout, plain) > 1e-4
+
+
+def _trained_lora(model):
+    """`model` with LoRA adapters (r 4, the output head too) as training leaves them: B != 0,
+    so the adapters change every adapted layer's output."""
+    from ds_ppo.engine.lora import add_adapters
+
+    lora = load_config(None, ["policy.lora.r=4"]).policy.lora
+    model = add_adapters(model, lora, seed=0, output_head=True).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("case", ["bf16", "lora"])
+def test_batch_invariant_is_exact_in_bf16_and_with_lora(case, tmp_path):
+    """generation.batch_invariant: the gap is exactly 0, plain, packed and tiled, for a bf16
+    policy loaded as the trainer loads it (HF keeps its rotary frequencies in float32; the
+    replica must too, not round them to bf16) and for a LoRA policy with trained adapters (the
+    replica holds the merged weights; the trainer's LoRA layers compute with the same merge)."""
+    from transformers import LlamaForCausalLM
+
+    model, dtype = tiny_llama(seed=3), torch.float32
+    if case == "bf16":
+        model.save_pretrained(tmp_path)
+        dtype = torch.bfloat16
+        model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    else:
+        model = _trained_lora(model)
+    engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
+    cfg = load_config(None, ["generation.max_new_tokens=12"]).generation
+    with batch_invariant():
+        rollout = _sampled(engine, cfg, [EOS], dtype)
+        with torch.no_grad():
+            for kw in ({}, {"packed": True}, {"tiled": True, "tile_tokens": 7}):
+                trained = response_logprobs(model, rollout, cfg.temperature, **kw)[0]
+                assert _gap(rollout, trained) == 0.0, kw
 
 
 def answer_ok(prompt, actions, **keys):
