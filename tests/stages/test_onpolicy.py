@@ -108,21 +108,22 @@ def _trained_lora(model):
     return model
 
 
-@pytest.mark.parametrize("case", ["bf16", "lora"])
+@pytest.mark.parametrize("case", ["bf16", "lora", "bf16_lora"])
 def test_batch_invariant_is_exact_in_bf16_and_with_lora(case, tmp_path):
     """generation.batch_invariant: the gap is exactly 0, plain, packed and tiled, for a bf16
     policy loaded as the trainer loads it (HF keeps its rotary frequencies in float32; the
-    replica must too, not round them to bf16) and for a LoRA policy with trained adapters (the
-    replica holds the merged weights; the trainer's LoRA layers compute with the same merge)."""
+    replica must too, not round them to bf16), for a LoRA policy with trained adapters (the
+    replica holds the merged weights; the trainer's LoRA layers compute with the same merge),
+    and for both; in the update's forward too (training mode, gradients on)."""
     from transformers import LlamaForCausalLM
 
     model, dtype = tiny_llama(seed=3), torch.float32
-    if case == "bf16":
+    if case.startswith("bf16"):
         model.save_pretrained(tmp_path)
         dtype = torch.bfloat16
         model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32
-    else:
+    if case.endswith("lora"):
         model = _trained_lora(model)
     engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
     cfg = load_config(None, ["generation.max_new_tokens=12"]).generation
