@@ -175,11 +175,11 @@ def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     merged weight (`merge_lora`, the same arithmetic as `replica_weights`), one linear, so
     with the batch-invariant kernels every forward of the trainer (scoring and the update's)
     gives the sampler's bits. Gradients reach A and B through the merge, as close to float64's
-    as peft's own forward's are (relative to the gradient's norm; docs/SAMPLING.md). The cost, with gradients on: the merged weight
-    (the size of W) is kept for the backward, which computes a full-size gradient of it
-    before A's and B's. None where the layer's own forward must run: adapters off or merged,
-    another adapter or a variant (DoRA), an input dropout while training, or a base that is
-    not a Linear (GPT-2's Conv1D)."""
+    as peft's own forward's are (relative to the gradient's norm; docs/SAMPLING.md). The cost,
+    with gradients on: the merged weight (the size of W) is kept for the backward, which
+    computes a full-size gradient of it before A's and B's. None where the layer's own forward
+    must run: adapters off or merged, another adapter or a variant (DoRA), an input dropout
+    while training, or a base that is not a Linear (GPT-2's Conv1D)."""
     if (layer.disable_adapters or layer.merged or list(layer.active_adapters) != [ADAPTER]
             or ADAPTER not in layer.lora_A or ADAPTER in getattr(layer, "lora_variant", {})
             or getattr(layer, "fan_in_fan_out", False)
