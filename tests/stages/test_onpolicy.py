@@ -141,6 +141,46 @@ def test_batch_invariant_is_exact_in_bf16_and_with_lora(case, tmp_path):
             assert trained.requires_grad and _gap(rollout, trained) == 0.0, kw
 
 
+def test_batch_invariant_lora_on_conv1d_layers_computes_as_the_replica():
+    """GPT-2's projections are Conv1D layers (one addmm each; peft's fan_in_fan_out): with
+    LoRA adapters and generation.batch_invariant, the trainer's forward, with gradients on or
+    off, gives the logits of the replica (the plain model holding the merged weights) bit for
+    bit, and its adapter gradients are peft's own to float32 rounding."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.lora import add_adapters
+
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4,
+                                       n_positions=64, attn_implementation="sdpa", resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0))
+    lora = load_config(None, ["policy.lora.r=4"]).policy.lora
+    model = add_adapters(model, lora, seed=0).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ids = torch.randint(3, 300, (4, 15), generator=g)
+    replica = build_replica(model, torch.float32, torch.device("cpu"))
+    peft = copy.deepcopy(model).train()
+    (peft(input_ids=ids).logits.logsumexp(-1).sum()).backward()
+    with batch_invariant():
+        with torch.no_grad():
+            want = replica(input_ids=ids).logits
+            assert torch.equal(model(input_ids=ids).logits, want)
+        model.train()
+        logits = model(input_ids=ids).logits
+        assert torch.equal(logits, want)
+        logits.logsumexp(-1).sum().backward()
+    for p, q in zip(model.parameters(), peft.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * q.grad.norm())
+
+
 def test_batch_invariant_lora_gradients_are_as_accurate_as_peft():
     """generation.batch_invariant with LoRA: the update's adapter gradients, through the merged
     weight (`lora.merged_linear`), are as close to float64's (peft's own forward in float64) as
