@@ -188,7 +188,7 @@ def test_batch_invariant_lora_gradients_are_as_accurate_as_peft():
     miss float64 by up to a few percent, on elements near 0 that cancel.)"""
     import copy
 
-    import ds_ppo.engine.lora as lora
+    from ds_ppo.engine import lora
 
     model = _trained_lora(tiny_llama(seed=3)).train()
     g = torch.Generator().manual_seed(7)
