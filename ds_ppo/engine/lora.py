@@ -170,6 +170,11 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return (weight.float() + delta).to(weight.dtype)
 
 
+def _partitioned(p: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose full data is not on this rank now (released to its shard)."""
+    return hasattr(p, "ds_id") and p.data.numel() != p.ds_numel
+
+
 def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     """A peft LoRA layer's output for `x` computed as the replica computes it: with its merged
     weight (`merge_lora`, the same arithmetic as `replica_weights`) in its base layer's own
@@ -180,7 +185,8 @@ def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     gradients on: the merged weight (the size of W) is kept for the backward, which computes a
     full-size gradient of it before A's and B's. None where the layer's own forward must run:
     adapters off or merged, another adapter or a variant (DoRA), an input dropout while
-    training, or a base that is neither a Linear nor a Conv1D."""
+    training, a base that is neither a Linear nor a Conv1D, or a ZeRO-3 parameter of the layer
+    that is not gathered (its own forwards gather it: correct, no longer bit-exact)."""
     from transformers.pytorch_utils import Conv1D
 
     base = layer.base_layer
@@ -189,7 +195,9 @@ def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
             or not isinstance(base, (torch.nn.Linear, Conv1D))
             or bool(getattr(layer, "fan_in_fan_out", False)) != isinstance(base, Conv1D)
             or (layer.training and not isinstance(layer.lora_dropout[ADAPTER],
-                                                  torch.nn.Identity))):
+                                                  torch.nn.Identity))
+            or any(_partitioned(p) for p in (base.weight, layer.lora_A[ADAPTER].weight,
+                                             layer.lora_B[ADAPTER].weight))):
         return None
     conv = isinstance(base, Conv1D)  # weight (in, out): peft's fan_in_fan_out
     weight = merge_lora(base.weight, layer.lora_A[ADAPTER].weight,
