@@ -31,6 +31,7 @@ Imports torch and transformers only.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -122,22 +123,39 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def _lora_forward(forward):
+    """peft's LoRA Linear forward, computing with the merged weight where it can
+    (`lora.merged_linear`), else `forward` (the layer's own)."""
+    from ds_ppo.engine.lora import merged_linear
+
+    def merged(layer, x, *args, **kwargs):
+        out = None if args or kwargs else merged_linear(layer, x)
+        return forward(layer, x, *args, **kwargs) if out is None else out
+    return merged
+
+
 @contextmanager
 def batch_invariant(on: bool = True):
     """Within the block, torch.nn.functional.linear and transformers' sdpa / eager attention
-    are the batch-invariant `linear` and `attention` (off: nothing changes). Nestable."""
+    are the batch-invariant `linear` and `attention`, and a peft LoRA Linear layer (peft
+    imported) computes with its merged weight as the replica does (`lora.merged_linear`);
+    off: nothing changes. Nestable."""
     if not on:
         yield
         return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     functional = torch.nn.functional
+    lora = sys.modules.get("peft.tuners.lora")  # no LoRA model exists without it
     if _DEPTH[0] == 0:
         saved = (functional.linear, {k: ALL_ATTENTION_FUNCTIONS._local_mapping.get(k)
-                                     for k in ("sdpa", "eager")})
+                                     for k in ("sdpa", "eager")},
+                 lora and lora.Linear.forward)
         functional.linear = linear
         for k in ("sdpa", "eager"):
             ALL_ATTENTION_FUNCTIONS[k] = attention
+        if lora:
+            lora.Linear.forward = _lora_forward(lora.Linear.forward)
     _DEPTH[0] += 1
     try:
         yield
@@ -150,3 +168,5 @@ def batch_invariant(on: bool = True):
                     del ALL_ATTENTION_FUNCTIONS[k]
                 else:
                     ALL_ATTENTION_FUNCTIONS[k] = fn
+            if saved[2]:
+                lora.Linear.forward = saved[2]

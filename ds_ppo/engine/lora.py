@@ -170,6 +170,44 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return (weight.float() + delta).to(weight.dtype)
 
 
+def _partitioned(p: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose full data is not on this rank now (released to its shard)."""
+    return hasattr(p, "ds_id") and p.data.numel() != p.ds_numel
+
+
+def merged_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """A peft LoRA layer's output for `x` computed as the replica computes it: with its merged
+    weight (`merge_lora`, the same arithmetic as `replica_weights`) in its base layer's own
+    arithmetic (a Linear's torch.nn.functional.linear, GPT-2's Conv1D's addmm), so with the
+    batch-invariant kernels every forward of the trainer (scoring and the update's) gives the
+    sampler's bits. Gradients reach A and B through the merge, as close to float64's as peft's
+    own forward's are (relative to the gradient's norm; docs/SAMPLING.md). The cost, with
+    gradients on: the merged weight (the size of W) is kept for the backward, which computes a
+    full-size gradient of it before A's and B's. None where the layer's own forward must run:
+    adapters off or merged, another adapter or a variant (DoRA), an input dropout while
+    training, a base that is neither a Linear nor a Conv1D, or a ZeRO-3 parameter of the layer
+    that is not gathered (its own forwards gather it: correct, no longer bit-exact)."""
+    from transformers.pytorch_utils import Conv1D
+
+    base = layer.base_layer
+    if (layer.disable_adapters or layer.merged or list(layer.active_adapters) != [ADAPTER]
+            or ADAPTER not in layer.lora_A or ADAPTER in getattr(layer, "lora_variant", {})
+            or not isinstance(base, (torch.nn.Linear, Conv1D))
+            or bool(getattr(layer, "fan_in_fan_out", False)) != isinstance(base, Conv1D)
+            or (layer.training and not isinstance(layer.lora_dropout[ADAPTER],
+                                                  torch.nn.Identity))
+            or any(_partitioned(p) for p in (base.weight, layer.lora_A[ADAPTER].weight,
+                                             layer.lora_B[ADAPTER].weight))):
+        return None
+    conv = isinstance(base, Conv1D)  # weight (in, out): peft's fan_in_fan_out
+    weight = merge_lora(base.weight, layer.lora_A[ADAPTER].weight,
+                        layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER], conv)
+    if conv:  # Conv1D.forward with the merged weight
+        out = torch.addmm(base.bias, x.view(-1, x.size(-1)), weight)
+        return out.view(*x.shape[:-1], base.nf)
+    return torch.nn.functional.linear(x, weight, base.bias)
+
+
 def _merged(layer, weight: torch.nn.Parameter, base: torch.Tensor | None = None
             ) -> Callable[[], torch.Tensor]:
     """A peft LoRA layer's merged weight (`merge_lora`), read once the parameters are gathered.

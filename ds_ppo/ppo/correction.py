@@ -38,12 +38,14 @@ class CorrectionSettings:
     cap: float  # ppo.rollout_is_cap
     require_exact: bool  # generation.require_exact
     old_from_rollout: bool  # ppo.old_logprobs = rollout: the sampler's are the old log-probs
+    batch_invariant: bool  # generation.batch_invariant: the gap should be 0
 
 
 def correction_settings(cfg: Config) -> CorrectionSettings:
     """Step 2b's settings from the config."""
     return CorrectionSettings(cfg.ppo.rollout_correction, cfg.ppo.rollout_is_cap,
-                              cfg.generation.require_exact, cfg.ppo.old_logprobs == "rollout")
+                              cfg.generation.require_exact, cfg.ppo.old_logprobs == "rollout",
+                              cfg.generation.batch_invariant)
 
 
 def rollout_correction(exp: Experience, s: CorrectionSettings, acc: Accumulator) -> Experience:
@@ -68,7 +70,7 @@ def rollout_correction(exp: Experience, s: CorrectionSettings, acc: Accumulator)
     acc.add_max("rollout/logprob_abs_diff_max", largest)
     acc.add_tensor_mean("rollout/kl_k3", kl, mask)
     if exact:
-        require_exact(largest, exp.rollout.rollout_logprobs.device)
+        require_exact(largest, exp.rollout.rollout_logprobs.device, s.batch_invariant)
     if mode == "none":
         return exp
     weights, kept, cut = rollout_is_weights(exp.old_logprobs, rollout_lp, mask, mode, s.cap)
@@ -77,15 +79,23 @@ def rollout_correction(exp: Experience, s: CorrectionSettings, acc: Accumulator)
     return replace(exp, is_weights=weights, is_kept=kept, is_kept_lens=kept.sum(1).tolist())
 
 
-def require_exact(largest: float, device: torch.device) -> None:
+def require_exact(largest: float, device: torch.device, batch_invariant: bool) -> None:
     """generation.require_exact: a NotOnPolicy error on every rank when any rank's largest
     |old_logprobs - rollout_logprobs| over its counted tokens (`largest`) is not 0 (one
-    all-reduce, so all ranks stop together, before the update)."""
+    all-reduce, so all ranks stop together, before the update). `batch_invariant`:
+    generation.batch_invariant is on, so the advice is not to set it."""
     worst = float(dist.all_reduce_max(torch.tensor([largest], dtype=torch.float64,
                                                    device=device)))
-    if worst != 0.0:
+    if worst == 0.0:
+        return
+    head = (f"generation.require_exact: the sampler's log-probs differ from the trainer's by up "
+            f"to {worst:.3g} nats (rollout/logprob_abs_diff_max)")
+    if batch_invariant:
         raise NotOnPolicy(
-            f"generation.require_exact: the sampler's log-probs differ from the trainer's by up "
-            f"to {worst:.3g} nats (rollout/logprob_abs_diff_max); the decoding step and the "
-            "training forward reduce in different orders (docs/SAMPLING.md): set "
-            "generation.batch_invariant=true, or generation.require_exact=false")
+            f"{head} with generation.batch_invariant = true: this model or device reduces "
+            "outside the batch-invariant kernels (docs/SAMPLING.md says where they are exact): "
+            "set generation.require_exact=false")
+    raise NotOnPolicy(
+        f"{head}; the decoding step and the training forward reduce in different orders "
+        "(docs/SAMPLING.md): set generation.batch_invariant=true, or "
+        "generation.require_exact=false")

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ds_ppo.engine import dist
-from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
-                                      weight_checksum)
+from ds_ppo.engine.generation import (copy_buffers, empty_replica, replica_skeleton,
+                                      stream_weights, weight_checksum)
 from ds_ppo.engine.lora import merge_lora, plain_model
 from ds_ppo.ppo.rollout_worker import (Batch, Buffered, RolloutWorker, WeightSyncError,
                                      sync_error)
@@ -234,10 +234,7 @@ def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dt
     while True:
         got = dist.bridge_recv(src, device)
         if got["weights"] is None:
-            buffers = dict(worker.replica.named_buffers())
-            for name, b in got["buffers"].items():
-                if name in buffers:
-                    buffers[name].data.copy_(b)
+            copy_buffers(worker.replica, got["buffers"])
             break
         bucket, sums = got["weights"], dict(got["sums"])
         received = dict(_tensors(bucket))

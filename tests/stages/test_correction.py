@@ -110,7 +110,8 @@ def test_correction_without_rollout_logprobs_is_an_error(mismatch):
 
 def test_require_exact_stops_on_any_gap(mismatch):
     """generation.require_exact: a gap stops the run with one line naming it and the fix
-    (after the metrics are recorded); no gap passes; a rollout from HF generate has none to
+    (after the metrics are recorded), which is not generation.batch_invariant where that is
+    on already; no gap passes; a rollout from HF generate has none to
     compare, a ConfigError."""
     from dataclasses import replace
 
@@ -124,6 +125,14 @@ def test_require_exact_stops_on_any_gap(mismatch):
     worst = max(abs(o - r) for o, r in pairs)
     assert f"by up to {worst:.3g} nats" in str(info.value)
     assert "generation.batch_invariant=true" in str(info.value) and "\n" not in str(info.value)
+    # with the kernels already on, the line does not advise them
+    on = correction_settings(load_config(None, ["generation.require_exact=true",
+                                                "generation.batch_invariant=true"]))
+    with pytest.raises(NotOnPolicy) as info_on:
+        rollout_correction(exp, on, Accumulator())
+    line = str(info_on.value)
+    assert "generation.batch_invariant = true" in line and "batch_invariant=true" not in line
+    assert line.endswith("set generation.require_exact=false") and "\n" not in line
     assert acc.reduce()["rollout/logprob_abs_diff_max"] == pytest.approx(worst, rel=1e-5)
     same = replace(exp, old_logprobs=exp.rollout.rollout_logprobs.clone())
     assert rollout_correction(same, cfg, Accumulator()) is same

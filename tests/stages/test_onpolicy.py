@@ -30,15 +30,15 @@ ROUNDING = 1e-5  # float32, the decoding step against the whole-sequence forward
 def _gap(rollout: Rollout, trained: torch.Tensor) -> float:
     """The largest |sampler - trainer| log-prob over the counted tokens."""
     m = rollout.mask
-    return float((rollout.rollout_logprobs[m] - trained[m]).abs().max())
+    return float((rollout.rollout_logprobs[m] - trained[m].detach()).abs().max())
 
 
-def _sampled(engine, cfg, eos_ids) -> Rollout:
-    """9 prompts' responses from `generate` (seed 0) as a Rollout carrying the sampler's
-    log-probs and shape."""
+def _sampled(engine, cfg, eos_ids, dtype: torch.dtype = torch.float32) -> Rollout:
+    """9 prompts' responses from `generate` (seed 0, a replica in `dtype`) as a Rollout
+    carrying the sampler's log-probs and shape."""
     ids, mask = _prompts(9, 6)
     torch.manual_seed(0)
-    gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, torch.float32)
+    gen = generate(engine, ids, mask, cfg, "gathered", eos_ids, PAD, dtype)
     m = gen.mask
     return Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=gen.response_ids, mask=m,
                    ended=gen.ended, prompts=[""] * 9,
@@ -91,6 +91,137 @@ def _check_setting(model, engine, cfg, eos_ids, exact):
             assert torch.isfinite(entropy[m]).all() and (entropy[m] >= 0).all()
         plain = response_logprobs(model, replace(rollout, sampling=None), temp)[0]
     assert _gap(rollout, plain) > 1e-4
+
+
+def _trained_lora(model):
+    """`model` with LoRA adapters (r 4, the output head too) as training leaves them: B != 0,
+    so the adapters change every adapted layer's output."""
+    from ds_ppo.engine.lora import add_adapters
+
+    lora = load_config(None, ["policy.lora.r=4"]).policy.lora
+    model = add_adapters(model, lora, seed=0, output_head=True).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("case", ["bf16", "lora", "bf16_lora"])
+def test_batch_invariant_is_exact_in_bf16_and_with_lora(case, tmp_path):
+    """generation.batch_invariant: the gap is exactly 0, plain, packed and tiled, for a bf16
+    policy loaded as the trainer loads it (HF keeps its rotary frequencies in float32; the
+    replica must too, not round them to bf16), for a LoRA policy with trained adapters (the
+    replica holds the merged weights; the trainer's LoRA layers compute with the same merge),
+    and for both; in the update's forward too (training mode, gradients on)."""
+    from transformers import LlamaForCausalLM
+
+    model, dtype = tiny_llama(seed=3), torch.float32
+    if case.startswith("bf16"):
+        model.save_pretrained(tmp_path)
+        dtype = torch.bfloat16
+        model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    if case.endswith("lora"):
+        model = _trained_lora(model)
+    engine = types.SimpleNamespace(module=model, empty_partition_cache=lambda: None)
+    cfg = load_config(None, ["generation.max_new_tokens=12"]).generation
+    with batch_invariant():
+        rollout = _sampled(engine, cfg, [EOS], dtype)
+        with torch.no_grad():
+            for kw in ({}, {"packed": True}, {"tiled": True, "tile_tokens": 7}):
+                trained = response_logprobs(model, rollout, cfg.temperature, **kw)[0]
+                assert _gap(rollout, trained) == 0.0, kw
+        # the update's forward (training mode, gradients on) too: at the sampled weights the
+        # PPO ratio is exactly 1, also with ppo.old_logprobs=rollout (no scoring forward)
+        model.train()
+        for kw in ({}, {"packed": True}):
+            trained = response_logprobs(model, rollout, cfg.temperature, **kw)[0]
+            assert trained.requires_grad and _gap(rollout, trained) == 0.0, kw
+
+
+def test_batch_invariant_lora_on_conv1d_layers_computes_as_the_replica():
+    """GPT-2's projections are Conv1D layers (one addmm each; peft's fan_in_fan_out): with
+    LoRA adapters and generation.batch_invariant, the trainer's forward, with gradients on or
+    off, gives the logits of the replica (the plain model holding the merged weights) bit for
+    bit, and its adapter gradients are peft's own to float32 rounding."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ds_ppo.engine.generation import build_replica
+    from ds_ppo.engine.lora import add_adapters
+
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4,
+                                       n_positions=64, attn_implementation="sdpa", resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0))
+    lora = load_config(None, ["policy.lora.r=4"]).policy.lora
+    model = add_adapters(model, lora, seed=0).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ids = torch.randint(3, 300, (4, 15), generator=g)
+    replica = build_replica(model, torch.float32, torch.device("cpu"))
+    peft = copy.deepcopy(model).train()
+    (peft(input_ids=ids).logits.logsumexp(-1).sum()).backward()
+    with batch_invariant():
+        with torch.no_grad():
+            want = replica(input_ids=ids).logits
+            assert torch.equal(model(input_ids=ids).logits, want)
+        model.train()
+        logits = model(input_ids=ids).logits
+        assert torch.equal(logits, want)
+        logits.logsumexp(-1).sum().backward()
+    for p, q in zip(model.parameters(), peft.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * q.grad.norm())
+
+
+def test_batch_invariant_lora_gradients_are_as_accurate_as_peft():
+    """generation.batch_invariant with LoRA: the update's adapter gradients, through the merged
+    weight (`lora.merged_linear`), are as close to float64's (peft's own forward in float64) as
+    peft's own float32 forward is, measured against each gradient's norm. (Elementwise, both
+    miss float64 by up to a few percent, on elements near 0 that cancel.)"""
+    import copy
+
+    from ds_ppo.engine import lora
+
+    model = _trained_lora(tiny_llama(seed=3)).train()
+    g = torch.Generator().manual_seed(7)
+    ids, up = torch.randint(3, 300, (6, 20), generator=g), torch.randn(6, 19, generator=g)
+    merged = [0]
+
+    def counted(layer, x):
+        out = real(layer, x)
+        merged[0] += out is not None
+        return out
+    real, lora.merged_linear = lora.merged_linear, counted
+
+    def grads(dtype, invariant):
+        m = copy.deepcopy(model).to(dtype)
+        with batch_invariant(invariant):
+            logits = m(input_ids=ids).logits[:, :-1]
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            (lp * up.to(dtype)).sum().backward()
+        return [p.grad.double() for p in m.parameters() if p.requires_grad]
+    try:
+        exact = grads(torch.float64, False)
+        peft = grads(torch.float32, False)
+        assert merged[0] == 0
+        ours = grads(torch.float32, True)
+    finally:
+        lora.merged_linear = real
+    assert merged[0] == 15  # every adapted layer (14 of the blocks, the output head)
+
+    def error(got):  # per adapter tensor, relative to its gradient's norm
+        return [float((a - e).norm() / e.norm()) for a, e in zip(got, exact)]
+    assert len(exact) == 30 and max(error(peft)) < 1e-4
+    assert max(error(ours)) < max(3 * max(error(peft)), 1e-5)
+    assert sum(error(ours)) < 3 * sum(error(peft))
 
 
 def answer_ok(prompt, actions, **keys):

@@ -71,3 +71,21 @@ def test_the_block_swaps_the_kernels_in_and_out():
     assert F.linear is plain and not active()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not attention
     assert "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_a_lora_layer_with_a_released_zero3_weight_runs_its_own_forward():
+    """lora.merged_linear reads the layer's weights directly, so it steps aside (None) when
+    ZeRO-3 has released one to its shard: the layer's own forward then gathers it."""
+    import peft
+
+    from ds_ppo.engine import lora
+
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 4)), peft.LoraConfig(
+        r=2, target_modules=["0"], lora_dropout=0.0), adapter_name=lora.ADAPTER)
+    layer = model.base_model.model[0]
+    x = torch.randn(3, 8)
+    weight = layer.base_layer.weight
+    weight.ds_id, weight.ds_numel = 0, weight.numel()  # a ZeRO-3 parameter, gathered
+    torch.testing.assert_close(lora.merged_linear(layer, x), layer(x))
+    weight.data = torch.empty(0)  # released to this rank's (empty) shard
+    assert lora.merged_linear(layer, x) is None

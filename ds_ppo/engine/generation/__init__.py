@@ -158,8 +158,8 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     Parameters are gathered in chunks of up to GATHER_CHUNK_NUMEL elements (one coalesced
     all-gather each, in module order), so the transient memory is one chunk's full weights (or
     one parameter, when a single one is larger) and a 1B model needs a handful of collectives,
-    not one per module. Buffers (e.g. rotary
-    frequencies) are not partitioned by ZeRO and are copied as they are. The gathers are
+    not one per module. Buffers (e.g. rotary frequencies) are not partitioned by ZeRO and are
+    copied as they are, in their own dtype (`copy_buffers`). The gathers are
     collective: every rank must call this; with `materialize=False` a rank only takes part in
     them (e.g. all ranks but 0 when exporting) and gets None. `into`: a replica from an earlier
     call, refreshed in place (no new allocation, compiled graphs stay valid). `tp`: build this
@@ -208,13 +208,29 @@ def build_replica(module: torch.nn.Module, dtype: torch.dtype, device: torch.dev
                         sums[name] = weight_checksum(w.to(target[name].dtype))
     if replica is None:
         return None
-    target_buffers = dict(replica.named_buffers())
-    for name, b in module.named_buffers():
-        if name in target_buffers:
-            target_buffers[name].data.copy_(b.data)
+    copy_buffers(replica, dict(module.named_buffers()))
     replica.config.use_cache = True
     replica.eval()
     return replica
+
+
+def copy_buffers(replica: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """The trained model's `buffers` (name -> tensor, e.g. rotary frequencies) into the
+    replica's buffers of the same names, in the trained model's dtype: a float32 buffer of a
+    bf16 model (HF keeps its rotary frequencies in float32) stays float32, since rounding it
+    would give the replica other positions' rotations than the trainer's forward. A buffer of
+    another dtype is replaced (a new replica), one of the same dtype copied in place (a
+    refresh: captured graphs stay valid)."""
+    own = dict(replica.named_buffers())
+    for name, b in buffers.items():
+        if name not in own:
+            continue
+        if own[name].dtype == b.dtype:
+            own[name].data.copy_(b.data)
+        else:
+            owner, _, leaf = name.rpartition(".")
+            setattr(replica.get_submodule(owner), leaf, b.detach().to(own[name].device,
+                                                                       copy=True))
 
 
 def _held_locally(full, tp: TPGroup) -> bool:
