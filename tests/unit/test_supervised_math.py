@@ -146,6 +146,28 @@ def test_pairs_with_prompt_margin_and_chat_forms(tmp_path, tok):
         load_pairs(_cfg(_write(tmp_path / "x.jsonl", [{"chosen": "a"}])), tok)
 
 
+def test_pairs_mark_their_answers_tokens_for_dpo(tmp_path, tok):
+    """`ds-ppo dpo` scores an answer's tokens only: after a prompt, the answer and its EOS; a
+    whole chat, its assistant turns (and the EOS); text without a prompt, every token. Its own
+    section's columns (dpo.chosen_key) name the answers."""
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "the cat", "good": "sat on", "bad": "sun"}])
+    pairs = load_pairs(_cfg(path, "dpo.chosen_key=good", "dpo.rejected_key=bad"), tok,
+                       job="dpo")
+    p, a = tok("the cat")["input_ids"], tok("sat on", add_special_tokens=False)["input_ids"]
+    assert pairs.chosen == [p + a + [tok.eos_token_id]]
+    assert pairs.chosen_mask == [[False] * len(p) + [True] * (len(a) + 1)]
+    assert [len(m) for m in pairs.rejected_mask] == [len(r) for r in pairs.rejected]
+    chat = _write(tmp_path / "c.jsonl", [{
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
+        "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "sad"}]}])
+    pairs = load_pairs(_cfg(chat), tok, job="dpo")
+    ids, mask = chat_ids(tok, json.loads(chat.read_text())["chosen"], "chosen")
+    assert pairs.chosen_mask[0][:len(mask)] == mask and pairs.chosen_mask[0][-1]
+    assert not pairs.chosen_mask[0][0]
+    text = _write(tmp_path / "t.jsonl", [{"chosen": "a b", "rejected": "b a"}])
+    assert all(load_pairs(_cfg(text), tok, job="dpo").chosen_mask[0])
+
+
 def test_an_empty_completion_is_named_as_one(tmp_path, tok):
     path = _write(tmp_path / "d.jsonl", [{"prompt": "hi", "completion": "  "}])
     with pytest.raises(DataError, match="line 1: column 'completion' is an empty answer"):
