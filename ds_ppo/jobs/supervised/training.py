@@ -38,10 +38,13 @@ log = logging.getLogger("ds_ppo")
 
 
 class Task(Protocol):
-    """What a supervised job supplies (sft/task.py, rm/task.py)."""
+    """What a supervised job supplies (sft/task.py, rm/task.py, jobs/dpo/task.py)."""
 
-    name: str  # the config section and the command: sft or rm
+    name: str  # the config section and the command: sft, rm or dpo
     model_class: str  # the transformers class its export loads with
+
+    def add_frozen(self, cfg: Config, engines) -> None:
+        """Add the frozen models its loss reads beside the trained one (dpo: the reference)."""
 
     def load(self, cfg: Config, tokenizer, split: str | None = None) -> Any: ...
     def packed(self, cfg: Config) -> bool: ...
@@ -135,9 +138,12 @@ class Supervised:
         from ds_ppo.engine.supervised import init_job_engines
         from ds_ppo.plan.fit import zero_stages
 
-        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total,
-                                zero_stages(cfg, device, universal, self.name), universal,
-                                autoep="policy" in autoep)
+        engines = init_job_engines(
+            cfg, self.name, self.tokenizer, device, self.total,
+            zero_stages(cfg, device, universal, self.name), universal, autoep="policy" in autoep,
+            scorer=self.task.model_class == "AutoModelForSequenceClassification")
+        self.task.add_frozen(cfg, engines)
+        return engines
 
     def trained_roles(self) -> tuple[str, ...]:
         return ("policy",)
