@@ -23,13 +23,13 @@ class SupervisedJob(Section):
         None, gt=0, description="Optimizer steps in total; null: epochs x (training rows // "
         "batch_size).")
     batch_size: int = Field(32, gt=0, description="Rows per optimizer step over all ranks "
-                            "together (sft: sequences, rm: preference pairs).")
+                            "together (sft: sequences, rm and dpo: preference pairs).")
     micro_batch_size: int = Field(
         8, gt=0, description="Rows per forward/backward on one rank; gradient accumulation = "
         "batch_size / (micro_batch_size x world size).")
     max_len: int = Field(
         512, gt=0, description="Longest row in tokens (prompt + completion; rm: prompt + the "
-        "longer answer); longer rows are dropped and counted (the data summary line).")
+        "longer answer, as for dpo); longer rows are dropped and counted (the data summary line).")
     lr: float | None = Field(
         None, gt=0, description="Peak learning rate of this job; null: policy.lr. A config "
         "for the whole recipe keeps its RL learning rate in policy.lr and each supervised "
