@@ -115,3 +115,21 @@ def test_a_reference_loss_refuses_inputs_without_the_reference():
 def test_the_table_and_the_registry_name_the_same_losses():
     assert registered() == tuple(PREFERENCE_LOSSES) == ("sigmoid", "ipo", "simpo")
     assert [n for n, s in PREFERENCE_LOSSES.items() if not s.reference] == ["simpo"]
+
+
+def test_the_guide_and_the_config_read_the_table():
+    """docs/GUIDE.md's table of losses, the config's literal type and its description name the
+    table's rows, in its order."""
+    import re
+    from typing import get_args
+
+    from conftest import REPO
+    from ds_ppo.config import DPOConfig
+
+    guide = (REPO / "docs" / "GUIDE.md").read_text()
+    section = guide[guide.index("| `dpo.loss` |"):]
+    section = section[:section.index("\n\n")]
+    assert re.findall(r"^\| `(\w+)`", section, flags=re.M) == list(PREFERENCE_LOSSES)
+    field = DPOConfig.model_fields["loss"]
+    assert get_args(field.annotation) == tuple(PREFERENCE_LOSSES)
+    assert all(s.paper in field.description for s in PREFERENCE_LOSSES.values())
