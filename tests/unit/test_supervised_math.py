@@ -207,6 +207,34 @@ def test_job_config_checks_name_key_and_fix():
     validate_job(ok, "sft", 2)
 
 
+def test_dpo_checks_name_key_and_fix(tmp_path, capsys):
+    """The dpo section's rules: label smoothing has no meaning for ipo's squared loss (refused),
+    a reference path is unused by simpo (a warning), the pair columns as rm's; `--dry-run` reads
+    the rows through the dpo section's columns and checks its reference path exists."""
+    from ds_ppo.cli import main
+
+    cfg = load_config(None, ["data.path=x.jsonl", "dpo.loss=ipo", "dpo.label_smoothing=0.1",
+                             "dpo.rejected_key=chosen"])
+    with pytest.raises(ConfigError) as e:
+        validate_job(cfg, "dpo", 1)
+    assert "dpo.label_smoothing = 0.1 does not apply to dpo.loss = 'ipo'" in str(e.value)
+    assert "dpo.chosen_key = dpo.rejected_key = 'chosen'" in str(e.value)
+    with pytest.raises(ConfigError, match="dpo.label_smoothing = 0.5: Input should be less"):
+        load_config(None, ["dpo.label_smoothing=0.5"])
+    rows = _write(tmp_path / "p.jsonl", [{"prompt": "a", "good": "b", "bad": "c"}])
+    base = ["dpo", "--dry-run", f"data.path={rows}", "dpo.batch_size=8",
+            "dpo.micro_batch_size=4", f"output_dir={tmp_path / 'out'}"]
+    assert main(base + ["dpo.chosen_key=good", "dpo.rejected_key=bad", "dpo.loss=simpo",
+                        f"dpo.reference_path={tmp_path}"]) == 0
+    out = capsys.readouterr()
+    assert f"dpo.reference_path = '{tmp_path}' is unused: dpo.loss = 'simpo'" in out.err
+    assert main(base) == 2  # the default columns are not in the file
+    assert "no column 'chosen'" in capsys.readouterr().err
+    assert main(base + ["dpo.chosen_key=good", "dpo.rejected_key=bad",
+                        "dpo.reference_path=/no/such/model"]) == 2
+    assert "dpo.reference_path = '/no/such/model': no such file" in capsys.readouterr().err
+
+
 # -------------------------------------------------------------------------------- task
 def test_digit_sum_task_files_are_disjoint_and_checked(tmp_path):
     paths = addition.write_task(tmp_path, seed=3, terms=2, test=20, sft=30)
