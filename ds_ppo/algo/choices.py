@@ -1,8 +1,8 @@
 """The named choices of the PPO math, one table each: advantage estimators, policy losses, KL
-estimators, loss aggregations, rollout corrections, old log-prob sources and the preference
-losses of `ds-ppo dpo`. The config's
-literal types, its checks, `ds-ppo config --describe`, the advantage stage, the update and the
-README's tables all read these tables (tests tie them together), so a new estimator is one row
+estimators, loss aggregations, rollout corrections, old log-prob sources (and the preference
+losses of `ds-ppo dpo`, with `algo/preference.py`). The config's literal types, its checks,
+`ds-ppo config --describe`, the advantage stage, the update and the README's tables all read
+these tables (tests tie them together), so a new estimator is one row
 here plus one registered function in `algo/estimators.py`, and a new policy loss one row here
 plus one registered function in `algo/policy_losses.py`.
 

@@ -1,8 +1,9 @@
-"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py; their registry rows:
-jobs/supervised/__init__.py): a `Task` (sft/task.py, rm/task.py) supplies its rows,
-micro-batches and loss; `Supervised` makes an optimizer step of it the driver's unit, with its
-evaluation and progress line. The run around it (lock, MLflow,
-resume at any world size, watchdog, signals, checkpoints, export) is the driver's, as for PPO.
+"""`ds-ppo sft`, `ds-ppo rm` and `ds-ppo dpo` as jobs of the run driver (run/driver.py; their
+registry rows: jobs/supervised/__init__.py, jobs/dpo/__init__.py): a `Task` (sft/task.py,
+rm/task.py, jobs/dpo/task.py) supplies its rows, micro-batches, loss and any frozen model;
+`Supervised` makes an optimizer step of it the driver's unit, with its evaluation and progress
+line. The run around it (lock, MLflow, resume at any world size, watchdog, signals, checkpoints,
+export) is the driver's, as for PPO.
 
 Steps and batches: step s (1-based) trains on global batch s - 1 of `PromptSampler` (one
 permutation of the rows per epoch, seeded): rank r takes its slice, so the same rows make a step
