@@ -23,8 +23,7 @@ from ds_ppo.algo.preference import (PairLogps, PreferenceSettings, preference_lo
 from ds_ppo.containers import longest_first
 from ds_ppo.data.supervised_rows import PairSet, load_pairs
 from ds_ppo.engine.forward import position_ids
-
-NAME = "dpo"
+from ds_ppo.jobs.dpo import NAME
 
 
 def pair_rows(data: PairSet, rows: list[int], pad_id: int, device: torch.device):
