@@ -51,7 +51,7 @@ PPO_METRICS = frozenset({
 # env/<key>: an environment's own numbers (its Step.info keys), named by the environment
 ENV_PREFIX = "env/"
 
-# `ds-ppo sft` and `ds-ppo rm`: the step's statistics (docs/METRICS.md, supervised jobs)
+# `ds-ppo sft`, `ds-ppo rm` and `ds-ppo dpo`: the step's statistics (docs/METRICS.md, supervised jobs)
 SUPERVISED_METRICS = {
     "sft": frozenset({"loss/sft", "sft/moe_aux_loss", "sft/grad_norm", "lr/sft", "sft/epoch",
                       "time/step_s", "eval/loss", "eval/perplexity"}),
@@ -60,11 +60,17 @@ SUPERVISED_METRICS = {
                      "lr/rm", "rm/epoch", "time/step_s", "eval/loss", "eval/accuracy",
                      "eval/ties", "eval/margin_mean", "eval/center", "eval/chosen_mean",
                      "eval/rejected_mean"}),
+    "dpo": frozenset({"loss/dpo", "dpo/reward_accuracy", "dpo/reward_margin",
+                      "dpo/chosen_reward", "dpo/rejected_reward", "dpo/chosen_logp",
+                      "dpo/rejected_logp", "dpo/moe_aux_loss", "dpo/grad_norm", "lr/dpo",
+                      "dpo/epoch", "time/step_s", "eval/loss", "eval/reward_accuracy",
+                      "eval/reward_margin", "eval/chosen_reward", "eval/rejected_reward",
+                      "eval/chosen_logp", "eval/rejected_logp"}),
 }
 
 
 def job_metrics(job: str) -> frozenset[str]:
-    """The metric names job `job` (ppo, sft, rm) can log, env/<key> left out (`is_logged`)."""
+    """The metric names job `job` (ppo, sft, rm, dpo) can log, env/<key> left out (`is_logged`)."""
     return PPO_METRICS if job == "ppo" else SUPERVISED_METRICS[job]
 
 

@@ -1,7 +1,8 @@
 """The named choices of the PPO math, one table each: advantage estimators, policy losses, KL
-estimators, loss aggregations, rollout corrections and old log-prob sources. The config's
-literal types, its checks, `ds-ppo config --describe`, the advantage stage, the update and the
-README's tables all read these tables (tests tie them together), so a new estimator is one row
+estimators, loss aggregations, rollout corrections, old log-prob sources (and the preference
+losses of `ds-ppo dpo`, with `algo/preference.py`). The config's literal types, its checks,
+`ds-ppo config --describe`, the advantage stage, the update and the README's tables all read
+these tables (tests tie them together), so a new estimator is one row
 here plus one registered function in `algo/estimators.py`, and a new policy loss one row here
 plus one registered function in `algo/policy_losses.py`.
 
@@ -157,6 +158,53 @@ def policy_loss_spec(name: str) -> PolicyLossSpec:
 def describe_policy_losses() -> str:
     """One sentence per policy loss, for the config key's description."""
     return "; ".join(f"{s.name}: {s.what} ({s.paper})" for s in POLICY_LOSSES.values())
+
+
+@dataclass(frozen=True)
+class PreferenceLossSpec:
+    """One preference loss of `ds-ppo dpo` (`dpo.loss`): the objective a policy minimises on
+    (chosen, rejected) pairs, with no reward model (algo/preference.py computes it)."""
+
+    name: str
+    what: str  # the loss in one line (docs/GUIDE.md's table)
+    reference: bool  # reads a frozen reference's log-probs (False: the reference is not built)
+    length_normalised: bool  # compares per-token mean log-probs (False: sums over the answer)
+    settings: tuple[str, ...]  # the dpo.* keys it reads besides beta
+    paper: str
+
+
+PREFERENCE_LOSSES: dict[str, PreferenceLossSpec] = {s.name: s for s in (
+    PreferenceLossSpec("sigmoid", "-log sigmoid(beta h), h = the chosen answer's log-ratio to "
+                       "the reference less the rejected one's (summed log-probs); with "
+                       "label_smoothing eps the pair's label is flipped with probability eps",
+                       reference=True, length_normalised=False, settings=("label_smoothing",),
+                       paper="Rafailov et al. 2023, Direct Preference Optimization, Eq. 7; "
+                       "label smoothing: Mitchell 2023, conservative DPO"),
+    PreferenceLossSpec("ipo", "(h - 1 / (2 beta))^2 with h from per-token mean log-probs: the "
+                       "log-ratio gap is pulled to a fixed target instead of pushed to infinity",
+                       reference=True, length_normalised=True, settings=(),
+                       paper="Azar et al. 2023, A General Theoretical Paradigm to Understand "
+                       "Learning from Human Preferences, Eq. 17"),
+    PreferenceLossSpec("simpo", "-log sigmoid(beta mean log pi(chosen) - beta mean log "
+                       "pi(rejected) - simpo_gamma): length-normalised, no reference model",
+                       reference=False, length_normalised=True,
+                       settings=("simpo_gamma", "label_smoothing"),
+                       paper="Meng et al. 2024, SimPO: Simple Preference Optimization with a "
+                       "Reference-Free Reward, Eq. 6"),
+)}
+
+# the config's literal type, from the table
+PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]  # type: ignore[valid-type]
+
+
+def preference_loss_spec(name: str) -> PreferenceLossSpec:
+    """The table row of `name`; ValueError naming the valid ones."""
+    return _row(PREFERENCE_LOSSES, "preference loss", name)
+
+
+def describe_preference_losses() -> str:
+    """One sentence per preference loss, for the config key's description."""
+    return "; ".join(f"{s.name}: {s.what} ({s.paper})" for s in PREFERENCE_LOSSES.values())
 
 
 # ppo.schedule: when a rollout is generated relative to the update it feeds (ppo/schedule.py)

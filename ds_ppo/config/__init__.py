@@ -23,7 +23,7 @@ from ds_ppo.config.derived import (critic_warmup, job_config, lora_output_head, 
 from ds_ppo.config.load import (MAX_YAML_VALUES, PRESETS_DIR, apply_overrides, describe,
                                 load_config, preset_names, preset_path, yaml_value)
 from ds_ppo.config.sections import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig,
-                                    EnvConfig,
+                                    DPOConfig, EnvConfig, PairJob,
                                     GenerationConfig, LoraConfig, ModelSource, Optim, PolicyConfig,
                                     PPOConfig, ReferenceConfig, ReferenceDeepSpeed, RewardConfig,
                                     RMConfig, RoleDeepSpeed, Section, SFTConfig,
@@ -31,7 +31,7 @@ from ds_ppo.config.sections import (CheckpointConfig, Config, DataConfig, DeepSp
 
 __all__ = [
     "MAX_YAML_VALUES", "PRESETS_DIR", "CheckpointConfig", "Config", "DataConfig",
-    "DeepSpeedConfig", "EnvConfig", "GenerationConfig", "LoraConfig", "ModelSource", "Optim",
+    "DeepSpeedConfig", "DPOConfig", "EnvConfig", "PairJob", "GenerationConfig", "LoraConfig", "ModelSource", "Optim",
     "PPOConfig", "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig",
     "RMConfig", "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TrackingConfig",
     "ValueConfig", "apply_overrides", "config_warnings", "critic_warmup", "describe",

@@ -15,7 +15,7 @@ from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.metric_checks import metric_problems
 from ds_ppo.config.model_checks import (expert_parallel_problems, model_fields, model_problems,
                                         sequence_parallel_problems, source_problems)
-from ds_ppo.config.sections import Config
+from ds_ppo.config.sections import Config, PairJob
 from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
 
@@ -181,7 +181,7 @@ def _recipe_problems(cfg: Config, world_size: int) -> list[str]:
 
 
 def validate_job(cfg: Config, job: str, world_size: int) -> None:
-    """Cross-field checks of a supervised job (`job`: sft or rm), before any model loads; raises
+    """Cross-field checks of a supervised job (`job`: sft, rm or dpo), before any model loads; raises
     ConfigError listing every problem with the key and a value that works."""
     j, problems = getattr(cfg, job), []
     if j.batch_size % (j.micro_batch_size * world_size):
@@ -189,15 +189,18 @@ def validate_job(cfg: Config, job: str, world_size: int) -> None:
             f"{job}.batch_size = {j.batch_size} must be a multiple of {job}.micro_batch_size * "
             f"world size = {j.micro_batch_size} * {world_size} (e.g. {job}.batch_size="
             f"{j.micro_batch_size * world_size * max(1, j.batch_size // (j.micro_batch_size * world_size))})")
+    pairs = isinstance(j, PairJob)
     if cfg.data.path is None:
-        columns = ("data.prompt_key + sft.completion_key, or data.messages_key" if job == "sft"
-                   else "rm.chosen_key + rm.rejected_key (and data.prompt_key)")
-        example = "examples/demos.jsonl" if job == "sft" else "examples/pairs.jsonl"
+        columns = (f"{job}.chosen_key + {job}.rejected_key (and data.prompt_key)" if pairs
+                   else "data.prompt_key + sft.completion_key, or data.messages_key")
+        example = "examples/pairs.jsonl" if pairs else "examples/demos.jsonl"
         problems.append(f"data.path = None: ds-ppo {job} trains on a dataset file with columns "
                         f"{columns}; set data.path (e.g. data.path={example}, with "
                         "--config examples/my_run.yaml)")
-    if job == "rm" and j.chosen_key == j.rejected_key:
-        problems.append(f"rm.chosen_key = rm.rejected_key = {j.chosen_key!r}: name two columns")
+    if pairs and j.chosen_key == j.rejected_key:
+        problems.append(f"{job}.chosen_key = {job}.rejected_key = {j.chosen_key!r}: name two "
+                        "columns")
+    problems += j.problems()
     problems += source_problems(cfg, ("policy",))
     problems += cfg.deepspeed.problems(roles=("policy",)) + _resume_problems(cfg)
     problems += [p for p in expert_parallel_problems(cfg, world_size)

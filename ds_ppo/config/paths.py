@@ -37,11 +37,14 @@ def missing_local(spec: str | None) -> bool:
 
 def missing_paths(cfg: Config, job: str | None = None) -> list[str]:
     """One problem per config key whose local path does not exist (hub names are not checked:
-    reaching the hub is the real start's business). `job`: sft or rm, which read the data and
-    the policy section only."""
+    reaching the hub is the real start's business). `job`: a supervised job (sft, rm, dpo), which
+    reads the data, the policy section and the paths of its own section (`<job>.*_path`)."""
     keys = {"data.path": cfg.data.path, "policy.path": cfg.policy.path,
             "policy.tokenizer": cfg.policy.tokenizer}
-    if job is None:
+    if job is not None:
+        keys.update({f"{job}.{name}": value for name, value in getattr(cfg, job)
+                     if name.endswith("_path")})
+    else:
         keys.update({"data.ptx_path": cfg.data.ptx_path, "value.path": cfg.value.path, "value.tokenizer": cfg.value.tokenizer,
                      "reference.path": cfg.reference.path, "reward.model": cfg.reward.model,
                      "reward.tokenizer": cfg.reward.tokenizer})

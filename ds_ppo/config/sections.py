@@ -9,7 +9,7 @@ sections live in one module per job and are re-exported here:
 - ``data``: ``data``;
 - ``run_sections``: ``tracking`` and ``checkpoint``;
 - ``engines``: ``deepspeed``;
-- ``jobs``: ``sft`` and ``rm``.
+- ``jobs``: ``sft``, ``rm`` and ``dpo``.
 
 Each field's type, default and range are checked while parsing; the rules among a section's
 own fields are its ``problems()`` method, next to the fields; rules that join sections or need
@@ -25,7 +25,7 @@ from ds_ppo.config.algorithm import PPOConfig
 from ds_ppo.config.section_base import Section
 from ds_ppo.config.data import DataConfig
 from ds_ppo.config.engines import DeepSpeedConfig, ReferenceDeepSpeed, RoleDeepSpeed
-from ds_ppo.config.jobs import RMConfig, SFTConfig, SupervisedJob
+from ds_ppo.config.jobs import DPOConfig, PairJob, RMConfig, SFTConfig, SupervisedJob
 from ds_ppo.config.role_sections import (LoraConfig, ModelSource, Optim, PolicyConfig,
                                          ReferenceConfig,
                                  RewardConfig, ValueConfig)
@@ -33,8 +33,9 @@ from ds_ppo.config.rollout_sections import EnvConfig, GenerationConfig
 from ds_ppo.config.run_sections import CheckpointConfig, TrackingConfig
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "EnvConfig",
-    "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PPOConfig", "PolicyConfig",
+    "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "DPOConfig", "EnvConfig",
+    "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PairJob", "PPOConfig",
+    "PolicyConfig",
     "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig", "RMConfig", "RoleDeepSpeed",
     "SFTConfig", "Section", "SupervisedJob", "TrackingConfig", "ValueConfig",
 ]
@@ -54,6 +55,7 @@ class Config(Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rm: RMConfig = Field(default_factory=RMConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     output_dir: str = Field("outputs/ds_ppo", description="Where checkpoints, exports, the local "
                             "MLflow store and logs go.")
     seed: int = Field(42, description="Seed of data order, initialisation and sampling.")

@@ -59,10 +59,14 @@ class SFTSet:
 @dataclass
 class PairSet:
     """Preference pairs of one split: ``chosen[i]`` / ``rejected[i]`` token ids (prompt +
-    answer + EOS); ``margin[i]`` (None without rm.margin_key)."""
+    answer + EOS); ``chosen_mask[i]`` / ``rejected_mask[i]`` (same lengths): True on the
+    answer's tokens and its EOS (a whole chat: its assistant turns; text without a prompt: every
+    token), what `ds-ppo dpo` scores; ``margin[i]`` (None without rm.margin_key)."""
 
     chosen: list[list[int]] = field(default_factory=list)
     rejected: list[list[int]] = field(default_factory=list)
+    chosen_mask: list[list[bool]] = field(default_factory=list)
+    rejected_mask: list[list[bool]] = field(default_factory=list)
     margin: list[float] | None = None
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -235,7 +239,8 @@ def load_sft(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None 
 
 
 def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
-    """`--dry-run`: the rows `load_sft` / `load_pairs` would read (job "sft" or "rm"), checked as
+    """`--dry-run`: the rows `load_sft` / `load_pairs` would read (job sft, or a pair job: rm,
+    dpo), checked as
     they check them but without a tokenizer (no torch, no transformers): the columns, rows that
     do not read (not UTF-8, malformed JSON), cells that are not text, malformed chats, a chat
     without an assistant turn, margins that are not numbers, pairs whose answers are the same.
@@ -247,7 +252,10 @@ def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
     """
     d = cfg.data
     table, rows = _open_split(cfg, split)
-    if job == "sft":
+    from ds_ppo.config import PairJob
+
+    pairs = isinstance(getattr(cfg, job), PairJob)
+    if not pairs:
         paired = cfg.sft.completion_key in table.columns
         keys = ([d.prompt_key, cfg.sft.completion_key] if paired else [d.messages_key])
         if paired:
@@ -255,24 +263,25 @@ def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
         else:
             _need_columns(table, keys, f"data.messages_key; or {cfg.sft.completion_key!r} "
                           "(sft.completion_key) with a prompt column")
+        margin_key = None
     else:
-        r = cfg.rm
-        _need_columns(table, [r.chosen_key, r.rejected_key] + ([r.margin_key] if r.margin_key
-                                                               else []),
-                      "rm.chosen_key, rm.rejected_key, rm.margin_key")
+        chosen_key, rejected_key, margin_key = _pair_keys(cfg, job)
+        _need_columns(table, [chosen_key, rejected_key] + ([margin_key] if margin_key else []),
+                      f"{job}.chosen_key, {job}.rejected_key" + (f", {job}.margin_key"
+                                                                 if margin_key else ""))
         paired = d.prompt_key in table.columns
-        keys = ([d.prompt_key] if paired else []) + [r.chosen_key, r.rejected_key]
+        keys = ([d.prompt_key] if paired else []) + [chosen_key, rejected_key]
     columns = {k: table.column(k) for k in keys}
-    margins = table.column(cfg.rm.margin_key) if job == "rm" and cfg.rm.margin_key else None
+    margins = table.column(margin_key) if margin_key else None
     bad = []
     for i in rows:
         try:
             if i in table.broken:
                 raise _Bad(table.broken[i])
             cells = [columns[k][i] for k in keys]
-            if job == "sft" and not paired:
+            if not pairs and not paired:
                 _chat_shape(cells[0], d.messages_key)
-            elif job == "sft" or paired:
+            elif not pairs or paired:
                 _prompt_shape(cells[0], d.prompt_key)
                 for k, v in zip(keys[1:], cells[1:]):
                     _text(v, k, "answer")
@@ -282,9 +291,9 @@ def check_rows(cfg: Config, job: str, split: str | None = None) -> None:
                         _chat_shape(v, k)
                     else:
                         _text(v, k, "answer")
-            if job == "rm":
+            if pairs:
                 if margins is not None:
-                    _margin(margins[i], cfg.rm.margin_key)
+                    _margin(margins[i], margin_key)
                 if cells[-2] == cells[-1]:
                     raise _Bad(f"columns {keys[-2]!r} and {keys[-1]!r} are the same answer (a "
                                "pair must prefer one answer to another)")
@@ -327,43 +336,57 @@ def _margin(value: Any, key: str) -> float:
     return float(value)
 
 
-def _pair_ids(tokenizer, cell: Any, key: str, prompt: list[int] | None) -> list[int]:
+def _pair_ids(tokenizer, cell: Any, key: str, prompt: list[int] | None
+              ) -> tuple[list[int], list[bool]]:
+    """(token ids, answer mask) of one answer of a pair (`PairSet`)."""
     if prompt is not None:
-        return prompt + _answer_ids(tokenizer, cell, key)
+        answer = _answer_ids(tokenizer, cell, key)
+        return prompt + answer, [False] * len(prompt) + [True] * len(answer)
     if isinstance(cell, list):  # a whole chat, scored with its EOS
-        ids, _ = chat_ids(tokenizer, cell, key)
-        return ids if ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-    return _encode(tokenizer, _text(cell, key, "answer"), specials=True) + [tokenizer.eos_token_id]
+        ids, mask = chat_ids(tokenizer, cell, key)
+        if ids[-1] != tokenizer.eos_token_id:
+            ids, mask = ids + [tokenizer.eos_token_id], mask + [True]
+        return ids, mask
+    ids = _encode(tokenizer, _text(cell, key, "answer"), specials=True) + [tokenizer.eos_token_id]
+    return ids, [True] * len(ids)
 
 
-def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None = None
-               ) -> PairSet:
-    """The preference pairs of a split (default data.split): rm.chosen_key and rm.rejected_key,
-    each an answer after data.prompt_key (text or chat) when that column exists, else a whole
-    chat or text; rm.margin_key's number when set.
+def _pair_keys(cfg: Config, job: str) -> tuple[str, str, str | None]:
+    """The (chosen, rejected, margin or None) columns of the pair job `job` (rm, dpo)."""
+    r = getattr(cfg, job)
+    return r.chosen_key, r.rejected_key, getattr(r, "margin_key", None)
+
+
+def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | None = None,
+               job: str = "rm") -> PairSet:
+    """The preference pairs of a split (default data.split) for the pair job `job` (rm, dpo):
+    <job>.chosen_key and <job>.rejected_key, each an answer after data.prompt_key (text or
+    chat) when that column exists, else a whole chat or text; rm.margin_key's number when set.
 
     Raises:
         DataError: a missing column, a bad row (data.on_bad_row=error), or no row left.
     """
-    d, r = cfg.data, cfg.rm
+    d, r = cfg.data, getattr(cfg, job)
+    chosen_key, rejected_key, margin_key = _pair_keys(cfg, job)
     table, rows = _open_split(cfg, split)
-    _need_columns(table, [r.chosen_key, r.rejected_key] + ([r.margin_key] if r.margin_key else []),
-                  "rm.chosen_key, rm.rejected_key, rm.margin_key")
+    _need_columns(table, [chosen_key, rejected_key] + ([margin_key] if margin_key else []),
+                  f"{job}.chosen_key, {job}.rejected_key" + (f", {job}.margin_key"
+                                                             if margin_key else ""))
     has_prompt = d.prompt_key in table.columns
     prompts = table.column(d.prompt_key) if has_prompt else None
-    chosen, rejected = table.column(r.chosen_key), table.column(r.rejected_key)
-    margins = table.column(r.margin_key) if r.margin_key else None
+    chosen, rejected = table.column(chosen_key), table.column(rejected_key)
+    margins = table.column(margin_key) if margin_key else None
     out, bad, dropped = PairSet(margin=[] if margins is not None else None), [], 0
     for i in rows:
         try:
             if i in table.broken:
                 raise _Bad(table.broken[i])
             p = _prompt_ids(tokenizer, prompts[i], d.prompt_key) if has_prompt else None
-            c = _pair_ids(tokenizer, chosen[i], r.chosen_key, p)
-            j = _pair_ids(tokenizer, rejected[i], r.rejected_key, p)
-            m = _margin(margins[i], r.margin_key) if margins is not None else None
+            c, cm = _pair_ids(tokenizer, chosen[i], chosen_key, p)
+            j, jm = _pair_ids(tokenizer, rejected[i], rejected_key, p)
+            m = _margin(margins[i], margin_key) if margins is not None else None
             if c == j:  # the loss is log 2 whatever the model: nothing to learn, a tie to score
-                raise _Bad(f"columns {r.chosen_key!r} and {r.rejected_key!r} are the same "
+                raise _Bad(f"columns {chosen_key!r} and {rejected_key!r} are the same "
                            "answer (a pair must prefer one answer to another)")
         except _Bad as e:
             bad.append(f"{table.where[i]}: {e}")
@@ -373,6 +396,8 @@ def load_pairs(cfg: Config, tokenizer: PreTrainedTokenizerBase, split: str | Non
             continue
         out.chosen.append(c)
         out.rejected.append(j)
+        out.chosen_mask.append(cm)
+        out.rejected_mask.append(jm)
         if out.margin is not None:
             out.margin.append(m)
     out.stats = _finish(table, bad, rows, len(out), dropped, max(out.lengths(), default=0),

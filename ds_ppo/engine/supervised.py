@@ -6,9 +6,12 @@ template) with the job's batch sizes and length:
 - `ds-ppo rm`:  a reward model, AutoModelForSequenceClassification (num_labels 1) built from the
   policy section's path or arch (its backbone; a new scalar head) and read at each row's last
   real token by `forward.LastTokenScorer`, as the reward role of `ds-ppo train` reads it
-  (`ScorerRole`).
+  (`ScorerRole`);
+- `ds-ppo dpo`: the policy, as for sft, and beside it (`add_reference`) a frozen reference built
+  as `ds-ppo train`'s reference role is (deepspeed.reference: an inference engine, parameters
+  offloaded), or with LoRA the policy's base with its adapters off.
 
-Both use the policy section (model, optimizer, lora) and deepspeed.policy. The result is held in
+All use the policy section (model, optimizer, lora) and deepspeed.policy. The result is held in
 `JobEngines`, shaped like `Engines` where checkpoints and exports read it (a `policy`, no
 `value`), so engine/checkpoint/save_load.py saves and resumes it unchanged.
 """
@@ -23,9 +26,9 @@ import torch
 from ds_ppo.config import Config, job_accum_steps
 from ds_ppo.engine import dist, lora, moe
 from ds_ppo.engine.ds_config import build_ds_config, resolve_dtype
-from ds_ppo.engine.role_objects import PolicyRole, ScorerRole
-from ds_ppo.engine.roles import (_hidden_size, _init_policy, _load_kwargs, _model_config,
-                                 _ready_to_train, _trained_engine, _zero_init_for,
+from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, ScorerRole
+from ds_ppo.engine.roles import (_hidden_size, _init_policy, _init_reference, _load_kwargs,
+                                 _model_config, _ready_to_train, _trained_engine, _zero_init_for,
                                  materialize_arch)
 
 log = logging.getLogger("ds_ppo")
@@ -41,15 +44,18 @@ class JobEngines:
     dtype: torch.dtype
     value: None = None  # no second trained model (checkpoint.py skips a missing role)
     lora_bases: dict[str, str] = field(default_factory=dict)
+    policy_path: str = ""  # where the policy's initial weights came from (HF dir)
+    reference: ReferenceRole | None = None  # frozen, never saved (`add_reference`)
 
 
 def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
                      total_steps: int, stage, load_universal: bool = False,
-                     autoep: bool = False) -> JobEngines:
-    """Build the job's model (`job`: sft or rm) with an LR schedule of `total_steps` optimizer
-    steps; a random-init policy.arch is materialised on rank 0 first (under output_dir).
-    `load_universal`: it will load a checkpoint saved at another world size; `autoep`: with
-    AutoEP's layers even at expert_parallel_size 1 (`build_ds_config`)."""
+                     autoep: bool = False, scorer: bool = False) -> JobEngines:
+    """Build the job's model (`job`: its section's name; `scorer`: a reward model, else a causal
+    LM) with an LR schedule of `total_steps` optimizer steps; a random-init policy.arch is
+    materialised on rank 0 first (under output_dir). `load_universal`: it will load a
+    checkpoint saved at another world size; `autoep`: with AutoEP's layers even at
+    expert_parallel_size 1 (`build_ds_config`)."""
     world = dist.world_size()
     dtype = resolve_dtype(cfg.policy.dtype)
     cfg = stage.apply(cfg)  # the ZeRO stage (plan/fit.py: auto by fit, as `ds-ppo plan --job`)
@@ -63,7 +69,7 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
         path = cfg.policy.path
     section = getattr(cfg, job)
     batch = (section.micro_batch_size, job_accum_steps(cfg, job, world))
-    if job == "sft":
+    if not scorer:
         engine, ds = _init_policy(cfg, path, world, device, dtype, load_universal, batch,
                                   total_steps, autoep)
         role = PolicyRole(engine)
@@ -76,7 +82,21 @@ def init_job_engines(cfg: Config, job: str, tokenizer, device: torch.device,
     if lora_bases and dist.is_main():
         log.info("LoRA %s", lora.describe_trainable(job, role.module))
     return JobEngines(policy=role, ds_configs={job: ds}, device=device, dtype=dtype,
-                      lora_bases=lora_bases)
+                      lora_bases=lora_bases, policy_path=path)
+
+
+def add_reference(cfg: Config, engines: JobEngines, path: str | None) -> None:
+    """The frozen reference beside a job's causal-LM policy, in `engines.reference`: the model at
+    `path` (None: the policy's initial weights) as an inference engine under deepspeed.reference
+    (`engine.roles._init_reference`, as `ds-ppo train` builds its reference); with policy.lora
+    and no `path`, the policy's base with its adapters off (no second model)."""
+    if path is None and cfg.policy.lora is not None:
+        engines.reference = ReferenceRole(lora.AdaptersOff(engines.policy.engine))
+        return
+    engine, ds = _init_reference(cfg, path or engines.policy_path, dist.world_size(),
+                                 engines.dtype)
+    engines.ds_configs["reference"] = ds
+    engines.reference = ReferenceRole(engine)
 
 
 def _init_scorer(cfg: Config, path: str, world: int, device, dtype, batch: tuple[int, int],

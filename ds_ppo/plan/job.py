@@ -1,15 +1,16 @@
-"""`ds-ppo plan --job sft|rm`: the memory of a supervised job's one trained model per GPU, with the
+"""`ds-ppo plan --job sft|rm|dpo`: the memory of a supervised job's one trained model per GPU, with the
 formulas of a PPO plan (plan/states.py, plan/activations.py): its model states under
 deepspeed.policy (ZeRO stage, offloads, LoRA) plus one micro-batch's forward and backward
 (`<job>.micro_batch_size` rows of `<job>.max_len` tokens, or with sft.micro_batch_tokens one packed
-sequence; a reward model's micro-batch holds the chosen and the rejected rows of its pairs; an SFT
-model's fp32 logits over the vocabulary, a reward model's one score per row).
+sequence; a pair job's micro-batch (rm, dpo) holds the chosen and the rejected rows of its pairs;
+a causal LM's fp32 logits over the vocabulary (sft, dpo), a reward model's one score per row). A
+dpo reference's inference engine is not counted.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ds_ppo.config import Config, lora_output_head
+from ds_ppo.config import Config, PairJob, RMConfig, lora_output_head
 from ds_ppo.plan.activations import logits_bytes, train_activation_bytes
 from ds_ppo.plan.phases import RUNTIME_OVERHEAD_BYTES, Cluster, _lora_states
 from ds_ppo.plan.shapes import _hf_config, lora_params, model_shape
@@ -28,7 +29,9 @@ def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
     if hf is None:
         raise ConfigError(f"plan: cannot read the model's shape from policy.path = "
                           f"{cfg.policy.path!r}; set policy.arch or a local policy.path")
-    shape = model_shape(hf, "causal" if job == "sft" else "sequence",
+    section = getattr(cfg, job)
+    scorer = isinstance(section, RMConfig)  # a scalar head: no logits over the vocabulary
+    shape = model_shape(hf, "sequence" if scorer else "causal",
                         "arch" if cfg.policy.arch is not None else f"path {cfg.policy.path}")
     reason = None
     if stage is None:
@@ -36,17 +39,17 @@ def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
         stage, reason = choice.stages["policy"], choice.reason
     d = cfg.deepspeed.policy
     d = d.model_copy(update={"zero_stage": stage})
-    section, lora = getattr(cfg, job), cfg.policy.lora
+    lora = cfg.policy.lora
     if lora is not None:
-        head = job == "sft" and lora_output_head(lora, cfg.policy.arch is not None,
+        head = not scorer and lora_output_head(lora, cfg.policy.arch is not None,
                                                  bool(getattr(hf, "tie_word_embeddings", False)))
         states = _lora_states(shape, lora_params(shape, lora, head)
-                              + (shape.hidden if job == "rm" else 0), cluster, d)
+                              + (shape.hidden if scorer else 0), cluster, d)
     else:
         states = train_states(shape.params, shape.largest_layer_params, cluster.gpus_per_node,
                               cluster.nodes, d.zero_stage, d.offload_optimizer, d.offload_param)
     budget = getattr(section, "micro_batch_tokens", None)
-    rows = section.micro_batch_size * (2 if job == "rm" else 1)
+    rows = section.micro_batch_size * (2 if isinstance(section, PairJob) else 1)
     tokens, rows = (section.max_len, rows) if budget is None else (max(budget, section.max_len), 1)
     terms = {
         "model states (weights, grads, optimizer)": states.resident_bytes,
@@ -54,7 +57,7 @@ def job_plan(cfg: Config, job: str, cluster: Cluster, stage: int | None = None
         "activations" + (" (checkpointed)" if cfg.policy.gradient_checkpointing else ""):
             train_activation_bytes(shape, tokens, rows, cfg.policy.gradient_checkpointing,
                                    cfg.policy.attn_implementation == "eager"),
-        "logits": logits_bytes(shape, tokens, rows) if job == "sft" else 4 * rows,
+        "logits": 4 * rows if scorer else logits_bytes(shape, tokens, rows),
         "runtime overhead": RUNTIME_OVERHEAD_BYTES,
     }
     peak = sum(terms.values())

@@ -25,6 +25,9 @@ class RMTask:
     def load(self, cfg, tokenizer, split: str | None = None) -> PairSet:
         return load_pairs(cfg, tokenizer, split)
 
+    def add_frozen(self, cfg, engines) -> None:
+        pass  # no model beside the trained one
+
     def packed(self, cfg) -> bool:
         return False
 

@@ -7,8 +7,11 @@ each seed, on the digit-sum task (ds_ppo/envs/addition.py),
 3. `ds-ppo train` from the SFT model, twice: GRPO with the exact-match checker as the reward
                   (at the same time as step 2: it needs no reward model), and PPO (gae, the
                   value model from the reward model) with the learned reward model;
+4. `ds-ppo dpo`   from the SFT model on the reward model's pairs, with no reward model (at the
+                  same time as step 2); its pairwise accuracy on the held-out pairs is the last
+                  eval/reward_accuracy;
 
-then the greedy exact-match accuracy of the SFT model and of each RL model on the held-out
+then the greedy exact-match accuracy of the SFT model and of each tuned model on the held-out
 problems (plain transformers on the exports, `envs.addition.evaluate`). Each step is its own
 process (`python -m ds_ppo ...`: what a user types), all logging into one MLflow store under
 --out: a parent run per seed with a child run per step (tracking.parent_run_id), the parent
@@ -41,12 +44,14 @@ STEPS = {
             "ppo.rollout_batch_size=128", "ppo.mini_batch_size=64", "ppo.micro_batch_size=64",
             "ppo.kl_in_reward=true", "ppo.kl_coef=0.01", "value.lr=3.0e-3",
             "ppo.critic_warmup_iterations=20", "iterations=120"],
+    "dpo": ["dpo", "data.path={task}/pairs.jsonl", "data.eval_split={task}/pairs_test.jsonl",
+            "policy.path={out}/sft/final", "data.eval_size=1600"],
 }
 QUICK = {"sft": ["sft.steps=120"], "grpo": ["iterations=20"]}
 
 
-# the steps in waves: a wave's steps run at once (GRPO needs no reward model)
-WAVES = (("sft",), ("rm", "grpo"), ("ppo",))
+# the steps in waves: a wave's steps run at once (GRPO and DPO need no reward model)
+WAVES = (("sft",), ("rm", "grpo", "dpo"), ("ppo",))
 
 
 def _run_steps(commands: dict[str, list[str]], logs: dict[str, Path]) -> dict[str, float]:
@@ -116,12 +121,15 @@ def run_seed(seed: int, out: Path, config: str, steps: list[str], quick: bool,
         walls = _run_steps(commands, {n: root / f"{n}.log" for n in commands})
         for name in (n for n in wave if n in steps):
             res[f"{name}_wall_s"] = walls.get(name)
-            if name in ("sft", "grpo", "ppo"):
+            if name in ("sft", "grpo", "ppo", "dpo"):
                 res[f"{name}_acc"] = addition.evaluate(root / name / "final", task / "test.jsonl")
             if name == "rm":
                 res["rm_acc"] = _last(root / "rm" / "metrics.jsonl", "eval/accuracy")
                 res["rm_pick"] = addition.reward_model_picks(root / "rm" / "final",
                                                              task / "test.jsonl")
+            if name == "dpo":
+                res["dpo_pair_acc"] = _last(root / "dpo" / "metrics.jsonl",
+                                            "eval/reward_accuracy")
             if name in ("grpo", "ppo"):  # the reward the RL step maximised: first vs last
                 res[f"{name}_score_first"] = _first(root / name / "metrics.jsonl", "score/mean")
                 res[f"{name}_score_last"] = _last(root / name / "metrics.jsonl", "score/mean")
@@ -139,6 +147,7 @@ def table(results: list[dict[str, float]]) -> str:
             ("rm_pick", "RM picks right sum"),
             ("grpo_acc", "GRPO acc"), ("ppo_acc", "PPO (RM) acc"),
             ("ppo_score_first", "PPO RM score first"), ("ppo_score_last", "last"),
+            ("dpo_acc", "DPO acc"), ("dpo_pair_acc", "DPO pair acc"),
             ("wall_s", "wall s")]
     cols = [(k, h) for k, h in cols if any(k in r for r in results)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
@@ -154,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="outputs/recipe")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--config", default="recipe")
-    ap.add_argument("--steps", default="sft,rm,grpo,ppo",
-                    help="comma-separated steps among sft, rm, grpo, ppo")
+    ap.add_argument("--steps", default="sft,rm,grpo,ppo,dpo",
+                    help="comma-separated steps among sft, rm, grpo, ppo, dpo")
     ap.add_argument("--quick", action="store_true", help="the CI version: shorter, GRPO only")
     ap.add_argument("overrides", nargs="*", help="key=value for every step")
     args = ap.parse_args(argv)

@@ -58,6 +58,9 @@ class SFTTask:
     def load(self, cfg, tokenizer, split: str | None = None) -> SFTSet:
         return load_sft(cfg, tokenizer, split)
 
+    def add_frozen(self, cfg, engines) -> None:
+        pass  # no model beside the trained one
+
     def packed(self, cfg) -> bool:
         return cfg.sft.micro_batch_tokens is not None
 

@@ -319,6 +319,20 @@ def test_rm_loss_invariant_to_world_size_and_micro_batches(one_rank, two_ranks):
         assert not _close(ref, run, keys=RM_KEYS)
     assert ref["loss/rm@1"] != ref["loss/rm@0"]
 
+DPO_KEYS = tuple(f"{k}@{i}" for i in (0, 1) for k in ("loss/dpo", "dpo/reward_margin",
+                                                      "dpo/chosen_logp", "dpo/grad_norm")) \
+    + ("eval/loss@1", "eval/reward_margin@1")
+
+
+def test_dpo_loss_invariant_to_world_size_and_micro_batches(one_rank, two_ranks):
+    """ds-ppo dpo: the preference loss divided by the global pair count (2 or 1 micro-batches of
+    4 pairs per rank), the reference's log-probs computed on each rank's own pairs."""
+    ref = one_rank["dpo_micro4"]
+    assert not _close(ref, two_ranks["dpo_micro4"], keys=DPO_KEYS)
+    assert ref["loss/dpo@0"] == pytest.approx(0.6931472, abs=1e-6)  # the policy is its reference
+    assert ref["loss/dpo@1"] < ref["loss/dpo@0"]
+
+
 # ---------------------------------------------------------------- multi-turn episodes
 ENV_KEYS = LOSS_KEYS + ("env/turns_mean", "env/observation_tokens_mean", "env/model_tokens_mean")
 

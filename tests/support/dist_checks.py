@@ -472,7 +472,9 @@ def _greedy_replica_and_zero3(tok, replica, engines) -> tuple[list, list]:
 
 SUPERVISED_KEYS = {"sft": ("loss/sft", "sft/grad_norm", "eval/loss"),
                    "rm": ("loss/rm", "rm/accuracy", "rm/margin_mean", "rm/grad_norm", "eval/loss",
-                          "eval/margin_mean")}
+                          "eval/margin_mean"),
+                   "dpo": ("loss/dpo", "dpo/reward_accuracy", "dpo/reward_margin",
+                           "dpo/chosen_logp", "dpo/grad_norm", "eval/loss", "eval/reward_margin")}
 
 
 def supervised_data(work: Path) -> Path:
@@ -501,7 +503,7 @@ def supervised_data(work: Path) -> Path:
 
 
 def supervised_steps(work: Path, job: str, name: str, extra: list[str]) -> dict:
-    """Each step's loss statistics of two optimizer steps of `ds-ppo sft` / `ds-ppo rm` (the
+    """Each step's loss statistics of two optimizer steps of `ds-ppo sft` / `rm` / `dpo` (the
     second step's depend on the first update) and the evaluation after them."""
     from ds_ppo.config import validate_job
     from ds_ppo.trainer import run_supervised
@@ -692,6 +694,9 @@ def main() -> None:
             "deepspeed.policy.zero_stage=3"]),
         "rm_micro4": lambda: supervised_steps(work, "rm", "rm4", [
             "rm.micro_batch_size=4", "deepspeed.policy.zero_stage=3"]),
+        # ds-ppo dpo: the policy on ZeRO-3, its reference (ZeRO-3, offloaded) beside it
+        "dpo_micro4": lambda: supervised_steps(work, "dpo", "dpo4", [
+            "dpo.micro_batch_size=4", "deepspeed.policy.zero_stage=3", "dpo.beta=0.5"]),
         "env_micro4": lambda: first_update(work, "env4", ENV_BASE + ["ppo.micro_batch_size=4"],
                                            ENV_KEYS),
         "env_packed": lambda: first_update(work, "envpk", ENV_BASE + [

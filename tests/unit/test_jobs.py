@@ -48,8 +48,8 @@ def test_every_registered_job_has_every_method_of_the_protocol():
     methods = {n for n, v in vars(Job).items() if inspect.isfunction(v) and not n.startswith("_")}
     for cls in (PPOJob, Supervised):
         assert sorted(m for m in methods if not callable(getattr(cls, m, None))) == [], cls
-    assert [s.command for s in JOBS.values()] == ["train", "sft", "rm"]
-    assert {s.name for s in JOBS.values()} == {"ppo", "sft", "rm"}
+    assert [s.command for s in JOBS.values()] == ["train", "sft", "rm", "dpo"]
+    assert {s.name for s in JOBS.values()} == {"ppo", "sft", "rm", "dpo"}
 
 
 @pytest.fixture

@@ -20,11 +20,15 @@ def test_every_job_lists_the_metrics_docs_describe():
     ppo, supervised = doc.split("## Supervised jobs", 1)
     assert _table_keys(ppo) == PPO_METRICS | {f"{ENV_PREFIX}<key>"}
     table = _table_keys(supervised)
-    sft_eval, rm_eval = supervised.split("for `ds-ppo rm`", 1)
+    sft_eval, rest = supervised.split("for `ds-ppo rm`", 1)
+    rm_eval, dpo_eval = rest.split("for `ds-ppo dpo`", 1)
     evals = {"sft": set(re.findall(r"`(eval/[a-z_]+)`", sft_eval)),
-             "rm": {"eval/loss", *re.findall(r"`(eval/[a-z_]+)`", rm_eval)}}
-    for job, other in (("sft", "rm"), ("rm", "sft")):
-        own = {k for k in table if other not in re.split(r"[/_]", k)}
+             "rm": {"eval/loss", *re.findall(r"`(eval/[a-z_]+)`", rm_eval)},
+             "dpo": {"eval/loss", *re.findall(r"`(eval/[a-z_]+)`", dpo_eval)}}
+    assert set(SUPERVISED_METRICS) == set(evals)
+    for job in evals:
+        others = set(evals) - {job}
+        own = {k for k in table if not others & set(re.split(r"[/_]", k))}
         assert SUPERVISED_METRICS[job] == own | evals[job], job
 
 

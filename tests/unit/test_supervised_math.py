@@ -146,6 +146,28 @@ def test_pairs_with_prompt_margin_and_chat_forms(tmp_path, tok):
         load_pairs(_cfg(_write(tmp_path / "x.jsonl", [{"chosen": "a"}])), tok)
 
 
+def test_pairs_mark_their_answers_tokens_for_dpo(tmp_path, tok):
+    """`ds-ppo dpo` scores an answer's tokens only: after a prompt, the answer and its EOS; a
+    whole chat, its assistant turns (and the EOS); text without a prompt, every token. Its own
+    section's columns (dpo.chosen_key) name the answers."""
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "the cat", "good": "sat on", "bad": "sun"}])
+    pairs = load_pairs(_cfg(path, "dpo.chosen_key=good", "dpo.rejected_key=bad"), tok,
+                       job="dpo")
+    p, a = tok("the cat")["input_ids"], tok("sat on", add_special_tokens=False)["input_ids"]
+    assert pairs.chosen == [p + a + [tok.eos_token_id]]
+    assert pairs.chosen_mask == [[False] * len(p) + [True] * (len(a) + 1)]
+    assert [len(m) for m in pairs.rejected_mask] == [len(r) for r in pairs.rejected]
+    chat = _write(tmp_path / "c.jsonl", [{
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
+        "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "sad"}]}])
+    pairs = load_pairs(_cfg(chat), tok, job="dpo")
+    ids, mask = chat_ids(tok, json.loads(chat.read_text())["chosen"], "chosen")
+    assert pairs.chosen_mask[0][:len(mask)] == mask and pairs.chosen_mask[0][-1]
+    assert not pairs.chosen_mask[0][0]
+    text = _write(tmp_path / "t.jsonl", [{"chosen": "a b", "rejected": "b a"}])
+    assert all(load_pairs(_cfg(text), tok, job="dpo").chosen_mask[0])
+
+
 def test_an_empty_completion_is_named_as_one(tmp_path, tok):
     path = _write(tmp_path / "d.jsonl", [{"prompt": "hi", "completion": "  "}])
     with pytest.raises(DataError, match="line 1: column 'completion' is an empty answer"):
@@ -183,6 +205,34 @@ def test_job_config_checks_name_key_and_fix():
     assert job_accum_steps(cfg, "rm", 2) == 2
     ok = load_config(None, ["data.path=x.jsonl", "sft.batch_size=16", "sft.micro_batch_size=4"])
     validate_job(ok, "sft", 2)
+
+
+def test_dpo_checks_name_key_and_fix(tmp_path, capsys):
+    """The dpo section's rules: label smoothing has no meaning for ipo's squared loss (refused),
+    a reference path is unused by simpo (a warning), the pair columns as rm's; `--dry-run` reads
+    the rows through the dpo section's columns and checks its reference path exists."""
+    from ds_ppo.cli import main
+
+    cfg = load_config(None, ["data.path=x.jsonl", "dpo.loss=ipo", "dpo.label_smoothing=0.1",
+                             "dpo.rejected_key=chosen"])
+    with pytest.raises(ConfigError) as e:
+        validate_job(cfg, "dpo", 1)
+    assert "dpo.label_smoothing = 0.1 does not apply to dpo.loss = 'ipo'" in str(e.value)
+    assert "dpo.chosen_key = dpo.rejected_key = 'chosen'" in str(e.value)
+    with pytest.raises(ConfigError, match="dpo.label_smoothing = 0.5: Input should be less"):
+        load_config(None, ["dpo.label_smoothing=0.5"])
+    rows = _write(tmp_path / "p.jsonl", [{"prompt": "a", "good": "b", "bad": "c"}])
+    base = ["dpo", "--dry-run", f"data.path={rows}", "dpo.batch_size=8",
+            "dpo.micro_batch_size=4", f"output_dir={tmp_path / 'out'}"]
+    assert main(base + ["dpo.chosen_key=good", "dpo.rejected_key=bad", "dpo.loss=simpo",
+                        f"dpo.reference_path={tmp_path}"]) == 0
+    out = capsys.readouterr()
+    assert f"dpo.reference_path = '{tmp_path}' is unused: dpo.loss = 'simpo'" in out.err
+    assert main(base) == 2  # the default columns are not in the file
+    assert "no column 'chosen'" in capsys.readouterr().err
+    assert main(base + ["dpo.chosen_key=good", "dpo.rejected_key=bad",
+                        "dpo.reference_path=/no/such/model"]) == 2
+    assert "dpo.reference_path = '/no/such/model': no such file" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------------------------- task

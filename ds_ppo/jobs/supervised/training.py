@@ -1,8 +1,9 @@
-"""`ds-ppo sft` and `ds-ppo rm` as jobs of the run driver (run/driver.py; their registry rows:
-jobs/supervised/__init__.py): a `Task` (sft/task.py, rm/task.py) supplies its rows,
-micro-batches and loss; `Supervised` makes an optimizer step of it the driver's unit, with its
-evaluation and progress line. The run around it (lock, MLflow,
-resume at any world size, watchdog, signals, checkpoints, export) is the driver's, as for PPO.
+"""`ds-ppo sft`, `ds-ppo rm` and `ds-ppo dpo` as jobs of the run driver (run/driver.py; their
+registry rows: jobs/supervised/__init__.py, jobs/dpo/__init__.py): a `Task` (sft/task.py,
+rm/task.py, jobs/dpo/task.py) supplies its rows, micro-batches, loss and any frozen model;
+`Supervised` makes an optimizer step of it the driver's unit, with its evaluation and progress
+line. The run around it (lock, MLflow, resume at any world size, watchdog, signals, checkpoints,
+export) is the driver's, as for PPO.
 
 Steps and batches: step s (1-based) trains on global batch s - 1 of `PromptSampler` (one
 permutation of the rows per epoch, seeded): rank r takes its slice, so the same rows make a step
@@ -38,10 +39,13 @@ log = logging.getLogger("ds_ppo")
 
 
 class Task(Protocol):
-    """What a supervised job supplies (sft/task.py, rm/task.py)."""
+    """What a supervised job supplies (sft/task.py, rm/task.py, jobs/dpo/task.py)."""
 
-    name: str  # the config section and the command: sft or rm
+    name: str  # the config section and the command: sft, rm or dpo
     model_class: str  # the transformers class its export loads with
+
+    def add_frozen(self, cfg: Config, engines) -> None:
+        """Add the frozen models its loss reads beside the trained one (dpo: the reference)."""
 
     def load(self, cfg: Config, tokenizer, split: str | None = None) -> Any: ...
     def packed(self, cfg: Config) -> bool: ...
@@ -135,9 +139,12 @@ class Supervised:
         from ds_ppo.engine.supervised import init_job_engines
         from ds_ppo.plan.fit import zero_stages
 
-        return init_job_engines(cfg, self.name, self.tokenizer, device, self.total,
-                                zero_stages(cfg, device, universal, self.name), universal,
-                                autoep="policy" in autoep)
+        engines = init_job_engines(
+            cfg, self.name, self.tokenizer, device, self.total,
+            zero_stages(cfg, device, universal, self.name), universal, autoep="policy" in autoep,
+            scorer=self.task.model_class == "AutoModelForSequenceClassification")
+        self.task.add_frozen(cfg, engines)
+        return engines
 
     def trained_roles(self) -> tuple[str, ...]:
         return ("policy",)
