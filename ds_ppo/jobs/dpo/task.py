@@ -23,7 +23,6 @@ from ds_ppo.algo.preference import (PairLogps, PreferenceSettings, preference_lo
 from ds_ppo.containers import longest_first
 from ds_ppo.data.supervised_rows import PairSet, load_pairs
 from ds_ppo.engine.forward import position_ids
-from ds_ppo.jobs.dpo import NAME
 
 
 def pair_rows(data: PairSet, rows: list[int], pad_id: int, device: torch.device):
@@ -53,7 +52,7 @@ def token_logprobs(model, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
 class DPOTask:
     """The DPO task of jobs/supervised/training.py."""
 
-    name = NAME  # the config section and the command
+    name = "dpo"  # its row's name (jobs/dpo/__init__.py): the config section and the command
     model_class = "AutoModelForCausalLM"  # what the export loads with
 
     def __init__(self) -> None:
@@ -67,7 +66,7 @@ class DPOTask:
             self.reference = engines.reference
 
     def load(self, cfg, tokenizer, split: str | None = None) -> PairSet:
-        return load_pairs(cfg, tokenizer, split, job=NAME)
+        return load_pairs(cfg, tokenizer, split, job=self.name)
 
     def packed(self, cfg) -> bool:
         return False
