@@ -31,6 +31,14 @@ class Abandoned(BaseException):
         super().__init__(f"{phase} abandoned on signal {signum}")
 
 
+def elsewhere(phase: str) -> Abandoned:
+    """What a rank raises when the ranks' agreement on `phase` (a reward call, the episodes'
+    turns) says another rank gave it up; SIGTERM is the only signal that gives calls up."""
+    import signal
+
+    return Abandoned(_signum or signal.SIGTERM, phase)
+
+
 def request(signum: int) -> None:
     """From now on every wait of `join`, `check` and `wait` raises Abandoned (any thread)."""
     global _signum

@@ -99,10 +99,9 @@ def _function_scores(rollout: Rollout, fn, s: RewardCallSettings, call: bool = T
     stopped = isinstance(error, abandon.Abandoned)
     code = (3.0 if stopped else 2.0 if isinstance(error, RewardTimeout)
             else 1.0 if error is not None else 0.0)
-    worst, signum = (float(x) for x in dist.all_reduce_max(torch.tensor(
-        [code, error.signum if stopped else 0], dtype=torch.float64)))
+    worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
     if worst == 3.0:
-        raise error if stopped else abandon.Abandoned(int(signum), "reward call")
+        raise error if stopped else abandon.elsewhere("reward call")
     if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
         failed = dist.first_failure(error if isinstance(error, RewardTimeout) else None)
         raise error if isinstance(error, RewardTimeout) else RewardTimeout(
