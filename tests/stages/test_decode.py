@@ -222,6 +222,37 @@ def test_sigterm_gives_a_decode_up_between_two_steps():
     assert e.value.phase == "generation" and len(forwards) == 3
 
 
+def test_sigterm_ends_hf_generate_at_the_next_step():
+    """generation.loop = hf (and mode zero3): a stopping criterion ends every row once the
+    request is made, then the decode is given up."""
+    from ds_ppo import abandon
+    from ds_ppo.config import load_config
+    from ds_ppo.engine.generation import _hf_generate
+
+    model = tiny_llama()
+    ids, mask = left_padded()
+    cfg = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=40",
+                             "generation.loop=hf"]).generation
+    forwards, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 3:
+            abandon.request(signal.SIGTERM)
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    run = _hf_generate(model, cfg, [], PAD, False, None)
+    try:
+        with pytest.raises(abandon.Abandoned) as e:
+            run(ids, mask)
+    finally:
+        abandon.clear()
+    assert e.value.phase == "generation" and len(forwards) == 3
+    model.forward = forward
+    assert run(ids, mask)[0].shape[1] == 40  # no request: every token
+
+
 def test_unsupported_models_are_named():
     assert unsupported(tiny_llama().config) is None
     assert "flash_attention_2" in unsupported(
