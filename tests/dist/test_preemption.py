@@ -1,6 +1,7 @@
 """A scheduler's stop request loses no finished iteration: SIGTERM / SIGUSR1 make `ds-ppo train`
 finish the iteration, save a checkpoint and exit 128 + the signal; the same command resumes.
-Ctrl-C (SIGINT) does the same; a second Ctrl-C aborts at once."""
+Ctrl-C (SIGINT) does the same; a second Ctrl-C aborts at once. A SIGTERM during a reward call,
+an environment call or a decode gives it up and exits 143 at once, without a save."""
 from __future__ import annotations
 
 import json
@@ -44,21 +45,49 @@ def _saved_iteration(out: Path) -> int:
     return state["iteration"]
 
 
+# SIGTERM to itself while iteration 2 is in its update (outside any reward call, environment
+# call or decode: that iteration finishes and is saved)
+SIGTERM_IN_THE_UPDATE = '''
+import os
+import signal
+import threading
+import time
+
+calls = []
+
+
+def _in_the_update():
+    from ds_ppo import watchdog
+
+    while not any(phase.name == "update" for phase in list(watchdog.current()._stack)):
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def score(prompts, responses):
+    calls.append(1)
+    if len(calls) == 2 and os.path.exists("armed"):
+        os.remove("armed")
+        threading.Thread(target=_in_the_update, daemon=True).start()
+    return [float(len(r)) for r in responses]
+'''
+
+
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    (tmp_path / "sigterm_reward.py").write_text(SIGTERM_IN_THE_UPDATE)
+    (tmp_path / "armed").touch()
     out = tmp_path / "out"
-    args = ["train", *SMALL, f"output_dir={out}", "iterations=500"]
-    proc = _start([sys.executable, "-m", "ds_ppo", *args], tmp_path)
-    _wait_for(proc, "iter    2/500")
-    proc.send_signal(signal.SIGTERM)
+    args = ["train", *SMALL, f"output_dir={out}", "reward.function=sigterm_reward:score",
+            "reward.stream=false"]
+    proc = _start([sys.executable, "-m", "ds_ppo", *args, "iterations=500"], tmp_path)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    n = _saved_iteration(out)
-    assert 2 <= n < 500
-    assert f"stopped by SIGTERM after iteration {n}" in stderr
-    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 1))
+    assert _saved_iteration(out) == 2
+    assert "stopped by SIGTERM after iteration 2" in stderr
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2]
     # the same command (with a nearer end) resumes after the saved iteration
-    run_cli([*args[:-1], f"iterations={n + 2}"], cwd=tmp_path, timeout=600)
-    assert [r["iteration"] for r in read_metrics(out)] == list(range(1, n + 3))
+    run_cli([*args, "iterations=4"], cwd=tmp_path, timeout=600)
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_sigusr1_to_one_rank_stops_both_at_the_same_iteration(tmp_path):
