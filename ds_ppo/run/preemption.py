@@ -74,18 +74,17 @@ class StopRequests:
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
-        if not self.signum:
-            if signum == signal.SIGTERM:
-                log.warning("received SIGTERM: stopping; a reward call, environment call or "
-                            "decode in progress is abandoned (the last checkpoint is the "
-                            "resume point), else this iteration finishes and is saved")
-                abandon.request(signum)  # the waits on such calls end now, on any thread
-            else:
-                log.warning("received %s: finishing this iteration, then saving a checkpoint "
-                            "and stopping%s", signal.Signals(signum).name,
-                            " (Ctrl-C again to abort now, without saving)"
-                            if signum == signal.SIGINT else "")
-            self.signum = signum
+        if signum == signal.SIGTERM and not abandon.requested():  # also after a SIGUSR1
+            log.warning("received SIGTERM: stopping; a reward call, environment call or decode "
+                        "in progress is abandoned (the last checkpoint is the resume point), "
+                        "else this iteration finishes and is saved")
+            abandon.request(signum)  # the waits on such calls end now, on any thread
+        elif not self.signum:
+            log.warning("received %s: finishing this iteration, then saving a checkpoint and "
+                        "stopping%s", signal.Signals(signum).name,
+                        " (Ctrl-C again to abort now, without saving)"
+                        if signum == signal.SIGINT else "")
+        self.signum = self.signum or signum
 
     def __enter__(self) -> "StopRequests":
         if self.enabled:

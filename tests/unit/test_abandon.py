@@ -81,6 +81,10 @@ def test_sigterm_requests_the_stop_sigusr1_does_not():
         os.kill(os.getpid(), signal.SIGTERM)
         assert abandon.requested() == signal.SIGTERM
     assert not abandon.requested()
+    with StopRequests() as stop:  # the advance notice, then the kill's own warning
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGUSR1 and abandon.requested() == signal.SIGTERM
 
 
 def test_the_abandoned_run_names_the_phase_and_its_resume_point():
