@@ -67,12 +67,14 @@ def check(phase: str) -> None:
 def join(thread: threading.Thread, timeout_s: float | None, phase: str) -> None:
     """`thread.join(timeout_s)` that raises Abandoned(phase) within SLICE_S of a request (also
     one made before the call): the thread is then left running."""
-    wait(lambda: not thread.is_alive(), timeout_s, phase)
+    wait(lambda: not thread.is_alive(), timeout_s, phase, thread)
 
 
-def wait(done, timeout_s: float | None, phase: str) -> None:
+def wait(done, timeout_s: float | None, phase: str, thread: threading.Thread | None = None
+         ) -> None:
     """Return once `done()` is true or `timeout_s` passed (None: no limit); Abandoned(phase)
-    within SLICE_S of a stop request."""
+    within SLICE_S of a stop request. `thread`: the one whose end makes `done()` true, joined
+    in the slices so that its end returns at once."""
     import time
 
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -83,5 +85,7 @@ def wait(done, timeout_s: float | None, phase: str) -> None:
         left = SLICE_S if end is None else min(SLICE_S, end - time.monotonic())
         if left <= 0:
             return
-        if _requested.wait(left):  # wakes at once on a request
-            check(phase)
+        if thread is not None:
+            thread.join(left)
+        else:
+            _requested.wait(left)

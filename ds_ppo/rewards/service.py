@@ -127,7 +127,7 @@ class RewardService:
         for t in threads:
             t.start()
         for t in threads:  # a SIGTERM gives the requests up (abandon.Abandoned)
-            abandon.wait(lambda: not t.is_alive() or failed.is_set(), None, self.PHASE)
+            abandon.wait(lambda: not t.is_alive() or failed.is_set(), None, self.PHASE, t)
         if first_error:
             raise first_error[0]
         if any(r is None for r in results):  # a worker died outside a request (cannot happen)
