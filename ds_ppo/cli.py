@@ -67,7 +67,7 @@ def _run_job(args: argparse.Namespace) -> int:
 
     try:
         run_job(cfg, spec.name)
-    except Preempted as e:  # checkpoint saved; 128 + signal tells the scheduler it did not finish
+    except Preempted as e:  # saved, or given up at the last checkpoint: 128 + signal, not finished
         print(f"ds-ppo: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C before the loop started, or a second one within it

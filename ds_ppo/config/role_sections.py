@@ -164,7 +164,8 @@ class RewardConfig(Section):
         600.0, gt=0, description="Time limit of one reward call in seconds. reward.function: "
         "the call runs in a worker thread; a call still running then stops the run with a "
         "message, after a checkpoint of the last completed iteration (exit 2); null: call it in "
-        "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped. "
+        "the main thread (for functions that need it, e.g. signal-based timeouts), never stopped "
+        "(a SIGTERM waits for it too). "
         "reward.url: the limit of one whole request, from connecting to the answer's last byte "
         "(then retried; an answer over 16 MiB stops the run); null: no limit.")
     stream: bool = Field(True, description="reward.function / reward.url: call the reward on "

@@ -119,7 +119,9 @@ class CheckpointConfig(Section):
     save_on_signal: bool = Field(
         True, description="On SIGTERM or SIGUSR1 (a scheduler's preemption notice, e.g. sbatch "
         "--signal=USR1@300) or Ctrl-C: finish the iteration, save a checkpoint, exit 128 + the "
-        "signal (a second Ctrl-C aborts at once).")
+        "signal (a second Ctrl-C aborts at once). SIGTERM during a reward call, environment "
+        "call or decode gives it up and exits 143 at once, without a save (the last "
+        "checkpoint is the resume point). false: the signals' default (SIGTERM kills at once).")
     verify: bool = Field(
         True, description="Write a manifest (every file's size and CRC-32) into each checkpoint "
         "and into output_dir/final, and check it on resume, in `ds-ppo export` and when a "

@@ -26,6 +26,7 @@ class EnvService(RewardService):
     """`steps(episodes)` -> one raw step (a dict) per episode, posted like reward requests."""
 
     KEY = "env.url"
+    PHASE = "environment step"
 
     @classmethod
     def from_config(cls, env, deadline_s: float | None = None) -> "EnvService":

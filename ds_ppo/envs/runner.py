@@ -5,7 +5,8 @@ newest model turn and returns the `Step`s. Python environments (env.class, env.f
 in up to env.concurrency daemon worker threads, each call for at most env.timeout_s; a service
 (env.url) gets the episodes' histories in requests of env.batch_size, env.concurrency in flight
 (ds_ppo.envs.http_env). A call that raises, hangs or answers something that is not a step is an
-`EnvFailed` naming the environment, the episode and the turn.
+`EnvFailed` naming the environment, the episode and the turn. A SIGTERM gives the calls in
+flight up at once (`abandon.Abandoned`).
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import time
 import traceback
 from typing import Any, Callable
 
+from ds_ppo import abandon
 from ds_ppo.envs.base import Episode, EnvFailed, Step, as_step, load_python_env
 
 
 def run_calls(calls: list[Callable[[], Any]], concurrency: int, timeout_s: float | None,
-              name: str, what: Callable[[int], str]) -> list[Any]:
+              name: str, what: Callable[[int], str], phase: str = "environment step"
+              ) -> list[Any]:
     """Each of `calls` run in a daemon worker thread, at most `concurrency` at once, their
     results in order. A call still running `timeout_s` after it started, or one that raised,
-    is an EnvFailed: `name` (the environment) and `what(i)` (which call) in its message.
-    Calls still running then are abandoned (daemon threads do not keep the process up)."""
+    is an EnvFailed: `name` (the environment) and `what(i)` (which call) in its message; a
+    SIGTERM is abandon.Abandoned(`phase`). Calls still running then are abandoned (daemon
+    threads do not keep the process up)."""
     import torch
 
     grad = torch.is_grad_enabled()  # per thread, like the reward function's worker
@@ -44,14 +48,16 @@ def run_calls(calls: list[Callable[[], Any]], concurrency: int, timeout_s: float
 
     threads = []
     for i in range(len(calls)):
-        while not slots.acquire(timeout=0.05):
+        while not slots.acquire(timeout=abandon.SLICE_S):
+            abandon.check(phase)
             _check(started, errors, timeout_s, name, what)
         started[i] = time.monotonic()
         t = threading.Thread(target=work, args=(i,), name=f"env {i}", daemon=True)
         t.start()
         threads.append(t)
     for _ in calls:
-        while not done.acquire(timeout=0.05):
+        while not done.acquire(timeout=abandon.SLICE_S):
+            abandon.check(phase)
             _check(started, errors, timeout_s, name, what, threads)
         _check(started, errors, None, name, what)
     return results
@@ -102,7 +108,8 @@ class EnvRunner:
                 ep.state = self.impl()
                 ep.state.reset(ep.prompt, **ep.keys)
             run_calls([lambda ep=ep: reset(ep) for ep in episodes], self.cfg.concurrency,
-                      self.cfg.timeout_s, self.name + " (reset)", lambda i: f"episode {i}")
+                      self.cfg.timeout_s, self.name + " (reset)", lambda i: f"episode {i}",
+                      "environment reset")
         return episodes
 
     def step(self, episodes: list[Episode], ids: list[int], actions: list[str],

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_ppo import abandon
 from ds_ppo.algo.masks import counted_tokens
 from ds_ppo.config import Config, GenerationConfig
 from ds_ppo.containers import Rollout
@@ -132,6 +133,12 @@ def _any_rank(flag: int, device) -> int:
     """The largest `flag` over the ranks (one all-reduce)."""
     return int(dist.all_reduce_max(torch.tensor([float(flag)], dtype=torch.float64,
                                                 device=device)))
+
+
+def _code(error: EnvFailed | abandon.Abandoned) -> int:
+    """A rank's outcome in the episodes' agreement (`_any_rank`): 3 its environment calls were
+    given up on SIGTERM, 2 one failed (1: episodes live, 0: all ended)."""
+    return 3 if isinstance(error, abandon.Abandoned) else 2
 
 
 def _failure(error: EnvFailed | None) -> EnvFailed:
@@ -272,14 +279,17 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, s: EpisodeSet
         t0 = time.perf_counter()
         episodes = env.start(texts, extras)
         stats.env_s += time.perf_counter() - t0
-    except EnvFailed as err:
+    except (EnvFailed, abandon.Abandoned) as err:  # agreed on below, like a failure
         error = err
     live = list(range(B)) if error is None else []
     device = engines.device
     gens = []
     for turn in range(s.max_turns):
-        code = 2 if error is not None else 1 if live else 0
+        code = _code(error) if error is not None else 1 if live else 0
         worst = code if local else _any_rank(code, device)
+        if worst == 3:  # a rank gave its environment calls up on SIGTERM: every rank stops
+            raise error if isinstance(error, abandon.Abandoned) else abandon.elsewhere(
+                "environment step")
         if worst == 2:
             raise error if local else _failure(error)
         if worst == 0:
@@ -315,7 +325,7 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, s: EpisodeSet
             steps = stepping.steps(actions)
             stats.env_s += time.perf_counter() - t0
             stats.calls += len(live)
-        except EnvFailed as err:
+        except (EnvFailed, abandon.Abandoned) as err:
             error, live = err, []
             continue
         live = _append_observations(live, steps, actions, turn, response, model, rewards,
@@ -326,7 +336,11 @@ def make_episodes(prompts: PromptSet, indices: list[int], engines, s: EpisodeSet
                 sampled[i] += [0.0] * (len(response[i]) - len(sampled[i]))
     if local and error is not None:
         raise error
-    if not local and _any_rank(2 if error is not None else 0, device) == 2:  # every rank calls it
+    worst = 0 if local else _any_rank(_code(error) if error is not None else 0, device)
+    if worst == 3:  # every rank calls it
+        raise error if isinstance(error, abandon.Abandoned) else abandon.elsewhere(
+            "environment step")
+    if worst == 2:
         raise _failure(error)
     if retries_before is not None:
         stats.retries = env.retries - retries_before

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ds_ppo import watchdog
+from ds_ppo import abandon, watchdog
 from ds_ppo.config import Config
 from ds_ppo.containers import Experience, Rollout, in_row_order
 from ds_ppo.engine import dist
@@ -33,7 +33,8 @@ class RewardCall:
     yet: `_function_scores` agrees on it across ranks)."""
 
     scores: list[float]  # one per row ([] after an error)
-    error: UserError | None  # RewardFunctionError, RewardTimeout, RewardServiceError, ...
+    # RewardFunctionError, RewardTimeout, RewardServiceError, ...; abandon.Abandoned: SIGTERM
+    error: UserError | abandon.Abandoned | None
     seconds: float  # this rank's wall-clock time for the call
     retries: int | None = None  # reward.url: requests retried (None: counted at scoring)
 
@@ -83,7 +84,7 @@ def call_reward_rows(prompts: list[str], responses: list[str], extras: list[dict
         with nullcontext() if in_worker else watchdog.phase("reward call", **exempt):
             scores = call_reward_function(fn, s.spec, prompts, responses, columns, s.timeout_s)
         return RewardCall(scores, None, time.perf_counter() - t0)
-    except UserError as e:
+    except (UserError, abandon.Abandoned) as e:  # agreed on across ranks (`_function_scores`)
         return RewardCall([], e, time.perf_counter() - t0)
 
 
@@ -92,14 +93,19 @@ def _function_scores(rollout: Rollout, fn, s: RewardCallSettings, call: bool = T
     """reward.function on this rank's rows (`call_reward`, or what it gave already: `called`);
     [] without `call` (a sequence-parallel group's other ranks: its first rank's scores reach
     them). Collective: the ranks agree on the outcome, so a function that fails or hangs on one
-    rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere)."""
+    rank stops every rank alike (a timeout anywhere is a RewardTimeout everywhere; a call given
+    up on SIGTERM anywhere is abandon.Abandoned everywhere, also on ranks that got no signal)."""
     error, scores = None, []
     if called is None and call:
         called = call_reward(rollout, fn, s)
     if called is not None:
         error, scores = called.error, called.scores
-    code = 2.0 if isinstance(error, RewardTimeout) else 1.0 if error is not None else 0.0
+    stopped = isinstance(error, abandon.Abandoned)
+    code = (3.0 if stopped else 2.0 if isinstance(error, RewardTimeout)
+            else 1.0 if error is not None else 0.0)
     worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64)))
+    if worst == 3.0:
+        raise error if stopped else abandon.elsewhere("reward call")
     if worst == 2.0:  # every rank raises a RewardTimeout: the trainer's checkpoint is collective
         failed = dist.first_failure(error if isinstance(error, RewardTimeout) else None)
         raise error if isinstance(error, RewardTimeout) else RewardTimeout(

@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
+from ds_ppo import abandon
 from ds_ppo.errors import ConfigError, RewardFunctionError, RewardTimeout, UserError
 
 
@@ -157,7 +158,8 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
     With `timeout_s`, the call runs in a daemon worker thread (with the caller's CUDA device and
     grad mode) and this thread waits at most that long: a call still running raises
     RewardTimeout (the hung thread is left behind; being a daemon, it does not keep the process
-    alive). A function that raises becomes a RewardFunctionError naming it, the exception and
+    alive). A SIGTERM (`abandon.request`) ends the wait too: `abandon.Abandoned`, at once. A
+    function that raises becomes a RewardFunctionError naming it, the exception and
     the line it came from."""
     import torch
 
@@ -183,14 +185,15 @@ def call_reward_function(fn: Callable[..., Any], spec: str, prompts: list[str],
     else:
         worker = threading.Thread(target=run, name=f"reward.function {spec}", daemon=True)
         worker.start()
-        worker.join(timeout_s)
+        abandon.join(worker, timeout_s, "reward call")
         if worker.is_alive():
             raise RewardTimeout(f"{_source(spec)} did not return within "
                                 f"reward.timeout_s = {timeout_s:g} s (on {len(responses)} "
                                 "responses)")
     if "error" in outcome:
         e = outcome["error"]
-        if isinstance(e, (KeyboardInterrupt, UserError)):  # e.g. a reward service's own stop
+        # a reward service's own stop, or its requests given up on SIGTERM
+        if isinstance(e, (KeyboardInterrupt, UserError, abandon.Abandoned)):
             raise e
         frames = traceback.extract_tb(e.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""

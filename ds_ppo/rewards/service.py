@@ -33,7 +33,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ds_ppo import watchdog
+from ds_ppo import abandon, watchdog
 from ds_ppo.errors import RewardError
 from ds_ppo.http_deadline import AnswerTooLarge, Connection, HttpTimeout, backoff_pause
 from ds_ppo.redaction import redact_url
@@ -65,6 +65,7 @@ class RewardService:
     logged as it is made (a warning: every rank shows it)."""
 
     KEY = "reward.url"  # the config key, in messages
+    PHASE = "reward call"  # what a SIGTERM gives up (abandon.Abandoned)
 
     def __init__(self, url: str, batch_size: int = 64, concurrency: int = 4,
                  timeout_s: float | None = 600.0, retries: int = 3, backoff_s: float = 1.0,
@@ -125,9 +126,8 @@ class RewardService:
                    for _ in range(min(self.concurrency, len(payloads)))]
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive() and not failed.is_set():
-                t.join(0.05)
+        for t in threads:  # a SIGTERM gives the requests up (abandon.Abandoned)
+            abandon.wait(lambda: not t.is_alive() or failed.is_set(), None, self.PHASE, t)
         if first_error:
             raise first_error[0]
         if any(r is None for r in results):  # a worker died outside a request (cannot happen)

@@ -5,7 +5,8 @@ rm/task.py).
 `run(cfg, job)` owns what every job needs and no job repeats: the process (distributed group,
 logging, seeds), the output_dir's lock, the finished-run check, resume (the latest checkpoint,
 verified; at another world size through DeepSpeed's universal format), MLflow, the hang
-watchdog, the stop requests of a scheduler (SIGTERM / SIGUSR1: a checkpoint, then exit), the
+watchdog, the stop requests of a scheduler (SIGTERM / SIGUSR1: a checkpoint, then exit; a
+SIGTERM that gave up a reward call, an environment call or a decode: exit, no save), the
 checkpoint every `checkpoint.every` units, the divergence stop, a failed collective named by
 the watchdog, and at the end the final save, the export and its registration. A job plugs in
 through `Job` (jobs/contract.py; torchtune's recipe interface is the model): its data, its engines,
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ds_ppo import watchdog
+from ds_ppo import abandon, watchdog
 from ds_ppo.config import Config
 from ds_ppo.config.model_checks import expert_parallel_problems
 from ds_ppo.engine import dist, lora
@@ -36,7 +37,7 @@ from ds_ppo.engine.dist import init_distributed
 from ds_ppo.errors import AlarmStop, ConfigError, Diverged, RegistrationError, RewardError
 from ds_ppo.run.alarms import Alarm, AlarmState, check_alarms, is_better, save_score
 from ds_ppo.run.log_setup import quiet_libraries, setup_logging
-from ds_ppo.run.preemption import Preempted, StopRequests
+from ds_ppo.run.preemption import Preempted, StopRequests, abandoned
 from ds_ppo.run.registry import last_eval_score, register_at_checkpoint, register_policy
 from ds_ppo.run.rundir import lock_output_dir, start_metrics_log
 from ds_ppo.run.saves import checkpoint_now, finish, stop_on_reward_error
@@ -133,10 +134,19 @@ def run(cfg: Config, job: Job) -> TrainResult:
             raise stop_on_reward_error(e, cfg, out, engines, state, tokenizer,
                                        run.result.last_checkpoint, rng_at_start,
                                        flight_at_start) from None
+        except abandon.Abandoned as e:  # SIGTERM in a reward call, env call or decode: no save
+            status = "KILLED"
+            raise abandoned(e, run.saved_at, run.result.last_checkpoint) from None
         except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
         except Exception as e:
+            if dist.is_collective_failure(e) and abandon.requested():
+                # after a SIGTERM here, a peer that gave its iteration up (and left) ends this one
+                status = "KILLED"
+                raise abandoned(abandon.Abandoned(abandon.requested(), "a collective (another "
+                                                  "rank stopped on the signal)"),
+                                run.saved_at, run.result.last_checkpoint) from None
             if dist.is_collective_failure(e):  # a peer stopped or went away: the watchdog's line
                 dog.fire(f"a collective failed: {(str(e).strip().splitlines() or [''])[0][:300]}")
             raise

@@ -3,6 +3,7 @@ random Llama models, and its capture-safety (no host sync inside a decoding step
 from __future__ import annotations
 
 import functools
+import signal
 
 import pytest
 import torch
@@ -194,6 +195,62 @@ def test_decoding_step_is_capture_safe_on_meta_tensors():
     with _HostTraffic() as traffic:
         torch.ones(3).to("meta")
     assert traffic.seen
+
+
+def test_sigterm_gives_a_decode_up_between_two_steps():
+    """The request is read before each step (a host flag, no device sync): the third forward's
+    request stops the loop before a fourth."""
+    from ds_ppo import abandon
+
+    model = tiny_llama()
+    ids, mask = left_padded()
+    forwards, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 3:
+            abandon.request(signal.SIGTERM)
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    try:
+        with pytest.raises(abandon.Abandoned) as e:
+            decode(model, ids, mask, max_new_tokens=40, eos_ids=[], pad_id=PAD,
+                   temperature=0.0, cuda_graph=False)
+    finally:
+        abandon.clear()
+    assert e.value.phase == "generation" and len(forwards) == 3
+
+
+def test_sigterm_ends_hf_generate_at_the_next_step():
+    """generation.loop = hf (and mode zero3): a stopping criterion ends every row once the
+    request is made, then the decode is given up."""
+    from ds_ppo import abandon
+    from ds_ppo.config import load_config
+    from ds_ppo.engine.generation import _hf_generate
+
+    model = tiny_llama()
+    ids, mask = left_padded()
+    cfg = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=40",
+                             "generation.loop=hf"]).generation
+    forwards, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 3:
+            abandon.request(signal.SIGTERM)
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    run = _hf_generate(model, cfg, [], PAD, False, None)
+    try:
+        with pytest.raises(abandon.Abandoned) as e:
+            run(ids, mask)
+    finally:
+        abandon.clear()
+    assert e.value.phase == "generation" and len(forwards) == 3
+    model.forward = forward
+    assert run(ids, mask)[0].shape[1] == 40  # no request: every token
 
 
 def test_unsupported_models_are_named():

@@ -5,6 +5,7 @@ environment against a real local server; forwards over a response with holes."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_ppo import abandon
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
 from ds_ppo.data.prompts import PromptSet
@@ -234,6 +236,29 @@ def test_a_failing_environment_stops_with_its_name(tok, monkeypatch, fn, expecte
     assert expected in str(err.value)
     assert isinstance(err.value, RewardTimeout)  # the trainer checkpoints and stops
     assert time.perf_counter() - t0 < 5
+
+
+def test_sigterm_gives_a_hung_environment_step_up(tok, monkeypatch):
+    """env.timeout_s = 600: the step is given up within a second of the request."""
+    cfg = _cfg("env.function=episode_envs:hangs", "env.timeout_s=600")
+    threading.Timer(0.3, abandon.request, args=(signal.SIGTERM,)).start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(abandon.Abandoned) as err:
+            _episodes(tok, monkeypatch, cfg, ["what is 3 + 4 ?"], ["7"], [[[tok.eos_token_id]]])
+    finally:
+        abandon.clear()
+    assert err.value.phase == "environment step" and time.perf_counter() - t0 < 5
+
+
+def test_a_rank_stops_when_another_gave_its_environment_steps_up(tok, monkeypatch):
+    """The turns' agreement (simulated: the all-reduce says a rank gave up): this rank, which
+    got no signal, stops too instead of waiting in the next turn's collective."""
+    cfg = _cfg("env.function=ds_ppo.envs.calculator:Calculator")
+    monkeypatch.setattr(episodes_module, "_any_rank", lambda flag, device: 3)
+    with pytest.raises(abandon.Abandoned) as err:
+        _episodes(tok, monkeypatch, cfg, ["what is 3 + 4 ?"], ["7"], [[[tok.eos_token_id]]])
+    assert (err.value.signum, err.value.phase) == (signal.SIGTERM, "environment step")
 
 
 def test_environment_signatures_are_checked_up_front():

@@ -1,10 +1,13 @@
 """A reward function's outcome on two gloo ranks (CPU): a function that fails or hangs on one
-rank stops every rank alike, so no rank is left waiting in a collective. Imports no
+rank, or a call given up on SIGTERM, stops every rank alike, so no rank is left waiting in a
+collective. Imports no
 transformers, so the two spawned ranks start quickly."""
 from __future__ import annotations
 
 import re
+import signal
 import threading
+import time
 import types
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ds_ppo import abandon
 from ds_ppo.config import load_config
 from ds_ppo.containers import Rollout
 from ds_ppo.errors import RewardFunctionError, RewardTimeout, UserError
@@ -57,6 +61,18 @@ def _worker(rank: int, init_file: str) -> None:
                               None)
             if rank == 0:
                 assert re.search(on_rank0, str(e.value)), str(e.value)
+        # rank 1's call hangs (reward.timeout_s = 600) and only rank 1 gets SIGTERM: rank 0,
+        # waiting for the agreement, gives the call up with it
+        if rank == 1:
+            threading.Timer(0.3, abandon.request, args=(signal.SIGTERM,)).start()
+        patient = reward_settings(load_config(None, ["reward.timeout_s=600"]))
+        t0 = time.monotonic()
+        with pytest.raises(abandon.Abandoned) as e:
+            reward_scores(_rollout(), types.SimpleNamespace(reward_fn=(fine, hangs)[rank]),
+                          patient, None)
+        assert (e.value.signum, e.value.phase) == (signal.SIGTERM, "reward call")
+        assert time.monotonic() - t0 < 10
+        abandon.clear()
         scores, _ = reward_scores(_rollout(), types.SimpleNamespace(reward_fn=fine), settings,
                                   None)
         assert scores.tolist() == [1.0]  # the ranks are still in step

@@ -209,7 +209,7 @@ def test_test_files_have_unique_names():
 # reward sources and the planner, which may use it.
 FLOORS = [
     {"", "algo", "role_names", "errors", "progress", "thread_pools", "http_deadline",
-     "redaction", "watchdog", "metric_names"},
+     "abandon", "redaction", "watchdog", "metric_names"},
     {"containers"},
     {"config"},
     {"data"},

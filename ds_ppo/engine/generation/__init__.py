@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_ppo import watchdog
+from ds_ppo import abandon, watchdog
 from ds_ppo.algo import response_mask
 from ds_ppo.algo.distribution import LogitShape
 from ds_ppo.config import GenerationConfig
@@ -355,9 +355,24 @@ def _hf_generate(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int,
         model.forward = torch.compile(model.forward, dynamic=True)
 
     def run(ids: torch.Tensor, am: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out = model.generate(input_ids=ids, attention_mask=am.long(), **kw)
+        out = model.generate(input_ids=ids, attention_mask=am.long(),
+                             stopping_criteria=_abandon_criteria(), **kw)
+        abandon.check("generation")  # a SIGTERM ended every row: the decode is given up
         return out[:, ids.shape[1]:], None, None, None
     return run
+
+
+def _abandon_criteria():
+    """HF generate's stop after a SIGTERM (ds_ppo.abandon): every row ends at the next step
+    (with synced_gpus the rank then keeps taking its steps beside the others, as a rank whose
+    rows ended does). Reads a host flag; the (B,) answer is made on the device, no sync."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Abandon(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), bool(abandon.requested()),
+                              dtype=torch.bool, device=input_ids.device)
+    return StoppingCriteriaList([Abandon()])
 
 
 def _own_decode(model, cfg: GenerationConfig, eos_ids: list[int], pad_id: int, group=None,

@@ -27,7 +27,9 @@ memory bound. This loop instead:
   order), so greedy outputs equal HF generate's for the same logits, and keeps each sampled
   token's log-prob under the distribution it was drawn from (the rollout log-probs,
   `ds_ppo.ppo.correction`);
-- asks whether responses have ended only every `stop_check_every` steps.
+- asks whether responses have ended only every `stop_check_every` steps;
+- gives the decode up between two steps after a SIGTERM (`ds_ppo.abandon`; not on a
+  tensor-parallel replica, whose ranks must take every step together).
 
 The masks are 4D and built here (`ds_ppo.algo.masks.decode_attention_mask`, in `engine/generation/slots.py`), so HF's mask
 creation (which may synchronise) never runs inside a step. That limits the loop to models whose
@@ -45,6 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
+from ds_ppo import abandon
 from ds_ppo.algo.masks import response_mask
 from ds_ppo.algo.distribution import LogitShape, shape_logits
 from ds_ppo.algo.sampling import next_tokens_with_logprobs
@@ -230,6 +233,8 @@ def _run_slots(run: Slots, N: int, S: int, T: int, cuda_graph: bool, stop_check_
     steps, limit, refills, slot_steps = 0, T - 1, 0, N
     handed: set[int] = set()  # rows given to on_done
     while steps < limit:
+        if group is None:  # a host-side flag: no device sync
+            abandon.check("generation")
         stepper()
         steps += 1
         slot_steps += len(row_of)
