@@ -33,13 +33,35 @@ def validate(cfg: Config, world_size: int) -> None:
         cfg.ppo.placement, world_size, cfg.ppo.generation_ranks)
     problems += batch_problems(cfg, data_parallel_size(cfg, trainers))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
-                  _schedule_problems, _tracking_problems, _recipe_problems):
+                  _schedule_problems, _tracking_problems, _recipe_problems, _distill_problems):
         problems += check(cfg, world_size)
     problems += sequence_parallel_problems(cfg, trainers)
     problems += expert_parallel_problems(cfg, trainers)
     problems += metric_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _distill_problems(cfg: Config, world_size: int) -> list[str]:
+    """A teacher exactly when the estimator reads one (on-policy distillation), and groups for
+    the reward's part of the mix."""
+    from ds_ppo.algo.choices import ESTIMATORS
+
+    est, t, d = cfg.ppo.advantage_estimator, cfg.teacher, cfg.distill
+    reads_teacher = ESTIMATORS[est].teacher
+    if reads_teacher and not t.enabled:
+        return [f"ppo.advantage_estimator = {est!r} distils a teacher, but teacher.path is not "
+                "set: set teacher.path=<a causal LM with the student's vocabulary>"]
+    if t.enabled and not reads_teacher:
+        what = f"teacher.path = {t.path!r}" if t.path is not None else "teacher.arch"
+        return [f"{what} is set, but ppo.advantage_estimator = {est!r} reads no teacher: set "
+                "ppo.advantage_estimator=distill, or drop the teacher section"]
+    if reads_teacher and d.reward_coef > 0 and cfg.ppo.samples_per_prompt < 2:
+        return [f"distill.reward_coef = {d.reward_coef:g} mixes in the reward's group advantage "
+                f"({d.reward_estimator}), but ppo.samples_per_prompt = "
+                f"{cfg.ppo.samples_per_prompt}: set ppo.samples_per_prompt=4 (any n >= 2), or "
+                "distill.reward_coef=0"]
+    return []
 
 
 def _reward_problems(cfg: Config, world_size: int) -> list[str]:
