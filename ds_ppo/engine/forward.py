@@ -325,6 +325,35 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
     return _full_width(logprobs, T), entropy
 
 
+def teacher_logprobs(model, rollout: Rollout, temperature: float, packed: bool = False,
+                     tiled: Literal["auto"] | bool = False, tile_tokens: int = 1024):
+    """A distillation teacher's (B, T) float32 log-probs of the sampled response tokens (its
+    tempered softmax with the blocked tokens, without top-k / top-p: `logit_shape`'s
+    truncate=False, as the reference's, finite for every sampled token) and (B, T) float32, 1
+    where the sample is the teacher's top-1 token (argmax of its logits; None when tiled:
+    no (B, T, V) tensor to read it from). Masked positions as in `response_logprobs`."""
+    shape = logit_shape(rollout, temperature, truncate=False)
+    positions = sum(rollout.response_lens) if packed else \
+        len(rollout) * max(rollout.response_lens, default=0)
+    if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
+        return _tiled_response_logprobs(model, rollout, shape, False, packed, tile_tokens,
+                                        False)[0], None
+    if packed:
+        out, _ = _packed_forward(model, rollout, keep="predictors")
+        labels = rollout.response_ids[rollout.mask][None]  # (1, n)
+        index = _new_index(rollout, shape, packed=True)
+        logprobs = logprobs_from_logits(out.logits, labels, shape=shape, new_index=index)[0]
+        top1 = (out.logits.argmax(-1) == labels)[0].float()
+        return unpack(logprobs, rollout.mask), unpack(top1, rollout.mask)
+    ids, am, keep = rollout.model_inputs()
+    T = rollout.response_ids.shape[1]
+    logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep)
+    labels = ids[:, ids.shape[1] - keep:]
+    index = _new_index(rollout, shape, keep=keep)
+    logprobs = logprobs_from_logits(logits, labels, shape=shape, new_index=index)
+    return _full_width(logprobs, T), _full_width((logits.argmax(-1) == labels).float(), T)
+
+
 def response_values(value_model, rollout: Rollout, packed: bool = False) -> torch.Tensor:
     """(B, T) float32 value of the state before each response token (the per-token head's output
     at position P - 1 + t); masked positions as in `response_logprobs` (also `packed`). Values
