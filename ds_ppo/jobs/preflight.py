@@ -73,8 +73,8 @@ def preflight(cfg: Config, paths: bool = False) -> None:
     problems += columns
     if paths and not any(p.startswith("data.ptx_path ") for p in problems):
         problems += ptx_problems(cfg)
-    if paths and cfg.teacher.path is not None and not any(
-            p.startswith(("teacher.", "policy.")) for p in problems):
+    if paths and cfg.teacher.path is not None and not placeholders(cfg, ("teacher", "policy")) \
+            and not any(p.startswith(("teacher.", "policy.")) for p in problems):
         from pathlib import Path
 
         from ds_ppo.data.tokenizer import teacher_problem
