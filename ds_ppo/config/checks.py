@@ -304,6 +304,19 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
         if gae_only:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
+    from ds_ppo.algo.choices import ESTIMATORS
+
+    distilling = ESTIMATORS[p.advantage_estimator].teacher
+    given = [f"distill.{k}" for k in sorted(cfg.distill.model_fields_set)] + \
+        [f"deepspeed.teacher.{k}" for k in sorted(cfg.deepspeed.teacher.model_fields_set)]
+    if given and not distilling:
+        out.append(f"{', '.join(given)}: read by on-policy distillation only, ignored with "
+                   f"ppo.advantage_estimator = {p.advantage_estimator!r} (set "
+                   "ppo.advantage_estimator=distill and teacher.path to distil)")
+    if distilling and "kl_coef" in p.model_fields_set and p.kl_loss_coef == 0:
+        out.append(f"ppo.kl_coef = {p.kl_coef:g} is ignored: ppo.advantage_estimator = "
+                   f"{p.advantage_estimator!r} puts no KL in the reward (set ppo.kl_loss_coef "
+                   "for a KL loss toward the reference)")
     return out
 
 

@@ -92,3 +92,13 @@ def test_the_kl_goes_in_the_loss_and_the_reference_only_with_it():
     assert uses_reference(load_config("tiny", ["ppo.advantage_estimator=distill",
                                                "ppo.kl_loss_coef=0.01"]))
     assert uses_reference(load_config("tiny"))
+
+
+def test_distill_settings_without_distillation_are_warned_as_ignored():
+    from ds_ppo.config import config_warnings
+
+    [line] = [w for w in config_warnings(load_config("tiny", ["distill.reward_coef=0.5"]))
+              if "distill" in w]
+    assert line.startswith("distill.reward_coef: read by on-policy distillation only")
+    cfg = load_config("tiny", [*DISTILL, "teacher.arch.model_type=llama", "distill.discount=1"])
+    assert not [w for w in config_warnings(cfg) if "distill." in w]
