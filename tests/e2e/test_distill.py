@@ -95,13 +95,22 @@ def test_a_killed_run_with_a_teacher_resumes_exactly(tmp_path, teacher):
 
 
 
-@pytest.mark.parametrize("case", ["lora", "episodes"])
-def test_a_lora_student_and_multi_turn_episodes_distil(tmp_path, teacher, case):
-    """Two iterations each: a LoRA student (its KL loss's reference the adapters-off base) and
-    the calculator preset's multi-turn episodes (only the model's tokens are distilled; its
-    teacher a random-init teacher.arch of the preset's shape and tokenizer), with the reward
-    mixed in. The distillation metrics are finite, the update ran."""
-    if case == "lora":
+MOE = ["policy.arch.model_type=qwen3_moe", "policy.arch.num_experts=4",
+       "policy.arch.num_experts_per_tok=2", "policy.arch.moe_intermediate_size=64",
+       "policy.arch.head_dim=16", "ppo.router_replay=true"]
+
+
+@pytest.mark.parametrize("case", ["lora", "episodes", "moe"])
+def test_lora_moe_students_and_multi_turn_episodes_distil(tmp_path, teacher, case):
+    """Two iterations each: a LoRA student (its KL loss's reference the adapters-off base), a
+    mixture-of-experts student (Qwen3-MoE, router replay) of the dense unigram teacher, and the
+    calculator preset's multi-turn episodes (only the model's tokens are distilled; its teacher
+    a random-init teacher.arch of the preset's tokenizer), with the reward mixed in. The
+    distillation metrics are finite, the update ran."""
+    if case == "moe":
+        args = [*SMALL, *DISTILL, "iterations=2", f"teacher.path={teacher}", *MOE,
+                "ppo.kl_loss_coef=0"]
+    elif case == "lora":
         args = [*SMALL, *DISTILL, "iterations=2", f"teacher.path={teacher}", "policy.lora.r=8",
                 "ppo.kl_loss_coef=0.01", "ppo.samples_per_prompt=2", "distill.reward_coef=0.5"]
     else:
@@ -119,5 +128,7 @@ def test_a_lora_student_and_multi_turn_episodes_distil(tmp_path, teacher, case):
         assert 0.0 <= r["distill/top1_match"] <= 1.0
     if case == "lora":
         assert rows[-1]["kl/token_mean"] != 0.0  # the base as the reference
+    elif case == "moe":
+        assert all(r["rollout/route_flip_frac"] == 0.0 for r in rows)
     else:
         assert rows[0]["env/turns_mean"] >= 1.0
