@@ -102,3 +102,23 @@ def test_distill_settings_without_distillation_are_warned_as_ignored():
     assert line.startswith("distill.reward_coef: read by on-policy distillation only")
     cfg = load_config("tiny", [*DISTILL, "teacher.arch.model_type=llama", "distill.discount=1"])
     assert not [w for w in config_warnings(cfg) if "distill." in w]
+
+
+def test_plan_sizes_the_teacher_and_leaves_out_the_reference():
+    """`ds-ppo plan --config distill`: the 8B-shape teacher's frozen 16-bit weights and its
+    scoring forward are planned, the reference (no KL loss) and the value model are not; with a
+    KL loss the reference is back."""
+    from ds_ppo import plan as P
+
+    GiB = 2**30
+    cluster = P.Cluster(1, 8, 80 * GiB)
+    cfg = load_config("distill")
+    plan = P.plan(cfg, cluster)
+    assert set(P.to_json(plan)["roles"]) == {"policy", "reward", "teacher"}
+    teacher = plan.roles["teacher"]
+    assert 7.9e9 < teacher.shape.params < 8.1e9 and not teacher.trained
+    assert teacher.states.resident_bytes > 0
+    assert any(ph.name == "scoring: teacher" for ph in plan.phases)
+    assert any("no reference model" in n for n in plan.notes)
+    with_kl = P.plan(load_config("distill", ["ppo.kl_loss_coef=0.01"]), cluster)
+    assert with_kl.roles["reference"].shape.params == plan.roles["policy"].shape.params
