@@ -61,6 +61,13 @@ def _distill_problems(cfg: Config, world_size: int) -> list[str]:
                 f"({d.reward_estimator}), but ppo.samples_per_prompt = "
                 f"{cfg.ppo.samples_per_prompt}: set ppo.samples_per_prompt=4 (any n >= 2), or "
                 "distill.reward_coef=0"]
+    p = cfg.ppo
+    filters = [k for k, on in (("ppo.filter_zero_std_groups", p.filter_zero_std_groups),
+                               ("ppo.dynamic_sampling", p.dynamic_sampling)) if on]
+    if reads_teacher and filters and d.reward_coef == 0:
+        return [f"{' and '.join(filters)} choose groups by their reward's spread, but "
+                "distill.reward_coef = 0 trains on the teacher's signal alone, which every "
+                f"response carries: set {filters[0]}=false, or distill.reward_coef > 0"]
     return []
 
 

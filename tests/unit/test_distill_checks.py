@@ -122,3 +122,11 @@ def test_plan_sizes_the_teacher_and_leaves_out_the_reference():
     assert any("no reference model" in n for n in plan.notes)
     with_kl = P.plan(load_config("distill", ["ppo.kl_loss_coef=0.01"]), cluster)
     assert with_kl.roles["reference"].shape.params == plan.roles["policy"].shape.params
+
+
+def test_group_filters_need_the_reward_in_the_mix():
+    base = [*DISTILL, "teacher.arch.model_type=llama", "ppo.samples_per_prompt=2",
+            "ppo.mini_batch_size=16", "ppo.filter_zero_std_groups=true"]
+    with pytest.raises(ConfigError, match="ppo.filter_zero_std_groups choose groups"):
+        validate(load_config("tiny", base), 1)
+    validate(load_config("tiny", [*base, "distill.reward_coef=1"]), 1)
