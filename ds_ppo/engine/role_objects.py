@@ -212,7 +212,8 @@ class TeacherRole(Role):
     def scores(self, rollout: Rollout, temperature: float, split: bool = False, **kwargs):
         """(B, T) float32 log-probs of the sampled tokens (`forward.teacher_logprobs`: the
         tempered softmax without top-k / top-p) and (B, T) float32 top-1 matches, None when
-        the logits are tiled or the row is split across a sequence-parallel group."""
+        the row is split across a sequence-parallel group (`split`: the reference's
+        `sequence_parallel.row_logprobs`, collective in the group)."""
         if split:
             return row_logprobs(self.engine, rollout, temperature, dist.sp_group(),
                                 kwargs.get("tile_tokens", 1024), False, False)[0], None

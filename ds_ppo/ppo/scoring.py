@@ -209,10 +209,9 @@ def scoring_settings(cfg: Config) -> ScoringSettings:
 def score(rollout: Rollout, engines, s: ScoringSettings,
           rewards: Callable[[], RewardScores]) -> Experience:
     """Log-probs (policy, reference, a distillation teacher), values and scores, micro-batch by
-    micro-batch. Every rank
-    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
-    ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
-    micro-batches make up the difference). `rewards()`, called after the model forwards: the
+    micro-batch. Every rank runs the same number of forwards of each ZeRO-3 engine (equal shard
+    sizes; packed by ppo.micro_batch_tokens or with rows split across a sequence-parallel group,
+    idle micro-batches make up the difference). `rewards()`, called after the model forwards: the
     rollout's reward scores (`timed_reward_scores`, taking the outcome of the calls that
     reward.stream started as generation finished the responses, or scores known already:
     ppo.dynamic_sampling chose its groups by them)."""
@@ -230,7 +229,7 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
     packed = plan.micro_batch_tokens is not None
     tiling = {"tiled": s.tiled_logits, "tile_tokens": s.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
-    teacher_logp, top1 = [], []  # on-policy distillation's teacher (None: no teacher)
+    teacher_logp, top1 = [], []  # on-policy distillation's teacher (empty without one)
     reference, teacher = engines.reference, engines.teacher
     engines.policy.take_route_flips()  # counted from here: the scoring forwards' own
     for k, rows in enumerate(batches):
@@ -267,7 +266,8 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
     old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
     # no reference (distillation without a KL loss): the policy's own, a KL of 0
     ref = zero(ref_logp) if reference is not None else old
-    # a top-1 share only where every micro-batch could read the teacher's logits (not tiled)
+    # a top-1 share only where every micro-batch could read the teacher's logits (a row split
+    # across a sequence-parallel group cannot)
     matches = zero(top1) if top1 and all(m is not None for m in top1) else None
     return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=ref,
                       teacher_logprobs=zero(teacher_logp) if teacher is not None else None,
