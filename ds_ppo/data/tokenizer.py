@@ -358,4 +358,14 @@ def teacher_problem(cfg, out: Path) -> str | None:
     except ConfigError as e:
         return f"teacher: {e}"
     key = "teacher.tokenizer" if cfg.teacher.tokenizer else "teacher.path"
-    return vocabulary_problem(student, teacher, f"{key} = {spec!r}")
+    problem = vocabulary_problem(student, teacher, f"{key} = {spec!r}")
+    if problem is not None or cfg.teacher.path is None:
+        return problem
+    from ds_ppo.config.model_checks import model_fields
+
+    rows = model_fields(cfg.teacher.path, None).get("vocab_size")  # a local config.json
+    if rows is not None and int(rows) < len(student):
+        return (f"teacher.path = {cfg.teacher.path!r}: the model's vocab_size {rows} is below "
+                f"the student's {len(student)} tokens: it has no logit for the highest ids; "
+                "use a teacher whose output layer covers the student's vocabulary")
+    return None

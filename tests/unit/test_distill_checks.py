@@ -130,3 +130,16 @@ def test_group_filters_need_the_reward_in_the_mix():
     with pytest.raises(ConfigError, match="ppo.filter_zero_std_groups choose groups"):
         validate(load_config("tiny", base), 1)
     validate(load_config("tiny", [*base, "distill.reward_coef=1"]), 1)
+
+
+def test_a_teacher_model_without_logits_for_every_student_token_is_refused(
+        capsys, tokenizers, monkeypatch):
+    monkeypatch.chdir(tokenizers)
+    small = tokenizers / "small_head"
+    if not small.exists():
+        import shutil
+
+        shutil.copytree(tokenizers / "same", small)
+        (small / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
+    rc, lines = _dry_run(capsys, *DISTILL, f"teacher.path={small}")
+    assert rc == 2 and len(lines) == 1 and "vocab_size 100 is below the student's 512" in lines[0]
