@@ -225,7 +225,8 @@ class Experience:
 
     rollout: Rollout
     old_logprobs: torch.Tensor  # (B, T) float32, policy log-probs at sampling time
-    ref_logprobs: torch.Tensor  # (B, T) float32, reference log-probs
+    ref_logprobs: torch.Tensor  # (B, T) float32, reference log-probs (no reference: the
+    # policy's old_logprobs, a KL of 0)
     old_values: torch.Tensor | None  # (B, T) float32, value estimates at sampling time (None:
     # a critic-free estimator, no value model)
     scores: torch.Tensor  # (B,) float32, sequence scores after penalties, before clipping
@@ -240,6 +241,11 @@ class Experience:
     # a mixture-of-experts policy's scoring forwards (metric only): (tokens whose own routing
     # differs from the sampler's in some layer, tokens with a recorded route)
     route_flips: tuple[float, float] = (0.0, 0.0)
+    # on-policy distillation (ppo.advantage_estimator = distill; None without a teacher):
+    # (B, T) float32 the teacher's log-probs of the sampled tokens, and (B, T) float32 1 where
+    # the sample is the teacher's top-1 token (None also when its logits were tiled)
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_top1: torch.Tensor | None = None
     rewards: torch.Tensor | None = None  # (B, T) float32, KL-shaped per-token rewards
     kl: torch.Tensor | None = None  # (B, T) float32, per-token KL estimate (policy vs ref)
     advantages: torch.Tensor | None = None  # (B, T) float32, whitened if configured

@@ -13,6 +13,8 @@ PPO_METRICS = frozenset({
     "kl/sequence_mean", "kl/token_mean", "kl/clamped_frac", "kl_coef", "response/length_mean",
     "response/length_max", "response/eos_rate", "response/tokens_total", "reward/retries",
     "score/group_std_mean", "group/zero_std_frac", "advantage/zero_frac",
+    # on-policy distillation (ppo.advantage_estimator = distill)
+    "distill/reverse_kl", "distill/teacher_logprob", "distill/top1_match",
     # sampler against trainer
     "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl_k3",
     "rollout_is/weight_mean", "rollout_is/clipped_frac", "rollout/route_flip_frac",

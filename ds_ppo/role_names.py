@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-Role = Literal["policy", "value", "reference", "reward"]
-ROLES: tuple[Role, ...] = ("policy", "value", "reference", "reward")
+Role = Literal["policy", "value", "reference", "reward", "teacher"]
+ROLES: tuple[Role, ...] = ("policy", "value", "reference", "reward", "teacher")
 TRAINED_ROLES: tuple[Role, ...] = ("policy", "value")  # an optimizer: weights, gradients, Adam
-INFERENCE_ROLES: tuple[Role, ...] = ("reference", "reward")  # forward passes only
+# teacher: on-policy distillation's (ppo.advantage_estimator = distill)
+INFERENCE_ROLES: tuple[Role, ...] = ("reference", "reward", "teacher")  # forward passes only

@@ -19,6 +19,9 @@ GMPO, SAPO in policy_losses.py) / value_loss -> explained_variance (metrics).
 Critic-free (group.py, aggregation.py): group_advantages (GRPO, Dr. GRPO, RLOO) or
 discounted_returns (REINFORCE++) -> policy_loss with loss_token_weights (+ kl_loss,
 - entropy_bonus, its coefficient from EntropyController).
+On-policy distillation (distill.py, Agarwal et al. 2024; Lu 2025): distill_rewards (teacher minus
+student log-prob of each sampled token) -> distill_advantages (discounted by distill.discount) ->
+policy_loss, plus a group advantage of the reward (estimators.py, `distill`).
 Rollout correction (importance_sampling.py, Yao et al. 2025): rollout_mismatch (sampler vs trainer
 log-probs) -> rollout_is_weights (TIS / MIS) -> policy_loss token_weights.
 Supervised jobs (supervised_losses.py): nll_sum (SFT), bradley_terry + reward_centering + pair_stats
@@ -39,6 +42,8 @@ _EXPORTS = {
     "cumulative_lengths": "packing",
     "decode_attention_mask": "masks",
     "discounted_returns": "group",
+    "distill_advantages": "distill",
+    "distill_rewards": "distill",
     "entropy_bonus": "aggregation",
     "EntropyController": "entropy",
     "entropy_from_logits": "logits",

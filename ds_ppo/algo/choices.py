@@ -46,6 +46,9 @@ class EstimatorSpec:
     # one advantage per response, the same on all its tokens (what a sequence-level policy
     # loss weighs a response by)
     per_response: bool = False
+    # scores every sampled token with a teacher model (the `teacher` section; on-policy
+    # distillation): needs teacher.path, and a teacher is only read by such an estimator
+    teacher: bool = False
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
@@ -64,6 +67,11 @@ ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
     EstimatorSpec("reinforce_pp", "none: discounted KL-shaped returns whitened over the global "
                   "batch", critic=False, groups=False, kl_in_reward=True,
                   paper="Hu 2025, REINFORCE++, Sec. 3"),
+    EstimatorSpec("distill", "none: the teacher's log-prob of each sampled token less the "
+                  "student's (sampled reverse KL), plus distill.reward_coef x a group "
+                  "advantage of the reward", critic=False, groups=False, kl_in_reward=False,
+                  paper="Agarwal et al. 2024, On-Policy Distillation of Language Models (GKD); "
+                  "Lu and Thinking Machines 2025, On-Policy Distillation", teacher=True),
 )}
 
 # the config's literal type, from the table (pydantic validates against it)
@@ -87,7 +95,8 @@ def describe_estimators() -> str:
     """One sentence per estimator, for the config key's description."""
     return "; ".join(f"{s.name}: baseline {s.baseline}"
                      f"{', value model' if s.critic else ''}"
-                     f"{', samples_per_prompt >= 2' if s.groups else ''} ({s.paper})"
+                     f"{', samples_per_prompt >= 2' if s.groups else ''}"
+                     f"{', a teacher (teacher.path)' if s.teacher else ''} ({s.paper})"
                      for s in ESTIMATORS.values())
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from .choices import ESTIMATORS
+from .distill import distill_advantages
 from .group import (broadcast_to_tokens, discounted_returns, group_advantages,
                     group_score_stats)
 from .returns import gae
@@ -40,6 +41,14 @@ class AdvantageInputs:
     # ppo.zero_std_advantage (group estimators): the weight of the batch baseline that a group
     # whose scores are all equal gets instead of its own (0: none, the published estimators)
     zero_std_advantage: float = 0.0
+    # on-policy distillation (distill): (B, T) the teacher's and the student's (the sampling
+    # distribution's) log-probs of the sampled tokens; distill.discount; distill.reward_coef
+    # and distill.reward_estimator (the group method of the reward's advantage)
+    teacher_logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    discount: float = 0.0
+    reward_coef: float = 0.0
+    reward_estimator: str = "grpo"
 
 
 Estimate = Callable[[AdvantageInputs], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -115,3 +124,18 @@ def with_batch_baseline(adv: torch.Tensor, seq_rewards: torch.Tensor, group_size
 
 for _method in ("grpo", "dr_grpo", "rloo"):  # group.group_advantages holds the three formulas
     register_estimator(_method)(_group(_method))
+
+
+@register_estimator("distill")
+def _distill(x: AdvantageInputs):
+    # on-policy distillation (algo/distill.py): A_t = the discounted sum of teacher - student
+    # log-probs from t on, plus reward_coef x the group advantage of the response's reward on
+    # every token ("distil, then RL" in one run); never whitened
+    if x.teacher_logprobs is None or x.logprobs is None:
+        raise ValueError("the distill estimator needs the teacher's and the student's log-probs")
+    adv = distill_advantages(x.teacher_logprobs, x.logprobs, x.mask, x.discount)
+    if x.reward_coef:
+        seq_rewards = masked_sum(x.rewards, x.mask, dim=-1)
+        group = group_advantages(seq_rewards, x.group_size, x.reward_estimator)
+        adv = adv + x.reward_coef * broadcast_to_tokens(group, x.mask).to(adv.dtype)
+    return adv, None

@@ -19,24 +19,25 @@ from ds_ppo.config.checks import (config_warnings, placement_problems, validate,
                                   validate_job)
 from ds_ppo.config.derived import (critic_warmup, job_config, lora_output_head, max_model_tokens,
                                    max_response_tokens, reference_from_policy_base,
-                                   value_init_source, watchdog_limit_s, world_size_from_env)
+                                   uses_reference, value_init_source, watchdog_limit_s, world_size_from_env)
 from ds_ppo.config.load import (MAX_YAML_VALUES, PRESETS_DIR, apply_overrides, describe,
                                 load_config, preset_names, preset_path, yaml_value)
 from ds_ppo.config.sections import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig,
-                                    DPOConfig, EnvConfig, PairJob,
+                                    DistillConfig, DPOConfig, EnvConfig, PairJob,
                                     GenerationConfig, LoraConfig, ModelSource, Optim, PolicyConfig,
                                     PPOConfig, ReferenceConfig, ReferenceDeepSpeed, RewardConfig,
                                     RMConfig, RoleDeepSpeed, Section, SFTConfig,
-                                    SupervisedJob, TrackingConfig, ValueConfig)
+                                    SupervisedJob, TeacherConfig, TrackingConfig, ValueConfig)
 
 __all__ = [
     "MAX_YAML_VALUES", "PRESETS_DIR", "CheckpointConfig", "Config", "DataConfig",
-    "DeepSpeedConfig", "DPOConfig", "EnvConfig", "PairJob", "GenerationConfig", "LoraConfig", "ModelSource", "Optim",
+    "DeepSpeedConfig", "DistillConfig", "DPOConfig", "EnvConfig", "PairJob", "GenerationConfig",
+    "LoraConfig", "ModelSource", "Optim",
     "PPOConfig", "PolicyConfig", "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig",
-    "RMConfig", "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TrackingConfig",
-    "ValueConfig", "apply_overrides", "config_warnings", "critic_warmup", "describe",
+    "RMConfig", "RoleDeepSpeed", "SFTConfig", "Section", "SupervisedJob", "TeacherConfig",
+    "TrackingConfig", "ValueConfig", "apply_overrides", "config_warnings", "critic_warmup", "describe",
     "grad_accum_steps", "job_accum_steps", "job_config", "load_config", "lora_output_head", "max_model_tokens",
     "max_response_tokens", "optimizer_steps", "placement_problems", "preset_names", "preset_path",
-    "reference_from_policy_base", "steps_per_iteration", "validate", "validate_job",
+    "reference_from_policy_base", "steps_per_iteration", "uses_reference", "validate", "validate_job",
     "value_init_source", "watchdog_limit_s", "world_size_from_env", "yaml_value",
 ]

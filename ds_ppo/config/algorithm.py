@@ -10,6 +10,29 @@ from ds_ppo.algo.choices import (ESTIMATORS, EntropyScope, EstimatorName, KLEsti
                                  LossAggregation, OldLogprobs, Placement, RolloutCorrection,
                                  Schedule, describe_estimators, max_lag)
 from ds_ppo.config.policy_loss import PolicyLossFields
+from ds_ppo.config.section_base import Section
+
+
+class DistillConfig(Section):
+    """On-policy distillation (ppo.advantage_estimator = distill, docs/GUIDE.md): each token the
+    student samples gets the advantage log pi_teacher - log pi_student of that token (the
+    sampled reverse KL, negated), optionally discounted, plus a task reward's group advantage."""
+
+    discount: float = Field(
+        0.0, ge=0, le=1, description="Discount of the per-token distillation rewards along the "
+        "response: A_t = sum_{j >= t} discount^(j - t) (log pi_teacher(y_j) - log "
+        "pi_student(y_j)). 0 (default): each token's own log-ratio, as on-policy distillation "
+        "is usually run (Lu 2025); 1: the reverse KL of the rest of the response (an "
+        "episode's observations take no step).")
+    reward_coef: float = Field(
+        0.0, ge=0, description="Mix a task reward in: advantage = the distillation advantage + "
+        "reward_coef x the group advantage (reward_estimator) of the response's reward "
+        "(reward.function / model / url, and an env's turn rewards), on every token, so "
+        "'distil, then RL' is one run. 0: the reward is computed (metrics score/*) but not "
+        "trained on. Needs ppo.samples_per_prompt >= 2.")
+    reward_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        "grpo", description="The group estimator of the reward's part (reward_coef > 0): grpo "
+        "(mean and std of the group), dr_grpo (mean), rloo (leave-one-out mean).")
 
 
 class PPOConfig(PolicyLossFields):
@@ -256,6 +279,11 @@ class PPOConfig(PolicyLossFields):
 
     def problems(self) -> list[str]:
         p, n, out = self, self.samples_per_prompt, self.policy_loss_problems()
+        if ESTIMATORS[p.advantage_estimator].teacher and p.kl_in_reward:
+            out.append(f"ppo.kl_in_reward = true with ppo.advantage_estimator = "
+                       f"{p.advantage_estimator!r}, whose advantages are not returns of a "
+                       "reward: set ppo.kl_in_reward=false and a KL toward the reference with "
+                       "ppo.kl_loss_coef (e.g. 0.01)")
         if ESTIMATORS[p.advantage_estimator].groups and n < 2:
             out.append(f"ppo.advantage_estimator = {p.advantage_estimator!r} compares the "
                        f"responses to one prompt, but ppo.samples_per_prompt = {n}: set "

@@ -33,13 +33,42 @@ def validate(cfg: Config, world_size: int) -> None:
         cfg.ppo.placement, world_size, cfg.ppo.generation_ranks)
     problems += batch_problems(cfg, data_parallel_size(cfg, trainers))
     for check in (_reward_problems, _env_problems, model_problems, _generation_problems,
-                  _schedule_problems, _tracking_problems, _recipe_problems):
+                  _schedule_problems, _tracking_problems, _recipe_problems, _distill_problems):
         problems += check(cfg, world_size)
     problems += sequence_parallel_problems(cfg, trainers)
     problems += expert_parallel_problems(cfg, trainers)
     problems += metric_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _distill_problems(cfg: Config, world_size: int) -> list[str]:
+    """A teacher exactly when the estimator reads one (on-policy distillation), and groups for
+    the reward's part of the mix."""
+    from ds_ppo.algo.choices import ESTIMATORS
+
+    est, t, d = cfg.ppo.advantage_estimator, cfg.teacher, cfg.distill
+    reads_teacher = ESTIMATORS[est].teacher
+    if reads_teacher and not t.enabled:
+        return [f"ppo.advantage_estimator = {est!r} distils a teacher, but teacher.path is not "
+                "set: set teacher.path=<a causal LM with the student's vocabulary>"]
+    if t.enabled and not reads_teacher:
+        what = f"teacher.path = {t.path!r}" if t.path is not None else "teacher.arch"
+        return [f"{what} is set, but ppo.advantage_estimator = {est!r} reads no teacher: set "
+                "ppo.advantage_estimator=distill, or drop the teacher section"]
+    if reads_teacher and d.reward_coef > 0 and cfg.ppo.samples_per_prompt < 2:
+        return [f"distill.reward_coef = {d.reward_coef:g} mixes in the reward's group advantage "
+                f"({d.reward_estimator}), but ppo.samples_per_prompt = "
+                f"{cfg.ppo.samples_per_prompt}: set ppo.samples_per_prompt=4 (any n >= 2), or "
+                "distill.reward_coef=0"]
+    p = cfg.ppo
+    filters = [k for k, on in (("ppo.filter_zero_std_groups", p.filter_zero_std_groups),
+                               ("ppo.dynamic_sampling", p.dynamic_sampling)) if on]
+    if reads_teacher and filters and d.reward_coef == 0:
+        return [f"{' and '.join(filters)} choose groups by their reward's spread, but "
+                "distill.reward_coef = 0 trains on the teacher's signal alone, which every "
+                f"response carries: set {filters[0]}=false, or distill.reward_coef > 0"]
+    return []
 
 
 def _reward_problems(cfg: Config, world_size: int) -> list[str]:
@@ -285,6 +314,19 @@ def config_warnings(cfg: Config, world_size: int = 1) -> list[str]:
         if gae_only:
             out.append(f"{', '.join('ppo.' + k for k in gae_only)}: used by gae only, ignored "
                        f"with ppo.advantage_estimator = {p.advantage_estimator!r}")
+    from ds_ppo.algo.choices import ESTIMATORS
+
+    distilling = ESTIMATORS[p.advantage_estimator].teacher
+    given = [f"distill.{k}" for k in sorted(cfg.distill.model_fields_set)] + \
+        [f"deepspeed.teacher.{k}" for k in sorted(cfg.deepspeed.teacher.model_fields_set)]
+    if given and not distilling:
+        out.append(f"{', '.join(given)}: read by on-policy distillation only, ignored with "
+                   f"ppo.advantage_estimator = {p.advantage_estimator!r} (set "
+                   "ppo.advantage_estimator=distill and teacher.path to distil)")
+    if distilling and "kl_coef" in p.model_fields_set and p.kl_loss_coef == 0:
+        out.append(f"ppo.kl_coef = {p.kl_coef:g} is ignored: ppo.advantage_estimator = "
+                   f"{p.advantage_estimator!r} puts no KL in the reward (set ppo.kl_loss_coef "
+                   "for a KL loss toward the reference)")
     return out
 
 

@@ -34,6 +34,15 @@ def value_init_source(cfg: Config) -> str:
     return "reward" if cfg.reward.model is not None else "policy"
 
 
+def uses_reference(cfg: Config) -> bool:
+    """Whether the run reads reference log-probs: always, but under on-policy distillation
+    (an estimator with a teacher, whose KL may only be a loss term) only with ppo.kl_loss_coef
+    > 0. Without, no reference is built and the KL metrics read 0."""
+    from ds_ppo.algo.choices import ESTIMATORS
+
+    return not ESTIMATORS[cfg.ppo.advantage_estimator].teacher or cfg.ppo.kl_loss_coef > 0
+
+
 def reference_from_policy_base(cfg: Config) -> bool:
     """Whether the reference log-probs come from the LoRA policy's base (adapters off)."""
     from_base = cfg.reference.from_policy_base

@@ -88,6 +88,10 @@ class DeepSpeedConfig(Section):
     value: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
     reference: ReferenceDeepSpeed = Field(default_factory=ReferenceDeepSpeed)
     reward: RoleDeepSpeed = Field(default_factory=RoleDeepSpeed)
+    teacher: ReferenceDeepSpeed = Field(
+        default_factory=ReferenceDeepSpeed, description="The distillation teacher's engine "
+        "(teacher section): inference only, parameters offloaded to CPU by default, as the "
+        "reference.")
     sequence_parallel_size: int = Field(
         1, gt=0, description="Ranks that share one long row (DeepSpeed Ulysses sequence "
         "parallelism, ALST): its tokens are split across N consecutive ranks, attention "
@@ -102,8 +106,8 @@ class DeepSpeedConfig(Section):
         "tokens (prompt + response) are split across the sequence-parallel group; shorter ones "
         "run whole on each rank.")
 
-    def problems(self, roles: tuple[str, ...] = ("policy", "value", "reference", "reward")
-                 ) -> list[str]:
+    def problems(self, roles: tuple[str, ...] = ("policy", "value", "reference", "reward",
+                                                 "teacher")) -> list[str]:
         """Offload needs ZeRO-3; a role's DeepSpeed template file must exist."""
         from pathlib import Path
 

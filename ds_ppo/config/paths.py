@@ -47,7 +47,8 @@ def missing_paths(cfg: Config, job: str | None = None) -> list[str]:
     else:
         keys.update({"data.ptx_path": cfg.data.ptx_path, "value.path": cfg.value.path, "value.tokenizer": cfg.value.tokenizer,
                      "reference.path": cfg.reference.path, "reward.model": cfg.reward.model,
-                     "reward.tokenizer": cfg.reward.tokenizer})
+                     "reward.tokenizer": cfg.reward.tokenizer, "teacher.path": cfg.teacher.path,
+                     "teacher.tokenizer": cfg.teacher.tokenizer})
     split = cfg.data.eval_split
     if split and split.lower().endswith(FILE_ENDINGS):  # an evaluation file, not a split name
         keys["data.eval_split"] = split

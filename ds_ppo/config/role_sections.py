@@ -130,6 +130,38 @@ class ReferenceConfig(Section):
         "reference.path names another model.")
 
 
+class TeacherConfig(Section):
+    """The teacher of on-policy distillation (ppo.advantage_estimator = distill): a frozen
+    causal LM that scores every token the student samples. Built like the reference: an
+    inference engine (deepspeed.teacher: ZeRO-3 sharded, parameters offloadable), no LoRA, in
+    policy.dtype with policy.attn_implementation."""
+
+    path: str | None = Field(
+        None, description="Hugging Face directory or hub name of the teacher: any causal LM "
+        "whose tokenizer has the student's vocabulary (the same token for every id; refused "
+        "at --dry-run otherwise). null: no teacher (ppo.advantage_estimator=distill needs one).")
+    arch: dict[str, Any] | None = Field(
+        None, description="Instead of `path`: a random-init teacher of this Hugging Face "
+        "config (as policy.arch, with the student's tokenizer; seeded seed + 2). For tests "
+        "and examples: a real teacher is a trained model.")
+    tokenizer: str | None = Field(
+        None, description="The teacher's tokenizer, compared with the student's at --dry-run "
+        "and at start-up; default: teacher.path.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None or self.arch is not None
+
+    def problems(self) -> list[str]:
+        if self.path is not None and self.arch is not None:
+            return [f"teacher.path = {self.path!r} and teacher.arch are both set: keep one "
+                    "(path loads a trained teacher, arch builds a random-init one)"]
+        if self.arch is not None and "model_type" not in self.arch:
+            return [f"teacher.arch = {self.arch!r} needs a model_type key (e.g. "
+                    "teacher.arch.model_type=llama)"]
+        return []
+
+
 class RewardConfig(Section):
     function: str | None = Field(
         None,

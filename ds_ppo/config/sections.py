@@ -3,9 +3,10 @@ become ``ds-ppo config --describe`` output and docs/CONFIG.md). ``Config`` is th
 sections live in one module per job and are re-exported here:
 
 - ``section_base``: ``Section``, the base of every section (unknown keys are errors, values frozen);
-- ``role_sections``: the models (``policy``, ``value``, ``reference``) and the ``reward``;
+- ``role_sections``: the models (``policy``, ``value``, ``reference``, ``teacher``) and the
+  ``reward``;
 - ``rollout_sections``: ``generation`` and the multi-turn ``env``;
-- ``algorithm``: ``ppo``;
+- ``algorithm``: ``ppo`` and ``distill``;
 - ``data``: ``data``;
 - ``run_sections``: ``tracking`` and ``checkpoint``;
 - ``engines``: ``deepspeed``;
@@ -21,23 +22,23 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ds_ppo.config.algorithm import PPOConfig
+from ds_ppo.config.algorithm import DistillConfig, PPOConfig
 from ds_ppo.config.section_base import Section
 from ds_ppo.config.data import DataConfig
 from ds_ppo.config.engines import DeepSpeedConfig, ReferenceDeepSpeed, RoleDeepSpeed
 from ds_ppo.config.jobs import DPOConfig, PairJob, RMConfig, SFTConfig, SupervisedJob
 from ds_ppo.config.role_sections import (LoraConfig, ModelSource, Optim, PolicyConfig,
                                          ReferenceConfig,
-                                 RewardConfig, ValueConfig)
+                                 RewardConfig, TeacherConfig, ValueConfig)
 from ds_ppo.config.rollout_sections import EnvConfig, GenerationConfig
 from ds_ppo.config.run_sections import CheckpointConfig, TrackingConfig
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "DPOConfig", "EnvConfig",
-    "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PairJob", "PPOConfig",
-    "PolicyConfig",
+    "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "DistillConfig", "DPOConfig",
+    "EnvConfig", "GenerationConfig", "LoraConfig", "ModelSource", "Optim", "PairJob",
+    "PPOConfig", "PolicyConfig",
     "ReferenceConfig", "ReferenceDeepSpeed", "RewardConfig", "RMConfig", "RoleDeepSpeed",
-    "SFTConfig", "Section", "SupervisedJob", "TrackingConfig", "ValueConfig",
+    "SFTConfig", "Section", "SupervisedJob", "TeacherConfig", "TrackingConfig", "ValueConfig",
 ]
 
 
@@ -46,9 +47,11 @@ class Config(Section):
     value: ValueConfig = Field(default_factory=ValueConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

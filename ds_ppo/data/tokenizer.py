@@ -320,3 +320,52 @@ def load_policy_tokenizer(cfg, out: Path) -> PreTrainedTokenizerBase:
                           "(a path, a hub name or builtin:tiny)")
     out.mkdir(parents=True, exist_ok=True)
     return load_tokenizer(spec, out)
+
+
+def vocabulary_problem(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase,
+                       where: str) -> str | None:
+    """One line when `teacher` (named by `where`, e.g. "teacher.path = '...'") does not have the
+    student's vocabulary: every token of the student's under the same id (the teacher may have
+    more). A distillation teacher scores the student's token ids; under another vocabulary they
+    are other tokens. None when it does."""
+    theirs = teacher.get_vocab()
+    mine = student.get_vocab()
+    wrong = sorted((i, t) for t, i in mine.items() if theirs.get(t) != i)
+    if not wrong:
+        return None
+    i, t = wrong[0]
+    other = {v: k for k, v in theirs.items()}.get(i)
+    return (f"{where}: its tokenizer has another vocabulary than the student's ({len(wrong)} of "
+            f"{len(mine)} student tokens have another id or none, e.g. id {i} is {t!r} for the "
+            f"student, {other!r} for the teacher): a teacher must have the student's vocabulary "
+            "(the same tokenizer, or one that extends it); use a teacher of the student's model "
+            "family")
+
+
+def teacher_problem(cfg, out: Path) -> str | None:
+    """The distillation teacher's vocabulary against the student's (`vocabulary_problem`),
+    from their tokenizers (teacher.tokenizer, else teacher.path); None when they agree, when
+    there is no teacher.path (a teacher.arch uses the student's tokenizer), or when a tokenizer
+    cannot be loaded (its own check reports that)."""
+    from ds_ppo.errors import ConfigError
+
+    spec = cfg.teacher.tokenizer or cfg.teacher.path
+    if spec is None:
+        return None
+    try:
+        student = load_policy_tokenizer(cfg, out)
+        teacher = load_tokenizer(spec, out)
+    except ConfigError as e:
+        return f"teacher: {e}"
+    key = "teacher.tokenizer" if cfg.teacher.tokenizer else "teacher.path"
+    problem = vocabulary_problem(student, teacher, f"{key} = {spec!r}")
+    if problem is not None or cfg.teacher.path is None:
+        return problem
+    from ds_ppo.config.model_checks import model_fields
+
+    rows = model_fields(cfg.teacher.path, None).get("vocab_size")  # a local config.json
+    if rows is not None and int(rows) < len(student):
+        return (f"teacher.path = {cfg.teacher.path!r}: the model's vocab_size {rows} is below "
+                f"the student's {len(student)} tokens: it has no logit for the highest ids; "
+                "use a teacher whose output layer covers the student's vocabulary")
+    return None

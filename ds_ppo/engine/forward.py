@@ -231,20 +231,7 @@ def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_en
     runner = model.engine if off is not None else model
     lm = causal_lm(model)
     with off() if off is not None else nullcontext():
-        if packed:
-            with _decoder_output(lm) as seen:
-                _, pred = _packed_forward(runner, rollout, keep="none")
-            hidden = seen[-1][:, pred]  # (1, n, H)
-            labels = rollout.response_ids[rollout.mask][None]  # (1, n)
-            index = _new_index(rollout, shape, packed=True)
-        else:
-            ids, am, keep = rollout.model_inputs()
-            L = ids.shape[1]
-            hidden = final_hidden(runner, lm, input_ids=ids, position_ids=position_ids(am),
-                                  attention_mask=_unpadded_mask(rollout, am)
-                                  )[:, L - keep - 1:L - 1]  # (B, T', H)
-            labels = ids[:, L - keep:]
-            index = _new_index(rollout, shape, keep=keep)
+        hidden, labels, index = _response_hidden(runner, lm, rollout, shape, packed)
         head, grad_ready = output_head(lm)
         calls = head_calls(lm, labels.numel(), tile_tokens)
         logprobs, entropy = tiled_logprobs(hidden, labels, head, tile_tokens, with_entropy,
@@ -255,6 +242,45 @@ def _tiled_response_logprobs(model, rollout: Rollout, shape: LogitShape, with_en
             unpack(entropy[0], rollout.mask) if with_entropy else None)
     T = rollout.response_ids.shape[1]
     return _full_width(logprobs, T), (_full_width(entropy, T) if with_entropy else None)
+
+
+def _response_hidden(runner, lm, rollout: Rollout, shape: LogitShape, packed: bool):
+    """(final hidden states before each response token, the tokens, `_new_index`): packed
+    (1, n, H), (1, n) over the counted tokens; else (B, T', H), (B, T') over the kept columns."""
+    if packed:
+        with _decoder_output(lm) as seen:
+            _, pred = _packed_forward(runner, rollout, keep="none")
+        return (seen[-1][:, pred], rollout.response_ids[rollout.mask][None],
+                _new_index(rollout, shape, packed=True))
+    ids, am, keep = rollout.model_inputs()
+    L = ids.shape[1]
+    hidden = final_hidden(runner, lm, input_ids=ids, position_ids=position_ids(am),
+                          attention_mask=_unpadded_mask(rollout, am))[:, L - keep - 1:L - 1]
+    return hidden, ids[:, L - keep:], _new_index(rollout, shape, keep=keep)
+
+
+def _tiled_teacher(model, rollout: Rollout, shape: LogitShape, packed: bool, tile_tokens: int):
+    """`teacher_logprobs` with the output head applied to about `tile_tokens` positions at a
+    time (no gradient: a plain loop over column slices), top-1 matches included."""
+    lm = causal_lm(model)
+    hidden, labels, index = _response_hidden(model, lm, rollout, shape, packed)
+    head, _ = output_head(lm)
+    B, W = labels.shape
+    logprobs = torch.zeros(B, W, dtype=torch.float32, device=labels.device)
+    top1 = torch.zeros_like(logprobs)
+    step = max(1, tile_tokens // max(B, 1))
+    for a in range(0, W, step):
+        cols = slice(a, min(a + step, W))
+        logits = head(hidden[:, cols])  # (B, cols, V)
+        logprobs[:, cols] = logprobs_from_logits(
+            logits, labels[:, cols], shape=shape,
+            new_index=index[:, cols] if index is not None else None)
+        top1[:, cols] = (logits.argmax(-1) == labels[:, cols]).float()
+        del logits
+    if packed:
+        return unpack(logprobs[0], rollout.mask), unpack(top1[0], rollout.mask)
+    T = rollout.response_ids.shape[1]
+    return _full_width(logprobs, T), _full_width(top1, T)
 
 
 def _vocab(model) -> int:
@@ -339,6 +365,35 @@ def response_logprobs(model, rollout: Rollout, temperature: float, with_entropy:
                                               new_index=index, labels=labels), T) \
         if with_entropy else None
     return _full_width(logprobs, T), entropy
+
+
+def teacher_logprobs(model, rollout: Rollout, temperature: float, packed: bool = False,
+                     tiled: Literal["auto"] | bool = False, tile_tokens: int = 1024):
+    """A distillation teacher's (B, T) float32 log-probs of the sampled response tokens (its
+    tempered softmax with the blocked tokens, without top-k / top-p: `logit_shape`'s
+    truncate=False, as the reference's, finite for every sampled token) and (B, T) float32, 1
+    where the sample is the teacher's top-1 token (argmax of its logits). Tiled (ppo.tiled_logits)
+    the head runs on slices of about `tile_tokens` positions. Masked positions as in
+    `response_logprobs`."""
+    shape = logit_shape(rollout, temperature, truncate=False)
+    positions = sum(rollout.response_lens) if packed else \
+        len(rollout) * max(rollout.response_lens, default=0)
+    if tiled is not False and tile_logits(tiled, positions, _vocab(model)):
+        return _tiled_teacher(model, rollout, shape, packed, tile_tokens)
+    if packed:
+        out, _ = _packed_forward(model, rollout, keep="predictors")
+        labels = rollout.response_ids[rollout.mask][None]  # (1, n)
+        index = _new_index(rollout, shape, packed=True)
+        logprobs = logprobs_from_logits(out.logits, labels, shape=shape, new_index=index)[0]
+        top1 = (out.logits.argmax(-1) == labels)[0].float()
+        return unpack(logprobs, rollout.mask), unpack(top1, rollout.mask)
+    ids, am, keep = rollout.model_inputs()
+    T = rollout.response_ids.shape[1]
+    logits = _response_logits(model, ids, am, _unpadded_mask(rollout, am), keep)
+    labels = ids[:, ids.shape[1] - keep:]
+    index = _new_index(rollout, shape, keep=keep)
+    logprobs = logprobs_from_logits(logits, labels, shape=shape, new_index=index)
+    return _full_width(logprobs, T), _full_width((logits.argmax(-1) == labels).float(), T)
 
 
 def response_values(value_model, rollout: Rollout, packed: bool = False) -> torch.Tensor:

@@ -6,6 +6,7 @@ needs from DeepSpeed is written down here.
 - `PolicyRole`:    log-probs (and entropy) of responses, backward + optimizer step, lr, grad norm.
 - `ValueRole`:     per-token values, backward + optimizer step, lr, grad norm.
 - `ReferenceRole`: log-probs (an inference engine, or the LoRA policy with its adapters off).
+- `TeacherRole`:   on-policy distillation's teacher: log-probs and top-1 matches of the samples.
 - `RewardRole`:    sequence scores (an inference engine around `forward.LastTokenScorer`).
 - `ScorerRole`:    a reward model in training (`ds-ppo rm`): sequence scores, backward + step.
 
@@ -22,7 +23,7 @@ import torch
 from ds_ppo.containers import Rollout
 from ds_ppo.engine import dist, moe
 from ds_ppo.engine.forward import (causal_lm, response_logprobs, response_values,
-                                   sequence_scores)
+                                   sequence_scores, teacher_logprobs)
 from ds_ppo.engine.sequence_parallel import row_logprobs, row_values
 
 
@@ -202,6 +203,21 @@ class ValueRole(TrainedRole):
 
 class ReferenceRole(_LogProbs, Role):
     """The frozen initial policy (an inference engine, or `lora.AdaptersOff`)."""
+
+
+class TeacherRole(Role):
+    """On-policy distillation's teacher: a frozen causal LM (an inference engine, as the
+    reference)."""
+
+    def scores(self, rollout: Rollout, temperature: float, split: bool = False, **kwargs):
+        """(B, T) float32 log-probs of the sampled tokens (`forward.teacher_logprobs`: the
+        tempered softmax without top-k / top-p) and (B, T) float32 top-1 matches, None when
+        the row is split across a sequence-parallel group (`split`: the reference's
+        `sequence_parallel.row_logprobs`, collective in the group)."""
+        if split:
+            return row_logprobs(self.engine, rollout, temperature, dist.sp_group(),
+                                kwargs.get("tile_tokens", 1024), False, False)[0], None
+        return teacher_logprobs(self.engine, rollout, temperature, **kwargs)
 
 
 class RewardRole(Role):

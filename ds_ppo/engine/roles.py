@@ -1,4 +1,4 @@
-"""The four model roles, each its own DeepSpeed engine (pattern: DeepSpeed-Chat's rlhf_engine.py,
+"""The model roles, each its own DeepSpeed engine (pattern: DeepSpeed-Chat's rlhf_engine.py,
 one `_init_<role>` per role).
 
 - policy:    causal LM, trained (ZeRO-3 by default), AdamW + warm-up schedule, grad clipping.
@@ -7,6 +7,8 @@ one `_init_<role>` per role).
              ppo.advantage_estimator = gae: critic-free estimators build none.
 - reference: the initial policy, frozen, inference engine with parameters offloaded to CPU; with
              LoRA, the policy engine with its adapters switched off (`engine/lora.py`).
+- teacher:   on-policy distillation's teacher (ppo.advantage_estimator = distill): a frozen
+             causal LM with the student's vocabulary, an inference engine like the reference.
 - reward:    an HF sequence-classification model wrapped so that its engine's forward returns
              the score at the last real token (inference engine), a Python function or an HTTP
              service (ds_ppo.rewards.service).
@@ -29,12 +31,13 @@ from typing import Any, Callable
 import torch
 
 from ds_ppo.config import (Config, optimizer_steps, reference_from_policy_base,
-                           value_init_source)
+                           uses_reference, value_init_source)
 from ds_ppo.engine import dist, lora, moe, sequence_parallel
 from ds_ppo.engine.forward import causal_lm
 from ds_ppo.engine.ds_config import build_ds_config, describe_stages, resolve_dtype
 from ds_ppo.engine.tiled_mlp import tile_mlps
-from ds_ppo.engine.role_objects import PolicyRole, ReferenceRole, RewardRole, ValueRole
+from ds_ppo.engine.role_objects import (PolicyRole, ReferenceRole, RewardRole, TeacherRole,
+                                        ValueRole)
 
 log = logging.getLogger("ds_ppo")
 
@@ -50,8 +53,9 @@ class Engines:
     policy: PolicyRole  # a DeepSpeedEngine around AutoModelForCausalLM
     value: ValueRole | None  # around AutoModelForTokenClassification (num_labels=1);
     # None with a critic-free estimator (ppo.advantage_estimator other than gae)
-    reference: ReferenceRole  # an inference engine around AutoModelForCausalLM, or
-    # lora.AdaptersOff (the LoRA policy's engine with its adapters off)
+    reference: ReferenceRole | None  # an inference engine around AutoModelForCausalLM, or
+    # lora.AdaptersOff (the LoRA policy's engine with its adapters off); None when nothing reads
+    # it (distillation without a KL loss: config.uses_reference)
     reward: RewardRole | None  # an inference engine around forward.LastTokenScorer
     reward_fn: RewardFn | None
     ds_configs: dict[str, dict]  # role -> the filled DeepSpeed config (for tracking artifacts)
@@ -59,6 +63,7 @@ class Engines:
     device: torch.device
     dtype: torch.dtype
     replica: Any | None = None  # the kept generation replica (generation.keep_replica)
+    teacher: TeacherRole | None = None  # on-policy distillation's teacher (teacher section)
     lora_bases: dict[str, str] = field(default_factory=dict)  # LoRA role -> its frozen base's path
 
 
@@ -341,10 +346,12 @@ def _init_value(cfg: Config, source: str, world: int, device, dtype, universal: 
                            cfg.deepspeed.value.offload_optimizer, optimizer_steps(cfg))
 
 
-def _init_reference(cfg: Config, path: str, world: int, dtype):
+def _init_reference(cfg: Config, path: str, world: int, dtype, role: str = "reference"):
+    """A frozen causal LM's inference engine: the reference, or (`role` teacher) the
+    distillation teacher, each with its own deepspeed.<role> section."""
     from transformers import AutoModelForCausalLM
 
-    ds = build_ds_config(cfg, "reference", world, dtype, _hidden_size(path))
+    ds = build_ds_config(cfg, role, world, dtype, _hidden_size(path))
     with _zero_init_for(ds):
         model = AutoModelForCausalLM.from_pretrained(
             path, **_load_kwargs(dtype, cfg.policy.attn_implementation))
@@ -407,7 +414,9 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, stages,
         value, ds_configs["value"] = _init_value(cfg, value_src, world, device,
                                                  resolve_dtype(cfg.value.dtype), load_universal,
                                                  "value" in autoep)
-    if reference_from_policy_base(cfg):  # no reference engine: the policy without adapters
+    if not uses_reference(cfg):  # distillation without a KL loss reads no reference
+        reference = None
+    elif reference_from_policy_base(cfg):  # no reference engine: the policy without adapters
         reference = lora.AdaptersOff(policy)
     else:
         reference, ds_configs["reference"] = _init_reference(
@@ -419,6 +428,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, stages,
         if dist.is_main():
             engine = policy if role == "policy" else value
             log.info("LoRA %s", lora.describe_trainable(role, engine.module))
+    teacher = None
+    if cfg.teacher.enabled:  # on-policy distillation: frozen, like the reference
+        teacher_path = cfg.teacher.path or materialize_arch(
+            cfg.teacher.arch, tokenizer, init_dir / "teacher", cfg.seed + 2, key="teacher.arch")
+        teacher, ds_configs["teacher"] = _init_reference(cfg, teacher_path, world, dtype,
+                                                         role="teacher")
     reward = None
     if cfg.reward.model is not None:
         reward, ds_configs["reward"] = _init_reward(cfg, world, dtype)
@@ -428,12 +443,12 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, stages,
 
         ema = ParamEMA(policy.module, cfg.policy.ema_decay)
     if sp_group is not None:  # Ulysses attention for the split rows' forwards
-        for engine in (policy, value, reference):
+        for engine in (policy, value, reference, teacher):
             if engine is not None and not isinstance(engine, lora.AdaptersOff):
                 sequence_parallel.register(causal_lm(engine).config, sp_group)
         if dist.is_main():
             log.info("sequence parallelism: groups of %d ranks, %d data-parallel ranks; rows of "
-                     "at least %d tokens split across a group (policy, reference, value)",
+                     "at least %d tokens split across a group (policy, reference, value, teacher)",
                      dist.sp_size(), dist.dp_world_size(),
                      cfg.deepspeed.sequence_parallel_min_tokens)
     if dist.is_main():
@@ -444,7 +459,8 @@ def init_engines(cfg: Config, tokenizer, device: torch.device, stages,
     if value_role is not None:
         value_role.aux_coef = moe.aux_coef(causal_lm(value).config, cfg.value.moe_aux_loss_coef)
     return Engines(policy=policy_role, value=value_role,
-                   reference=ReferenceRole(reference),
+                   reference=ReferenceRole(reference) if reference is not None else None,
+                   teacher=TeacherRole(teacher) if teacher is not None else None,
                    reward=RewardRole(reward) if reward is not None else None,
                    reward_fn=reward_fn, ds_configs=ds_configs, policy_path=policy_path,
                    device=device, dtype=dtype, lora_bases=lora_bases)

@@ -61,7 +61,8 @@ def ptx_problems(cfg: Config) -> list[str]:
 def preflight(cfg: Config, paths: bool = False) -> None:
     """Raise one ConfigError listing every problem found: local paths that do not exist (with
     `paths`, the dry run), missing data columns, a reward function that cannot be imported or
-    called with data.reward_keys. Columns come before the signature, so a misspelt
+    called with data.reward_keys; with `paths`, a distillation teacher's vocabulary against the
+    student's (its tokenizers load: the only dry-run check that imports transformers). Columns come before the signature, so a misspelt
     data.reward_keys entry is reported as the column it does not name."""
     problems = missing_paths(cfg) if paths else []
     if placeholders(cfg):  # a preset's settings are checked before its paths are filled in
@@ -72,6 +73,15 @@ def preflight(cfg: Config, paths: bool = False) -> None:
     problems += columns
     if paths and not any(p.startswith("data.ptx_path ") for p in problems):
         problems += ptx_problems(cfg)
+    if paths and cfg.teacher.path is not None and not placeholders(cfg, ("teacher", "policy")) \
+            and not any(p.startswith(("teacher.", "policy.")) for p in problems):
+        from pathlib import Path
+
+        from ds_ppo.data.tokenizer import teacher_problem
+
+        problem = teacher_problem(cfg, Path(cfg.output_dir))
+        if problem is not None:
+            problems.append(problem)
     keys_ok = not any("(data.reward_keys)" in p for p in columns)
     if cfg.reward.function is not None and keys_ok:
         from ds_ppo.rewards.call import load_reward_function

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ds_ppo.config import (Config, lora_output_head, max_response_tokens, placement_problems,
-                           reference_from_policy_base, validate)
+                           reference_from_policy_base, uses_reference, validate)
 from ds_ppo.errors import ConfigError
 from ds_ppo.engine.forward import tile_logits
 from ds_ppo.engine.generation.choice import choose_generation
@@ -314,10 +314,12 @@ def compute_plan(cfg: Config, shapes: RoleShapes, cluster: Cluster,
     trainers = training_cluster(cfg, cluster)
     split = trainers is not cluster
     # a critic-free estimator (ppo.advantage_estimator) builds no value model: no value role
+    # (nor a teacher without distillation, nor a reference when the KL is off under it)
     roles = {r: _role_plan(cfg, r, shapes.shapes[r], trainers,
                            stages.get(r, getattr(cfg.deepspeed, r).stage(trainers.world_size)))
              for r in ROLES
-             if r != "value" or cfg.ppo.uses_critic}
+             if (r != "value" or cfg.ppo.uses_critic) and (r != "teacher" or cfg.teacher.enabled)
+             and (r != "reference" or uses_reference(cfg))}
     resident = sum(rp.states.resident_bytes for rp in roles.values())
     rows = _rows(cfg)
     gen_batch = _generation_batch(cfg, trainers)
@@ -496,19 +498,19 @@ def _split_generation_phase(generation: Phase, pol: RolePlan, kept: dict[str, in
 def _scoring_phases(cfg: Config, roles: dict[str, RolePlan], rows: _Rows) -> list[Phase]:
     """One forward per model role over the rollout, score_micro sequences at a time."""
     phases, seq, score_micro = [], rows.seq, rows.score_micro
-    for role in ("reference", "policy", "value", "reward"):
+    for role in ("reference", "teacher", "policy", "value", "reward"):
         rp = roles.get(role)
         if rp is None or rp.shape is None:
             continue
         # the reward model keeps row micro-batches (score_micro_batch_size)
         tokens, seqs = ((min(seq, cfg.reward.max_len), score_micro) if role == "reward"
                         else rows.micro_shape(score_micro, seq))
-        eager = (cfg.policy.attn_implementation if role in ("policy", "reference")
+        eager = (cfg.policy.attn_implementation if role in ("policy", "reference", "teacher")
                  else cfg.value.attn_implementation if role == "value"
                  else "sdpa") == "eager"
         t = {"layer gather": _forward_gather(rp),
              "activations (one layer)": layer_activation_bytes(rp.shape, tokens, seqs, eager)}
-        if role in ("policy", "reference"):
+        if role in ("policy", "reference", "teacher"):
             name, size = rows.logits(rp.shape, tokens, seqs)
             t[name] = size
         phases.append(Phase(f"scoring: {role}", t))
@@ -574,7 +576,10 @@ def _notes(cfg: Config, shapes: RoleShapes, cluster: Cluster, roles: dict[str, R
                      f"({'each rank its ZeRO-3 partition' if pol.zero_stage == 3 else 'whole'}"
                      f"; {'in CPU memory' if pol.offload_param and pol.zero_stage == 3 else 'on the GPU'}"
                      "), counted in the policy's model states")
-    if reference_from_policy_base(cfg):
+    if not uses_reference(cfg):
+        notes.append(f"ppo.advantage_estimator = {cfg.ppo.advantage_estimator} with "
+                     "ppo.kl_loss_coef 0: no reference model (no KL toward it)")
+    elif reference_from_policy_base(cfg):
         notes.append("reference: the policy's base with its adapters off (no reference role; "
                      "its scoring forward costs what the policy's does)")
     for role in (r for r in TRAINED_ROLES if r in roles):

@@ -177,11 +177,16 @@ def resolve_shapes(cfg: Config) -> RoleShapes:
         value_hf, value_src = policy_hf, policy_src
 
     from_base = reference_from_policy_base(cfg)  # LoRA: the policy engine, adapters off
+    teacher = None  # on-policy distillation's teacher (teacher section)
+    if cfg.teacher.enabled:
+        teacher_hf, teacher_src = other("teacher.path", cfg.teacher.path, cfg.teacher.arch)
+        teacher = model_shape(teacher_hf, "causal", teacher_src)
     shapes = {
         "policy": model_shape(policy_hf, "causal", policy_src),
         "value": model_shape(value_hf, "token", value_src),
         "reference": None if from_base else model_shape(ref_hf, "causal", ref_src),
         "reward": model_shape(reward_hf, "sequence", reward_src) if reward_hf is not None else None,
+        "teacher": teacher,
     }
     policy_config = copy.deepcopy(policy_hf)
     policy_config._attn_implementation = cfg.policy.attn_implementation  # as roles.py loads it

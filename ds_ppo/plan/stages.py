@@ -66,10 +66,11 @@ def rungs(role: str, d, load_universal: bool = False) -> tuple[int, ...]:
 
 def model_roles(cfg: Config) -> list[str]:
     """The roles that build a model (and so a DeepSpeed engine) under `cfg`."""
-    from ds_ppo.config import reference_from_policy_base
+    from ds_ppo.config import reference_from_policy_base, uses_reference
 
     return [r for r in ROLES if (r != "value" or cfg.ppo.uses_critic)
-            and (r != "reference" or not reference_from_policy_base(cfg))
+            and (r != "reference" or (uses_reference(cfg) and not reference_from_policy_base(cfg)))
+            and (r != "teacher" or cfg.teacher.enabled)
             and (r != "reward" or cfg.reward.model is not None)]
 
 

@@ -29,6 +29,10 @@ class AdvantageSettings:
     whiten_across_ranks: bool
     filter_zero_std_groups: bool
     zero_std_advantage: float
+    # on-policy distillation (the distill section)
+    distill_discount: float = 0.0
+    distill_reward_coef: float = 0.0
+    distill_reward_estimator: str = "grpo"
 
 
 def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
@@ -38,7 +42,8 @@ def advantage_settings(cfg: Config, kl_coef: float) -> AdvantageSettings:
                              cfg.reward.score_clip,
                              p.advantage_estimator, p.samples_per_prompt, p.gamma, p.lam,
                              p.whiten_advantages, p.whiten_across_ranks, p.filter_zero_std_groups,
-                             p.zero_std_advantage)
+                             p.zero_std_advantage, cfg.distill.discount, cfg.distill.reward_coef,
+                             cfg.distill.reward_estimator)
 
 
 def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
@@ -46,7 +51,9 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
     ppo.kl_in_reward; an episode's turn rewards at each turn's last model token), then the advantages of ppo.advantage_estimator (`algo/estimators.py`:
     gae whitened if ppo.whiten_advantages; grpo, dr_grpo, rloo a group baseline on every token
     of the response, never whitened; reinforce_pp discounted returns whitened over the global
-    batch). Critic-free estimators set returns = None (no value target)."""
+    batch; distill the teacher's minus the student's log-prob of each sampled token, plus
+    distill.reward_coef x a group advantage of the reward). Critic-free estimators set returns =
+    None (no value target)."""
     mask = exp.mask
     kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, s.kl_estimator,
                      s.kl_clip).masked_fill(~mask, 0.0)
@@ -57,7 +64,9 @@ def add_advantages(exp: Experience, s: AdvantageSettings) -> Experience:
     advantages, returns = advantages_for(s.estimator, AdvantageInputs(
         rewards, mask, exp.old_values, group_size=s.group_size, gamma=s.gamma, lam=s.lam,
         whiten=s.whiten, whiten_across_ranks=s.whiten_across_ranks, group=dist.dp_group(),
-        zero_std_advantage=s.zero_std_advantage))
+        zero_std_advantage=s.zero_std_advantage, teacher_logprobs=exp.teacher_logprobs,
+        logprobs=exp.old_logprobs, discount=s.distill_discount,
+        reward_coef=s.distill_reward_coef, reward_estimator=s.distill_reward_estimator))
     train_rows = None
     if s.filter_zero_std_groups:
         _, constant = group_score_stats(exp.episode_scores, s.group_size)

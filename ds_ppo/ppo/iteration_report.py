@@ -45,6 +45,11 @@ def iteration_metrics(acc: Accumulator, exp, engines: Engines, kl_ctl,
     acc.add_tensor_mean("kl/token_mean", exp.kl, mask)
     acc.add_tensor_mean("kl/clamped_frac", kl_clamped(exp.old_logprobs, exp.ref_logprobs,
                                                       kl_estimator, kl_clip).float(), mask)
+    if exp.teacher_logprobs is not None:  # on-policy distillation, per token over all ranks
+        acc.add_tensor_mean("distill/reverse_kl", exp.old_logprobs - exp.teacher_logprobs, mask)
+        acc.add_tensor_mean("distill/teacher_logprob", exp.teacher_logprobs, mask)
+        if exp.teacher_top1 is not None:
+            acc.add_tensor_mean("distill/top1_match", exp.teacher_top1, mask)
     if exp.entropy is not None:  # else the update's first epoch measured it
         acc.add_tensor_mean("policy/entropy", exp.entropy, mask)
     lengths = mask.sum(1)

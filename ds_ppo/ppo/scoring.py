@@ -218,10 +218,10 @@ def scoring_settings(cfg: Config) -> ScoringSettings:
 @torch.no_grad()
 def score(rollout: Rollout, engines, s: ScoringSettings,
           rewards: Callable[[], RewardScores]) -> Experience:
-    """Log-probs (policy, reference), values and scores, micro-batch by micro-batch. Every rank
-    runs the same number of forwards of each ZeRO-3 engine (equal shard sizes; packed by
-    ppo.micro_batch_tokens or with rows split across a sequence-parallel group, idle
-    micro-batches make up the difference). `rewards()`, called after the model forwards: the
+    """Log-probs (policy, reference, a distillation teacher), values and scores, micro-batch by
+    micro-batch. Every rank runs the same number of forwards of each ZeRO-3 engine (equal shard
+    sizes; packed by ppo.micro_batch_tokens or with rows split across a sequence-parallel group,
+    idle micro-batches make up the difference). `rewards()`, called after the model forwards: the
     rollout's reward scores (`timed_reward_scores`, taking the outcome of the calls that
     reward.stream started as generation finished the responses, or scores known already:
     ppo.dynamic_sampling chose its groups by them)."""
@@ -239,6 +239,8 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
     packed = plan.micro_batch_tokens is not None
     tiling = {"tiled": s.tiled_logits, "tile_tokens": s.logits_tile_tokens}
     logp, ref_logp, values, entropy = [], [], [], []
+    teacher_logp, top1 = [], []  # on-policy distillation's teacher (empty without one)
+    reference, teacher = engines.reference, engines.teacher
     engines.policy.take_route_flips()  # counted from here: the scoring forwards' own
     for k, rows in enumerate(batches):
         watchdog.progress(k)
@@ -250,11 +252,17 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
             logp.append(lp)
             entropy.append(ent)
         # the reference's softmax without top-k / top-p (forward.logit_shape says why)
-        ref_logp.append(engines.reference.logprobs(mb, temp, packed=packed, split=split,
-                                                   truncate=False, **tiling)[0])
+        if reference is not None:
+            ref_logp.append(reference.logprobs(mb, temp, packed=packed, split=split,
+                                               truncate=False, **tiling)[0])
+        if teacher is not None:  # the same softmax of the teacher, and its top-1 matches
+            lp, match = teacher.scores(mb, temp, packed=packed, split=split, **tiling)
+            teacher_logp.append(lp)
+            top1.append(match)
         if critic is not None:
             values.append(critic.values(mb, packed=packed, split=split))
     del logp[mine:], ref_logp[mine:], values[mine:], entropy[mine:]  # idle micro-batches
+    del teacher_logp[mine:], top1[mine:]
     flips = engines.policy.take_route_flips()  # idle repeats too: a share, it barely moves
     engines.policy.train()
     if critic is not None:
@@ -266,7 +274,14 @@ def score(rollout: Rollout, engines, s: ScoringSettings,
 
     scored = rewards()
     old = zero(logp) if sampled is None else sampled.masked_fill(~mask, 0.0)
-    return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=zero(ref_logp),
+    # no reference (distillation without a KL loss): the policy's own, a KL of 0
+    ref = zero(ref_logp) if reference is not None else old
+    # a top-1 share only where every micro-batch could read the teacher's logits (a row split
+    # across a sequence-parallel group cannot)
+    matches = zero(top1) if top1 and all(m is not None for m in top1) else None
+    return Experience(rollout=rollout, old_logprobs=old, ref_logprobs=ref,
+                      teacher_logprobs=zero(teacher_logp) if teacher is not None else None,
+                      teacher_top1=matches,
                       old_values=zero(values) if values else None,
                       entropy=zero(entropy) if sampled is None else None,
                       scores=scored.scores, reward_cut=scored.cut, reward_s=scored.seconds,

@@ -103,6 +103,13 @@ class PPOJob:
                                      cfg.data.ptx_max_len, tokenizer)
             log.info("PPO-ptx: %d rows from %s (ppo.ptx_coef = %g)", len(self.ptx_rows),
                      cfg.data.ptx_path, cfg.ppo.ptx_coef)
+        if cfg.teacher.path is not None:  # checked at --dry-run too; before any model loads
+            from ds_ppo.data.tokenizer import teacher_problem
+            from ds_ppo.errors import ConfigError
+
+            problem = teacher_problem(cfg, out)
+            if problem is not None:
+                raise ConfigError(problem)
         self.env = _environment(cfg)  # an env that does not import fails before models load
         self.tokenizer = tokenizer
         return tokenizer, cfg.iterations

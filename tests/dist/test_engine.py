@@ -209,6 +209,16 @@ def test_critic_free_first_update_matches_between_one_and_two_ranks(one_rank, tw
     assert one["group/zero_std_frac"] == 0.25 and one["score/group_std_mean"] > 0
 
 
+def test_distillation_first_update_matches_between_one_and_two_ranks(one_rank, two_ranks):
+    """ppo.advantage_estimator = distill with a ZeRO-3 teacher on two ranks, the reward's group
+    advantage mixed in and a KL loss: the first update (and the distillation metrics) of one
+    rank on the whole batch."""
+    keys = GROUP_KEYS + ("distill/reverse_kl", "distill/teacher_logprob", "distill/top1_match")
+    one, two = one_rank["distill_micro4"], two_ranks["distill_micro4"]
+    assert not _close(one, two, keys=keys)
+    assert one["distill/reverse_kl"] > 0 and one["loss/kl"] != 0 and "loss/value" not in one
+
+
 def test_critic_free_first_update_invariant_to_micro_batch_times_accumulation(one_rank,
                                                                               two_ranks):
     assert not _close(one_rank["grpo_micro4"], one_rank["grpo_micro2"], keys=GROUP_KEYS)

@@ -138,3 +138,39 @@ def test_tiled_mlp_equals_plain_mlp_in_the_update_only():
         torch.testing.assert_close(outs[1][1][name], g, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="no gated MLP"):
         tile_mlps(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_tiled_teacher_equals_the_untiled_one_with_its_top1_matches(packed):
+    """A distillation teacher's log-probs of the samples and its top-1 matches, through the
+    real forward: tiled (head on slices of positions) as untiled, padded and packed; and the
+    log-probs are the reference's (the same softmax, without top-k / top-p)."""
+    from ds_ppo.engine.forward import teacher_logprobs
+
+    rollout = padded_rollout(PROMPTS, RESPONSES, P=8, T=10)
+    with torch.no_grad():
+        teacher = _llama()
+        lp0, top0 = teacher_logprobs(teacher, rollout, 0.7, packed=packed, tiled=False)
+        lp1, top1 = teacher_logprobs(teacher, rollout, 0.7, packed=packed, tiled=True,
+                                     tile_tokens=3)
+        ref, _ = response_logprobs(teacher, rollout, 0.7, packed=packed, truncate=False)
+    torch.testing.assert_close(lp1, lp0, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lp0, ref, atol=ATOL, rtol=0)
+    assert torch.equal(top1, top0)
+    # top-1: the sample is the argmax of the teacher's logits at the position before it
+    from ds_ppo.engine.forward import position_ids
+
+    ids, am, keep = rollout.model_inputs()
+    L = ids.shape[1]
+    with torch.no_grad():
+        logits = teacher(input_ids=ids, attention_mask=am, position_ids=position_ids(am)).logits
+    expected = (logits[:, L - keep - 1:L - 1].argmax(-1) == ids[:, L - keep:])
+    mask = rollout.mask[:, :keep]
+    assert torch.equal(top0[:, :keep].bool() & mask, expected & mask)
+    assert (top0[~rollout.mask] == 0).all()
+    # each row's first response token made the teacher's argmax after its prompt: matched
+    rollout.response_ids[:, 0] = logits[:, L - keep - 1].argmax(-1)
+    with torch.no_grad():
+        _, top = teacher_logprobs(teacher, rollout, 0.7, packed=packed, tiled=True,
+                                  tile_tokens=3)
+    assert (top[:, 0] == 1).all()

@@ -312,7 +312,7 @@ def test_batch_invariant_old_logprobs_from_the_rollout_give_the_same_update_bit_
             policy = _SteppingEngine(copy.deepcopy(model), accum=3)
             engines = types.SimpleNamespace(
                 policy=PolicyRole(policy), reference=ReferenceRole(_CountingEngine(model)),
-                value=ValueRole(_SteppingEngine(value, accum=3)), reward=None,
+                value=ValueRole(_SteppingEngine(value, accum=3)), reward=None, teacher=None,
                 reward_fn=lambda prompts, responses, **kw: [float(len(r)) for r in responses])
             cfg = load_config(None, [*overrides, f"ppo.old_logprobs={mode}",
                                      f"generation.require_exact={mode == 'training'}"])

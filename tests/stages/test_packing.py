@@ -197,7 +197,7 @@ def _scored_and_updated(extra, monkeypatch=None, more_steps=0, old_noise=0.0, re
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
         value=ValueRole(fakes["value"]) if cfg.ppo.uses_critic else None,
         reward_fn=reward_fn or (lambda prompts, responses: [float(len(r)) for r in responses]),
-        reward=None)
+        reward=None, teacher=None)
     with torch.no_grad():
         exp = advantages.add_advantages(score_rollout(rollout, engines, cfg),
                                              advantages.advantage_settings(cfg, 0.1))

@@ -169,7 +169,7 @@ def _engines(ema=None):
                                 classifier_dropout=0.0)))
     engines = types.SimpleNamespace(
         policy=PolicyRole(fakes.policy, ema), reference=ReferenceRole(fakes.reference),
-        value=ValueRole(fakes.value), reward=None, device=torch.device("cpu"),
+        value=ValueRole(fakes.value), reward=None, teacher=None, device=torch.device("cpu"),
         reward_fn=lambda prompts, responses: [float(len(r)) for r in responses])
     return fakes, engines
 

@@ -571,7 +571,8 @@ def test_every_role_forward_goes_through_its_engine():
         value=_CountingEngine(value), reward=_CountingEngine(LastTokenScorer(_tiny_reward_model())))
     engines = types.SimpleNamespace(
         policy=PolicyRole(fakes["policy"]), reference=ReferenceRole(fakes["reference"]),
-        value=ValueRole(fakes["value"]), reward=RewardRole(fakes["reward"]), reward_fn=None)
+        value=ValueRole(fakes["value"]), reward=RewardRole(fakes["reward"]), reward_fn=None,
+        teacher=None)
     rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
@@ -620,7 +621,7 @@ def test_scoring_and_the_update_use_only_the_role_methods():
         reference=_RoleInterface(ReferenceRole(_CountingEngine(small_llama()))),
         value=_RoleInterface(ValueRole(fakes["value"])),
         reward=_RoleInterface(RewardRole(_CountingEngine(LastTokenScorer(_tiny_reward_model())))),
-        reward_fn=None)
+        reward_fn=None, teacher=None)
     rollout = padded_rollout(PROMPTS, RESPONSES, P=4, T=4)
     cfg = _cfg("ppo.micro_batch_size=1", "ppo.mini_batch_size=2", "ppo.rollout_batch_size=2",
                "ppo.ppo_epochs=1")
@@ -677,7 +678,7 @@ def test_old_logprobs_from_the_rollout_skip_the_policy_forward():
         policy = _SteppingEngine(small_llama(), accum=2)
         engines = types.SimpleNamespace(
             policy=PolicyRole(policy), reference=ReferenceRole(_CountingEngine(small_llama())),
-            value=ValueRole(_SteppingEngine(value, accum=2)), reward=None,
+            value=ValueRole(_SteppingEngine(value, accum=2)), reward=None, teacher=None,
             reward_fn=lambda prompts, responses, **kw: [float(len(r)) for r in responses])
         cfg = _cfg("ppo.micro_batch_size=2", "ppo.mini_batch_size=4", "ppo.rollout_batch_size=4",
                    "ppo.ppo_epochs=2", "generation.temperature=0.7", f"ppo.old_logprobs={mode}")

@@ -73,6 +73,14 @@ GROUP_BASE = ["ppo.rollout_batch_size=4", f"ppo.samples_per_prompt={GROUP}",
               "reward.function=dist_checks:group_reward"]
 GROUP_KEYS = tuple(k for k in LOSS_KEYS if k != "loss/value") + (
     "loss/kl", "score/group_std_mean", "group/zero_std_frac")
+DISTILL = GROUP_BASE + [
+    "ppo.advantage_estimator=distill", "ppo.kl_loss_coef=0.1", "distill.reward_coef=0.5",
+    "deepspeed.teacher.offload_param=false", "teacher.arch.model_type=llama",
+    "teacher.arch.hidden_size=64", "teacher.arch.intermediate_size=128",
+    "teacher.arch.num_hidden_layers=2", "teacher.arch.num_attention_heads=4",
+    "teacher.arch.num_key_value_heads=2", "teacher.arch.initializer_range=0.3"]
+DISTILL_KEYS = GROUP_KEYS + ("distill/reverse_kl", "distill/teacher_logprob",
+                             "distill/top1_match")
 
 
 def group_reward(prompts: list[str], responses: list[str]) -> list[float]:
@@ -647,6 +655,10 @@ def main() -> None:
         "rloo_micro4": lambda: group_update(work, "rloo4", rloo + ["ppo.micro_batch_size=4"],
                                             GROUP_KEYS + ("loss/entropy",)),
         "critic_free_engines": lambda: critic_free_engines(work),
+        # on-policy distillation: a ZeRO-3 teacher (random-init, peaked), the reward's group
+        # advantage mixed in, a KL loss toward the reference
+        "distill_micro4": lambda: group_update(work, "distill4", DISTILL + [
+            "ppo.micro_batch_size=4"], DISTILL_KEYS),
         # every other ppo.policy_loss: tiled on one rank, packed and tiled on two
         **{f"policy_loss_{name}": (lambda name=name: policy_loss_update(work, name, group))
            for name in POLICY_LOSSES if name != "ppo"},

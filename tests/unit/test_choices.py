@@ -49,6 +49,9 @@ def test_config_defaults_and_checks_follow_the_row(name):
     if spec.groups:
         with pytest.raises(ConfigError, match="samples_per_prompt"):
             validate(cfg, world_size=1)
+    elif spec.teacher:  # distillation needs a teacher model
+        with pytest.raises(ConfigError, match="teacher.path"):
+            validate(cfg, world_size=1)
     else:
         validate(cfg, world_size=1)
 
@@ -59,8 +62,10 @@ def test_each_function_returns_targets_only_with_a_critic(name):
     rewards = torch.randn(4, 5, generator=gen)
     mask = torch.ones(4, 5, dtype=torch.bool)
     values = torch.randn(4, 5, generator=gen) if ESTIMATORS[name].critic else None
+    logprobs = {"teacher_logprobs": -torch.rand(4, 5, generator=gen),
+                "logprobs": -torch.rand(4, 5, generator=gen)} if ESTIMATORS[name].teacher else {}
     adv, ret = advantages_for(name, AdvantageInputs(rewards, mask, values, group_size=2,
-                                                    whiten_across_ranks=False))
+                                                    whiten_across_ranks=False, **logprobs))
     assert adv.shape == (4, 5) and torch.isfinite(adv).all()
     assert (ret is not None) == ESTIMATORS[name].critic
 
@@ -149,7 +154,8 @@ def test_policy_loss_defaults_and_checks_follow_the_row(name):
                 validate(cfg, world_size=1)
     for est, row in ESTIMATORS.items():
         cfg = load_config("tiny", [f"ppo.advantage_estimator={est}", f"ppo.policy_loss={name}",
-                                   "ppo.samples_per_prompt=4"])
+                                   "ppo.samples_per_prompt=4"]
+                          + (["teacher.arch.model_type=llama"] if row.teacher else []))
         if spec.per_response and not row.per_response:
             with pytest.raises(ConfigError, match="weighs each response by one advantage"):
                 validate(cfg, world_size=1)

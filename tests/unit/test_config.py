@@ -339,7 +339,7 @@ def test_world_size_from_env(monkeypatch):
 # --------------------------------------------------------------------------- presets
 # (preset, world size, accumulation, prompts per rank) as each preset's comments state them
 PRESETS = [("tiny", 1, 2, 32), ("1b", 1, 4, 128), ("8b", 8, 2, 32), ("70b", 64, 4, 16),
-           ("grpo", 8, 4, 8), ("70b-lora", 8, 4, 16), ("recipe", 1, 1, 32),
+           ("grpo", 8, 4, 8), ("distill", 8, 4, 8), ("70b-lora", 8, 4, 16), ("recipe", 1, 1, 32),
            ("calculator", 1, 2, 16), ("lookup", 1, 4, 16), ("8b-long", 8, 8, 2),
            ("70b-long", 64, 16, 1),  # 70b-long: 8 data-parallel ranks (sequence parallel 8)
            ("30b-a3b", 8, 8, 8), ("235b-a22b", 64, 2, 2)]

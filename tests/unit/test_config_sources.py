@@ -67,7 +67,7 @@ def test_each_supervised_job_has_its_own_learning_rate():
 
 
 # (preset, world size it is for)
-WORLD = {"tiny": 1, "1b": 1, "8b": 8, "70b": 64, "grpo": 8, "70b-lora": 8, "recipe": 1,
+WORLD = {"tiny": 1, "1b": 1, "8b": 8, "70b": 64, "grpo": 8, "distill": 8, "70b-lora": 8, "recipe": 1,
          "calculator": 1, "lookup": 1, "8b-long": 8, "70b-long": 64, "30b-a3b": 8,
          "235b-a22b": 64}
 
