@@ -15,6 +15,7 @@ from ds_ppo.config.derived import watchdog_limit_s
 from ds_ppo.config.metric_checks import metric_problems
 from ds_ppo.config.model_checks import (expert_parallel_problems, model_fields, model_problems,
                                         sequence_parallel_problems, source_problems)
+from ds_ppo.config.jobs import SupervisedJob
 from ds_ppo.config.sections import Config, PairJob
 from ds_ppo.errors import ConfigError
 from ds_ppo.http_deadline import call_deadline, worst_request_s
@@ -26,7 +27,9 @@ def validate(cfg: Config, world_size: int) -> None:
     data-parallel rank: with deepspeed.sequence_parallel_size = N the N ranks of a
     sequence-parallel group share their rows (world / N data-parallel ranks); under
     ppo.placement = split only the training ranks hold rows."""
-    problems = [p for section in cfg.sections() for p in section.problems()]
+    # a supervised job's section holds another command's settings (`validate_job` checks it)
+    problems = [p for section in cfg.sections() if not isinstance(section, SupervisedJob)
+                for p in section.problems()]
     placement = placement_problems(cfg, world_size)
     problems += placement
     trainers = world_size if placement else training_ranks(

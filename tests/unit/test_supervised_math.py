@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_ppo.algo import bradley_terry, nll_sum, pair_stats, reward_centering
-from ds_ppo.config import job_accum_steps, load_config, validate_job
+from ds_ppo.config import job_accum_steps, load_config, validate, validate_job
 from ds_ppo.data.supervised_rows import chat_ids, load_pairs, load_sft
 from ds_ppo.data.tokenizer import load_tokenizer
 from ds_ppo.envs import addition
@@ -219,6 +219,7 @@ def test_dpo_checks_name_key_and_fix(tmp_path, capsys):
         validate_job(cfg, "dpo", 1)
     assert "dpo.label_smoothing = 0.1 does not apply to dpo.loss = 'ipo'" in str(e.value)
     assert "dpo.chosen_key = dpo.rejected_key = 'chosen'" in str(e.value)
+    validate(cfg, 1)  # `ds-ppo train` does not read the dpo section: its rules are dpo's
     with pytest.raises(ConfigError, match="dpo.label_smoothing = 0.5: Input should be less"):
         load_config(None, ["dpo.label_smoothing=0.5"])
     rows = _write(tmp_path / "p.jsonl", [{"prompt": "a", "good": "b", "bad": "c"}])
