@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (empty_replica, replica_skeleton, stream_weights,
                                       weight_checksum)
@@ -146,11 +147,24 @@ def serve_generation(cfg, device: torch.device) -> None:
     """A generation rank's whole run: the commands of the training ranks it serves, until the
     first of them says stop. The first served rank drives the order (setup, sync, produce,
     batch or advance, stop); every served rank sends its own produce / batch / advance / stop,
-    which are answered in rank order, each from that rank's own random stream (`_answers`)."""
+    which are answered in rank order, each from that rank's own random stream (`_answers`).
+
+    This rank's watchdog beats its phase into the job's store, so a training rank that waits
+    for a stopped generation rank names it. A training rank that goes away (killed, stopped by
+    its watchdog or by an error of its own) stops this rank with one line naming it, exit 4."""
     served = dist.served_training_ranks(dist.rank())
     first, others = served[0], served[1:]
-    setup = dist.bridge_recv(first)
+    dog = _start_watchdog(cfg)
+    # exempt: the training ranks load their models (a universal conversion: minutes) first
+    with watchdog.phase(f"waiting for training rank {first}'s set-up", limit_s=None):
+        setup = _from(first)
     assert setup["op"] == "setup", setup["op"]
+    _serve(cfg, device, setup, first, others)
+    dog.leave()
+
+
+def _serve(cfg, device: torch.device, setup: dict, first: int, others: list[int]) -> None:
+    """`serve_generation` after the set-up message: until the stop."""
     from ds_ppo.rewards.source import reward_function
 
     # the reward built here as the training ranks build theirs (a RewardService is not sent)
@@ -158,28 +172,67 @@ def serve_generation(cfg, device: torch.device) -> None:
                            reward_function(cfg, setup["training_ranks"]),
                            cfg.ppo.max_lag)
     dtype = setup["dtype"]
-    log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
+    log.info("generation rank %d: serving training rank(s) %s", dist.rank(), [first, *others])
     generator = torch.Generator(device=device)
     streams: dict[int, dict] = {}  # partial rollouts' reward streams, by training rank
     while True:
-        try:
-            cmd = dist.bridge_recv(first)
-        except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
-            if not dist.is_collective_failure(e):
-                raise
-            # the training ranks left before the last iteration (a stop, an error: their exit
-            # code says which); nothing of this rank is kept
-            log.warning("generation rank %d: the training ranks left (%s); stopping",
-                        dist.rank(), (str(e).strip().splitlines() or [""])[0][:200])
-            return
+        watchdog.at(f"waiting for training rank {first}'s next command")
+        cmd = _from(first)
         if cmd["op"] == "sync":
-            _receive_weights(worker, cmd, first, dtype, device)
+            with watchdog.phase(f"weight sync (policy version {cmd['version']})"):
+                _receive_weights(worker, cmd, first, dtype, device)
             continue
-        commands = [(first, cmd)] + [(r, dist.bridge_recv(r)) for r in others]
+        commands = [(first, cmd)]
+        for r in others:
+            with watchdog.phase(f"waiting for training rank {r}'s command"):
+                commands.append((r, _from(r)))
         if cmd["op"] == "stop":
             return
-        for r, answer in _answers(worker, commands, generator, streams, device):
-            dist.bridge_send(answer, r)
+        iteration = cmd["work"][0][0] if cmd["work"] else None
+        with watchdog.phase("generation", iteration):
+            answers = _answers(worker, commands, generator, streams, device)
+        for r, answer in answers:
+            with watchdog.phase(f"sending the rollouts to training rank {r}", iteration):
+                _to(answer, r)
+
+
+def _from(src: int, device: torch.device | None = None):
+    """`dist.bridge_recv`; a training rank that went away stops this rank (`_gone`)."""
+    try:
+        return dist.bridge_recv(src, device)
+    except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+        if dist.is_collective_failure(e):
+            _gone(src, e)
+        raise
+
+
+def _to(obj, dst: int) -> None:
+    """`dist.bridge_send`; a training rank that went away stops this rank (`_gone`)."""
+    try:
+        dist.bridge_send(obj, dst)
+    except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+        if dist.is_collective_failure(e):
+            _gone(dst, e)
+        raise
+
+
+def _gone(rank: int, err: BaseException) -> None:
+    """Training rank `rank` went away (killed, stopped by its watchdog, or by an error of its
+    own): this rank's watchdog line names it and this rank's phase, exit 4."""
+    why = (str(err).strip().splitlines() or [""])[0][:200]
+    watchdog.current().fire(f"training rank {rank} went away ({why}); its own output says why, "
+                            "if it could write any")
+
+
+def _start_watchdog(cfg) -> watchdog.Watchdog:
+    """This generation rank's watchdog (watchdog_minutes), beating into the job's store beside
+    the training ranks' (`dist.watchdog_world`: the launcher's ranks)."""
+    from ds_ppo.config import watchdog_limit_s
+
+    world, generation_ranks = dist.watchdog_world()
+    return watchdog.install(watchdog.Watchdog(
+        watchdog_limit_s(cfg), dist.rank(), world, dist.watchdog_store(), cfg.output_dir,
+        run_token=dist.run_token(), generation_ranks=generation_ranks)).start()
 
 
 def _answers(worker: RolloutWorker, commands: list[tuple[int, dict]],
@@ -232,7 +285,7 @@ def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dt
     bad = None
     first_bucket = True
     while True:
-        got = dist.bridge_recv(src, device)
+        got = _from(src, device)
         if got["weights"] is None:
             buffers = dict(worker.replica.named_buffers())
             for name, b in got["buffers"].items():
@@ -261,7 +314,7 @@ def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dt
                 bad = name
     worker.replica.config.use_cache = True
     worker.replica.eval()
-    dist.bridge_send({"bad": bad}, src)
+    _to({"bad": bad}, src)
     if bad is not None:
         raise sync_error(version, bad, "the generation ranks' replicas")
 

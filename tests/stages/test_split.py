@@ -2,8 +2,9 @@
 (`RemoteWorker.sync`) and the generation rank's (`_receive_weights`) in two threads joined by a
 bridge of queues that pickles every message as the real one does. The replica equals the policy
 after a sync; a corrupted bucket stops both sides with one line naming the weight; partial
-rollouts advance on the generation rank as on a colocated worker. The whole placement through
-the real launcher: tests/dist/test_schedule_dist.py."""
+rollouts advance on the generation rank as on a colocated worker; a training rank that goes away
+at any message stops the generation rank with one line naming it. The whole placement through
+the real launcher: tests/dist/test_schedule_dist.py, tests/dist/test_watchdog_dist.py."""
 from __future__ import annotations
 
 import io
@@ -26,7 +27,7 @@ def bridge(monkeypatch):
     """Bridge rank 0 trains, rank 1 generates; each message pickled through torch.save."""
     inbox = {0: queue.Queue(), 1: queue.Queue()}
     monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 0, "world": 2,
-                                         "generation_ranks": 1})
+                                         "generation_ranks": 1, "store": None, "token": ""})
 
     def send(obj, dst):
         buf = io.BytesIO()
@@ -203,3 +204,57 @@ def test_partial_rollouts_advance_on_the_generation_rank(bridge):
         assert torch.equal(getattr(b.rollout, key), getattr(e.rollout, key)), key
     assert b.version == e.version == 1 and b.called.scores == e.called.scores
     assert sorted(called) == sorted(b.rollout.responses)  # the stream kept across the rounds
+
+
+GONE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+
+
+@pytest.mark.parametrize("where,commands,phase", [
+    ("command", [], "waiting for training rank 0's next command"),
+    ("weights", [{"op": "sync", "version": 3, "skeleton": None}], "weight sync (policy version 3)"),
+    ("answer", [{"op": "batch", "work": [(2, [0, 1])], "version": 1, "generator": None}],
+     "sending the rollouts to training rank 0 (iteration 2)"),
+])
+def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
+        monkeypatch, tmp_path, capsys, where, commands, phase):
+    """Training rank 0 goes away (SIGKILL) while the generation rank waits for its next
+    command, receives the weights of a sync, or sends it the rollouts: one line naming the
+    generation rank's phase and training rank 0, exit 4, no traceback."""
+    from ds_ppo import watchdog
+
+    monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 1, "world": 2,
+                                         "generation_ranks": 1, "store": None, "token": ""})
+    inbox = [{"op": "setup", "prompts": None, "tokenizer": None, "eos_ids": [2],
+              "dtype": torch.float32, "training_ranks": 1}, *commands]
+
+    def recv(src, device=None):
+        if inbox:
+            return inbox.pop(0)
+        raise RuntimeError(GONE)
+
+    def send(obj, dst):
+        raise RuntimeError(GONE)
+
+    monkeypatch.setattr(dist, "bridge_recv", recv)
+    monkeypatch.setattr(dist, "bridge_send", send)
+    monkeypatch.setattr(split, "_answers", lambda worker, cmds, *a: [(0, {"batch": None})])
+    if where == "weights":
+        monkeypatch.setattr(split, "empty_replica", lambda *a: small_llama())
+    exits = []
+
+    def stop(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(split, "_start_watchdog", lambda cfg: watchdog.install(
+        watchdog.Watchdog(None, rank=1, world_size=2, out_dir=tmp_path, exit=stop,
+                          generation_ranks=1)))
+    with pytest.raises(SystemExit):
+        split.serve_generation(load_config(None, []), torch.device("cpu"))
+    assert exits == [4]
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"ds-ppo: error: watchdog: generation rank 1 in {phase}: "
+                               f"training rank 0 went away ({GONE[:40]}"), lines[0]
+    assert f"{tmp_path / 'hang-1.txt'}" in lines[0] and "(exit 4)" in lines[0]
