@@ -55,14 +55,15 @@ class RemoteWorker:
         self.peer = dist.generation_peer(me)
         # the first training rank a generation rank serves sends it the weights
         self.primary = dist.rank() == dist.served_training_ranks(self.peer)[0]
-        self.skeleton_sent = False
         # a LoRA policy: the adapted layers whose frozen weight the generation rank holds (sent
         # at the first sync); later syncs send their adapters only
         self.held: set[str] = set()
-        if self.primary:  # what the generation rank decodes and scores with
+        if self.primary:  # what the generation rank decodes and scores with, and its replica
             dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
                               "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
-                              "training_ranks": dist.world_size()}, self.peer)
+                              "training_ranks": dist.world_size(),
+                              "skeleton": replica_skeleton(plain_model(run.engines.policy.module))},
+                             self.peer)
 
     def sync(self, version: int) -> int:
         """Weight sync (collective over the training ranks): the policy's weights of `version`
@@ -72,10 +73,7 @@ class RemoteWorker:
         module = plain_model(engines.policy.module)
         sent = 0
         if self.primary:
-            skeleton = None if self.skeleton_sent else replica_skeleton(module)
-            dist.bridge_send({"op": "sync", "version": version, "skeleton": skeleton},
-                             self.peer)
-            self.skeleton_sent = True
+            dist.bridge_send({"op": "sync", "version": version}, self.peer)
 
         def emit(bucket: dict[str, torch.Tensor | dict]) -> None:
             nonlocal sent
@@ -155,23 +153,30 @@ def serve_generation(cfg, device: torch.device) -> None:
     served = dist.served_training_ranks(dist.rank())
     first, others = served[0], served[1:]
     dog = _start_watchdog(cfg)
-    # exempt: the training ranks load their models (a universal conversion: minutes) first
+    # exempt: the training ranks load their models (a universal conversion: minutes) first;
+    # then the model's code is imported and its replica built here, before any timed phase
     with watchdog.phase(f"waiting for training rank {first}'s set-up", limit_s=None):
         setup = _from(first)
-    assert setup["op"] == "setup", setup["op"]
-    _serve(cfg, device, setup, first, others)
+        assert setup["op"] == "setup", setup["op"]
+        worker = _worker(cfg, setup, device)
+    _serve(worker, device, first, others)
     dog.leave()
 
 
-def _serve(cfg, device: torch.device, setup: dict, first: int, others: list[int]) -> None:
-    """`serve_generation` after the set-up message: until the stop."""
+def _worker(cfg, setup: dict, device: torch.device) -> RolloutWorker:
+    """The worker of the set-up message, its replica built (weights not yet copied)."""
     from ds_ppo.rewards.source import reward_function
 
     # the reward built here as the training ranks build theirs (a RewardService is not sent)
     worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,
                            reward_function(cfg, setup["training_ranks"]),
                            cfg.ppo.max_lag)
-    dtype = setup["dtype"]
+    worker.replica = empty_replica(setup["skeleton"], setup["dtype"], device)
+    return worker
+
+
+def _serve(worker: RolloutWorker, device: torch.device, first: int, others: list[int]) -> None:
+    """`serve_generation` after the set-up: the commands until the stop."""
     log.info("generation rank %d: serving training rank(s) %s", dist.rank(), [first, *others])
     generator = torch.Generator(device=device)
     streams: dict[int, dict] = {}  # partial rollouts' reward streams, by training rank
@@ -180,7 +185,7 @@ def _serve(cfg, device: torch.device, setup: dict, first: int, others: list[int]
         cmd = _from(first)
         if cmd["op"] == "sync":
             with watchdog.phase(f"weight sync (policy version {cmd['version']})"):
-                _receive_weights(worker, cmd, first, dtype, device)
+                _receive_weights(worker, cmd, first, device)
             continue
         commands = [(first, cmd)]
         for r in others:
@@ -271,16 +276,13 @@ def _tensors(bucket: dict):
             yield name, w
 
 
-def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dtype,
-                     device: torch.device) -> None:
-    """One weight sync into the replica (built on the first): each chunk copied and checked
-    against the sender's checksums; a LoRA layer merged here from its adapters and the frozen
+def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, device: torch.device) -> None:
+    """One weight sync into the replica: each chunk copied and checked against the sender's
+    checksums; a LoRA layer merged here from its adapters and the frozen
     weight the first sync sent (kept in `worker.bases`), and the merged copy checked against
     the merge. The verdict goes back to `src`. A mismatch stops this rank too, with the
     training ranks' line."""
     version = cmd["version"]
-    if worker.replica is None:
-        worker.replica = empty_replica(cmd["skeleton"], dtype, device)
     params = dict(worker.replica.named_parameters())
     bad = None
     first_bucket = True

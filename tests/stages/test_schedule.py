@@ -340,7 +340,7 @@ def test_a_resume_at_another_world_size_regenerates_what_was_in_flight(
     """At another world size a checkpoint's in-flight file is not loaded (`read_in_flight`
     returns None, as here): each iteration whose rollout it held, up to the next refresh,
     generates it at its start from the current weights (docs/CHECKPOINTS.md says which)."""
-    import ds_ppo.run.driver as driver
+    from ds_ppo.run import driver
 
     out = tmp_path / "run"
     _train(out, *overrides, "iterations=3", "checkpoint.every=3")

@@ -52,6 +52,7 @@ def _pair(model):
     setup = dist.bridge_recv(0)
     assert setup["op"] == "setup" and setup["dtype"] == torch.float32
     worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
+    worker.replica = split.empty_replica(setup["skeleton"], torch.float32, torch.device("cpu"))
     return remote, worker
 
 
@@ -60,8 +61,7 @@ def _sync_once(remote, worker, version: int, errors: dict) -> int | None:
     training side sent (None when it stopped); each side's WeightSyncError into `errors`."""
     def generation_rank():
         try:
-            split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
-                                   torch.device("cpu"))
+            split._receive_weights(worker, dist.bridge_recv(0), 0, torch.device("cpu"))
         except WeightSyncError as e:
             errors["generation"] = str(e)
 
@@ -206,12 +206,13 @@ def test_partial_rollouts_advance_on_the_generation_rank(bridge):
     assert sorted(called) == sorted(b.rollout.responses)  # the stream kept across the rounds
 
 
-GONE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+GONE = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+        "[127.0.0.1]:4242")
 
 
 @pytest.mark.parametrize("where,commands,phase", [
     ("command", [], "waiting for training rank 0's next command"),
-    ("weights", [{"op": "sync", "version": 3, "skeleton": None}], "weight sync (policy version 3)"),
+    ("weights", [{"op": "sync", "version": 3}], "weight sync (policy version 3)"),
     ("answer", [{"op": "batch", "work": [(2, [0, 1])], "version": 1, "generator": None}],
      "sending the rollouts to training rank 0 (iteration 2)"),
 ])
@@ -225,7 +226,7 @@ def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
     monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 1, "world": 2,
                                          "generation_ranks": 1, "store": None, "token": ""})
     inbox = [{"op": "setup", "prompts": None, "tokenizer": None, "eos_ids": [2],
-              "dtype": torch.float32, "training_ranks": 1}, *commands]
+              "dtype": torch.float32, "training_ranks": 1, "skeleton": None}, *commands]
 
     def recv(src, device=None):
         if inbox:
@@ -238,8 +239,7 @@ def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
     monkeypatch.setattr(dist, "bridge_recv", recv)
     monkeypatch.setattr(dist, "bridge_send", send)
     monkeypatch.setattr(split, "_answers", lambda worker, cmds, *a: [(0, {"batch": None})])
-    if where == "weights":
-        monkeypatch.setattr(split, "empty_replica", lambda *a: small_llama())
+    monkeypatch.setattr(split, "empty_replica", lambda *a: small_llama())
     exits = []
 
     def stop(code):
