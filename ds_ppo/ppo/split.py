@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -224,9 +225,10 @@ def _to(obj, dst: int) -> None:
 def _gone(rank: int, err: BaseException) -> None:
     """Training rank `rank` went away (killed, stopped by its watchdog, or by an error of its
     own): this rank's watchdog line names it and this rank's phase, exit 4."""
-    why = (str(err).strip().splitlines() or [""])[0][:200]
-    watchdog.current().fire(f"training rank {rank} went away ({why}); its own output says why, "
-                            "if it could write any")
+    # gloo's first line, less its source position and advice: "Connection closed by peer [ip]:port"
+    why = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0])
+    watchdog.current().fire(f"training rank {rank} went away ({why.split('. ')[0][:160]}; its "
+                            "own output says why, if it could write any)")
 
 
 def _start_watchdog(cfg) -> watchdog.Watchdog:
