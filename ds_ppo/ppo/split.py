@@ -279,8 +279,8 @@ def _tensors(bucket: dict):
 
 
 def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, device: torch.device) -> None:
-    """One weight sync into the replica: each chunk copied and checked against the sender's
-    checksums; a LoRA layer merged here from its adapters and the frozen
+    """One weight sync into the replica (built at the set-up): each chunk copied and checked
+    against the sender's checksums; a LoRA layer merged here from its adapters and the frozen
     weight the first sync sent (kept in `worker.bases`), and the merged copy checked against
     the merge. The verdict goes back to `src`. A mismatch stops this rank too, with the
     training ranks' line."""

@@ -293,7 +293,7 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
     """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
     from ds_ppo.config import watchdog_limit_s
 
-    token = dist.run_token()  # collective
+    token = dist.run_token()  # collective (under a split placement: the bridge's, sent at start)
     world, generation_ranks = dist.watchdog_world()  # a split placement's generation ranks too
     return watchdog.install(watchdog.Watchdog(
         watchdog_limit_s(cfg), dist.rank(), world, dist.watchdog_store(), out,

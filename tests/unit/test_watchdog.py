@@ -95,8 +95,8 @@ def test_a_stuck_phase_names_itself_and_the_rank_that_did_not_arrive(tmp_path, c
 
 
 def test_a_stuck_phase_on_one_rank_fires_within_the_limit(tmp_path, capsys):
-    """No store (one rank): a hung reward call is
-    named and exits 4 within the limit (the watchdog thread once died reading the store)."""
+    """No store (one rank): a hung reward call is named and exits 4 within the limit (the
+    watchdog thread once died reading the store)."""
     dog = Watchdog(0.4, out_dir=tmp_path, beat_s=0.05)
     t0 = time.monotonic()
     with dog.phase("reward", 3):
