@@ -175,17 +175,19 @@ def served_training_ranks(generation_rank: int) -> list[int]:
     return [r for r in range(trainers) if generation_peer(r) == generation_rank]
 
 
-def bridge_send(obj, dst: int) -> None:
+def bridge_send(obj, dst: int, timeout_s: float | None = None) -> None:
     """`obj` (tensors on any device, dataclasses of them, Python values) to bridge rank `dst`,
-    pickled: a length, then the bytes. Blocks until `dst` took it."""
+    pickled: a length, then the bytes. Blocks until `dst` took it (at most `timeout_s` per
+    part when given; then raises)."""
     import io
 
     buf = io.BytesIO()
     torch.save(_moved(obj, torch.device("cpu")), buf)
     payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     bridge = _SPLIT["bridge"]
-    bridge.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait()
-    bridge.send([payload], dst, 1).wait()
+    wait = () if timeout_s is None else (timedelta(seconds=timeout_s),)
+    bridge.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait(*wait)
+    bridge.send([payload], dst, 1).wait(*wait)
 
 
 def bridge_recv(src: int, device: torch.device | None = None):

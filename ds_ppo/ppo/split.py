@@ -27,6 +27,7 @@ Every message goes over the bridge (`dist.bridge_send` / `bridge_recv`, gloo: CP
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -59,6 +60,10 @@ class RemoteWorker:
         # a LoRA policy: the adapted layers whose frozen weight the generation rank holds (sent
         # at the first sync); later syncs send their adapters only
         self.held: set[str] = set()
+        # commands whose answer has not come back (a weight sync counts while it runs, and
+        # after it failed); the generation rank was told to stop
+        self.open, self.stopped = 0, False
+        atexit.register(self._leave)
         if self.primary:  # what the generation rank decodes and scores with, and its replica
             dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
                               "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
@@ -73,6 +78,7 @@ class RemoteWorker:
         engines = self.run.engines
         module = plain_model(engines.policy.module)
         sent = 0
+        self.open += 1
         if self.primary:
             dist.bridge_send({"op": "sync", "version": version}, self.peer)
 
@@ -92,11 +98,13 @@ class RemoteWorker:
         failed = dist.all_reduce_max(torch.tensor([1.0 if bad else 0.0], dtype=torch.float64))
         if bad or float(failed[0]):
             raise sync_error(version, bad, "the generation ranks' replicas")
+        self.open -= 1
         return sent
 
     def produce(self, iteration: int, indices: list[int], version: int,
                 generator: torch.Generator) -> Buffered:
         """The rollout of `iteration`, generated now on the generation rank (this rank waits)."""
+        self.open += 1
         dist.bridge_send({"op": "produce", "work": [(iteration, indices)], "version": version,
                           "generator": generator.get_state()}, self.peer)
         return self._answer(generator).rollouts[0]
@@ -105,6 +113,7 @@ class RemoteWorker:
                      generator: torch.Generator) -> _Pending:
         """The rollouts of `work` started on the generation rank; `.result()` (after the
         update) waits for them."""
+        self.open += 1
         dist.bridge_send({"op": "batch", "work": work, "version": version,
                           "generator": generator.get_state()}, self.peer)
         return _Pending(self, generator)
@@ -115,18 +124,33 @@ class RemoteWorker:
         rollout's `Partial` so far included) started on the generation rank; `.result()` (after
         the update) waits for them. The rollouts still in part come back with the batch, so a
         checkpoint of this rank holds them as a colocated one does."""
+        self.open += 1
         dist.bridge_send({"op": "advance", "work": work, "version": version,
                           "segments_of": segments_of, "generator": generator.get_state()},
                          self.peer)
         return _Pending(self, generator)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
         """The run's last iteration is done: the generation rank may leave."""
-        dist.bridge_send({"op": "stop"}, self.peer)
+        self.stopped = True
+        dist.bridge_send({"op": "stop"}, self.peer, timeout_s)
+
+    def _leave(self) -> None:
+        """At this process's exit: a run that stopped between iterations before its last one (an
+        alarm's stop, a scheduler's signal, a diverged run) lets the generation rank go too,
+        which then exits 0. After an error inside an iteration (a command still open) nothing
+        is sent: the generation rank finds this rank gone and says so."""
+        if self.stopped or self.open:
+            return
+        try:
+            self.stop(timeout_s=10.0)
+        except Exception:  # noqa: BLE001  (the generation rank is gone or stuck: nothing to tell)
+            pass
 
     def _answer(self, generator: torch.Generator) -> Batch:
         """The generation rank's answer: the batch, and the random stream where it left it."""
         got = dist.bridge_recv(self.peer, self.run.engines.device)
+        self.open -= 1
         generator.set_state(got["generator"])
         return got["batch"]
 

@@ -29,7 +29,7 @@ def bridge(monkeypatch):
     monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 0, "world": 2,
                                          "generation_ranks": 1, "store": None, "token": ""})
 
-    def send(obj, dst):
+    def send(obj, dst, timeout_s=None):
         buf = io.BytesIO()
         torch.save(obj, buf)
         inbox[dst].put(buf.getvalue())
@@ -93,7 +93,7 @@ def test_replica_equals_the_policy_after_a_sync(bridge, monkeypatch):
     monkeypatch.setattr(generation, "GATHER_CHUNK_NUMEL", 500)
     buckets, send = [], dist.bridge_send
 
-    def counting(obj, dst):
+    def counting(obj, dst, timeout_s=None):
         if isinstance(obj, dict) and obj.get("weights"):
             buckets.append(sum(w.numel() for w in obj["weights"].values()))
         send(obj, dst)
@@ -233,7 +233,7 @@ def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
             return inbox.pop(0)
         raise RuntimeError(GONE)
 
-    def send(obj, dst):
+    def send(obj, dst, timeout_s=None):
         raise RuntimeError(GONE)
 
     monkeypatch.setattr(dist, "bridge_recv", recv)
@@ -259,3 +259,25 @@ def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
                                "training rank 0 went away (Connection closed by peer "
                                "[127.0.0.1]:4242; its own output says why"), lines[0]
     assert f"{tmp_path / 'hang-1.txt'}" in lines[0] and "(exit 4)" in lines[0]
+
+
+def test_a_training_rank_that_leaves_between_iterations_tells_its_generation_rank(bridge):
+    """At the process's exit (an alarm's stop, a scheduler's signal, a diverged run: between
+    iterations) the training rank sends stop, so the generation rank exits 0; with a command
+    still open (an error inside an iteration) it sends nothing; after the last iteration's stop,
+    nothing more."""
+    engines = SimpleNamespace(policy=SimpleNamespace(module=small_llama()), dtype=torch.float32,
+                              reward_fn=None, device=torch.device("cpu"))
+    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
+                                                eos_ids=[2]))
+    assert dist.bridge_recv(0)["op"] == "setup"
+    remote.submit_batch([(2, [0])], 1, torch.Generator())
+    assert dist.bridge_recv(0)["op"] == "batch"
+    remote._leave()  # the batch's answer not taken: mid-iteration
+    assert bridge[1].empty()
+    dist.bridge_send({"batch": None, "generator": torch.Generator().get_state()}, 0)
+    remote._answer(torch.Generator())
+    remote._leave()
+    assert dist.bridge_recv(0)["op"] == "stop"
+    remote._leave()
+    assert bridge[1].empty()
