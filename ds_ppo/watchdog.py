@@ -45,6 +45,7 @@ log = logging.getLogger("ds_ppo")
 EXIT_HANG = 4  # the process exit code of a rank the watchdog stopped
 _KEY = "ds_ppo_watchdog/"
 _UNSET = object()
+LEFT = "left (its work done)"  # the last record of a rank that stopped on purpose
 
 
 class StoreGone(Exception):
@@ -68,13 +69,17 @@ class Watchdog:
     """One rank's phase record and watchdog thread (see the module docstring).
 
     limit_s: seconds without progress that end the job (None: the thread only beats and
-    listens; a failed collective is still reported). beat_s: the heartbeat period."""
+    listens; a failed collective is still reported). beat_s: the heartbeat period.
+    generation_ranks: how many of the last of the world_size ranks are a split placement's
+    generation ranks (named so in the line)."""
 
     def __init__(self, limit_s: float | None, rank: int = 0, world_size: int = 1,
                  store: Any = None, out_dir: str | os.PathLike = ".", beat_s: float | None = None,
                  setting: str = "watchdog_minutes", store_timeout_s: float = 5.0,
-                 exit: Callable[[int], None] = os._exit, run_token: str = "") -> None:
+                 exit: Callable[[int], None] = os._exit, run_token: str = "",
+                 generation_ranks: int = 0) -> None:
         self.limit_s, self.rank, self.world_size = limit_s, rank, world_size
+        self.generation_ranks = generation_ranks
         self.store, self.out_dir, self.setting = store, Path(out_dir), setting
         self.store_timeout_s = store_timeout_s
         # keys of this start of the job only: a store that outlives a restart (torchrun's
@@ -147,6 +152,13 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def leave(self) -> None:
+        """This rank's work is done (a generation rank told to stop): a last record says so, so
+        the others do not count it as missing, then `stop`."""
+        self.at(LEFT)
+        self._beat()
+        self.stop()
+
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
@@ -177,8 +189,7 @@ class Watchdog:
 
     def _others_move(self) -> bool:
         """Whether some rank made progress lately: the shared counter moved within the last
-        2.5 beats (the ranks' beats are not in step). False without a store (one rank, or the
-        training rank of a split placement with no other training rank)."""
+        2.5 beats (the ranks' beats are not in step). False without a store (one rank)."""
         if self.store is None:
             return False
         try:
@@ -255,7 +266,7 @@ class Watchdog:
                 pass
         others = self._others()
         stacks = self._dump_stacks(reason, phase, others)
-        print(f"ds-ppo: error: watchdog: rank {self.rank} in {phase.where()}: {reason}; "
+        print(f"ds-ppo: error: watchdog: {self._name(self.rank)} in {phase.where()}: {reason}; "
               f"{others}; Python stacks in {stacks}; stopping this rank (exit {EXIT_HANG}): "
               "run the same command again to resume from the last checkpoint",
               file=sys.stderr, flush=True)
@@ -267,8 +278,10 @@ class Watchdog:
     def _others(self) -> str:
         """What the other ranks are doing: those whose beat did not move in 1.5 beats did not
         arrive (stopped or gone); those in another phase or iteration are elsewhere."""
-        if self.store is None or self.world_size <= 1:
+        if self.world_size <= 1:
             return "no other ranks"
+        if self.store is None:
+            return "the other ranks cannot be asked (no store)"
         first = self._read_beats()
         if first is None:
             return ("the job's store (on rank 0's node) does not answer: rank 0 is stopped or "
@@ -281,16 +294,21 @@ class Watchdog:
             if r == self.rank:
                 continue
             a, b = first.get(r), second.get(r)
+            if b is not None and b["phase"] == LEFT:
+                continue
             if b is None or a is None or a["seq"] == b["seq"]:
                 last = f"last in {_where(b or a)}" if (b or a) else "never seen"
-                missing.append(f"{r} ({last})")
+                missing.append(f"{self._name(r)} ({last})")
             elif (b["phase"], b["iteration"]) != (me.name, me.iteration):
-                elsewhere.append(f"{r} ({_where(b)})")
-        parts = [f"did not arrive: rank{'s' * (len(missing) > 1)} {', '.join(missing)}"
-                 if missing else "every rank answers"]
+                elsewhere.append(f"{self._name(r)} ({_where(b)})")
+        parts = [f"did not arrive: {', '.join(missing)}" if missing else "every rank answers"]
         if elsewhere:
             parts.append(f"in another phase: {', '.join(elsewhere)}")
         return "; ".join(parts)
+
+    def _name(self, r: int) -> str:
+        return ("generation rank" if r >= self.world_size - self.generation_ranks else
+                "rank") + f" {r}"
 
     def _read_beats(self) -> dict[int, dict] | None:
         beats = {}

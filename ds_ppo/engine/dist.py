@@ -33,7 +33,8 @@ _GROUPS: dict[int, dict] = {}  # SP size -> this rank's {"sp_group", "dp_group"}
 # ranks is T = W - K training ranks, whose default process group (DeepSpeed's world, and every
 # collective of this module) holds them alone, and K generation ranks outside it; the bridge,
 # a gloo group of all W ranks on the same store, carries rollouts and weights between them
-_SPLIT: dict = {"bridge": None, "rank": 0, "world": 1, "generation_ranks": 0}
+_SPLIT: dict = {"bridge": None, "rank": 0, "world": 1, "generation_ranks": 0, "store": None,
+                "token": ""}
 
 
 def _free_port() -> int:
@@ -144,7 +145,13 @@ def _join_bridge(rank_: int, world: int, generation_ranks: int, generating: bool
         while isinstance(base, dist.PrefixStore):  # the default group's prefixes
             base = base.underlying_store
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("ds_ppo_bridge", base), rank_, world, timeout)
-    _SPLIT.update(bridge=bridge, rank=rank_, world=world, generation_ranks=generation_ranks)
+    # this start's token for the watchdog's keys (`run_token`), rank 0's, on every rank
+    token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).clone()
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    bridge.broadcast([token], opts).wait()
+    _SPLIT.update(bridge=bridge, rank=rank_, world=world, generation_ranks=generation_ranks,
+                  store=base, token=bytes(token.tolist()).hex())
 
 
 def is_generation_rank() -> bool:
@@ -168,17 +175,19 @@ def served_training_ranks(generation_rank: int) -> list[int]:
     return [r for r in range(trainers) if generation_peer(r) == generation_rank]
 
 
-def bridge_send(obj, dst: int) -> None:
+def bridge_send(obj, dst: int, timeout_s: float | None = None) -> None:
     """`obj` (tensors on any device, dataclasses of them, Python values) to bridge rank `dst`,
-    pickled: a length, then the bytes. Blocks until `dst` took it."""
+    pickled: a length, then the bytes. Blocks until `dst` took it (at most `timeout_s` per
+    part when given; then raises)."""
     import io
 
     buf = io.BytesIO()
     torch.save(_moved(obj, torch.device("cpu")), buf)
     payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     bridge = _SPLIT["bridge"]
-    bridge.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait()
-    bridge.send([payload], dst, 1).wait()
+    wait = () if timeout_s is None else (timedelta(seconds=timeout_s),)
+    bridge.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait(*wait)
+    bridge.send([payload], dst, 1).wait(*wait)
 
 
 def bridge_recv(src: int, device: torch.device | None = None):
@@ -366,17 +375,34 @@ def barrier() -> None:
 def watchdog_store(timeout_s: float = 5.0):
     """A client of its own (`clone`) to the job's store, the TCPStore on rank 0's node that the
     ranks met through, for the watchdog's heartbeats (`ds_ppo.watchdog`); None on one rank or
-    without such a store."""
-    if world_size() <= 1:
+    without such a store. A split placement's ranks, generation ranks included, all beat into
+    the bridge's store, also with one training rank."""
+    if _SPLIT["store"] is None and world_size() <= 1:
         return None
     try:
-        store = dist.distributed_c10d._get_default_store().clone()
+        store = (_SPLIT["store"] or dist.distributed_c10d._get_default_store()).clone()
         store.set_timeout(timedelta(seconds=timeout_s))
     except (AttributeError, RuntimeError, ValueError) as err:
         log.warning("the watchdog cannot reach the job's store (%s): a hang will name this "
                     "rank's phase only", err)
         return None
     return store
+
+
+def watchdog_world() -> tuple[int, int]:
+    """(the ranks the watchdog watches, how many of the last of them are generation ranks): the
+    launcher's whole world under a split placement, else the default group."""
+    if _SPLIT["bridge"] is not None:
+        return _SPLIT["world"], _SPLIT["generation_ranks"]
+    return world_size(), 0
+
+
+def run_token() -> str:
+    """A token for this start of the job, alike on every rank (the watchdog's keys): under a
+    split placement the bridge's, else rank 0's broadcast (collective over the default group)."""
+    if _SPLIT["bridge"] is not None:
+        return _SPLIT["token"]
+    return broadcast_object(uuid.uuid4().hex if is_main() else None)
 
 
 def is_collective_failure(err: BaseException) -> bool:

@@ -113,7 +113,8 @@ def _iteration(run: IterationInputs, iteration: int, indices: list[int] | Prompt
     with _stage(timed, "update", iteration):
         ppo_update(exp, engines, update_settings(cfg), iteration, acc, run.ptx, entropy_coef)
     if run.schedule is not None:  # step 4b. the next rollouts buffered: nothing left running
-        run.schedule.finish(iteration, acc)
+        with watchdog.phase("waiting for the next rollouts", iteration):
+            run.schedule.finish(iteration, acc)
     return exp, generated
 
 

@@ -318,9 +318,11 @@ class RolloutSchedule:
         if partial and self.partial_rollouts and saved["max_staleness"] == self.max_staleness:
             self.partial = {p.iteration: p for p in dist.moved(partial, self.run.engines.device)}
         elif partial and dist.is_main():
-            log.info("resumed a checkpoint with partial rollouts in flight (iterations %s) "
-                     "without ppo.partial_rollouts at the same ppo.max_staleness: they are "
-                     "decoded again from the start", sorted(p.iteration for p in partial))
+            log.info("resumed a checkpoint with partial rollouts in flight (iterations %s) %s: "
+                     "they are decoded again from the start", sorted(p.iteration for p in partial),
+                     f"with ppo.max_staleness = {self.max_staleness}, not the checkpoint's "
+                     f"{saved['max_staleness']} (their segments end elsewhere)"
+                     if self.partial_rollouts else "with ppo.partial_rollouts off")
         placement, now = saved.get("placement", "colocated"), self.run.cfg.ppo.placement
         if placement != now and dist.is_main():  # the same training ranks: nothing is redone
             log.info("resumed a checkpoint of ppo.placement = %s with ppo.placement = %s on the "

@@ -27,13 +27,16 @@ Every message goes over the bridge (`dist.bridge_send` / `bridge_recv`, gloo: CP
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ds_ppo import watchdog
 from ds_ppo.engine import dist
 from ds_ppo.engine.generation import (copy_buffers, empty_replica, replica_skeleton,
                                       stream_weights, weight_checksum)
@@ -54,14 +57,19 @@ class RemoteWorker:
         self.peer = dist.generation_peer(me)
         # the first training rank a generation rank serves sends it the weights
         self.primary = dist.rank() == dist.served_training_ranks(self.peer)[0]
-        self.skeleton_sent = False
         # a LoRA policy: the adapted layers whose frozen weight the generation rank holds (sent
         # at the first sync); later syncs send their adapters only
         self.held: set[str] = set()
-        if self.primary:  # what the generation rank decodes and scores with
+        # commands whose answer has not come back (a weight sync counts while it runs, and
+        # after it failed); the generation rank was told to stop
+        self.open, self.stopped = 0, False
+        atexit.register(self._leave)
+        if self.primary:  # what the generation rank decodes and scores with, and its replica
             dist.bridge_send({"op": "setup", "prompts": run.prompts, "tokenizer": run.tokenizer,
                               "eos_ids": run.eos_ids, "dtype": run.engines.dtype,
-                              "training_ranks": dist.world_size()}, self.peer)
+                              "training_ranks": dist.world_size(),
+                              "skeleton": replica_skeleton(plain_model(run.engines.policy.module))},
+                             self.peer)
 
     def sync(self, version: int) -> int:
         """Weight sync (collective over the training ranks): the policy's weights of `version`
@@ -70,11 +78,9 @@ class RemoteWorker:
         engines = self.run.engines
         module = plain_model(engines.policy.module)
         sent = 0
+        self.open += 1
         if self.primary:
-            skeleton = None if self.skeleton_sent else replica_skeleton(module)
-            dist.bridge_send({"op": "sync", "version": version, "skeleton": skeleton},
-                             self.peer)
-            self.skeleton_sent = True
+            dist.bridge_send({"op": "sync", "version": version}, self.peer)
 
         def emit(bucket: dict[str, torch.Tensor | dict]) -> None:
             nonlocal sent
@@ -92,11 +98,13 @@ class RemoteWorker:
         failed = dist.all_reduce_max(torch.tensor([1.0 if bad else 0.0], dtype=torch.float64))
         if bad or float(failed[0]):
             raise sync_error(version, bad, "the generation ranks' replicas")
+        self.open -= 1
         return sent
 
     def produce(self, iteration: int, indices: list[int], version: int,
                 generator: torch.Generator) -> Buffered:
         """The rollout of `iteration`, generated now on the generation rank (this rank waits)."""
+        self.open += 1
         dist.bridge_send({"op": "produce", "work": [(iteration, indices)], "version": version,
                           "generator": generator.get_state()}, self.peer)
         return self._answer(generator).rollouts[0]
@@ -105,6 +113,7 @@ class RemoteWorker:
                      generator: torch.Generator) -> _Pending:
         """The rollouts of `work` started on the generation rank; `.result()` (after the
         update) waits for them."""
+        self.open += 1
         dist.bridge_send({"op": "batch", "work": work, "version": version,
                           "generator": generator.get_state()}, self.peer)
         return _Pending(self, generator)
@@ -115,18 +124,33 @@ class RemoteWorker:
         rollout's `Partial` so far included) started on the generation rank; `.result()` (after
         the update) waits for them. The rollouts still in part come back with the batch, so a
         checkpoint of this rank holds them as a colocated one does."""
+        self.open += 1
         dist.bridge_send({"op": "advance", "work": work, "version": version,
                           "segments_of": segments_of, "generator": generator.get_state()},
                          self.peer)
         return _Pending(self, generator)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
         """The run's last iteration is done: the generation rank may leave."""
-        dist.bridge_send({"op": "stop"}, self.peer)
+        self.stopped = True
+        dist.bridge_send({"op": "stop"}, self.peer, timeout_s)
+
+    def _leave(self) -> None:
+        """At this process's exit: a run that stopped between iterations before its last one (an
+        alarm's stop, a scheduler's signal, a diverged run) lets the generation rank go too,
+        which then exits 0. After an error inside an iteration (a command still open) nothing
+        is sent: the generation rank finds this rank gone and says so."""
+        if self.stopped or self.open:
+            return
+        try:
+            self.stop(timeout_s=10.0)
+        except Exception:  # noqa: BLE001  (the generation rank is gone or stuck: nothing to tell)
+            pass
 
     def _answer(self, generator: torch.Generator) -> Batch:
         """The generation rank's answer: the batch, and the random stream where it left it."""
         got = dist.bridge_recv(self.peer, self.run.engines.device)
+        self.open -= 1
         generator.set_state(got["generator"])
         return got["batch"]
 
@@ -146,40 +170,100 @@ def serve_generation(cfg, device: torch.device) -> None:
     """A generation rank's whole run: the commands of the training ranks it serves, until the
     first of them says stop. The first served rank drives the order (setup, sync, produce,
     batch or advance, stop); every served rank sends its own produce / batch / advance / stop,
-    which are answered in rank order, each from that rank's own random stream (`_answers`)."""
+    which are answered in rank order, each from that rank's own random stream (`_answers`).
+
+    This rank's watchdog beats its phase into the job's store, so a training rank that waits
+    for a stopped generation rank names it. A training rank that goes away (killed, stopped by
+    its watchdog or by an error of its own) stops this rank with one line naming it, exit 4."""
     served = dist.served_training_ranks(dist.rank())
     first, others = served[0], served[1:]
-    setup = dist.bridge_recv(first)
-    assert setup["op"] == "setup", setup["op"]
+    dog = _start_watchdog(cfg)
+    # exempt: the training ranks load their models (a universal conversion: minutes) first;
+    # then the model's code is imported and its replica built here, before any timed phase
+    with watchdog.phase(f"waiting for training rank {first}'s set-up", limit_s=None):
+        setup = _from(first)
+        assert setup["op"] == "setup", setup["op"]
+        worker = _worker(cfg, setup, device)
+    _serve(worker, device, first, others)
+    dog.leave()
+
+
+def _worker(cfg, setup: dict, device: torch.device) -> RolloutWorker:
+    """The worker of the set-up message, its replica built (weights not yet copied)."""
     from ds_ppo.rewards.source import reward_function
 
     # the reward built here as the training ranks build theirs (a RewardService is not sent)
     worker = RolloutWorker(cfg, setup["prompts"], setup["tokenizer"], setup["eos_ids"], device,
                            reward_function(cfg, setup["training_ranks"]),
                            cfg.ppo.max_lag)
-    dtype = setup["dtype"]
-    log.info("generation rank %d: serving training rank(s) %s", dist.rank(), served)
+    worker.replica = empty_replica(setup["skeleton"], setup["dtype"], device)
+    return worker
+
+
+def _serve(worker: RolloutWorker, device: torch.device, first: int, others: list[int]) -> None:
+    """`serve_generation` after the set-up: the commands until the stop."""
+    log.info("generation rank %d: serving training rank(s) %s", dist.rank(), [first, *others])
     generator = torch.Generator(device=device)
     streams: dict[int, dict] = {}  # partial rollouts' reward streams, by training rank
     while True:
-        try:
-            cmd = dist.bridge_recv(first)
-        except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
-            if not dist.is_collective_failure(e):
-                raise
-            # the training ranks left before the last iteration (a stop, an error: their exit
-            # code says which); nothing of this rank is kept
-            log.warning("generation rank %d: the training ranks left (%s); stopping",
-                        dist.rank(), (str(e).strip().splitlines() or [""])[0][:200])
-            return
+        watchdog.at(f"waiting for training rank {first}'s next command")
+        cmd = _from(first)
         if cmd["op"] == "sync":
-            _receive_weights(worker, cmd, first, dtype, device)
+            with watchdog.phase(f"weight sync (policy version {cmd['version']})"):
+                _receive_weights(worker, cmd, first, device)
             continue
-        commands = [(first, cmd)] + [(r, dist.bridge_recv(r)) for r in others]
+        commands = [(first, cmd)]
+        for r in others:
+            with watchdog.phase(f"waiting for training rank {r}'s command"):
+                commands.append((r, _from(r)))
         if cmd["op"] == "stop":
             return
-        for r, answer in _answers(worker, commands, generator, streams, device):
-            dist.bridge_send(answer, r)
+        iteration = cmd["work"][0][0] if cmd["work"] else None
+        with watchdog.phase("generation", iteration):
+            answers = _answers(worker, commands, generator, streams, device)
+        for r, answer in answers:
+            with watchdog.phase(f"sending the rollouts to training rank {r}", iteration):
+                _to(answer, r)
+
+
+def _from(src: int, device: torch.device | None = None):
+    """`dist.bridge_recv`; a training rank that went away stops this rank (`_gone`)."""
+    try:
+        return dist.bridge_recv(src, device)
+    except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+        if dist.is_collective_failure(e):
+            _gone(src, e)
+        raise
+
+
+def _to(obj, dst: int) -> None:
+    """`dist.bridge_send`; a training rank that went away stops this rank (`_gone`)."""
+    try:
+        dist.bridge_send(obj, dst)
+    except Exception as e:  # noqa: BLE001  (not a collective failure: raised as it is)
+        if dist.is_collective_failure(e):
+            _gone(dst, e)
+        raise
+
+
+def _gone(rank: int, err: BaseException) -> None:
+    """Training rank `rank` went away (killed, stopped by its watchdog, or by an error of its
+    own): this rank's watchdog line names it and this rank's phase, exit 4."""
+    # gloo's first line, less its source position and advice: "Connection closed by peer [ip]:port"
+    why = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0])
+    watchdog.current().fire(f"training rank {rank} went away ({why.split('. ')[0][:160]}; its "
+                            "own output says why, if it could write any)")
+
+
+def _start_watchdog(cfg) -> watchdog.Watchdog:
+    """This generation rank's watchdog (watchdog_minutes), beating into the job's store beside
+    the training ranks' (`dist.watchdog_world`: the launcher's ranks)."""
+    from ds_ppo.config import watchdog_limit_s
+
+    world, generation_ranks = dist.watchdog_world()
+    return watchdog.install(watchdog.Watchdog(
+        watchdog_limit_s(cfg), dist.rank(), world, dist.watchdog_store(), cfg.output_dir,
+        run_token=dist.run_token(), generation_ranks=generation_ranks)).start()
 
 
 def _answers(worker: RolloutWorker, commands: list[tuple[int, dict]],
@@ -218,21 +302,18 @@ def _tensors(bucket: dict):
             yield name, w
 
 
-def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dtype,
-                     device: torch.device) -> None:
-    """One weight sync into the replica (built on the first): each chunk copied and checked
+def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, device: torch.device) -> None:
+    """One weight sync into the replica (built at the set-up): each chunk copied and checked
     against the sender's checksums; a LoRA layer merged here from its adapters and the frozen
     weight the first sync sent (kept in `worker.bases`), and the merged copy checked against
     the merge. The verdict goes back to `src`. A mismatch stops this rank too, with the
     training ranks' line."""
     version = cmd["version"]
-    if worker.replica is None:
-        worker.replica = empty_replica(cmd["skeleton"], dtype, device)
     params = dict(worker.replica.named_parameters())
     bad = None
     first_bucket = True
     while True:
-        got = dist.bridge_recv(src, device)
+        got = _from(src, device)
         if got["weights"] is None:
             copy_buffers(worker.replica, got["buffers"])
             break
@@ -258,7 +339,7 @@ def _receive_weights(worker: RolloutWorker, cmd: dict, src: int, dtype: torch.dt
                 bad = name
     worker.replica.config.use_cache = True
     worker.replica.eval()
-    dist.bridge_send({"bad": bad}, src)
+    _to({"bad": bad}, src)
     if bad is not None:
         raise sync_error(version, bad, "the generation ranks' replicas")
 

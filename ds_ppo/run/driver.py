@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import random
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,10 +303,11 @@ def _start_watchdog(cfg: Config, out: Path) -> watchdog.Watchdog:
     """This rank's watchdog thread (watchdog_minutes), beating into the job's store."""
     from ds_ppo.config import watchdog_limit_s
 
-    token = dist.broadcast_object(uuid.uuid4().hex if dist.is_main() else None)  # collective
+    token = dist.run_token()  # collective (under a split placement: the bridge's, sent at start)
+    world, generation_ranks = dist.watchdog_world()  # a split placement's generation ranks too
     return watchdog.install(watchdog.Watchdog(
-        watchdog_limit_s(cfg), dist.rank(), dist.world_size(), dist.watchdog_store(), out,
-        run_token=token)).start()
+        watchdog_limit_s(cfg), dist.rank(), world, dist.watchdog_store(), out,
+        run_token=token, generation_ranks=generation_ranks)).start()
 
 
 # ------------------------------------------------------------------------- per unit

@@ -79,3 +79,66 @@ def test_a_stopped_rank_is_named_by_the_other_which_exits_4_and_the_run_resumes(
     assert [p.returncode for p in ranks] == [0, 0], outs[0][1][-3000:]
     assert f"resumed from {out / 'checkpoints'}" in outs[0][1] + outs[0][0]
     assert [r["iteration"] for r in read_metrics(out)][-1] == 2
+
+
+def test_split_ranks_stop_together_name_a_stopped_generation_rank_and_a_gone_training_rank(
+        tmp_path):
+    """ppo.placement = split, rank 0 trains, rank 1 generates. SIGTERM to the training rank: it
+    saves at the iteration's end and exits 143; told so, the generation rank exits 0, no error.
+    The same command resumes; then the generation rank is stopped with SIGSTOP: the training
+    rank names it within watchdog_minutes (one line, exit 4). Continued, the generation rank
+    finds the training rank gone: one line naming training rank 0, exit 4, no traceback (as
+    when rank 0 is killed)."""
+    out = tmp_path / "out"
+    latest = out / "checkpoints" / "latest"
+    args = [*SMALL, f"output_dir={out}", "iterations=6", "checkpoint.every=1",
+            "ppo.schedule=one_step_off", "ppo.placement=split", "ppo.rollout_correction=tis",
+            "watchdog_minutes=0.1", "dist_timeout_minutes=2", "reward.timeout_s=5"]
+    ranks = _start_ranks(args, tmp_path)
+    try:
+        _wait_for_checkpoint(out, ranks)  # iteration 1 saved
+        os.kill(ranks[0].pid, signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in ranks] == [128 + signal.SIGTERM, 0], outs[1][1][-3000:]
+    assert "ds-ppo: error" not in outs[1][0] + outs[1][1], outs[1][1][-3000:]
+    stopped_at = latest.read_text().strip()
+
+    ranks = _start_ranks(args, tmp_path)
+    try:
+        t0 = time.time()
+        while latest.read_text().strip() == stopped_at:  # a checkpoint after the resume
+            assert all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
+            assert time.time() - t0 < 400
+            time.sleep(0.1)
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        t_stop = time.time()
+        stdout, stderr = ranks[0].communicate(timeout=120)
+        took = time.time() - t_stop
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        _, gen_stderr = ranks[1].communicate(timeout=120)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.communicate()
+    assert f"resumed from {out / 'checkpoints' / stopped_at}" in stdout + stderr
+    assert ranks[0].returncode == EXIT_HANG, stderr[-3000:]
+    assert took < 60, took
+    lines = [ln for ln in stderr.splitlines() if "watchdog" in ln]
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("ds-ppo: error: watchdog: rank 0 in "), lines[0]
+    assert "did not arrive: generation rank 1 (last in " in lines[0], lines[0]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+    assert ranks[1].returncode == EXIT_HANG, gen_stderr[-3000:]
+    lines = [ln for ln in gen_stderr.splitlines() if "ds-ppo: error" in ln]
+    assert len(lines) == 1, gen_stderr[-3000:]
+    assert lines[0].startswith("ds-ppo: error: watchdog: generation rank 1 in "), lines[0]
+    assert "rank 0" in lines[0] and f"{out / 'hang-1.txt'}" in lines[0], lines[0]
+    assert "Traceback" not in gen_stderr, gen_stderr[-3000:]

@@ -331,3 +331,31 @@ def test_partial_settings_pass():
     validate(load_config(None, [*SMALL, *PARTIAL, "ppo.placement=split"]), 2)
     validate(load_config(None, [*SMALL, *PARTIAL, "ppo.max_staleness=6",
                                 "ppo.rollout_correction=mis"]), 1)
+
+
+@pytest.mark.parametrize("partial_rollouts,max_staleness,says", [
+    (True, 3, "with ppo.max_staleness = 3, not the checkpoint's 2 (their segments end elsewhere)"),
+    (False, 2, "with ppo.partial_rollouts off"),
+])
+def test_a_resume_that_restarts_the_partial_rollouts_says_why(caplog, partial_rollouts,
+                                                              max_staleness, says):
+    """A checkpoint of async 2 with iteration 5's rollout decoded in part, resumed with another
+    max_staleness or without partial rollouts: the log line names the setting that changed."""
+    import logging
+
+    from ds_ppo.ppo.schedule import RolloutSchedule
+
+    s = RolloutSchedule.__new__(RolloutSchedule)
+    s.partial_rollouts, s.max_staleness = partial_rollouts, max_staleness
+    s.partial, s.generator = {}, torch.Generator()
+    s.run = SimpleNamespace(engines=SimpleNamespace(device=torch.device("cpu")),
+                            cfg=SimpleNamespace(ppo=SimpleNamespace(placement="colocated")))
+    saved = {"schedule": "async", "max_staleness": 2, "placement": "colocated", "completed": 3,
+             "buffer": [], "partial": [SimpleNamespace(iteration=5)],
+             "generator": torch.Generator().get_state()}
+    with caplog.at_level(logging.INFO, logger="ds_ppo"):
+        s.load_state_dict(saved)
+    assert s.partial == {}
+    (line,) = [r.getMessage() for r in caplog.records if "partial rollouts in flight" in
+               r.getMessage()]
+    assert f"(iterations [5]) {says}: they are decoded again from the start" in line, line

@@ -326,3 +326,28 @@ def test_colocated_worker_decodes_on_its_side_stream(tmp_path, monkeypatch):
         if c[0] == "run":
             assert calls[k - 1] == ("handoff", True)
     assert [c[1] for c in calls if c[0] == "adopt"] == [2, 3]  # iteration 1 is made on take
+
+
+@pytest.mark.parametrize("overrides,regenerated", [
+    # async 2 refreshes at iterations 1, 3, 5: the checkpoint after 3 held the rollouts of 4 and
+    # 5, both generated at their iteration's start; iteration 5 generates 6 and 7 beside it
+    (ASYNC2, [4, 5]),
+    # with partial rollouts iteration 4 decodes the whole of 5's beside it (and starts 6's)
+    (["ppo.partial_rollouts=true", *ASYNC2], [4]),
+], ids=["async2", "async2_partial"])
+def test_a_resume_at_another_world_size_regenerates_what_was_in_flight(
+        tmp_path, monkeypatch, capsys, overrides, regenerated):
+    """At another world size a checkpoint's in-flight file is not loaded (`read_in_flight`
+    returns None, as here): each iteration whose rollout it held, up to the next refresh,
+    generates it at its start from the current weights (docs/CHECKPOINTS.md says which)."""
+    from ds_ppo.run import driver
+
+    out = tmp_path / "run"
+    _train(out, *overrides, "iterations=3", "checkpoint.every=3")
+    monkeypatch.setattr(driver, "read_in_flight", lambda path, check=None: None)
+    capsys.readouterr()
+    _train(out, *overrides, "iterations=6", "checkpoint.every=3")
+    said = [int(line.split("iteration ")[1].split(":")[0]) for line in
+            capsys.readouterr().out.splitlines() if "no buffered rollout for it" in line]
+    assert said == regenerated
+    assert _column(out, "async/regenerated") == [float(i in regenerated) for i in range(1, 7)]

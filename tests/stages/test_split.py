@@ -2,8 +2,9 @@
 (`RemoteWorker.sync`) and the generation rank's (`_receive_weights`) in two threads joined by a
 bridge of queues that pickles every message as the real one does. The replica equals the policy
 after a sync; a corrupted bucket stops both sides with one line naming the weight; partial
-rollouts advance on the generation rank as on a colocated worker. The whole placement through
-the real launcher: tests/dist/test_schedule_dist.py."""
+rollouts advance on the generation rank as on a colocated worker; a training rank that goes away
+at any message stops the generation rank with one line naming it. The whole placement through
+the real launcher: tests/dist/test_schedule_dist.py, tests/dist/test_watchdog_dist.py."""
 from __future__ import annotations
 
 import io
@@ -26,9 +27,9 @@ def bridge(monkeypatch):
     """Bridge rank 0 trains, rank 1 generates; each message pickled through torch.save."""
     inbox = {0: queue.Queue(), 1: queue.Queue()}
     monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 0, "world": 2,
-                                         "generation_ranks": 1})
+                                         "generation_ranks": 1, "store": None, "token": ""})
 
-    def send(obj, dst):
+    def send(obj, dst, timeout_s=None):
         buf = io.BytesIO()
         torch.save(obj, buf)
         inbox[dst].put(buf.getvalue())
@@ -51,6 +52,7 @@ def _pair(model):
     setup = dist.bridge_recv(0)
     assert setup["op"] == "setup" and setup["dtype"] == torch.float32
     worker = RolloutWorker(load_config(None, []), None, None, [2], torch.device("cpu"), None, 1)
+    worker.replica = split.empty_replica(setup["skeleton"], torch.float32, torch.device("cpu"))
     return remote, worker
 
 
@@ -59,8 +61,7 @@ def _sync_once(remote, worker, version: int, errors: dict) -> int | None:
     training side sent (None when it stopped); each side's WeightSyncError into `errors`."""
     def generation_rank():
         try:
-            split._receive_weights(worker, dist.bridge_recv(0), 0, torch.float32,
-                                   torch.device("cpu"))
+            split._receive_weights(worker, dist.bridge_recv(0), 0, torch.device("cpu"))
         except WeightSyncError as e:
             errors["generation"] = str(e)
 
@@ -92,7 +93,7 @@ def test_replica_equals_the_policy_after_a_sync(bridge, monkeypatch):
     monkeypatch.setattr(generation, "GATHER_CHUNK_NUMEL", 500)
     buckets, send = [], dist.bridge_send
 
-    def counting(obj, dst):
+    def counting(obj, dst, timeout_s=None):
         if isinstance(obj, dict) and obj.get("weights"):
             buckets.append(sum(w.numel() for w in obj["weights"].values()))
         send(obj, dst)
@@ -203,3 +204,80 @@ def test_partial_rollouts_advance_on_the_generation_rank(bridge):
         assert torch.equal(getattr(b.rollout, key), getattr(e.rollout, key)), key
     assert b.version == e.version == 1 and b.called.scores == e.called.scores
     assert sorted(called) == sorted(b.rollout.responses)  # the stream kept across the rounds
+
+
+GONE = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:4242. This is typically caused by a remote worker crashing.")
+
+
+@pytest.mark.parametrize("where,commands,phase", [
+    ("command", [], "waiting for training rank 0's next command"),
+    ("weights", [{"op": "sync", "version": 3}], "weight sync (policy version 3)"),
+    ("answer", [{"op": "batch", "work": [(2, [0, 1])], "version": 1, "generator": None}],
+     "sending the rollouts to training rank 0 (iteration 2)"),
+])
+def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
+        monkeypatch, tmp_path, capsys, where, commands, phase):
+    """Training rank 0 goes away (SIGKILL) while the generation rank waits for its next
+    command, receives the weights of a sync, or sends it the rollouts: one line naming the
+    generation rank's phase and training rank 0, exit 4, no traceback."""
+    from ds_ppo import watchdog
+
+    monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 1, "world": 2,
+                                         "generation_ranks": 1, "store": None, "token": ""})
+    inbox = [{"op": "setup", "prompts": None, "tokenizer": None, "eos_ids": [2],
+              "dtype": torch.float32, "training_ranks": 1, "skeleton": None}, *commands]
+
+    def recv(src, device=None):
+        if inbox:
+            return inbox.pop(0)
+        raise RuntimeError(GONE)
+
+    def send(obj, dst, timeout_s=None):
+        raise RuntimeError(GONE)
+
+    monkeypatch.setattr(dist, "bridge_recv", recv)
+    monkeypatch.setattr(dist, "bridge_send", send)
+    monkeypatch.setattr(split, "_answers", lambda worker, cmds, *a: [(0, {"batch": None})])
+    monkeypatch.setattr(split, "empty_replica", lambda *a: small_llama())
+    exits = []
+
+    def stop(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(split, "_start_watchdog", lambda cfg: watchdog.install(
+        watchdog.Watchdog(None, rank=1, world_size=2, out_dir=tmp_path, exit=stop,
+                          generation_ranks=1)))
+    with pytest.raises(SystemExit):
+        split.serve_generation(load_config(None, []), torch.device("cpu"))
+    assert exits == [4]
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"ds-ppo: error: watchdog: generation rank 1 in {phase}: "
+                               "training rank 0 went away (Connection closed by peer "
+                               "[127.0.0.1]:4242; its own output says why"), lines[0]
+    assert f"{tmp_path / 'hang-1.txt'}" in lines[0] and "(exit 4)" in lines[0]
+
+
+def test_a_training_rank_that_leaves_between_iterations_tells_its_generation_rank(bridge):
+    """At the process's exit (an alarm's stop, a scheduler's signal, a diverged run: between
+    iterations) the training rank sends stop, so the generation rank exits 0; with a command
+    still open (an error inside an iteration) it sends nothing; after the last iteration's stop,
+    nothing more."""
+    engines = SimpleNamespace(policy=SimpleNamespace(module=small_llama()), dtype=torch.float32,
+                              reward_fn=None, device=torch.device("cpu"))
+    remote = split.RemoteWorker(SimpleNamespace(engines=engines, prompts=None, tokenizer=None,
+                                                eos_ids=[2]))
+    assert dist.bridge_recv(0)["op"] == "setup"
+    remote.submit_batch([(2, [0])], 1, torch.Generator())
+    assert dist.bridge_recv(0)["op"] == "batch"
+    remote._leave()  # the batch's answer not taken: mid-iteration
+    assert bridge[1].empty()
+    dist.bridge_send({"batch": None, "generator": torch.Generator().get_state()}, 0)
+    remote._answer(torch.Generator())
+    remote._leave()
+    assert dist.bridge_recv(0)["op"] == "stop"
+    remote._leave()
+    assert bridge[1].empty()

@@ -95,8 +95,8 @@ def test_a_stuck_phase_names_itself_and_the_rank_that_did_not_arrive(tmp_path, c
 
 
 def test_a_stuck_phase_on_one_rank_fires_within_the_limit(tmp_path, capsys):
-    """No store (one rank, or a split placement's only training rank): a hung reward call is
-    named and exits 4 within the limit (the watchdog thread once died reading the store)."""
+    """No store (one rank): a hung reward call is named and exits 4 within the limit (the
+    watchdog thread once died reading the store)."""
     dog = Watchdog(0.4, out_dir=tmp_path, beat_s=0.05)
     t0 = time.monotonic()
     with dog.phase("reward", 3):
@@ -228,3 +228,27 @@ def test_a_new_phase_is_in_the_record_at_once_not_at_the_next_beat():
         assert recorded() == "between phases"
     finally:
         dog.stop()
+
+
+def test_a_split_placement_names_its_generation_ranks_and_skips_those_that_left(tmp_path,
+                                                                             capsys):
+    """Ranks 0 and 1 train, 2 and 3 generate: generation rank 2 stopped (its beat never moves)
+    is named so; generation rank 3 finished its work (`leave`), so it is not missing."""
+    store = FakeStore()
+    store.set("ds_ppo_watchdog/beat/1", json.dumps({"seq": 1, "phase": "update",
+                                                    "iteration": 4, "micro": None, "idle_s": 0}))
+    store.set("ds_ppo_watchdog/beat/2", json.dumps({"seq": 5, "phase": "generation",
+                                                    "iteration": 4, "micro": None, "idle_s": 0}))
+    left = Watchdog(None, rank=3, world_size=4, store=store, out_dir=tmp_path, beat_s=0.1,
+                    generation_ranks=2).start()
+    left.leave()
+    dog = Watchdog(0.3, rank=0, world_size=4, store=store, out_dir=tmp_path, beat_s=0.1,
+                   generation_ranks=2)
+    with dog.phase("update", 4):
+        codes = run_until_exit(dog)
+    assert codes == [EXIT_HANG]
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "watchdog" in ln]
+    assert line.startswith("ds-ppo: error: watchdog: rank 0 in update (iteration 4)"), line
+    assert ("did not arrive: rank 1 (last in update (iteration 4)), generation rank 2 (last in "
+            "generation (iteration 4))") in line, line
+    assert "rank 3" not in line, line
