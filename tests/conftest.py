@@ -141,9 +141,10 @@ class _ForkServer:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         return self.proc.stdout.readline().strip() if ready else None
 
-    def run(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], cwd: Path, timeout: float,
+            env: dict[str, str]) -> subprocess.CompletedProcess:
         out, err = self.dir / "out.txt", self.dir / "err.txt"
-        self.proc.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "env": self.env,
+        self.proc.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "env": env,
                                           "out": str(out), "err": str(err)}) + "\n")
         self.proc.stdin.flush()
         pid = int(self._line(60))
@@ -159,20 +160,32 @@ class _ForkServer:
 
 _FORK_SERVER: list[_ForkServer] = []
 
+# Variables read when a command runs, never while importing (the fault injection of
+# ds_ppo/engine/checkpoint/save_load.py, ppo/split.py and ppo/schedule.py; the tests' own
+# environment functions): a forked command may have them set.
+RUN_TIME_VARS = frozenset({"DS_PPO_FAULT", "FLAKY_ENV_FAIL"})
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    """`env` is the fork server's (clean_env()) but for RUN_TIME_VARS."""
+    base = clean_env()
+    return all(env.get(k) == base.get(k) for k in (set(env) | set(base)) - RUN_TIME_VARS)
+
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None,
             check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     """`python -m ds_ppo ARGS` in a process of its own: forked from a process that has imported
     the libraries already (tests/support/forkserver.py), or with `fresh` (or an environment
-    other than `clean_env()`) a new interpreter, for tests of what happens while importing."""
+    other than `clean_env()` beyond RUN_TIME_VARS) a new interpreter, for tests of what happens
+    while importing."""
     env = env or clean_env()
-    if fresh or env != clean_env():
+    if fresh or not _forkable(env):
         proc = subprocess.run([sys.executable, "-m", "ds_ppo", *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)
     else:
         if not _FORK_SERVER or _FORK_SERVER[0].proc.poll() is not None:
             _FORK_SERVER[:] = [_ForkServer()]
-        proc = _FORK_SERVER[0].run(args, cwd, timeout)
+        proc = _FORK_SERVER[0].run(args, cwd, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"ds-ppo {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

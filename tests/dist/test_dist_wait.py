@@ -20,60 +20,64 @@ from ds_ppo.engine.checkpoint import universal_workers
 WORK_S = 4.0
 
 
-def _worker(rank: int, init_file: str, where: str, mode: str) -> None:
+def _worker(rank: int, init_file: str, where: str, modes: str) -> None:
+    """Each of `modes` (comma-separated, in order) in one process group."""
     tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                              world_size=2, timeout=timedelta(seconds=2))
     try:
-        def work(fail: bool):
-            time.sleep(WORK_S)
-            if fail:
-                raise ValueError("disk full")
-            return "converted"
-
-        if mode == "on_rank0":  # an OSError of rank 0's file work reaches the other rank
-            def write(path):
-                raise OSError(28, "No space left on device", path)
-            try:
-                dist.on_rank0(write, where)
-            except (OSError, RuntimeError) as err:
-                assert "No space left" in str(err), err
-                assert isinstance(err, OSError) == (rank == 0), err
-                assert rank == 0 or "rank 0 failed in write" in str(err), err
-            else:
-                raise AssertionError("rank 0's OSError did not reach every rank")
-            assert dist.on_rank0(lambda: 7) == 7  # the group still works afterwards
-            return
-        if mode == "barrier":  # what ensure_universal did: the waiting rank's barrier times out
-            if rank == 0:
-                work(False)
-            tdist.barrier()
-            return
-        result = dist.main_does(lambda: work(False), where, "converting")
-        assert result == ("converted" if rank == 0 else None)
-        tdist.barrier()  # the group still works afterwards
-        assert not list(Path(where).glob(".ds_ppo_*"))  # markers removed
-        try:
-            dist.main_does(lambda: work(True), where, "converting")
-        except (ValueError, RuntimeError) as err:
-            assert "disk full" in str(err), err
-            assert rank == 0 or "rank 0 failed while converting" in str(err), err
-        else:
-            raise AssertionError("rank 0's failure did not reach every rank")
+        for mode in modes.split(","):
+            _case(rank, where, mode)
     finally:
         tdist.destroy_process_group()
 
 
-def test_other_ranks_outwait_the_collective_timeout(tmp_path):
-    """Twice 4 s of rank-0 work under a 2 s collective timeout: once done, once failed."""
+def _case(rank: int, where: str, mode: str) -> None:
+    def work(fail: bool):
+        time.sleep(WORK_S)
+        if fail:
+            raise ValueError("disk full")
+        return "converted"
+
+    if mode == "on_rank0":  # an OSError of rank 0's file work reaches the other rank
+        def write(path):
+            raise OSError(28, "No space left on device", path)
+        try:
+            dist.on_rank0(write, where)
+        except (OSError, RuntimeError) as err:
+            assert "No space left" in str(err), err
+            assert isinstance(err, OSError) == (rank == 0), err
+            assert rank == 0 or "rank 0 failed in write" in str(err), err
+        else:
+            raise AssertionError("rank 0's OSError did not reach every rank")
+        assert dist.on_rank0(lambda: 7) == 7  # the group still works afterwards
+        return
+    if mode == "barrier":  # what ensure_universal did: the waiting rank's barrier times out
+        if rank == 0:
+            work(False)
+        tdist.barrier()
+        return
+    result = dist.main_does(lambda: work(False), where, "converting")
+    assert result == ("converted" if rank == 0 else None)
+    tdist.barrier()  # the group still works afterwards
+    assert not list(Path(where).glob(".ds_ppo_*"))  # markers removed
+    try:
+        dist.main_does(lambda: work(True), where, "converting")
+    except (ValueError, RuntimeError) as err:
+        assert "disk full" in str(err), err
+        assert rank == 0 or "rank 0 failed while converting" in str(err), err
+    else:
+        raise AssertionError("rank 0's failure did not reach every rank")
+
+
+def test_other_ranks_outwait_the_collective_timeout_and_hear_of_rank_0s_failures(tmp_path):
+    """One pair of ranks (each spawn starts two interpreters) for both cases, in turn:
+    - on_rank0: without the broadcast of rank 0's failure, rank 1 would wait out the 2 s timeout
+      and fail on it instead (the spawn would still raise, but not with this message);
+    - main_does: twice 4 s of rank-0 work under a 2 s collective timeout, once done, once failed."""
     start = time.monotonic()
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "main_does"), nprocs=2)
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "on_rank0,main_does"),
+             nprocs=2)
     assert time.monotonic() - start >= 2 * WORK_S
-
-
-def test_a_rank_0_crash_in_on_rank0_stops_every_rank(tmp_path):
-    """Without the broadcast of rank 0's failure, rank 1 would wait out the 2 s timeout and
-    fail on it instead (the spawn would still raise, but not with this message)."""
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "on_rank0"), nprocs=2)
 
 
 def test_a_plain_barrier_times_out_there(tmp_path):

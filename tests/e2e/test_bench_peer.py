@@ -1,7 +1,8 @@
 """`ds-ppo bench --peer trl` at a very small size: TRL's GRPOTrainer and ds_ppo from the same
-prepared starting point, one table with per-phase seconds, sequences/s, scores and ratios. Needs
-trl (the `[peer]` extra, installed by .ci/run); no absolute times are asserted. Plus the table's
-arithmetic on made-up numbers."""
+prepared starting point, one table with per-phase seconds, sequences/s, scores and ratios (the
+checks of its run, check_peer_run, run on launch/bench_gpu.sh's peer step in test_bench.py).
+Needs trl (the `[peer]` extra, installed by .ci/run); no absolute times are asserted. Plus the
+table's arithmetic on made-up numbers and the CLI's hand-off to the peer bench."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import sys
 import pytest
 
 from conftest import clean_env
-from ds_ppo.errors import UserError
 from ds_ppo.bench.peer import PHASES, _summary, pair_ratios, table
+from ds_ppo.errors import UserError
 
 try:
     import trl  # noqa: F401
@@ -81,17 +82,16 @@ def test_trl_mirrors_the_policys_gradient_checkpointing(tmp_path):
         assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (32, 2)
 
 
-@pytest.mark.skipif(not HAVE_TRL, reason='trl is not installed: pip install -e ".[peer]" '
-                    "(the CI install line includes it)")
-def test_peer_bench_tiny(tmp_path):
-    out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "ds_ppo", "bench", "--peer", "trl", "--runs", "trl,ppo",
-           "--iterations", "2", "--out-dir", str(out), "--json", str(tmp_path / "r.json"),
-           "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
-           "generation.max_new_tokens=6"]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "r.json").read_text())["results"]
+# The peer bench at a very small size. Its one run in the suite is the `peer` step of
+# launch/bench_gpu.sh (tests/e2e/test_bench.py, with these flags), which checks it with
+# check_peer_run: a second run here would only repeat it.
+PEER_TINY = ["--iterations", "2", "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4",
+             "ppo.micro_batch_size=4", "generation.max_new_tokens=6"]
+
+
+def check_peer_run(out, results: list[dict], printed: str) -> None:
+    """`ds-ppo bench --peer trl --runs trl,ppo PEER_TINY --out-dir OUT`: its JSON results and
+    what it printed."""
     trl_row, ours = results
     assert trl_row["label"].startswith("TRL") and ours["label"].startswith("ds_ppo PPO")
     assert trl_row["sequences"] == 4 * 4 and ours["sequences"] == 4  # G=4 vs one per prompt
@@ -101,7 +101,7 @@ def test_peer_bench_tiny(tmp_path):
         assert r["s_per_iter"] >= r["generation_s"] + r["scoring_s"] - 1e-9
         assert 0.0 <= r["score_first5"] <= 1.0 and 0.0 <= r["score_last5"] <= 1.0
     # the table printed both rows with their ratios to TRL
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    rows = [line for line in printed.splitlines() if line.startswith("| ")]
     assert len(rows) == 3 and "s/iter vs TRL" in rows[0]
     ratio = ours["s_per_iter"] / trl_row["s_per_iter"]
     assert f"{ratio:.2f}x" in rows[2]
@@ -162,3 +162,16 @@ def test_bench_help_lists_every_mode():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for mode in ("--peer trl", "--schedule", "--summarize", "ds_ppo.bench.decode"):
         assert mode in proc.stdout, mode
+
+
+def test_ds_ppo_bench_peer_hands_its_arguments_to_the_peer_bench(monkeypatch):
+    """`ds-ppo bench --peer trl ARGS` is the peer bench's main with ARGS (which the bench_gpu.sh
+    step runs as `python -m ds_ppo.bench.peer`)."""
+    from ds_ppo import cli
+    from ds_ppo.bench import peer
+
+    seen = []
+    monkeypatch.setattr(peer, "main", lambda argv: seen.append(argv) or 0)
+    args = ["--peer", "trl", "--runs", "trl,ppo", *PEER_TINY]
+    assert cli.main(["bench", *args]) == 0
+    assert seen == [args]

@@ -225,6 +225,9 @@ def test_a_training_rank_gone_stops_the_generation_rank_with_one_line(
 
     monkeypatch.setattr(dist, "_SPLIT", {"bridge": object(), "rank": 1, "world": 2,
                                          "generation_ranks": 1, "store": None, "token": ""})
+    # a generation rank is in no process group; an earlier test of this process may have left
+    # the default group up
+    monkeypatch.setattr(dist, "rank", lambda: 1)
     inbox = [{"op": "setup", "prompts": None, "tokenizer": None, "eos_ids": [2],
               "dtype": torch.float32, "training_ranks": 1, "skeleton": None}, *commands]
 
