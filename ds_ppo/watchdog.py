@@ -272,7 +272,10 @@ class Watchdog:
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
+            try:
+                handler.flush()
+            except (OSError, ValueError):  # a closed or broken stream must not keep the rank up
+                pass
         self._exit(EXIT_HANG)
 
     def _others(self) -> str:

@@ -42,6 +42,22 @@ def _no_accelerator_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Setting accelerator to")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to sys.stdout as it is when a record comes, not as it was at set-up (a stream
+    swapped or closed since, as a test's captured output is, would lose the line or raise)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(log_level: str = "info") -> None:
     """Every record as `[ds_ppo rank R] message` on stdout: INFO on rank 0, WARNING elsewhere, DEBUG
     everywhere with log_level = debug."""
@@ -50,8 +66,8 @@ def setup_logging(log_level: str = "info") -> None:
     level = logging.INFO if dist.is_main() else logging.WARNING
     if log_level == "debug":
         level = logging.DEBUG
-    logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s", stream=sys.stdout,
-                        force=True)
+    logging.basicConfig(level=level, format="[ds_ppo rank %(rank)s] %(message)s",
+                        handlers=[_StdoutHandler()], force=True)
     old_factory = logging.getLogRecordFactory()
     rank = dist.rank()
 

@@ -252,3 +252,50 @@ def test_a_split_placement_names_its_generation_ranks_and_skips_those_that_left(
     assert ("did not arrive: rank 1 (last in update (iteration 4)), generation rank 2 (last in "
             "generation (iteration 4))") in line, line
     assert "rank 3" not in line, line
+
+
+def test_a_log_handler_on_a_closed_stream_does_not_keep_the_rank_up(tmp_path):
+    """The watchdog flushes the log handlers before it exits: one whose stream was closed (a
+    redirected output gone) must not kill the watchdog's thread before the exit."""
+    import logging
+
+    stream = open(tmp_path / "gone.log", "w")  # noqa: SIM115  (closed below, on purpose)
+    handler = logging.StreamHandler(stream)
+    logging.getLogger().addHandler(handler)
+    stream.close()
+    try:
+        dog = Watchdog(0.3, out_dir=tmp_path, beat_s=0.05)
+        with dog.phase("reward", 1):
+            assert run_until_exit(dog) == [EXIT_HANG]
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def test_the_run_log_writes_to_stdout_as_it_is_now(capsys):
+    """setup_logging's handler follows sys.stdout: a line logged after the stream it was set
+    up on is gone reaches the current one, and no logging error is printed."""
+    import logging
+    import sys
+
+    from ds_ppo.run.log_setup import setup_logging
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    saved_factory = logging.getLogRecordFactory()
+    real = sys.stdout
+    import io
+
+    first = io.StringIO()
+    sys.stdout = first
+    try:
+        setup_logging("info")
+        first.close()
+        sys.stdout = real
+        logging.getLogger("ds_ppo").warning("after the swap")
+    finally:
+        sys.stdout = real
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        logging.setLogRecordFactory(saved_factory)
+    out = capsys.readouterr()
+    assert "after the swap" in out.out and "Logging error" not in out.err
