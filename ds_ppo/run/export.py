@@ -49,8 +49,12 @@ def export_dtype(name: str, trained: torch.dtype) -> torch.dtype:
 
 def checkpoint_dtype(checkpoint: str | Path) -> torch.dtype:
     """The dtype the policy of `checkpoint` trained in, as its hf/config.json records it
-    (a config without one: fp32, transformers' own default)."""
-    config = json.loads((resolve_checkpoint(checkpoint) / "hf" / "config.json").read_text())
+    (a config without one: fp32, transformers' own default; an unreadable config too, which the
+    export then refuses naming the file)."""
+    try:
+        config = json.loads((resolve_checkpoint(checkpoint) / "hf" / "config.json").read_text())
+    except (OSError, ValueError):  # missing or damaged: the export's own checks name the file
+        config = {}
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return {dtype_name(d): d for d in DTYPES.values()}.get(name, torch.float32)
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, read_metrics, run_cli
 from ds_ppo.cli import main
 
-SHORT = ["sft.steps=2", "rm.steps=2", "iterations=1", "tracking.enabled=false",
+SHORT = ["sft.steps=2", "rm.steps=2", "dpo.steps=2", "iterations=1", "tracking.enabled=false",
          "data.eval_size=16"]
 
 
@@ -37,7 +37,7 @@ def workdir(tmp_path_factory):
 
 def test_the_readme_uses_the_examples():
     commands = readme_commands(REPO / "README.md")
-    assert [c[0] for c in commands] == ["train", "train", "sft", "rm", "train"], commands
+    assert [c[0] for c in commands] == ["train", "train", "sft", "rm", "train", "dpo"], commands
     assert (REPO / "examples" / "README.md").exists()
 
 
@@ -49,7 +49,7 @@ def test_the_first_command_is_a_valid_config_as_written(workdir, capsys, monkeyp
 
 @pytest.mark.slow
 def test_sft_then_reward_model_then_ppo_as_the_readme_says(workdir):
-    sft, rm, ppo = readme_commands(REPO / "README.md")[2:]
+    sft, rm, ppo, dpo = readme_commands(REPO / "README.md")[2:]
     run_cli([*sft, *SHORT], cwd=workdir)
     assert (workdir / "out" / "sft" / "final" / "model.safetensors").exists()
     proc = run_cli([*rm, *SHORT], cwd=workdir)
@@ -60,6 +60,8 @@ def test_sft_then_reward_model_then_ppo_as_the_readme_says(workdir):
             "data.reward_keys") in proc.stderr
     (row,) = read_metrics(workdir / "out" / "ppo")
     assert "loss/value" in row  # gae: the value model (from the reward model) trained
+    run_cli([*dpo, *SHORT], cwd=workdir)  # or DPO from the SFT model on the same pairs
+    assert (workdir / "out" / "dpo" / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
