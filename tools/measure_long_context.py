@@ -67,7 +67,7 @@ def one(tokens: int, mode: str) -> dict:
         prompts=[""], responses=[""], prompt_lens=[PROMPT], response_lens=[T], extras=[{}])
     engines = types.SimpleNamespace(
         policy=PolicyRole(FakeEngine(policy)), reference=ReferenceRole(FakeEngine(reference)),
-        value=None, reward=None, reward_fn=lambda prompts, responses: [1.0])
+        value=None, teacher=None, reward=None, reward_fn=lambda prompts, responses: [1.0])
     cfg = load_config(None, [
         "ppo.rollout_batch_size=1", "ppo.mini_batch_size=1", "ppo.micro_batch_size=1",
         "ppo.advantage_estimator=reinforce_pp", f"generation.max_new_tokens={T}",

@@ -72,7 +72,8 @@ def engines_for(layers: int, hidden: int, vocab: int, attn: str):
         reference=ReferenceRole(FakeEngine(LlamaForCausalLM(config()))),
         value=ValueRole(FakeEngine(LlamaForTokenClassification(
             config(num_labels=1, classifier_dropout=0.0)))),
-        reward_fn=lambda prompts, responses: [0.0] * len(responses), reward=None)
+        teacher=None, reward=None,
+        reward_fn=lambda prompts, responses: [0.0] * len(responses))
 
 
 def sync(rollout: Rollout) -> None:

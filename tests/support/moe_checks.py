@@ -253,16 +253,18 @@ def _export_vs_checkpoint(run: Path) -> dict:
     else:  # one rank: ZeRO-0, the whole module
         state = torch.load(ckpt / "ds" / "mp_rank_00_model_states.pt",
                            weights_only=False)["module"]
-    # the export's 16-bit weights, computed in float32 on both sides
+    # the checkpoint's weights in the dtype the export wrote (checkpoint.export_dtype: the
+    # training dtype by default), computed in float32 on both sides
+    names = json.loads((run / "final" / "config.json").read_text())
+    written = getattr(torch, names.get("dtype") or names.get("torch_dtype") or "float32")
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "final"),
                                                  dtype=torch.float32)
     missing, unexpected = reference.load_state_dict(
-        {k: v.to(torch.bfloat16).float() for k, v in state.items()}, strict=False)
+        {k: v.to(written).float() for k, v in state.items()}, strict=False)
     reference.eval()
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = export(input_ids=ids).logits, reference(input_ids=ids).logits
-    names = json.loads((run / "final" / "config.json").read_text())
     return {"max_abs_diff": float((a - b).abs().max()), "missing": sorted(missing),
             "unexpected": sorted(unexpected), "architectures": names["architectures"],
             "per_expert_keys": _per_expert_keys(run / "final")}
