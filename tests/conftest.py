@@ -208,3 +208,18 @@ def repo() -> Path:
     return REPO
 
 
+
+
+def sigterm_after(step: int, monkeypatch) -> None:
+    """A scheduler's SIGTERM seen by the run driver at the end of unit `step` (what
+    StopRequests reports), with no signal sent."""
+    import signal
+
+    from ds_ppo.run import driver
+
+    calls = {"n": 0}
+
+    def agreed(self, device):
+        calls["n"] += 1
+        return signal.SIGTERM if calls["n"] == step else 0
+    monkeypatch.setattr(driver.StopRequests, "agreed", agreed)

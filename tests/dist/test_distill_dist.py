@@ -9,18 +9,13 @@ then the killed one; the rerun.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import torch
 
-from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, read_metrics
+from conftest import SMALL, read_metrics
+from support.chains import KILL, comparable, final_weights, run_chain
 from support.teachers import TINY_ARCH
 
-VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/training", "async/generation",
-            "async/weight_sync_s")
-KILL = "kill_during_save:4"
 pytestmark = pytest.mark.launcher
 
 TEACHER = ["teacher.arch.model_type=llama", "teacher.arch.initializer_range=0.1",
@@ -31,38 +26,20 @@ ARGS = [*SMALL, "iterations=4", "checkpoint.every=2", "ppo.advantage_estimator=d
         "deepspeed.teacher.offload_param=false", *TEACHER]
 
 
-def _chain(work, name: str, runs: list[tuple[list[str], str | None]]):
-    plan = work / f"{name}.json"
-    plan.write_text(json.dumps([{"argv": argv, "fault": fault} for argv, fault in runs]))
-    return subprocess.run([*deepspeed_cmd(2, free_port()), str(REPO / "tests" / "support" /
-                                                               "chained_runs.py"), str(plan)],
-                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=900)
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
-
-
-def _weights(out):
-    from safetensors.torch import load_file
-
-    return load_file(out / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
-
-
 def test_a_killed_run_with_a_teacher_resumes_exactly_on_two_ranks(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    first = _chain(tmp_path, "first", [(["train", *ARGS, f"output_dir={full}"], None),
+    first = run_chain(tmp_path, "first", [(["train", *ARGS, f"output_dir={full}"], None),
                                        (["train", *ARGS, f"output_dir={killed}"], KILL)])
     assert "[chained_runs] 0 exit 0" in first.stdout, first.stdout[-3000:] + first.stderr[-6000:]
     assert "[chained_runs] 1 exit" not in first.stdout  # killed in iteration 4's save
     assert (killed / "checkpoints" / "latest").read_text().strip() == "iter_000002"
-    again = _chain(tmp_path, "again", [(["train", *ARGS, f"output_dir={killed}"], None)])
+    again = run_chain(tmp_path, "again", [(["train", *ARGS, f"output_dir={killed}"], None)])
     assert "[chained_runs] 0 exit 0" in again.stdout, again.stderr[-6000:]
     assert "resumed from" in again.stdout + again.stderr
     a, b = read_metrics(full), read_metrics(killed)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
     assert all(r["distill/reverse_kl"] > 0 and "distill/top1_match" in r for r in a)
     assert all(r["async/continued_token_share"] > 0 for r in a[2:])  # partial rollouts ran
-    assert _comparable(a) == _comparable(b)
-    wa, wb = _weights(full), _weights(killed)
+    assert comparable(a) == comparable(b)
+    wa, wb = final_weights(full), final_weights(killed)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

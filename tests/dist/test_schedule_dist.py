@@ -14,20 +14,16 @@ process).
 """
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from conftest import REPO, SMALL, clean_env, deepspeed_cmd, free_port, rank_threads, read_metrics
+from conftest import SMALL, rank_threads, read_metrics
+from support.chains import KILL, comparable, final_weights, run_chain
 
-VOLATILE = ("time/", "tokens_per_s/", "memory/", "async/training", "async/generation",
-            "async/weight_sync_s")
 SCHEDULES = {"one_step_off_split": ["ppo.schedule=one_step_off", "ppo.placement=split"],
              "async3": ["ppo.schedule=async", "ppo.max_staleness=3"]}
-KILL = "kill_during_save:4"
 pytestmark = pytest.mark.launcher
 
 
@@ -38,24 +34,6 @@ def _extra(schedule: str) -> list[str]:
 def _argv(out, schedule: str) -> list[str]:
     return ["train", *SMALL, "iterations=4", "checkpoint.every=2", f"output_dir={out}",
             *_extra(schedule)]
-
-
-def _chain(work, name: str, runs: list[tuple[list[str], str | None]]):
-    plan = work / f"{name}.json"
-    plan.write_text(json.dumps([{"argv": argv, "fault": fault} for argv, fault in runs]))
-    return subprocess.run([*deepspeed_cmd(2, free_port()), str(REPO / "tests" / "support" /
-                                                               "chained_runs.py"), str(plan)],
-                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=900)
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
-
-
-def _weights(out):
-    from safetensors.torch import load_file
-
-    return load_file(out / "checkpoints" / "iter_000004" / "hf" / "model.safetensors")
 
 
 def _same(wa: dict, wb: dict) -> bool:
@@ -82,18 +60,18 @@ def runs(tmp_path_factory):
     killed = {s: work / f"killed_{s}" for s in SCHEDULES}
     split, colocated = SCHEDULES
     chains, latest = {}, {}
-    killed_in = _chain(work, "async", [(_argv(full[colocated], colocated), None),
+    killed_in = run_chain(work, "async", [(_argv(full[colocated], colocated), None),
                                        (_argv(killed[colocated], colocated), KILL)])
     latest[colocated] = (killed[colocated] / "checkpoints" / "latest").read_text().strip()
-    chains[colocated] = (killed_in, 1, _chain(work, "async_again",
+    chains[colocated] = (killed_in, 1, run_chain(work, "async_again",
                                               [(_argv(killed[colocated], colocated), None)]))
-    full_split = _chain(work, "split_full", [(_argv(full[split], split), None)])
+    full_split = run_chain(work, "split_full", [(_argv(full[split], split), None)])
     assert full_split.returncode == 0, full_split.stdout[-3000:] + full_split.stderr[-6000:]
-    killed_in = _chain(work, "split_killed", [(_argv(killed[split], split), KILL)])
+    killed_in = run_chain(work, "split_killed", [(_argv(killed[split], split), KILL)])
     latest[split] = (killed[split] / "checkpoints" / "latest").read_text().strip()
     # iteration 2's checkpoint of the split run, to continue colocated
     shutil.copytree(killed[split], work / "other")
-    chains[split] = (killed_in, 0, _chain(work, "split_again",
+    chains[split] = (killed_in, 0, run_chain(work, "split_again",
                                           [(_argv(killed[split], split), None)]))
     return work, full, killed, latest, chains
 
@@ -116,14 +94,14 @@ def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule, capsys):
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
     stale = [1.0] * 3 if schedule == "one_step_off_split" else [1.0, 2.0, 3.0]
     assert [r["async/staleness_max"] for r in b][1:] == stale
-    assert _comparable(a) == _comparable(b)
-    assert _same(_weights(full[schedule]), _weights(killed[schedule]))
+    assert comparable(a) == comparable(b)
+    assert _same(final_weights(full[schedule]), final_weights(killed[schedule]))
     if "ppo.placement=split" not in SCHEDULES[schedule]:
         return
     # the split placement samples and trains what colocated does on its one training rank
     _colocated_on_one_rank(work / "colocated", schedule)
-    assert _comparable(a) == _comparable(read_metrics(work / "colocated"))
-    assert _same(_weights(full[schedule]), _weights(work / "colocated"))
+    assert comparable(a) == comparable(read_metrics(work / "colocated"))
+    assert _same(final_weights(full[schedule]), final_weights(work / "colocated"))
     # resumed with the other placement at the same training world size: the checkpoint's
     # buffered rollout (iteration 3's) is trained on, nothing regenerated
     capsys.readouterr()
@@ -133,5 +111,5 @@ def test_killed_run_resumes_exactly_on_two_ranks(runs, schedule, capsys):
             in capsys.readouterr().out)
     o = read_metrics(work / "other")
     assert [r["async/regenerated"] for r in o] == [0.0] * 4
-    assert _comparable(a) == _comparable(o)
-    assert _same(_weights(full[schedule]), _weights(work / "other"))
+    assert comparable(a) == comparable(o)
+    assert _same(final_weights(full[schedule]), final_weights(work / "other"))

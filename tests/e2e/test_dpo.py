@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import signal
 
 import pytest
 import torch
 
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, sigterm_after
 from ds_ppo.config import load_config, validate_job
-from ds_ppo.run import driver
 from ds_ppo.run.preemption import Preempted
 from ds_ppo.trainer import run_job
 
@@ -47,15 +45,6 @@ def _cfg(pairs, out, *extra):
     return cfg
 
 
-def _stop_after(step: int, monkeypatch):
-    calls = {"n": 0}
-
-    def agreed(self, device):
-        calls["n"] += 1
-        return signal.SIGTERM if calls["n"] == step else 0
-    monkeypatch.setattr(driver.StopRequests, "agreed", agreed)
-
-
 def test_sigterm_checkpoint_exact_resume_learning_and_export(pairs, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -63,7 +52,7 @@ def test_sigterm_checkpoint_exact_resume_learning_and_export(pairs, tmp_path, mo
     full, split = tmp_path / "full", tmp_path / "split"
     run_job(_cfg(pairs, full), "dpo")
     with monkeypatch.context() as m:
-        _stop_after(2, m)
+        sigterm_after(2, m)
         with pytest.raises(Preempted) as stopped:
             run_job(_cfg(pairs, split), "dpo")
     assert stopped.value.iteration == 2 and not (split / "final").exists()

@@ -13,9 +13,8 @@ import signal
 import pytest
 import torch
 
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, sigterm_after
 from ds_ppo.config import load_config, validate_job
-from ds_ppo.run import driver
 from ds_ppo.trainer import run_supervised
 from ds_ppo.run.preemption import Preempted
 
@@ -48,16 +47,6 @@ def _cfg(job: str, data, out, *extra):
     return cfg
 
 
-def _stop_after(step: int, monkeypatch):
-    """A scheduler's SIGTERM seen at the end of `step` (what StopRequests reports)."""
-    calls = {"n": 0}
-
-    def agreed(self, device):
-        calls["n"] += 1
-        return signal.SIGTERM if calls["n"] == step else 0
-    monkeypatch.setattr(driver.StopRequests, "agreed", agreed)
-
-
 @pytest.mark.parametrize("job", ["sft", "rm"])
 def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
     from safetensors.torch import load_file
@@ -65,7 +54,7 @@ def test_sigterm_checkpoint_and_exact_resume(job, data, tmp_path, monkeypatch):
     full, split = tmp_path / "full", tmp_path / "split"
     run_supervised(_cfg(job, data, full), job)
     with monkeypatch.context() as m:
-        _stop_after(2, m)
+        sigterm_after(2, m)
         with pytest.raises(Preempted) as stopped:
             run_supervised(_cfg(job, data, split), job)
     assert stopped.value.exit_code == 128 + signal.SIGTERM and stopped.value.iteration == 2

@@ -197,13 +197,10 @@ def test_decoding_step_is_capture_safe_on_meta_tensors():
     assert traffic.seen
 
 
-def test_sigterm_gives_a_decode_up_between_two_steps():
-    """The request is read before each step (a host flag, no device sync): the third forward's
-    request stops the loop before a fourth."""
+def _sigterm_at_third_forward(model) -> list:
+    """`model`'s forwards, counted in the returned list; the third makes SIGTERM's request."""
     from ds_ppo import abandon
 
-    model = tiny_llama()
-    ids, mask = left_padded()
     forwards, forward = [], model.forward
 
     def counted(*args, **kwargs):
@@ -213,6 +210,17 @@ def test_sigterm_gives_a_decode_up_between_two_steps():
         return forward(*args, **kwargs)
 
     model.forward = counted
+    return forwards
+
+
+def test_sigterm_gives_a_decode_up_between_two_steps():
+    """The request is read before each step (a host flag, no device sync): the third forward's
+    request stops the loop before a fourth."""
+    from ds_ppo import abandon
+
+    model = tiny_llama()
+    ids, mask = left_padded()
+    forwards = _sigterm_at_third_forward(model)
     try:
         with pytest.raises(abandon.Abandoned) as e:
             decode(model, ids, mask, max_new_tokens=40, eos_ids=[], pad_id=PAD,
@@ -233,15 +241,7 @@ def test_sigterm_ends_hf_generate_at_the_next_step():
     ids, mask = left_padded()
     cfg = load_config(None, ["generation.temperature=0", "generation.max_new_tokens=40",
                              "generation.loop=hf"]).generation
-    forwards, forward = [], model.forward
-
-    def counted(*args, **kwargs):
-        forwards.append(1)
-        if len(forwards) == 3:
-            abandon.request(signal.SIGTERM)
-        return forward(*args, **kwargs)
-
-    model.forward = counted
+    forwards = _sigterm_at_third_forward(model)
     run = _hf_generate(model, cfg, [], PAD, False, None)
     try:
         with pytest.raises(abandon.Abandoned) as e:
@@ -249,7 +249,6 @@ def test_sigterm_ends_hf_generate_at_the_next_step():
     finally:
         abandon.clear()
     assert e.value.phase == "generation" and len(forwards) == 3
-    model.forward = forward
     assert run(ids, mask)[0].shape[1] == 40  # no request: every token
 
 
